@@ -1,0 +1,152 @@
+"""``fused_attention``: the varlen (THD) attention primitive, without CP."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_cp import checks
+from jax_cp.attention.registry import MASK_TYPES, Segments, resolve_backend
+
+_MASK_ALIASES = {"causal": "causal_bottom_right",
+                 "padding_causal": "causal_bottom_right",
+                 "padding": "no_mask"}
+
+
+def check_mask_type(attn_mask_type: str) -> str:
+  mask = _MASK_ALIASES.get(attn_mask_type, attn_mask_type)
+  if mask not in MASK_TYPES:
+    raise ValueError(f"attn_mask_type={attn_mask_type!r} is not one of "
+                     f"{list(MASK_TYPES) + list(_MASK_ALIASES)}")
+  return mask
+
+
+def default_scale(head_dim: int, softmax_scale: Optional[float]) -> float:
+  if softmax_scale is None:
+    return 1.0 / math.sqrt(head_dim)
+  scale = float(softmax_scale)
+  if not math.isfinite(scale) or scale <= 0:
+    raise ValueError(f"softmax_scale must be a positive finite float, got "
+                     f"{softmax_scale!r}")
+  return scale
+
+
+def check_metadata_shapes(batch: Optional[int], **arrays) -> int:
+  """All per-segment arrays have one shape, ``[N]`` or ``[B, N]``."""
+  shapes = {name: np.shape(a) for name, a in arrays.items()}
+  first = next(iter(shapes.values()))
+  want_ndim = 1 if batch is None else 2
+  for name, shape in shapes.items():
+    if shape != first or len(shape) != want_ndim or (
+        batch is not None and shape[0] != batch):
+      raise ValueError(
+          f"segment metadata must all be [N]{'' if batch is None else ' x B'} "
+          f"int arrays matching q's batch; got {shapes}")
+  return first[-1]
+
+
+def _flatten_segments(q_lens, kv_lens, q_offs, kv_offs, tq, tkv, max_q, max_kv):
+  """``[B, N]`` metadata over ``[B, T]`` rows -> one segment list over the
+  flattened ``[B*T]`` buffer."""
+  as32 = lambda x: jnp.asarray(x, jnp.int32)
+  q_lens, kv_lens, q_offs, kv_offs = map(as32, (q_lens, kv_lens, q_offs,
+                                                kv_offs))
+  if q_lens.ndim == 2:
+    rows = jnp.arange(q_lens.shape[0], dtype=jnp.int32)[:, None]
+    q_offs = q_offs + rows * tq
+    kv_offs = kv_offs + rows * tkv
+  return Segments(q_lens.reshape(-1), kv_lens.reshape(-1),
+                  q_offs.reshape(-1), kv_offs.reshape(-1), max_q, max_kv)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attention(q, k, v, seg, backend_name, mask, scale):
+  """(out, lse); callers stop the gradient of lse (its cotangent is dropped)."""
+  return resolve_backend(backend_name).forward(q, k, v, seg, mask=mask,
+                                               scale=scale)
+
+
+def _attention_fwd(q, k, v, seg, backend_name, mask, scale):
+  out, lse = _attention(q, k, v, seg, backend_name, mask, scale)
+  return (out, lse), (q, k, v, seg, out, lse)
+
+
+def _attention_bwd(backend_name, mask, scale, res, cotangents):
+  dout, _ = cotangents       # lse is under stop_gradient: its cotangent is 0
+  q, k, v, seg, out, lse = res
+  backend = resolve_backend(backend_name)
+  dq, dk, dv = backend.backward(q, k, v, out, lse, dout.astype(out.dtype),
+                                seg, mask=mask, scale=scale)
+  return dq, dk, dv, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets, kv_offsets, *,
+                    attn_mask_type: str = "causal_bottom_right",
+                    softmax_scale: Optional[float] = None,
+                    backend: str = "auto",
+                    max_seqlen_q: Optional[int] = None,
+                    max_seqlen_kv: Optional[int] = None,
+                    return_lse: bool = False):
+  """Attention over ragged segments of packed (THD) buffers, no CP.
+
+  Segment ``i`` attends Q rows ``[q_offsets[i], q_offsets[i]+q_seqlens[i])``
+  to KV rows ``[kv_offsets[i], kv_offsets[i]+kv_seqlens[i])``.
+
+  Args:
+    q: ``[Tq, Hq, D]`` or ``[B, Tq, Hq, D]``.
+    k, v: ``[Tkv, Hkv, D]`` or ``[B, Tkv, Hkv, D]``; ``Hq % Hkv == 0``.
+    q_seqlens, kv_seqlens: int ``[N]`` (``[B, N]``) actual lengths.
+    q_offsets, kv_offsets: int ``[N]`` (``[B, N]``) first token of each
+      segment within its row (for THD documents: ``cu_seqlens_padded[:-1]``).
+    attn_mask_type: ``"causal_bottom_right"`` (alias ``"causal"``; the last Q
+      row of a segment sees its last KV row), ``"causal_top_left"``, or
+      ``"no_mask"``.
+    softmax_scale: defaults to ``1/sqrt(D)``.
+    backend: ``"auto"`` (cuDNN on CUDA when built, else XLA), ``"cudnn"`` or
+      ``"xla"``.
+    max_seqlen_q, max_seqlen_kv: static upper bounds on the segment lengths
+      (default: the row lengths). Kernels size their grids by them, so tight
+      bounds make short documents much faster. A segment longer than its
+      bound gives undefined results on the cuDNN backend.
+    return_lse: also return the float32 log-sum-exp ``[.., Tq, Hq]``
+      (``-inf`` on rows that see no key), under ``stop_gradient``.
+
+  Returns:
+    The output in q's shape and dtype; rows no segment covers are 0.
+    Softmax runs in float32 whatever the input dtype.
+  """
+  checks.check_qkv_shapes(q.shape, k.shape, v.shape, allow_cross=True)
+  mask = check_mask_type(attn_mask_type)
+  scale = default_scale(q.shape[-1], softmax_scale)
+  batch = q.shape[0] if q.ndim == 4 else None
+  check_metadata_shapes(batch, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
+                        q_offsets=q_offsets, kv_offsets=kv_offsets)
+  tq, tkv = q.shape[-3], k.shape[-3]
+  max_q = tq if max_seqlen_q is None else min(int(max_seqlen_q), tq)
+  max_kv = tkv if max_seqlen_kv is None else min(int(max_seqlen_kv), tkv)
+  for name, value in (("max_seqlen_q", max_q), ("max_seqlen_kv", max_kv)):
+    if value < 1:
+      raise ValueError(f"{name} must be >= 1, got {value}")
+  for name, lens, bound in (("q_seqlens", q_seqlens, max_q),
+                            ("kv_seqlens", kv_seqlens, max_kv)):
+    arr = checks.concrete(lens)
+    if arr is not None and arr.size and arr.max() > bound:
+      raise ValueError(f"{name} holds a segment of length {int(arr.max())} "
+                       f"above its bound {bound} (max_seqlen / row length)")
+  seg = _flatten_segments(q_seqlens, kv_seqlens, q_offsets, kv_offsets,
+                          tq, tkv, max_q, max_kv)
+  name = resolve_backend(backend).name
+  flat = lambda x: x.reshape((-1,) + x.shape[-2:])
+  out, lse = _attention(flat(q), flat(k), flat(v), seg, name, mask, scale)
+  out = out.reshape(q.shape)
+  if not return_lse:
+    return out
+  return out, jax.lax.stop_gradient(lse).reshape(q.shape[:-1])

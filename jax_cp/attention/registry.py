@@ -1,0 +1,134 @@
+"""Registry of varlen attention backends.
+
+A backend computes causal/non-causal attention over *ragged segments* of a
+packed token buffer. The contract (all backends implement exactly this, so the
+CP layer above is backend-neutral):
+
+``forward(q, k, v, seg, *, mask, scale) -> (out, lse)``
+    q: ``[Tq, Hq, D]``; k, v: ``[Tkv, Hkv, D]`` (``Hq % Hkv == 0``).
+    seg: a :class:`Segments` (per-segment lengths and *token* offsets, int32
+    ``[S]``, plus static bounds ``max_seqlen_q``/``max_seqlen_kv``).
+    Segment i attends Q rows ``[q_offsets[i], q_offsets[i]+q_lens[i])`` to KV
+    rows ``[kv_offsets[i], kv_offsets[i]+kv_lens[i])``. Segments with a zero
+    length contribute nothing. Q row ranges of different segments never
+    overlap.
+    mask: one of :data:`MASK_TYPES`.  ``"causal_bottom_right"``: Q row j of a
+    segment sees KV rows ``<= j + kv_len - q_len``; ``"causal_top_left"``: KV
+    rows ``<= j``; ``"no_mask"``: all ``kv_len`` rows.
+    scale: python float, multiplies ``q @ k^T``.
+    Returns out ``[Tq, Hq, D]`` in q's dtype, exactly 0 on rows no segment
+    covers (and on rows that see no key), and lse ``[Tq, Hq]`` float32, the
+    natural-log log-sum-exp of the scaled scores of each row; ``-inf`` on rows
+    that see no key.
+
+``backward(q, k, v, out, lse, dout, seg, *, mask, scale) -> (dq, dk, dv)``
+    Gradients of ``sum(out * dout)``; ``out``/``lse`` are the forward's.
+    dq is 0 on uncovered rows, dk/dv are 0 on KV rows no segment reads.
+
+``is_available(platform) -> bool``: whether the backend can run on a JAX
+platform name (``"cpu"``, ``"cuda"``, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, Tuple
+
+import jax
+
+MASK_TYPES = ("no_mask", "causal_top_left", "causal_bottom_right")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Segments:
+  """Ragged segment metadata for one attention call (a pytree).
+
+  Attributes:
+    q_lens: int32 ``[S]`` valid Q rows per segment.
+    kv_lens: int32 ``[S]`` valid KV rows per segment.
+    q_offsets: int32 ``[S]`` first Q row (token index) of each segment.
+    kv_offsets: int32 ``[S]`` first KV row (token index) of each segment.
+    max_seqlen_q: static bound on ``q_lens`` (kernels size grids by it).
+    max_seqlen_kv: static bound on ``kv_lens``.
+  """
+
+  q_lens: jax.Array
+  kv_lens: jax.Array
+  q_offsets: jax.Array
+  kv_offsets: jax.Array
+  max_seqlen_q: int = dataclasses.field(metadata=dict(static=True))
+  max_seqlen_kv: int = dataclasses.field(metadata=dict(static=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+  """A named implementation of the varlen attention contract above."""
+
+  name: str
+  forward: Callable[..., Tuple[jax.Array, jax.Array]]
+  backward: Callable[..., Tuple[jax.Array, jax.Array, jax.Array]]
+  is_available: Callable[[str], bool]
+
+
+_BACKENDS: Dict[str, AttentionBackend] = {}
+
+
+def register_backend(backend: AttentionBackend) -> None:
+  """Registers (or replaces) a backend under ``backend.name``."""
+  _BACKENDS[backend.name] = backend
+
+
+def registered_backends() -> Tuple[str, ...]:
+  return tuple(_BACKENDS)
+
+
+def _default_platform() -> str:
+  return jax.default_backend()
+
+
+def resolve_backend(name: str, platform: str | None = None) -> AttentionBackend:
+  """Returns the backend for ``name`` on ``platform``.
+
+  ``"auto"`` picks ``"cudnn"`` when it is registered and usable on the
+  platform, else ``"xla"``. An explicit name is used as given (so a program
+  can be lowered for CUDA on a CPU-only machine); an unknown or unbuilt one
+  raises ``ValueError`` saying how to get it.
+  """
+  if not isinstance(name, str):
+    raise ValueError(f"backend must be a string, got {name!r}")
+  _load_optional_backends()
+  platform = platform or _default_platform()
+  if name == "auto":
+    cudnn = _BACKENDS.get("cudnn")
+    if cudnn is not None and cudnn.is_available(platform):
+      return cudnn
+    return _BACKENDS["xla"]
+  if name not in _BACKENDS:
+    hint = ""
+    if name == "cudnn":
+      hint = (" The cuDNN extension is not built in this installation: on a "
+              "machine with the CUDA toolkit and cuDNN headers, reinstall "
+              "with `JAX_CP_BUILD_CUDA=1 pip install -e .` (see README).")
+    raise ValueError(
+        f"backend={name!r} is not available; registered backends: "
+        f"{sorted(_BACKENDS) + ['auto']}.{hint}")
+  # An explicit choice is honoured whatever the default platform is (it may
+  # be lowered for another platform, e.g. CUDA from a CPU-only machine).
+  return _BACKENDS[name]
+
+
+_LOADED = False
+
+
+def _load_optional_backends() -> None:
+  global _LOADED
+  if _LOADED:
+    return
+  _LOADED = True
+  from jax_cp.attention import xla as _xla  # noqa: F401  (registers "xla")
+  try:
+    from jax_cp.attention import cudnn as _cudnn  # noqa: F401
+  except ImportError:
+    pass
+

@@ -1,0 +1,197 @@
+"""Validation: every ``check_*`` raises ``ValueError`` naming the argument,
+the rule it broke and the offending values, before any kernel runs.
+
+Checks on metadata values run only when the values are concrete (numpy, or
+JAX arrays outside a trace); under ``jit`` the shape and configuration
+checks still run at trace time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from jax_cp.strategy import CPLoadBalancingStrategy
+
+CP_COMM_TYPES = ("all_gather",)
+CP_MASK_TYPES = ("causal", "no_mask")
+
+
+def concrete(x: Any) -> Optional[np.ndarray]:
+  """``x`` as a numpy array if its value is known now, else None."""
+  if x is None or isinstance(x, jax.core.Tracer):
+    return None
+  try:
+    return np.asarray(x)
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
+def check_cp_size(cp_size: Any) -> None:
+  if not isinstance(cp_size, (int, np.integer)) or cp_size < 1:
+    raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+
+
+def check_cp_rank(cp_rank: Any, cp_size: int) -> None:
+  r = concrete(cp_rank)
+  if r is not None and not 0 <= int(r) < cp_size:
+    raise ValueError(f"cp_rank={int(r)} is outside [0, cp_size={cp_size})")
+
+
+def check_divisible_tokens(total_tokens: int, cp_size: int,
+                           argname: str = "T") -> None:
+  if total_tokens % cp_size:
+    raise ValueError(
+        f"the token count {argname}={total_tokens} must be divisible by "
+        f"cp_size={cp_size} (T % cp == {total_tokens % cp_size})")
+
+
+def check_cu_seqlens_padded(cu_seqlens_padded: Any,
+                            total_tokens: Optional[int] = None) -> None:
+  """Shape ``[N+1]``/``[B, N+1]``; if concrete: starts at 0, never
+  decreases, ends at ``total_tokens`` (when given) in every row."""
+  ndim = np.ndim(cu_seqlens_padded)
+  if ndim not in (1, 2) or np.shape(cu_seqlens_padded)[-1] < 2:
+    raise ValueError(
+        "cu_seqlens_padded must have shape [N+1] or [B, N+1] with N >= 1, "
+        f"got shape {np.shape(cu_seqlens_padded)}")
+  cuP = concrete(cu_seqlens_padded)
+  if cuP is None:
+    return
+  cuP = cuP.reshape(-1, cuP.shape[-1])
+  for row, c in enumerate(cuP):
+    where = f" (row {row})" if len(cuP) > 1 else ""
+    if c[0] != 0:
+      raise ValueError(f"cu_seqlens_padded{where} must start at 0, got "
+                       f"{c[0]}: {c.tolist()}")
+    bad = np.nonzero(np.diff(c) < 0)[0]
+    if bad.size:
+      i = int(bad[0])
+      raise ValueError(
+          f"cu_seqlens_padded{where} must be non-decreasing, but entry "
+          f"{i + 1} ({c[i + 1]}) < entry {i} ({c[i]}): {c.tolist()}")
+    if total_tokens is not None and c[-1] != total_tokens:
+      raise ValueError(
+          f"cu_seqlens_padded{where}[-1]={c[-1]} must equal the token count "
+          f"T={total_tokens} of the inputs")
+  if len(set(cuP[:, -1].tolist())) > 1:
+    raise ValueError("every row of cu_seqlens_padded must end at the same T, "
+                     f"got {cuP[:, -1].tolist()}")
+
+
+def check_cu_seqlens(cu_seqlens: Any, cu_seqlens_padded: Any) -> None:
+  """Same shape as the padded one; if concrete: starts at 0, lengths are
+  non-negative and never above the padded lengths."""
+  if np.shape(cu_seqlens) != np.shape(cu_seqlens_padded):
+    raise ValueError(
+        f"cu_seqlens {np.shape(cu_seqlens)} and cu_seqlens_padded "
+        f"{np.shape(cu_seqlens_padded)} must have the same shape")
+  cu, cuP = concrete(cu_seqlens), concrete(cu_seqlens_padded)
+  if cu is None:
+    return
+  cu = cu.reshape(-1, cu.shape[-1])
+  lens = np.diff(cu, axis=-1)
+  if (cu[:, 0] != 0).any():
+    raise ValueError(f"cu_seqlens must start at 0, got {cu[:, 0].tolist()}")
+  if (lens < 0).any():
+    row, b = map(int, np.argwhere(lens < 0)[0])
+    raise ValueError(f"cu_seqlens must be non-decreasing: document {b} of "
+                     f"row {row} has length {lens[row, b]}")
+  if cuP is None:
+    return
+  plens = np.diff(cuP.reshape(-1, cuP.shape[-1]), axis=-1)
+  if (lens > plens).any():
+    row, b = map(int, np.argwhere(lens > plens)[0])
+    raise ValueError(
+        f"document {b} (row {row}) has valid length {lens[row, b]} above its "
+        f"padded length {plens[row, b]} (cu_seqlens vs cu_seqlens_padded)")
+
+
+def check_dual_chunk_divisible(cu_seqlens_padded: Any, cp_size: int) -> None:
+  """DUAL_CHUNK_SWAP needs every padded length divisible by ``2*cp``."""
+  cuP = concrete(cu_seqlens_padded)
+  if cuP is None:
+    return
+  plens = np.diff(cuP.reshape(-1, cuP.shape[-1]), axis=-1)
+  bad = np.argwhere(plens % (2 * cp_size) != 0)
+  if bad.size:
+    row, b = map(int, bad[0])
+    raise ValueError(
+        f"load_balancing_strategy=dual_chunk_swap needs every padded document "
+        f"length divisible by 2*cp_size={2 * cp_size}; document {b} (row "
+        f"{row}) has padded length {plens[row, b]}. Pad documents to a "
+        f"multiple of {2 * cp_size}, or use NO_LOAD_BALANCE (any length).")
+
+
+def check_seq_len_matches(n_tokens: int, cu_seqlens_padded: Any,
+                          argname: str) -> None:
+  cuP = concrete(cu_seqlens_padded)
+  if cuP is not None and cuP.size and int(cuP.reshape(-1)[-1]) != n_tokens:
+    raise ValueError(
+        f"{argname} has {n_tokens} tokens but cu_seqlens_padded[-1] is "
+        f"{int(cuP.reshape(-1)[-1])}; they must match")
+
+
+def check_attention_config(strategy: CPLoadBalancingStrategy,
+                           attn_mask_type: str, cp_comm_type: str,
+                           window_size: Any, dtype: Any) -> None:
+  """Configuration rules of DESIGN section 5 (seed constraints)."""
+  if cp_comm_type not in CP_COMM_TYPES:
+    raise ValueError(f"cp_comm_type={cp_comm_type!r} is not supported; jax_cp "
+                     f"implements {list(CP_COMM_TYPES)}")
+  if attn_mask_type not in CP_MASK_TYPES:
+    raise ValueError(f"attn_mask_type={attn_mask_type!r} is not supported by "
+                     f"CP attention; expected one of {list(CP_MASK_TYPES)}")
+  if window_size is not None and tuple(window_size) not in ((-1, 0),
+                                                             (-1, -1)):
+    raise ValueError(
+        f"window_size={tuple(window_size)} (sliding window) is not supported "
+        f"with load_balancing_strategy={strategy.value}; use None or (-1, 0)")
+  if strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE:
+    if attn_mask_type != "causal":
+      raise ValueError(
+          f"load_balancing_strategy=no_load_balance needs causal attention, "
+          f"got attn_mask_type={attn_mask_type!r}")
+  if "float8" in np.dtype(dtype).name:
+    raise ValueError(f"FP8 inputs (dtype={np.dtype(dtype).name}) are not "
+                     f"supported by CP attention")
+
+
+def check_qkv_shapes(q_shape, k_shape, v_shape, *, allow_cross: bool = False
+                     ) -> None:
+  """Rank 3 ``[T, H, D]`` or 4 ``[B, T, H, D]``, same rank and batch, equal
+  head dims, ``Hq % Hkv == 0``, K and V alike, and (self-attention) equal
+  token counts."""
+  if len(q_shape) not in (3, 4):
+    raise ValueError(f"q must be [T, H, D] or [B, T, H, D], got shape "
+                     f"{tuple(q_shape)}")
+  if len(k_shape) != len(q_shape) or len(v_shape) != len(q_shape):
+    raise ValueError(f"q, k, v must have the same rank; got {tuple(q_shape)}, "
+                     f"{tuple(k_shape)}, {tuple(v_shape)}")
+  if tuple(k_shape) != tuple(v_shape):
+    raise ValueError(f"k {tuple(k_shape)} and v {tuple(v_shape)} must have "
+                     "the same shape")
+  if len(q_shape) == 4 and q_shape[0] != k_shape[0]:
+    raise ValueError(f"batch sizes differ: q {q_shape[0]}, k {k_shape[0]}")
+  if q_shape[-1] != k_shape[-1]:
+    raise ValueError(f"head dims differ: q has {q_shape[-1]}, k/v have "
+                     f"{k_shape[-1]}")
+  hq, hkv = q_shape[-2], k_shape[-2]
+  if hkv < 1 or hq % hkv:
+    raise ValueError(f"the number of query heads ({hq}) must be a multiple of "
+                     f"the number of key/value heads ({hkv}) (GQA/MQA)")
+  if not allow_cross and q_shape[-3] != k_shape[-3]:
+    raise ValueError(
+        f"CP attention is self-attention: q has {q_shape[-3]} tokens but k/v "
+        f"have {k_shape[-3]} (cross-attention is not supported)")
+
+
+def check_mesh_axis(mesh: Any, axis: Optional[str], argname: str) -> None:
+  if axis is None:
+    return
+  names = tuple(getattr(mesh, "axis_names", ()) or ())
+  if axis not in names:
+    raise ValueError(f"{argname}={axis!r} is not an axis of the mesh; its "
+                     f"axes are {names}")

@@ -1,0 +1,461 @@
+"""All-gather context-parallel attention over packed THD rows (DESIGN §3).
+
+Two entry points:
+
+* :func:`cp_attention_local` runs *inside* the caller's ``shard_map`` on the
+  local chunk of every tensor (``[Tl, H, D]`` or ``[B, Tl, H, D]``).
+* :func:`cp_attention` is the global view: it takes arrays whose token axis
+  is sharded over the cp mesh axis (in :func:`jax_cp.reorder_for_cp` layout)
+  and opens its own ``shard_map`` on the given or the context mesh.
+
+Forward per rank: all-gather K/V over the cp axis, restore sequence order
+(DUAL_CHUNK_SWAP), run one (NO_LOAD_BALANCE) or two (DUAL_CHUNK_SWAP) varlen
+attention steps with bottom-right causal masks on per-document metadata, and
+merge them by log-sum-exp. Backward (``jax.custom_vjp``) keeps only the local
+q/k/v/out/lse, re-gathers K/V, runs the per-step backward with the forward's
+layout, un-restores dK/dV and reduce-scatters them to their owners.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import List, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_cp import checks, metadata, partition
+from jax_cp.attention.api import default_scale
+from jax_cp.attention.registry import Segments, resolve_backend
+from jax_cp.strategy import CPLoadBalancingStrategy, as_strategy
+
+_DCS = CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
+_NLB = CPLoadBalancingStrategy.NO_LOAD_BALANCE
+
+
+@dataclasses.dataclass(frozen=True)
+class CPConfig:
+  """Static (hashable) layout of one CP attention call.
+
+  Forward and backward read the same instance, so the backward always uses
+  the forward's strategy and layout.
+  """
+
+  strategy: CPLoadBalancingStrategy
+  cp_axis: Optional[str]
+  cp_size: int
+  causal: bool
+  scale: float
+  backend: str
+  total_tokens: int           # T, the whole row
+  max_seqlen: int             # bound on any padded document length
+  split_causal_backward: bool
+
+  @property
+  def local_tokens(self) -> int:
+    return self.total_tokens // self.cp_size
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  meta: metadata.StepMetadata
+  mask: str
+  max_q: int
+  max_kv: int
+
+
+def _ceil_div(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def _forward_calls(cfg: CPConfig, cu, cuP, rank) -> List[_Call]:
+  """The varlen attention calls of this rank's forward."""
+  w, cp, tl = cfg.max_seqlen, cfg.cp_size, cfg.local_tokens
+  if cp == 1:
+    m = metadata.no_load_balance_step(cu, cuP, 1, 0, cfg.total_tokens)
+    # Q and KV lengths agree per document: top-left == bottom-right, and
+    # top-left is the faster cuDNN backward.
+    return [_Call(m, "causal_top_left" if cfg.causal else "no_mask", w, w)]
+  if cfg.strategy is _NLB:
+    m = metadata.no_load_balance_step(cu, cuP, cp, rank, cfg.total_tokens)
+    return [_Call(m, "causal_bottom_right", min(w, tl), w)]
+  c = max(_ceil_div(w, 2 * cp), 1)
+  calls = []
+  for step in (0, 1):
+    m = metadata.dual_chunk_swap_step(cu, cuP, cp, rank, step, cfg.causal)
+    if cfg.causal:
+      # Step 0 sees at most chunks 0..r <= cp-1, step 1 the whole document.
+      calls.append(_Call(m, "causal_bottom_right", c,
+                         min(w, cp * c) if step == 0 else w))
+    else:
+      calls.append(_Call(m, "no_mask", c, w))
+  return calls
+
+
+def _backward_calls(cfg: CPConfig, cu, cuP, rank) -> List[_Call]:
+  calls = _forward_calls(cfg, cu, cuP, rank)
+  if not cfg.split_causal_backward:
+    return calls
+  out = []
+  for call in calls:
+    if call.mask != "causal_bottom_right":
+      out.append(call)
+      continue
+    rect, diag = metadata.split_bottom_right(call.meta)
+    out.append(_Call(rect, "no_mask", call.max_q, call.max_kv))
+    out.append(_Call(diag, "causal_top_left", call.max_q, call.max_q))
+  return out
+
+
+def _segments(call: _Call, tq: int, tkv: int) -> Segments:
+  """[B, N] metadata over B rows -> one segment list over flattened rows."""
+  m = call.meta
+  rows = jnp.arange(m.q_lens.shape[0], dtype=jnp.int32)[:, None]
+  flat = lambda x: x.reshape(-1).astype(jnp.int32)
+  return Segments(flat(m.q_lens), flat(m.kv_lens),
+                  flat(m.q_offsets + rows * tq), flat(m.kv_offsets + rows * tkv),
+                  max(min(call.max_q, tq), 1), max(min(call.max_kv, tkv), 1))
+
+
+def merge_partials(outs, lses):
+  """Merges attention partials over disjoint key sets by log-sum-exp.
+
+  ``outs[i]`` ``[T, H, D]`` and ``lses[i]`` ``[T, H]`` (``-inf`` where a
+  row saw no key). Returns the float32 merged output and lse.
+  """
+  if len(outs) == 1:
+    return outs[0].astype(jnp.float32), lses[0]
+  lse = functools.reduce(jnp.logaddexp, lses)
+  finite = jnp.isfinite(lse)
+  safe = jnp.where(finite, lse, 0.0)
+  out = 0.0
+  for o, l in zip(outs, lses):
+    w = jnp.where(finite & jnp.isfinite(l), jnp.exp(l - safe), 0.0)
+    out = out + o.astype(jnp.float32) * w[..., None]
+  return out, lse
+
+
+# ----------------------------------------------------------------- K/V exchange
+
+
+def _gather_kv(k, v, cfg: CPConfig, cuP):
+  """All-gather local K/V ``[B, Tl, H, D]`` into sequence order ``[B, T, ...]``."""
+  if cfg.cp_size == 1:
+    return k, v
+  hk = k.shape[2]
+  kv = jnp.concatenate([k, v], axis=2)       # one collective for both
+  kv = jax.lax.all_gather(kv, cfg.cp_axis, axis=1, tiled=True)
+  if cfg.strategy is _DCS:
+    idx = partition.gathered_to_sequence_index(cuP, cfg.cp_size,
+                                               cfg.total_tokens)
+    kv = jnp.take_along_axis(kv, idx[:, :, None, None], axis=1)
+  return kv[:, :, :hk], kv[:, :, hk:]
+
+
+def _scatter_dkv(dk, dv, cfg: CPConfig, cuP):
+  """Inverse of :func:`_gather_kv` for gradients: un-restore, reduce-scatter."""
+  if cfg.cp_size == 1:
+    return dk, dv
+  hk = dk.shape[2]
+  dkv = jnp.concatenate([dk, dv], axis=2)
+  if cfg.strategy is _DCS:
+    pos = partition.sequence_to_gathered_index(cuP, cfg.cp_size,
+                                               cfg.total_tokens)
+    dkv = jnp.take_along_axis(dkv, pos[:, :, None, None], axis=1)
+  dkv = jax.lax.psum_scatter(dkv, cfg.cp_axis, scatter_dimension=1,
+                             tiled=True)
+  return dkv[:, :, :hk], dkv[:, :, hk:]
+
+
+def _rank(cfg: CPConfig):
+  if cfg.cp_size == 1:
+    return jnp.int32(0)
+  return jax.lax.axis_index(cfg.cp_axis).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------- custom_vjp
+
+
+def _flat(x):
+  return x.reshape((-1,) + x.shape[2:])
+
+
+def _cp_forward(q, k, v, cu, cuP, cfg: CPConfig):
+  b, tl, hq, d = q.shape
+  backend = resolve_backend(cfg.backend)
+  kg, vg = _gather_kv(k, v, cfg, cuP)
+  tkv = kg.shape[1]
+  outs, lses = [], []
+  for call in _forward_calls(cfg, cu, cuP, _rank(cfg)):
+    o, l = backend.forward(_flat(q), _flat(kg), _flat(vg),
+                           _segments(call, tl, tkv), mask=call.mask,
+                           scale=cfg.scale)
+    outs.append(o)
+    lses.append(l)
+  out, lse = merge_partials(outs, lses)
+  return out.astype(q.dtype).reshape(q.shape), lse.reshape(b, tl, hq)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _cp_attention(q, k, v, cu, cuP, cfg: CPConfig):
+  return _cp_forward(q, k, v, cu, cuP, cfg)[0]
+
+
+def _cp_attention_fwd(q, k, v, cu, cuP, cfg: CPConfig):
+  out, lse = _cp_forward(q, k, v, cu, cuP, cfg)
+  # Residuals are local only: the gathered K/V are rebuilt in the backward.
+  return out, (q, k, v, cu, cuP, out, lse)
+
+
+def _cp_attention_bwd(cfg: CPConfig, res, dout):
+  q, k, v, cu, cuP, out, lse = res
+  b, tl, hq, d = q.shape
+  backend = resolve_backend(cfg.backend)
+  kg, vg = _gather_kv(k, v, cfg, cuP)
+  tkv = kg.shape[1]
+  dq = jnp.zeros(_flat(q).shape, jnp.float32)
+  dk = jnp.zeros(_flat(kg).shape, jnp.float32)
+  dv = jnp.zeros(_flat(vg).shape, jnp.float32)
+  for call in _backward_calls(cfg, cu, cuP, _rank(cfg)):
+    dq_i, dk_i, dv_i = backend.backward(
+        _flat(q), _flat(kg), _flat(vg), _flat(out), lse.reshape(-1, hq),
+        _flat(dout.astype(out.dtype)), _segments(call, tl, tkv),
+        mask=call.mask, scale=cfg.scale)
+    dq = dq + dq_i.astype(jnp.float32)
+    dk = dk + dk_i.astype(jnp.float32)
+    dv = dv + dv_i.astype(jnp.float32)
+  dk = dk.astype(k.dtype).reshape(kg.shape)
+  dv = dv.astype(v.dtype).reshape(vg.shape)
+  dk, dv = _scatter_dkv(dk, dv, cfg, cuP)
+  return dq.astype(q.dtype).reshape(q.shape), dk, dv, None, None
+
+
+_cp_attention.defvjp(_cp_attention_fwd, _cp_attention_bwd)
+
+
+# ----------------------------------------------------------------- public API
+
+
+def _config(q, k, v, cu_seqlens, cu_seqlens_padded, *, cp_size, cp_axis,
+            load_balancing_strategy, cp_comm_type, attn_mask_type,
+            softmax_scale, backend, max_seqlen, window_size,
+            split_causal_backward, total_tokens, platform=None) -> CPConfig:
+  """Validates everything that can be checked now and builds the config."""
+  strategy = as_strategy(load_balancing_strategy)
+  checks.check_qkv_shapes(q.shape, k.shape, v.shape)
+  checks.check_attention_config(strategy, attn_mask_type, cp_comm_type,
+                                window_size, q.dtype)
+  for name, x in (("cu_seqlens", cu_seqlens),
+                  ("cu_seqlens_padded", cu_seqlens_padded)):
+    if jnp.ndim(x) != (2 if q.ndim == 4 else 1) or (
+        q.ndim == 4 and jnp.shape(x)[0] != q.shape[0]):
+      raise ValueError(
+          f"{name} must be [N+1] for q [T, H, D] or [B, N+1] for q "
+          f"[B, T, H, D]; got {name} {jnp.shape(x)} with q {q.shape}")
+    if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+      raise ValueError(f"{name} must hold integers, got {jnp.result_type(x)}")
+  checks.check_divisible_tokens(total_tokens, cp_size)
+  checks.check_cu_seqlens_padded(cu_seqlens_padded, total_tokens)
+  checks.check_cu_seqlens(cu_seqlens, cu_seqlens_padded)
+  if strategy is _DCS:
+    checks.check_dual_chunk_divisible(cu_seqlens_padded, cp_size)
+  w = check_max_seqlen(max_seqlen, cu_seqlens_padded, total_tokens)
+  name = resolve_backend(backend, platform).name
+  if split_causal_backward is None:
+    split_causal_backward = name == "cudnn"
+  return CPConfig(strategy=strategy, cp_axis=cp_axis, cp_size=cp_size,
+                  causal=attn_mask_type == "causal",
+                  scale=default_scale(q.shape[-1], softmax_scale),
+                  backend=name, total_tokens=total_tokens, max_seqlen=w,
+                  split_causal_backward=bool(split_causal_backward))
+
+
+def check_max_seqlen(max_seqlen, cu_seqlens_padded, total_tokens: int) -> int:
+  """``max_seqlen`` as an int bound in ``[1, T]`` (None = T); when the
+  metadata is concrete, raises if a padded document is longer."""
+  if max_seqlen is None:
+    return total_tokens
+  if isinstance(max_seqlen, jax.core.Tracer) or int(max_seqlen) < 1:
+    raise ValueError(f"max_seqlen must be a static positive int, got "
+                     f"{max_seqlen!r}")
+  w = min(int(max_seqlen), total_tokens)
+  cuP = checks.concrete(cu_seqlens_padded)
+  if cuP is not None:
+    longest = int(np.max(np.diff(cuP, axis=-1)))
+    if longest > w:
+      raise ValueError(
+          f"max_seqlen={max_seqlen} is smaller than the longest padded "
+          f"document ({longest} tokens) in cu_seqlens_padded")
+  return w
+
+
+def _as_batched(q, k, v, cu, cuP):
+  if q.ndim == 4:
+    return q, k, v, cu, cuP, False
+  return q[None], k[None], v[None], cu[None], cuP[None], True
+
+
+def cp_attention_local(q, k, v, cu_seqlens, cu_seqlens_padded, *,
+                       cp_axis: Optional[str] = "cp",
+                       load_balancing_strategy=_DCS,
+                       cp_comm_type: str = "all_gather",
+                       attn_mask_type: str = "causal",
+                       softmax_scale: Optional[float] = None,
+                       backend: str = "auto",
+                       max_seqlen: Optional[int] = None,
+                       window_size=None,
+                       split_causal_backward: Optional[bool] = None):
+  """CP attention on this rank's chunk, inside the caller's ``shard_map``.
+
+  Args:
+    q: local queries ``[Tl, Hq, D]`` or ``[B, Tl, Hq, D]`` (``Tl = T/cp``), in
+      the layout of :func:`jax_cp.get_batch_on_this_cp_rank` with the same
+      strategy.
+    k, v: local keys/values ``[.., Tl, Hkv, D]``, ``Hq % Hkv == 0``.
+    cu_seqlens, cu_seqlens_padded: the *global* row metadata ``[N+1]`` or
+      ``[B, N+1]`` (replicated over the cp axis; may be traced).
+    cp_axis: the mesh axis the row is split over (``None``: no CP).
+    load_balancing_strategy: :class:`CPLoadBalancingStrategy` or its string.
+    cp_comm_type: ``"all_gather"`` (the only exchange implemented).
+    attn_mask_type: ``"causal"`` or ``"no_mask"`` (DUAL_CHUNK_SWAP only).
+    softmax_scale: defaults to ``1/sqrt(D)``.
+    backend: ``"auto"``, ``"cudnn"`` or ``"xla"``.
+    max_seqlen: static bound on every padded document length (None = T).
+      Kernels size their grids by it; a document longer than the bound gives
+      undefined results on the cuDNN backend (checked when the metadata is
+      concrete).
+    window_size: ``None`` or ``(-1, 0)``; sliding windows are rejected.
+    split_causal_backward: run the backward of bottom-right causal blocks as
+      an unmasked rectangle plus a top-left triangle (faster with cuDNN 9.19;
+      default: on for cudnn, off otherwise). Same result either way.
+
+  Returns:
+    The local output, shaped and typed like ``q``.
+  """
+  cp_size = 1 if cp_axis is None else jax.lax.axis_size(cp_axis)
+  cfg = _config(q, k, v, cu_seqlens, cu_seqlens_padded, cp_size=cp_size,
+                cp_axis=cp_axis,
+                load_balancing_strategy=load_balancing_strategy,
+                cp_comm_type=cp_comm_type, attn_mask_type=attn_mask_type,
+                softmax_scale=softmax_scale, backend=backend,
+                max_seqlen=max_seqlen, window_size=window_size,
+                split_causal_backward=split_causal_backward,
+                total_tokens=q.shape[-3] * cp_size)
+  q4, k4, v4, cu, cuP, squeeze = _as_batched(
+      q, k, v, jnp.asarray(cu_seqlens, jnp.int32),
+      jnp.asarray(cu_seqlens_padded, jnp.int32))
+  out = _cp_attention(q4, k4, v4, cu, cuP, cfg)
+  return out[0] if squeeze else out
+
+
+def _resolve_mesh(mesh):
+  if mesh is None:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+      raise ValueError("cp_attention needs a mesh: pass mesh=... or set one "
+                       "with `with jax.set_mesh(mesh):`")
+  return mesh
+
+
+def _platform(mesh) -> Optional[str]:
+  devices = getattr(mesh, "devices", None)
+  try:
+    return devices.flat[0].platform
+  except Exception:  # pylint: disable=broad-except  (AbstractMesh)
+    return None
+
+
+def cp_attention(q, k, v, cu_seqlens, cu_seqlens_padded, *, mesh=None,
+                 cp_axis: str = "cp",
+                 load_balancing_strategy=_DCS,
+                 cp_comm_type: str = "all_gather",
+                 attn_mask_type: str = "causal",
+                 softmax_scale: Optional[float] = None,
+                 backend: str = "auto",
+                 batch_axis: Optional[str] = None,
+                 head_axis: Optional[str] = None,
+                 max_seqlen: Optional[int] = None,
+                 window_size=None,
+                 split_causal_backward: Optional[bool] = None):
+  """CP attention, global view: ``jit``-friendly over sharded arrays.
+
+  Args:
+    q: ``[T, Hq, D]`` or ``[B, T, Hq, D]`` in :func:`jax_cp.reorder_for_cp`
+      layout (same strategy), token axis sharded over ``cp_axis``.
+    k, v: ``[.., T, Hkv, D]``, same layout.
+    cu_seqlens, cu_seqlens_padded: ``[N+1]`` or ``[B, N+1]`` int metadata of
+      the rows in physical order (not reordered).
+    mesh: a ``Mesh``; ``None`` takes the context mesh (``jax.set_mesh``).
+    cp_axis: mesh axis the tokens are split over.
+    batch_axis: optional mesh axis (or tuple of axes) the batch dim is
+      sharded over (data parallel); needs 4-D inputs.
+    head_axis: optional mesh axis the heads are sharded over (tensor
+      parallel); needs ``Hkv`` divisible by its size.
+    The other arguments are those of :func:`cp_attention_local`.
+
+  Returns:
+    The output, same shape, dtype and layout as ``q``. Differentiable in
+    q, k, v.
+  """
+  mesh = _resolve_mesh(mesh)
+  checks.check_mesh_axis(mesh, cp_axis, "cp_axis")
+  batch_axes = (batch_axis,) if isinstance(batch_axis, str) else tuple(
+      batch_axis or ())
+  for ax in batch_axes:
+    checks.check_mesh_axis(mesh, ax, "batch_axis")
+  checks.check_mesh_axis(mesh, head_axis, "head_axis")
+  if batch_axes and q.ndim != 4:
+    raise ValueError(f"batch_axis={batch_axis!r} needs inputs [B, T, H, D], "
+                     f"got q {q.shape}")
+  cp_size = mesh.shape[cp_axis]
+  # Validate (and resolve the backend) once, on the global shapes.
+  _config(q, k, v, cu_seqlens, cu_seqlens_padded, cp_size=cp_size,
+          cp_axis=cp_axis, load_balancing_strategy=load_balancing_strategy,
+          cp_comm_type=cp_comm_type, attn_mask_type=attn_mask_type,
+          softmax_scale=softmax_scale, backend=backend,
+          max_seqlen=max_seqlen, window_size=window_size,
+          split_causal_backward=split_causal_backward,
+          total_tokens=q.shape[-3], platform=_platform(mesh))
+  if head_axis is not None:
+    tp = mesh.shape[head_axis]
+    if k.shape[-2] % tp or q.shape[-2] % tp:
+      raise ValueError(f"head_axis={head_axis!r} of size {tp} must divide "
+                       f"Hq={q.shape[-2]} and Hkv={k.shape[-2]}")
+  bspec = (batch_axes if len(batch_axes) > 1 else batch_axes[0]) \
+      if batch_axes else None
+  if q.ndim == 4:
+    x_spec = P(bspec, cp_axis, head_axis, None)
+    m_spec = P(bspec, None)
+  else:
+    x_spec = P(cp_axis, head_axis, None)
+    m_spec = P(None)
+  backend_name = resolve_backend(backend, _platform(mesh)).name
+  local = functools.partial(
+      cp_attention_local, cp_axis=cp_axis,
+      load_balancing_strategy=load_balancing_strategy,
+      cp_comm_type=cp_comm_type, attn_mask_type=attn_mask_type,
+      softmax_scale=softmax_scale, backend=backend_name,
+      max_seqlen=max_seqlen, window_size=window_size,
+      split_causal_backward=split_causal_backward)
+  args = [_place(x, mesh, spec) for x, spec in (
+      (q, x_spec), (k, x_spec), (v, x_spec),
+      (jnp.asarray(cu_seqlens, jnp.int32), m_spec),
+      (jnp.asarray(cu_seqlens_padded, jnp.int32), m_spec))]
+  return jax.shard_map(local, mesh=mesh,
+                       in_specs=(x_spec, x_spec, x_spec, m_spec, m_spec),
+                       out_specs=x_spec, check_vma=False)(*args)
+
+
+def _place(x, mesh, spec):
+  """Puts ``x`` in the sharding ``shard_map`` expects: ``jax.reshard`` on
+  meshes with Explicit axes (it checks types), a sharding constraint on
+  Auto ones (a no-op when already so)."""
+  sharding = NamedSharding(mesh, spec) if isinstance(mesh, Mesh) else spec
+  explicit = any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+  if explicit:
+    return jax.reshard(x, sharding)
+  return jax.lax.with_sharding_constraint(x, sharding)

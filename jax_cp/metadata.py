@@ -1,0 +1,102 @@
+"""Per-step attention metadata of all-gather CP (DESIGN section 3).
+
+Pure ``jnp`` functions of (``cu_seqlens``, ``cu_seqlens_padded``, ``cp_size``,
+traced ``rank``). Every result is per document, int32 ``[..., N]``:
+
+* ``q_lens``: valid Q rows of the document in this step,
+* ``q_offsets``: their first row in the *local* Q buffer,
+* ``kv_lens``: KV rows the document's queries may see,
+* ``kv_offsets``: their first row in the *gathered, sequence-ordered* KV
+  buffer (physical token index).
+
+With the bottom-right causal mask, the last Q row of a segment lines up with
+its last KV row. ``kv_len >= q_len`` always holds.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+from jax_cp.strategy import CPLoadBalancingStrategy, as_strategy
+
+
+class StepMetadata(NamedTuple):
+  q_lens: jnp.ndarray
+  q_offsets: jnp.ndarray
+  kv_lens: jnp.ndarray
+  kv_offsets: jnp.ndarray
+
+
+def _lengths(cu_seqlens, cu_seqlens_padded):
+  cu = jnp.asarray(cu_seqlens, jnp.int32)
+  cuP = jnp.asarray(cu_seqlens_padded, jnp.int32)
+  return cu[..., 1:] - cu[..., :-1], cuP[..., 1:] - cuP[..., :-1], cuP[..., :-1]
+
+
+def dual_chunk_swap_step(cu_seqlens, cu_seqlens_padded, cp_size: int, rank,
+                         step: int, causal: bool = True) -> StepMetadata:
+  """DUAL_CHUNK_SWAP step ``step`` (0: chunk ``r``, 1: chunk ``2cp-1-r``).
+
+  ``q_len = clamp(L - k*c, 0, c)``, ``q_off = cuP/cp + step*c``,
+  ``kv_len = min(L, (k+1)*c)`` (causal) or ``L`` (no mask),
+  ``kv_off = cuP``.
+  """
+  if step not in (0, 1):
+    raise ValueError(f"step must be 0 or 1, got {step}")
+  lens, plens, starts = _lengths(cu_seqlens, cu_seqlens_padded)
+  rank = jnp.asarray(rank, jnp.int32)
+  k = rank if step == 0 else 2 * cp_size - 1 - rank
+  c = plens // (2 * cp_size)
+  q_lens = jnp.clip(lens - k * c, 0, c)
+  q_offsets = starts // cp_size + step * c
+  kv_lens = jnp.minimum(lens, (k + 1) * c) if causal else lens
+  return StepMetadata(q_lens, q_offsets, kv_lens, starts)
+
+
+def no_load_balance_step(cu_seqlens, cu_seqlens_padded, cp_size: int, rank,
+                         total_tokens: int) -> StepMetadata:
+  """NO_LOAD_BALANCE, the one step of rank ``r`` (causal only).
+
+  With ``lo = r*Tl``, ``hi = lo+Tl``, ``s = cuP[b]``:
+  ``q_len = max(clamp(s+L, lo, hi) - clamp(s, lo, hi), 0)``,
+  ``q_off = clamp(s, lo, hi) - lo``, ``kv_len = min(max(hi-s, 0), L)``,
+  ``kv_off = s``.
+  """
+  lens, _, starts = _lengths(cu_seqlens, cu_seqlens_padded)
+  local = total_tokens // cp_size
+  lo = jnp.asarray(rank, jnp.int32) * local
+  hi = lo + local
+  q_lens = jnp.maximum(jnp.clip(starts + lens, lo, hi)
+                       - jnp.clip(starts, lo, hi), 0)
+  q_offsets = jnp.clip(starts, lo, hi) - lo
+  kv_lens = jnp.minimum(jnp.maximum(hi - starts, 0), lens)
+  return StepMetadata(q_lens, q_offsets, kv_lens, starts)
+
+
+def step_metadata(cu_seqlens, cu_seqlens_padded, cp_size: int, rank,
+                  load_balancing_strategy, total_tokens: int,
+                  causal: bool = True) -> tuple[StepMetadata, ...]:
+  """All steps of a strategy for rank ``rank``: two for DUAL_CHUNK_SWAP,
+  one for NO_LOAD_BALANCE."""
+  strategy = as_strategy(load_balancing_strategy)
+  if strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE:
+    return (no_load_balance_step(cu_seqlens, cu_seqlens_padded, cp_size, rank,
+                                 total_tokens),)
+  return tuple(dual_chunk_swap_step(cu_seqlens, cu_seqlens_padded, cp_size,
+                                    rank, s, causal) for s in (0, 1))
+
+
+def split_bottom_right(meta: StepMetadata) -> tuple[StepMetadata, StepMetadata]:
+  """Splits a bottom-right causal segment (Q of length q against KV of
+  length kv >= q) into an unmasked rectangle ``Q x KV[:kv-q]`` and a
+  top-left causal square ``Q x KV[kv-q:]``; together they see exactly what
+  the bottom-right mask sees (merge the two by log-sum-exp). The rectangle
+  gets ``q_len = 0`` where it would be empty."""
+  q, kv = meta.q_lens, meta.kv_lens
+  rect_kv = kv - q
+  rect = StepMetadata(jnp.where(rect_kv > 0, q, 0), meta.q_offsets,
+                      jnp.where(q > 0, rect_kv, 0), meta.kv_offsets)
+  diag = StepMetadata(q, meta.q_offsets, q, meta.kv_offsets + rect_kv)
+  return rect, diag

@@ -1,0 +1,331 @@
+"""Which tokens of a packed THD row each context-parallel rank holds.
+
+Every function here has two paths with the same results:
+
+* a **numpy** path, taken when the metadata and the rank are host values
+  (numpy arrays, lists, Python ints): for data loaders, which slice the
+  batch on the host before it reaches the devices;
+* a **jnp** path, taken when any of them is a JAX array (possibly traced,
+  e.g. ``cp_rank = lax.axis_index("cp")`` inside ``shard_map``): jittable,
+  with the number of documents (``max_docs``) static. Trailing empty
+  documents (repeated last ``cu_seqlens_padded`` value) are allowed.
+
+The layouts (DESIGN section 2):
+
+* ``DUAL_CHUNK_SWAP``: document ``b`` of padded length ``P_b`` is cut into
+  ``2*cp`` chunks of ``c_b = P_b / (2*cp)`` tokens; rank ``r`` holds chunks
+  ``r`` and ``2*cp-1-r``, stored as ``[chunk r, chunk 2cp-1-r]`` starting at
+  local offset ``cuP[b] / cp``.
+* ``NO_LOAD_BALANCE``: rank ``r`` holds physical tokens
+  ``[r*T/cp, (r+1)*T/cp)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_cp import checks
+from jax_cp.strategy import CPLoadBalancingStrategy, as_strategy
+
+
+def _is_jax(*xs: Any) -> bool:
+  return any(isinstance(x, jax.Array) for x in xs)
+
+
+def _xp(*xs: Any):
+  return jnp if _is_jax(*xs) else np
+
+
+def _dcs_physical_index(xp, cu_seqlens_padded, cp_size: int, rank, t):
+  """DUAL_CHUNK_SWAP: physical index of local token ``t`` of ``rank``.
+
+  ``cu_seqlens_padded`` is 1-D ``[N+1]``; ``t`` an int32 vector of local
+  indices; ``rank`` a scalar or a vector like ``t`` (elementwise).
+  """
+  cuP = xp.asarray(cu_seqlens_padded).astype(xp.int32)
+  cs = cuP // cp_size                                 # local doc starts
+  # Last document whose local range starts at or before t. Empty documents
+  # share their start with the next one, so "right" skips them.
+  b = xp.searchsorted(cs, t, side="right").astype(xp.int32) - 1
+  b = xp.clip(b, 0, cuP.shape[0] - 2)
+  i = t - cs[b]
+  chunk_len = xp.maximum((cs[b + 1] - cs[b]) // 2, 1)   # c_b
+  chunk = xp.where(i < chunk_len, rank, 2 * cp_size - 1 - rank)
+  return (cuP[b] + chunk * chunk_len + i % chunk_len).astype(xp.int32)
+
+
+def _local_tokens(cu_seqlens_padded, cp_size: int,
+                  total_tokens: Optional[int]) -> int:
+  if total_tokens is None:
+    if isinstance(cu_seqlens_padded, jax.core.Tracer):
+      raise ValueError(
+          "total_tokens must be given when cu_seqlens_padded is traced "
+          "(the number of local tokens has to be static)")
+    total_tokens = int(np.asarray(cu_seqlens_padded)[..., -1].flat[0])
+  checks.check_divisible_tokens(total_tokens, cp_size)
+  return total_tokens // cp_size
+
+
+def get_partition_indices(
+    cu_seqlens_padded,
+    cp_size: int,
+    cp_rank,
+    load_balancing_strategy=CPLoadBalancingStrategy.DUAL_CHUNK_SWAP,
+    *,
+    total_tokens: Optional[int] = None,
+):
+  """Physical token indices that CP rank ``cp_rank`` holds, in local order.
+
+  Args:
+    cu_seqlens_padded: int ``[N+1]`` (or ``[B, N+1]`` for a batch of rows)
+      cumulative padded document lengths, ``cuP[-1] == T``.
+    cp_size: size of the CP axis (static).
+    cp_rank: this rank, a Python int or a (traced) JAX scalar.
+    load_balancing_strategy: a :class:`CPLoadBalancingStrategy` or its
+      string.
+    total_tokens: ``T``; needed only when ``cu_seqlens_padded`` is traced.
+
+  Returns:
+    int32 ``[T // cp_size]`` (``[B, T // cp_size]`` for batched metadata):
+    numpy for host inputs, a JAX array when any input is a JAX array.
+  """
+  strategy = as_strategy(load_balancing_strategy)
+  checks.check_cp_size(cp_size)
+  xp = _xp(cu_seqlens_padded, cp_rank)
+  if xp is np:
+    checks.check_cp_rank(cp_rank, cp_size)
+  checks.check_cu_seqlens_padded(cu_seqlens_padded, total_tokens)
+  local = _local_tokens(cu_seqlens_padded, cp_size, total_tokens)
+  if strategy is CPLoadBalancingStrategy.DUAL_CHUNK_SWAP:
+    checks.check_dual_chunk_divisible(cu_seqlens_padded, cp_size)
+  if xp is jnp:
+    cp_rank = jnp.asarray(cp_rank, jnp.int32)
+
+  def one_row(cuP):
+    if strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE:
+      return (cp_rank * local + xp.arange(local, dtype=xp.int32)).astype(
+          xp.int32)
+    return _dcs_physical_index(xp, cuP, cp_size, cp_rank,
+                               xp.arange(local, dtype=xp.int32))
+
+  cuP = xp.asarray(cu_seqlens_padded)
+  if cuP.ndim == 1:
+    return one_row(cuP)
+  if xp is jnp:
+    return jax.vmap(one_row)(cuP)
+  return np.stack([one_row(row) for row in cuP])
+
+
+def _explicit_sharding(x):
+  """The NamedSharding of ``x`` if it is sharded over Explicit mesh axes."""
+  try:
+    sharding = jax.typeof(x).sharding
+  except Exception:  # pylint: disable=broad-except  (numpy input)
+    return None
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or mesh.empty or not any(
+      t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+    return None
+  return sharding
+
+
+def _take(x, idx, seq_dim: int, batched: bool):
+  sharding = _explicit_sharding(x) if isinstance(x, jax.Array) else None
+  spec = sharding.spec if sharding is not None else ()
+  if len(spec) > seq_dim and spec[seq_dim] is not None:
+    # A gather across an explicitly sharded axis: gather on an unsharded
+    # copy of that axis, then shard the result the same way as the input.
+    open_spec = list(spec) + [None] * (x.ndim - len(spec))
+    open_spec[seq_dim] = None
+    mesh = sharding.mesh
+    x = jax.reshard(x, jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(*open_spec)))
+    return jax.reshard(_take(x, idx, seq_dim, batched),
+                       jax.sharding.NamedSharding(mesh, spec))
+  xp = _xp(x, idx)
+  if not batched:
+    return xp.take(x, idx, axis=seq_dim)
+  if seq_dim == 0:
+    raise ValueError("with batched cu_seqlens_padded [B, N+1], seq_dim must "
+                     "point past the leading batch dim (seq_dim >= 1)")
+  shape = [1] * x.ndim
+  shape[0] = idx.shape[0]
+  shape[seq_dim] = idx.shape[1]
+  return xp.take_along_axis(x, idx.reshape(shape), axis=seq_dim)
+
+
+def get_batch_on_this_cp_rank(
+    cu_seqlens_padded,
+    *tensors,
+    cp_size: int,
+    cp_rank,
+    load_balancing_strategy=CPLoadBalancingStrategy.DUAL_CHUNK_SWAP,
+    seq_dim: int = 0,
+) -> Tuple[Any, ...]:
+  """Slices each tensor along ``seq_dim`` to the tokens of ``cp_rank``.
+
+  The usual data-loader step: ``input_ids, labels, position_ids =
+  get_batch_on_this_cp_rank(cuP, input_ids, labels, position_ids, cp_size=4,
+  cp_rank=r)``. With batched metadata ``[B, N+1]`` each row is sliced with its
+  own layout (``seq_dim`` must then be >= 1). Use the same strategy here and
+  in :func:`jax_cp.cp_attention`.
+
+  Raises:
+    ValueError: a tensor's length along ``seq_dim`` is not ``cuP[-1]``, or the
+      layout breaks the strategy's rules.
+  """
+  if not tensors:
+    return ()
+  batched = np.ndim(cu_seqlens_padded) == 2
+  total = tensors[0].shape[seq_dim]
+  for i, x in enumerate(tensors):
+    checks.check_seq_len_matches(x.shape[seq_dim], cu_seqlens_padded,
+                                 f"tensors[{i}]")
+    if x.shape[seq_dim] != total:
+      raise ValueError(
+          f"tensors[{i}] has {x.shape[seq_dim]} tokens along seq_dim="
+          f"{seq_dim}, tensors[0] has {total}")
+  idx = get_partition_indices(cu_seqlens_padded, cp_size, cp_rank,
+                              load_balancing_strategy, total_tokens=total)
+  return tuple(_take(x, idx, seq_dim, batched) for x in tensors)
+
+
+def _cp_permutation(cu_seqlens_padded, cp_size, strategy, total_tokens):
+  """Concatenation over ranks of their partition indices: ``[.., T]``."""
+  parts = [get_partition_indices(cu_seqlens_padded, cp_size, r, strategy,
+                                 total_tokens=total_tokens)
+           for r in range(cp_size)]
+  xp = _xp(*parts)
+  return xp.concatenate(parts, axis=-1)
+
+
+def _inverse_permutation(perm):
+  xp = _xp(perm)
+  n = perm.shape[-1]
+  if xp is np:
+    inv = np.empty_like(perm)
+    np.put_along_axis(inv, perm, np.broadcast_to(
+        np.arange(n, dtype=perm.dtype), perm.shape), axis=-1)
+    return inv
+  return jnp.argsort(perm, axis=-1).astype(jnp.int32)
+
+
+def reorder_for_cp(x, cu_seqlens_padded, cp_size: int,
+                   load_balancing_strategy=CPLoadBalancingStrategy.DUAL_CHUNK_SWAP,
+                   seq_dim: int = 0):
+  """Global view: permutes the tokens so that a contiguous split of
+  ``seq_dim`` over the cp axis gives rank ``r`` exactly
+  ``get_partition_indices(..., r)``.
+
+  After this, shard ``seq_dim`` over the cp mesh axis (``NamedSharding`` with
+  ``P(..., "cp", ...)``) and call :func:`jax_cp.cp_attention`.
+  NO_LOAD_BALANCE is the identity.
+  """
+  strategy = as_strategy(load_balancing_strategy)
+  total = x.shape[seq_dim]
+  checks.check_seq_len_matches(total, cu_seqlens_padded, "x")
+  if strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE:
+    checks.check_cu_seqlens_padded(cu_seqlens_padded, total)
+    checks.check_divisible_tokens(total, cp_size)
+    return x
+  perm = _cp_permutation(cu_seqlens_padded, cp_size, strategy, total)
+  return _take(x, perm, seq_dim, np.ndim(cu_seqlens_padded) == 2)
+
+
+def restore_from_cp(x, cu_seqlens_padded, cp_size: int,
+                    load_balancing_strategy=CPLoadBalancingStrategy.DUAL_CHUNK_SWAP,
+                    seq_dim: int = 0):
+  """Inverse of :func:`reorder_for_cp`: back to physical token order."""
+  strategy = as_strategy(load_balancing_strategy)
+  total = x.shape[seq_dim]
+  checks.check_seq_len_matches(total, cu_seqlens_padded, "x")
+  if strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE:
+    checks.check_cu_seqlens_padded(cu_seqlens_padded, total)
+    checks.check_divisible_tokens(total, cp_size)
+    return x
+  perm = _cp_permutation(cu_seqlens_padded, cp_size, strategy, total)
+  return _take(x, _inverse_permutation(perm), seq_dim,
+               np.ndim(cu_seqlens_padded) == 2)
+
+
+def get_position_ids(cu_seqlens_padded, total_tokens: Optional[int] = None):
+  """Per-token position inside its document, restarting at 0 per document.
+
+  Returns int32 ``[T]`` (``[B, T]`` for batched metadata), numpy for host
+  input, JAX otherwise. Padding tokens continue their document's count.
+  Slice the result with :func:`get_batch_on_this_cp_rank` together with the
+  tokens (rotary embeddings need the original positions).
+  """
+  xp = _xp(cu_seqlens_padded)
+  checks.check_cu_seqlens_padded(cu_seqlens_padded, total_tokens)
+  cuP = xp.asarray(cu_seqlens_padded).astype(xp.int32)
+  if total_tokens is None:
+    if xp is jnp and isinstance(cu_seqlens_padded, jax.core.Tracer):
+      raise ValueError("total_tokens must be given when cu_seqlens_padded "
+                       "is traced")
+    total_tokens = int(np.asarray(cu_seqlens_padded)[..., -1].flat[0])
+
+  def one_row(row):
+    t = xp.arange(total_tokens, dtype=xp.int32)
+    b = xp.clip(xp.searchsorted(row, t, side="right") - 1, 0,
+                row.shape[0] - 2)
+    return (t - row[b]).astype(xp.int32)
+
+  if cuP.ndim == 1:
+    return one_row(cuP)
+  if xp is jnp:
+    return jax.vmap(one_row)(cuP)
+  return np.stack([one_row(r) for r in cuP])
+
+
+def gathered_to_sequence_index(cu_seqlens_padded, cp_size: int,
+                               total_tokens: int):
+  """DUAL_CHUNK_SWAP, jnp: for each physical position ``p`` of a row, the
+  index into the rank-ordered all-gathered buffer that holds token ``p``.
+
+  ``restored = gathered[idx]`` puts an all-gathered K/V back into sequence
+  order; ``gathered_grad = restored_grad[perm]`` with ``perm`` the inverse
+  goes the other way (see :func:`sequence_to_gathered_index`). Works on
+  ``[N+1]`` or ``[B, N+1]`` metadata; traced values allowed.
+  """
+  local = total_tokens // cp_size
+
+  def one_row(cuP):
+    cuP = cuP.astype(jnp.int32)
+    p = jnp.arange(total_tokens, dtype=jnp.int32)
+    b = jnp.clip(jnp.searchsorted(cuP, p, side="right") - 1, 0,
+                 cuP.shape[0] - 2)
+    j = p - cuP[b]
+    c = jnp.maximum((cuP[b + 1] - cuP[b]) // (2 * cp_size), 1)
+    chunk = j // c
+    second = chunk >= cp_size
+    owner = jnp.where(second, 2 * cp_size - 1 - chunk, chunk)
+    t = cuP[b] // cp_size + jnp.where(second, c, 0) + j % c
+    return (owner * local + t).astype(jnp.int32)
+
+  cuP = jnp.asarray(cu_seqlens_padded)
+  return one_row(cuP) if cuP.ndim == 1 else jax.vmap(one_row)(cuP)
+
+
+def sequence_to_gathered_index(cu_seqlens_padded, cp_size: int,
+                               total_tokens: int):
+  """DUAL_CHUNK_SWAP, jnp: for each gathered index ``g`` (rank ``g // Tl``,
+  local token ``g % Tl``), its physical position in the row (DESIGN
+  section 3, step 2). ``[T]`` or ``[B, T]`` int32."""
+  local = total_tokens // cp_size
+
+  def one_row(cuP):
+    g = jnp.arange(total_tokens, dtype=jnp.int32)
+    return _dcs_physical_index(jnp, cuP, cp_size, g // local, g % local)
+
+  cuP = jnp.asarray(cu_seqlens_padded)
+  return one_row(cuP) if cuP.ndim == 1 else jax.vmap(one_row)(cuP)
+
+
+__all__: Sequence[str] = (
+    "get_partition_indices", "get_batch_on_this_cp_rank", "reorder_for_cp",
+    "restore_from_cp", "get_position_ids")
