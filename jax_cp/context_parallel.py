@@ -362,11 +362,11 @@ def _resolve_mesh(mesh):
 
 
 def _platform(mesh) -> Optional[str]:
-  devices = getattr(mesh, "devices", None)
+  """The platform of the mesh's devices ("cpu", "gpu", ...), if known."""
   try:
-    return devices.flat[0].platform
-  except Exception:  # pylint: disable=broad-except  (AbstractMesh)
-    return None
+    return mesh.devices.flat[0].platform
+  except Exception:  # pylint: disable=broad-except  (an AbstractMesh)
+    return getattr(getattr(mesh, "abstract_device", None), "platform", None)
 
 
 def cp_attention(q, k, v, cu_seqlens, cu_seqlens_padded, *, mesh=None,

@@ -1,0 +1,48 @@
+"""Shared pytest setup.
+
+* Eight virtual CPU devices for the CP meshes: XLA_FLAGS must be set before
+  JAX initialises, hence at conftest import time.
+* ``gpu`` tests skip cleanly where no CUDA GPU is visible.
+* ``record_error``: tests report their relative errors; the largest per
+  dtype is printed at the end of the run.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402  (after XLA_FLAGS on purpose)
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+  try:
+    has_gpu = jax.default_backend() == "gpu"
+  except RuntimeError:
+    has_gpu = False
+  if has_gpu:
+    return
+  skip = pytest.mark.skip(reason="needs a CUDA GPU (marker gpu)")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)
+
+
+_LARGEST_ERRORS = {}
+
+
+@pytest.fixture
+def record_error():
+  """Records relative errors; the largest per dtype is printed at the end."""
+  def record(dtype, what, err):
+    key = (jax.numpy.dtype(dtype).name, what)
+    _LARGEST_ERRORS[key] = max(err, _LARGEST_ERRORS.get(key, 0.0))
+  return record
+
+
+def pytest_terminal_summary(terminalreporter):
+  if not _LARGEST_ERRORS:
+    return
+  terminalreporter.section("largest relative errors vs the reference")
+  for (dtype, what), err in sorted(_LARGEST_ERRORS.items()):
+    terminalreporter.write_line(f"{dtype:9s} {what:4s} {err:.3e}")

@@ -1,0 +1,109 @@
+"""Independent references for the tests: plain masked attention on the
+unpartitioned row, and random packed layouts.
+
+Nothing here imports jax_cp's attention code: the reference builds the
+document mask from token positions directly, so it shares no metadata logic
+with the library.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def doc_mask(cu, cuP, causal=True):
+  """Boolean [T, T]: token i may attend token j (same document, both valid,
+  and j <= i when causal). Built with a Python loop over documents."""
+  cu, cuP = np.asarray(cu), np.asarray(cuP)
+  t = int(cuP[-1])
+  m = np.zeros((t, t), bool)
+  for b in range(len(cuP) - 1):
+    s, n = int(cuP[b]), int(cu[b + 1] - cu[b])
+    blk = np.ones((n, n), bool)
+    if causal:
+      blk = np.tril(blk)
+    m[s:s + n, s:s + n] = blk
+  return m
+
+
+def attention(q, k, v, cu, cuP, causal=True, scale=None):
+  """Plain masked softmax attention in float32 on one row ``[T, H, D]``;
+  rows that see nothing give 0. Differentiable with jax.grad."""
+  m = jnp.asarray(doc_mask(cu, cuP, causal))
+  hq, hk, d = q.shape[1], k.shape[1], q.shape[2]
+  scale = 1.0 / np.sqrt(d) if scale is None else scale
+  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  k = jnp.repeat(k, hq // hk, axis=1)
+  v = jnp.repeat(v, hq // hk, axis=1)
+  s = jnp.einsum("qhd,khd->hqk", q, k, precision=_HIGHEST) * scale
+  s = jnp.where(m[None], s, -1e30)
+  p = jax.nn.softmax(s, axis=-1) * m[None]
+  return jnp.einsum("hqk,khd->qhd", p, v, precision=_HIGHEST)
+
+
+def batched_attention(q, k, v, cu, cuP, causal=True):
+  return jnp.stack([attention(q[i], k[i], v[i], cu[i], cuP[i], causal)
+                    for i in range(q.shape[0])])
+
+
+def valid_token_mask(cu, cuP):
+  """Boolean [T]: token is a valid (non-padding) token of some document."""
+  cu, cuP = np.asarray(cu), np.asarray(cuP)
+  out = np.zeros(int(cuP[-1]), bool)
+  for b in range(len(cuP) - 1):
+    out[cuP[b]:cuP[b] + cu[b + 1] - cu[b]] = True
+  return out
+
+
+def random_layout(rng, total, cp, kind, dual_chunk=True, max_docs=None,
+                  pad=True):
+  """A packed row of ``total`` tokens as (cu_seqlens, cu_seqlens_padded).
+
+  kind: "one_long" (one document), "many_short" (documents shorter than cp
+  included), "mixed" (long and short documents straddling rank
+  boundaries). DUAL_CHUNK_SWAP layouts pad every document to a multiple of
+  2*cp; with ``pad`` documents also get random extra padding. ``max_docs``
+  adds empty trailing slots.
+  """
+  unit = 2 * cp if dual_chunk else 1
+  assert total % unit == 0
+  if kind == "one_long":
+    plens = [total]
+  else:
+    plens, left = [], total
+    hi = {"many_short": max(unit, total // 12),
+          "mixed": max(unit, total // 2)}[kind]
+    while left > 0:
+      p = int(rng.integers(1, hi + 1))
+      p = min(left, -(-p // unit) * unit)
+      plens.append(p)
+      left -= p
+  lens = []
+  for p in plens:
+    if not pad:
+      lens.append(p)
+    elif kind == "many_short" and rng.random() < 0.3:
+      lens.append(int(rng.integers(1, min(p, cp) + 1)))   # shorter than cp
+    elif rng.random() < 0.5:
+      lens.append(int(rng.integers(max(1, p - 2 * unit), p + 1)))
+    else:
+      lens.append(p)
+  n = len(plens) if max_docs is None else max_docs
+  assert n >= len(plens)
+  cuP = np.zeros(n + 1, np.int32)
+  cu = np.zeros(n + 1, np.int32)
+  cuP[1:len(plens) + 1] = np.cumsum(plens)
+  cu[1:len(lens) + 1] = np.cumsum(lens)
+  cuP[len(plens) + 1:] = cuP[len(plens)]
+  cu[len(lens) + 1:] = cu[len(lens)]
+  return cu, cuP
+
+
+def rel_err(a, b):
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))

@@ -1,0 +1,192 @@
+"""cp_attention / cp_attention_local forward and gradients against plain
+masked attention on the unpartitioned rows (tests/reference.py)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_cp
+from jax_cp import CPLoadBalancingStrategy as S
+from tests import reference as ref
+
+TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
+T = 128          # tokens per row: cp=8 -> 16 local tokens
+D = 16
+
+
+def make_rows(seed, cp_layout, strategy, batch=2, max_docs=64):
+  """Random packed rows; DUAL_CHUNK_SWAP rows padded to multiples of
+  2*cp_layout."""
+  rng = np.random.default_rng(seed)
+  kinds = ("mixed", "many_short", "one_long")
+  cus, cuPs = zip(*[ref.random_layout(
+      rng, T, cp_layout, kinds[i % 3],
+      dual_chunk=strategy == S.DUAL_CHUNK_SWAP, max_docs=max_docs)
+      for i in range(batch)])
+  return np.stack(cus), np.stack(cuPs), rng
+
+
+def make_qkv(rng, batch, hq, hkv, dtype):
+  q = rng.standard_normal((batch, T, hq, D))
+  k = rng.standard_normal((batch, T, hkv, D))
+  v = rng.standard_normal((batch, T, hkv, D))
+  return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+def mesh_for(cp, data):
+  devs = np.array(jax.devices()[:cp * data]).reshape(data, cp)
+  return jax.sharding.Mesh(devs, ("data", "cp"))
+
+
+def reference_out_and_grads(q, k, v, cu, cuP, w, causal=True):
+  attn = ref.batched_attention if q.ndim == 4 else ref.attention
+  f = lambda q, k, v: attn(q, k, v, cu, cuP, causal)
+  out = f(q, k, v)
+  grads = jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2))(q, k, v)
+  return out, grads
+
+
+def check_close(got, want, valid, dtype, what, record):
+  got = np.asarray(got, np.float32)
+  want = np.asarray(want, np.float32)
+  assert np.all(np.isfinite(got)), f"{what}: non-finite values"
+  err = ref.rel_err(got[valid], want[valid])
+  record(dtype, what, err)
+  assert err < TOL[dtype], f"{what}: relative error {err:.2e}"
+  # Padding tokens: exactly zero output / gradient.
+  np.testing.assert_array_equal(got[~valid], 0.0, err_msg=what)
+
+
+def run_global(q, k, v, cu, cuP, w, *, cp, data, strategy, **kw):
+  """Global view: reorder, jit over a (data, cp) mesh, restore."""
+  mesh = mesh_for(cp, data)
+  re = lambda x: jax_cp.reorder_for_cp(x, cuP, cp, strategy, seq_dim=1)
+  back = lambda x: jax_cp.restore_from_cp(x, cuP, cp, strategy, seq_dim=1)
+  attn = functools.partial(jax_cp.cp_attention, mesh=mesh, cp_axis="cp",
+                           batch_axis="data", load_balancing_strategy=strategy,
+                           backend="xla", **kw)
+  fwd = jax.jit(lambda q, k, v: attn(q, k, v, cu, cuP))
+  grad = jax.jit(jax.grad(lambda q, k, v, w: jnp.sum(
+      attn(q, k, v, cu, cuP).astype(jnp.float32) * w), argnums=(0, 1, 2)))
+  qs, ks, vs = re(q), re(k), re(v)
+  out = back(fwd(qs, ks, vs))
+  grads = tuple(back(g) for g in grad(qs, ks, vs, re(w)))
+  return out, grads
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16],
+                         ids=["f32", "bf16"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("strategy", list(S), ids=lambda s: s.value)
+@pytest.mark.parametrize("cp", [1, 2, 4, 8])
+def test_cp_attention_matches_reference(cp, strategy, heads, dtype,
+                                        record_error):
+  batch = 2
+  data = 2 if cp <= 4 else 1
+  cu, cuP, rng = make_rows(cp * 7 + heads[1], cp, strategy, batch)
+  q, k, v = make_qkv(rng, batch, *heads, dtype)
+  w = jnp.asarray(rng.standard_normal((batch, T, heads[0], D)), jnp.float32)
+  out, grads = run_global(q, k, v, cu, cuP, w, cp=cp, data=data,
+                          strategy=strategy)
+  want, want_grads = reference_out_and_grads(q, k, v, cu, cuP, w)
+  valid = np.stack([ref.valid_token_mask(cu[i], cuP[i])
+                    for i in range(batch)])
+  assert out.dtype == dtype
+  check_close(out, want, valid, dtype, "out", record_error)
+  for name, g, gw in zip(("dq", "dk", "dv"), grads, want_grads):
+    check_close(g, gw, valid, dtype, name, record_error)
+
+
+@pytest.mark.parametrize("strategy", list(S), ids=lambda s: s.value)
+@pytest.mark.parametrize("cp", [2, 4])
+def test_split_causal_backward_and_max_seqlen(cp, strategy, record_error):
+  """The rectangle + top-left backward and a tight max_seqlen bound give the
+  reference gradients too (one MQA case)."""
+  cu, cuP, rng = make_rows(100 + cp, cp, strategy)
+  q, k, v = make_qkv(rng, 2, 4, 1, jnp.float32)
+  w = jnp.asarray(rng.standard_normal((2, T, 4, D)), jnp.float32)
+  longest = int(np.diff(cuP, axis=-1).max())
+  out, grads = run_global(q, k, v, cu, cuP, w, cp=cp, data=1,
+                          strategy=strategy, split_causal_backward=True,
+                          max_seqlen=longest)
+  want, want_grads = reference_out_and_grads(q, k, v, cu, cuP, w)
+  valid = np.stack([ref.valid_token_mask(cu[i], cuP[i]) for i in range(2)])
+  check_close(out, want, valid, jnp.float32, "out", record_error)
+  for name, g, gw in zip(("dq", "dk", "dv"), grads, want_grads):
+    check_close(g, gw, valid, jnp.float32, name, record_error)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_dual_chunk_swap_no_mask(cp, record_error):
+  cu, cuP, rng = make_rows(200 + cp, cp, S.DUAL_CHUNK_SWAP)
+  q, k, v = make_qkv(rng, 2, 4, 2, jnp.float32)
+  w = jnp.asarray(rng.standard_normal((2, T, 4, D)), jnp.float32)
+  out, grads = run_global(q, k, v, cu, cuP, w, cp=cp, data=1,
+                          strategy=S.DUAL_CHUNK_SWAP,
+                          attn_mask_type="no_mask")
+  want, want_grads = reference_out_and_grads(q, k, v, cu, cuP, w,
+                                             causal=False)
+  valid = np.stack([ref.valid_token_mask(cu[i], cuP[i]) for i in range(2)])
+  check_close(out, want, valid, jnp.float32, "out", record_error)
+  for name, g, gw in zip(("dq", "dk", "dv"), grads, want_grads):
+    check_close(g, gw, valid, jnp.float32, name, record_error)
+
+
+@pytest.mark.parametrize("strategy", list(S), ids=lambda s: s.value)
+def test_local_view_inside_user_shard_map(strategy, record_error):
+  """A user's own shard_map over per-rank batches from
+  get_batch_on_this_cp_rank, 3-D inputs (no batch dim)."""
+  cp = 4
+  cu, cuP, rng = make_rows(300, cp, strategy, batch=1)
+  cu, cuP = cu[0], cuP[0]
+  q, k, v = (x[0] for x in make_qkv(rng, 1, 4, 2, jnp.float32))
+  w = jnp.asarray(rng.standard_normal((T, 4, D)), jnp.float32)
+  per_rank = [jax_cp.get_batch_on_this_cp_rank(
+      cuP, q, k, v, w, cp_size=cp, cp_rank=r,
+      load_balancing_strategy=strategy) for r in range(cp)]
+  stacked = [jnp.concatenate([p[i] for p in per_rank]) for i in range(4)]
+  mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+  def local(q, k, v, w, cu, cuP):
+    out = jax_cp.cp_attention_local(q, k, v, cu, cuP, cp_axis="cp",
+                                    load_balancing_strategy=strategy,
+                                    backend="xla")
+    return out, jnp.sum(out * w)[None]
+
+  def loss(q, k, v, w):
+    out, part = jax.shard_map(
+        local, mesh=mesh, in_specs=(P("cp"),) * 4 + (P(), P()),
+        out_specs=(P("cp"), P("cp")), check_vma=False)(
+            q, k, v, w, jnp.asarray(cu), jnp.asarray(cuP))
+    return jnp.sum(part), out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(
+      loss, argnums=(0, 1, 2), has_aux=True))(*stacked)
+  back = lambda x: jax_cp.restore_from_cp(x, cuP, cp, strategy)
+  want, want_grads = reference_out_and_grads(q, k, v, cu, cuP, w)
+  valid = ref.valid_token_mask(cu, cuP)
+  check_close(back(out), want, valid, jnp.float32, "out", record_error)
+  for name, g, gw in zip(("dq", "dk", "dv"), grads, want_grads):
+    check_close(back(g), gw, valid, jnp.float32, name, record_error)
+
+
+def test_context_mesh_and_3d_inputs(record_error):
+  """mesh=None takes the context mesh set with jax.set_mesh."""
+  cp = 2
+  cu, cuP, rng = make_rows(400, cp, S.DUAL_CHUNK_SWAP, batch=1)
+  cu, cuP = cu[0], cuP[0]
+  q, k, v = (x[0] for x in make_qkv(rng, 1, 2, 2, jnp.float32))
+  mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
+  re = lambda x: jax_cp.reorder_for_cp(x, cuP, cp)
+  with jax.set_mesh(mesh):
+    out = jax.jit(lambda q, k, v: jax_cp.cp_attention(
+        q, k, v, cu, cuP, backend="xla"))(re(q), re(k), re(v))
+    out = np.asarray(jax_cp.restore_from_cp(out, cuP, cp))
+  want = ref.attention(q, k, v, cu, cuP)
+  valid = ref.valid_token_mask(cu, cuP)
+  check_close(out, want, valid, jnp.float32, "out", record_error)

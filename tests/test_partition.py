@@ -1,0 +1,144 @@
+"""Partitioning: published cases, properties over random layouts, numpy vs
+jnp paths, reorder/restore, position ids."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_cp
+from jax_cp import CPLoadBalancingStrategy as S
+from jax_cp import metadata
+from tests.reference import random_layout
+
+KINDS = ("one_long", "many_short", "mixed")
+
+
+def brute_indices(cuP, cp, r, strategy):
+  """Independent per-rank indices, written from the DESIGN text."""
+  t = int(cuP[-1])
+  if strategy == S.NO_LOAD_BALANCE:
+    return list(range(r * t // cp, (r + 1) * t // cp))
+  out = []
+  for b in range(len(cuP) - 1):
+    c = (cuP[b + 1] - cuP[b]) // (2 * cp)
+    for chunk in (r, 2 * cp - 1 - r):
+      out.extend(range(cuP[b] + chunk * c, cuP[b] + (chunk + 1) * c))
+  return out
+
+
+def test_published_cases():
+  np.testing.assert_array_equal(
+      jax_cp.get_partition_indices(np.array([0, 8, 16]), 2, 0),
+      [0, 1, 6, 7, 8, 9, 14, 15])
+  np.testing.assert_array_equal(
+      jax_cp.get_partition_indices(np.array([0, 12]), 4, 2,
+                                   S.NO_LOAD_BALANCE), [6, 7, 8])
+  m = metadata.no_load_balance_step(jnp.array([0, 6, 10]),
+                                    jnp.array([0, 8, 12]), 2, 1, 12)
+  # TransformerEngine reports cumulative forms.
+  np.testing.assert_array_equal(np.concatenate([[0], np.cumsum(m.q_lens)]),
+                                [0, 0, 4])
+  np.testing.assert_array_equal(np.append(m.q_offsets, 6), [0, 2, 6])
+  np.testing.assert_array_equal(np.concatenate([[0], np.cumsum(m.kv_lens)]),
+                                [0, 6, 10])
+
+
+def test_strategy_enum():
+  assert S("no_load_balance") is S.NO_LOAD_BALANCE
+  assert S("DUAL_CHUNK_SWAP") is S.DUAL_CHUNK_SWAP
+  assert S.DUAL_CHUNK_SWAP == "dual_chunk_swap"
+  assert hash(S.NO_LOAD_BALANCE) == hash(S("no_load_balance"))
+  assert str(S.NO_LOAD_BALANCE) == "no_load_balance"
+  f = jax.jit(lambda x, s: x + (1 if s is S.NO_LOAD_BALANCE else 2),
+              static_argnums=1)
+  assert int(f(0, S.NO_LOAD_BALANCE)) == 1 and int(f(0, S.DUAL_CHUNK_SWAP)) == 2
+  with pytest.raises(ValueError, match="load_balancing_strategy"):
+    jax_cp.get_partition_indices(np.array([0, 8]), 2, 0, "ring")
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("strategy", list(S))
+@pytest.mark.parametrize("kind", KINDS)
+def test_partition_properties(cp, strategy, kind):
+  rng = np.random.default_rng(hash((cp, strategy.value, kind)) % 2**32)
+  for trial in range(3):
+    total = 2 * cp * int(rng.integers(4, 40))
+    _, cuP = random_layout(rng, total, cp, kind,
+                           dual_chunk=strategy == S.DUAL_CHUNK_SWAP,
+                           max_docs=None if trial == 0 else 64)
+    parts = [jax_cp.get_partition_indices(cuP, cp, r, strategy)
+             for r in range(cp)]
+    for r, p in enumerate(parts):
+      assert p.dtype == np.int32 and p.shape == (total // cp,)
+      np.testing.assert_array_equal(p, brute_indices(cuP, cp, r, strategy))
+    # Every token exactly once.
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts)),
+                                  np.arange(total))
+    # The jnp path, traced rank and traced metadata, gives the same.
+    f = jax.jit(lambda c, r: jax_cp.get_partition_indices(
+        c, cp, r, strategy, total_tokens=total))
+    for r in range(cp):
+      np.testing.assert_array_equal(f(jnp.asarray(cuP), jnp.int32(r)),
+                                    parts[r])
+    # Reorder / restore: inverses; contiguous split = partition indices.
+    x = rng.standard_normal((total, 3)).astype(np.float32)
+    xr = jax_cp.reorder_for_cp(x, cuP, cp, strategy)
+    for r in range(cp):
+      chunk = xr[r * total // cp:(r + 1) * total // cp]
+      np.testing.assert_array_equal(chunk, x[parts[r]])
+    np.testing.assert_array_equal(
+        jax_cp.restore_from_cp(xr, cuP, cp, strategy), x)
+    xj = jax.jit(lambda a: jax_cp.restore_from_cp(
+        jax_cp.reorder_for_cp(a, cuP, cp, strategy), cuP, cp, strategy))(x)
+    np.testing.assert_array_equal(xj, x)
+
+
+def test_get_batch_on_this_cp_rank_and_position_ids():
+  rng = np.random.default_rng(1)
+  cp = 4
+  cu, cuP = random_layout(rng, 96, cp, "mixed", max_docs=12)
+  tokens = rng.integers(0, 256, size=96)
+  labels = np.roll(tokens, -1)
+  pos = jax_cp.get_position_ids(cuP)
+  for b in range(12):
+    np.testing.assert_array_equal(pos[cuP[b]:cuP[b + 1]],
+                                  np.arange(cuP[b + 1] - cuP[b]))
+  for strategy in S:
+    for r in range(cp):
+      got = jax_cp.get_batch_on_this_cp_rank(
+          cuP, tokens, labels, pos, cp_size=cp, cp_rank=r,
+          load_balancing_strategy=strategy)
+      idx = jax_cp.get_partition_indices(cuP, cp, r, strategy)
+      for g, full in zip(got, (tokens, labels, pos)):
+        np.testing.assert_array_equal(g, full[idx])
+      # The jnp path with a traced rank.
+      got_j = jax.jit(lambda t, r_: jax_cp.get_batch_on_this_cp_rank(
+          jnp.asarray(cuP), t, cp_size=cp, cp_rank=r_,
+          load_balancing_strategy=strategy))(jnp.asarray(tokens),
+                                             jnp.int32(r))
+      np.testing.assert_array_equal(got_j[0], tokens[idx])
+  np.testing.assert_array_equal(
+      jax.jit(lambda c: jax_cp.get_position_ids(c, total_tokens=96))(
+          jnp.asarray(cuP)), pos)
+
+
+def test_batched_metadata_rows():
+  rng = np.random.default_rng(2)
+  cp = 2
+  rows = [random_layout(rng, 64, cp, k, max_docs=40)[1]
+          for k in ("one_long", "many_short", "mixed")]
+  cuP = np.stack(rows)
+  x = rng.standard_normal((3, 64, 2)).astype(np.float32)
+  for strategy, r in itertools.product(S, range(cp)):
+    (got,) = jax_cp.get_batch_on_this_cp_rank(
+        cuP, x, cp_size=cp, cp_rank=r, load_balancing_strategy=strategy,
+        seq_dim=1)
+    for i in range(3):
+      idx = jax_cp.get_partition_indices(cuP[i], cp, r, strategy)
+      np.testing.assert_array_equal(got[i], x[i, idx])
+    xr = jax_cp.reorder_for_cp(x, cuP, cp, strategy, seq_dim=1)
+    np.testing.assert_array_equal(
+        jax_cp.restore_from_cp(xr, cuP, cp, strategy, seq_dim=1), x)

@@ -1,0 +1,167 @@
+"""Every validation rule raises a ValueError naming the offending setting,
+before any kernel runs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_cp
+from jax_cp import CPLoadBalancingStrategy as S
+
+CP = 2
+T = 16
+CU = np.array([0, 6, 10, 14], np.int32)
+CUP = np.array([0, 8, 12, 16], np.int32)
+
+
+def mesh(cp=CP):
+  return jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def qkv(t=T, hq=4, hkv=2, d=8, dtype=jnp.float32, tkv=None, dk=None):
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.standard_normal((t, hq, d)), dtype)
+  k = jnp.asarray(rng.standard_normal((tkv or t, hkv, dk or d)), dtype)
+  v = jnp.asarray(rng.standard_normal((tkv or t, hkv, dk or d)), dtype)
+  return q, k, v
+
+
+def call(q, k, v, cu=CU, cuP=CUP, **kw):
+  kw.setdefault("mesh", mesh())
+  kw.setdefault("backend", "xla")
+  kw.setdefault("load_balancing_strategy", S.NO_LOAD_BALANCE)
+  return jax_cp.cp_attention(q, k, v, cu, cuP, **kw)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(attn_mask_type="no_mask"), "needs causal attention"),
+    (dict(window_size=(4, 0)), "window_size"),
+    (dict(cp_comm_type="p2p"), "cp_comm_type"),
+    (dict(cp_comm_type="a2a"), "cp_comm_type"),
+    (dict(attn_mask_type="padding_causal_bottom_right"), "attn_mask_type"),
+])
+def test_no_load_balance_config_rules(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    call(*qkv(), **kwargs)
+
+
+def test_cross_attention_rejected():
+  with pytest.raises(ValueError, match="cross-attention"):
+    call(*qkv(tkv=32), cuP=CUP)
+
+
+def test_fp8_rejected():
+  with pytest.raises(ValueError, match="FP8"):
+    call(*qkv(dtype=jnp.float8_e4m3fn))
+
+
+def test_dual_chunk_divisibility_concrete():
+  # cp=4: padded lengths 8, 4, 4 must be multiples of 8.
+  with pytest.raises(ValueError, match=r"divisible by 2\*cp_size=8.*document 1"
+                     r" \(row 0\) has padded length 4"):
+    call(*qkv(), mesh=mesh(4), load_balancing_strategy=S.DUAL_CHUNK_SWAP)
+  with pytest.raises(ValueError, match="2\\*cp_size=8"):
+    jax_cp.get_partition_indices(CUP, 4, 0)
+  with pytest.raises(ValueError, match="2\\*cp_size=8"):
+    jax_cp.get_batch_on_this_cp_rank(CUP, np.arange(T), cp_size=4,
+                                     cp_rank=0)
+
+
+def test_tokens_not_divisible_by_cp():
+  cuP = np.array([0, 15], np.int32)
+  with pytest.raises(ValueError, match="divisible by cp_size=2"):
+    call(*qkv(t=15), cu=np.array([0, 15]), cuP=cuP)
+  with pytest.raises(ValueError, match="divisible by cp_size=4"):
+    jax_cp.get_partition_indices(np.array([0, 18]), 4, 0, S.NO_LOAD_BALANCE)
+
+
+def test_non_monotonic_cu_seqlens_padded():
+  cuP = np.array([0, 10, 8, 16], np.int32)
+  with pytest.raises(ValueError, match="non-decreasing"):
+    call(*qkv(), cu=np.array([0, 4, 6, 10]), cuP=cuP)
+  with pytest.raises(ValueError, match="non-decreasing"):
+    jax_cp.get_partition_indices(cuP, 2, 0, S.NO_LOAD_BALANCE)
+  with pytest.raises(ValueError, match="must start at 0"):
+    jax_cp.get_partition_indices(np.array([2, 16]), 2, 0, S.NO_LOAD_BALANCE)
+
+
+def test_valid_length_above_padded():
+  with pytest.raises(ValueError, match="valid length 9 above its padded "
+                     "length 8"):
+    call(*qkv(), cu=np.array([0, 9, 12, 16]))
+
+
+def test_token_count_must_match_metadata():
+  with pytest.raises(ValueError, match=r"cu_seqlens_padded\[-1\]=16 must "
+                     "equal the token count T=32"):
+    call(*qkv(t=32))
+  with pytest.raises(ValueError, match="tensors\\[0\\] has 20 tokens"):
+    jax_cp.get_batch_on_this_cp_rank(CUP, np.arange(20), cp_size=2,
+                                     cp_rank=0,
+                                     load_balancing_strategy=S.NO_LOAD_BALANCE)
+
+
+def test_heads_rules():
+  with pytest.raises(ValueError, match=r"query heads \(4\) must be a multiple "
+                     r"of the number of key/value heads \(3\)"):
+    call(*qkv(hkv=3))
+  with pytest.raises(ValueError, match="head dims differ: q has 8, k/v have "
+                     "16"):
+    call(*qkv(dk=16))
+
+
+def test_mesh_without_axis():
+  with pytest.raises(ValueError, match="cp_axis='seq' is not an axis of the "
+                     "mesh"):
+    call(*qkv(), cp_axis="seq")
+  with pytest.raises(ValueError, match="batch_axis='data'"):
+    q, k, v = qkv()
+    call(q[None], k[None], v[None], cu=CU[None], cuP=CUP[None],
+         batch_axis="data")
+  with pytest.raises(ValueError, match="needs a mesh"):
+    jax_cp.cp_attention(*qkv(), CU, CUP, backend="xla",
+                        load_balancing_strategy=S.NO_LOAD_BALANCE)
+
+
+def test_unknown_strategy_and_backend():
+  with pytest.raises(ValueError, match="load_balancing_strategy='ring'"):
+    call(*qkv(), load_balancing_strategy="ring")
+  with pytest.raises(ValueError, match="backend='triton' is not available"):
+    call(*qkv(), backend="triton")
+
+
+def test_max_seqlen_below_longest_document():
+  with pytest.raises(ValueError, match="max_seqlen=6 is smaller than the "
+                     "longest padded document \\(8 tokens\\)"):
+    call(*qkv(), max_seqlen=6)
+
+
+def test_traced_metadata_still_checks_shapes_and_config():
+  """Under jit the values are unknown, but configuration errors still come
+  at trace time."""
+  q, k, v = qkv()
+  f = jax.jit(lambda cu, cuP: call(q, k, v, cu, cuP, attn_mask_type="no_mask"))
+  with pytest.raises(ValueError, match="needs causal attention"):
+    f(CU, CUP)
+  g = jax.jit(lambda cu, cuP: call(q, k, v, cu, cuP))
+  with pytest.raises(ValueError, match="cu_seqlens must be \\[N\\+1\\]"):
+    g(CU[None], CUP[None])
+
+
+def test_fused_attention_rules():
+  q, k, v = qkv()
+  lens = jnp.array([6, 10], jnp.int32)
+  offs = jnp.array([0, 6], jnp.int32)
+  with pytest.raises(ValueError, match="attn_mask_type='sliding'"):
+    jax_cp.fused_attention(q, k, v, lens, lens, offs, offs,
+                           attn_mask_type="sliding")
+  with pytest.raises(ValueError, match="segment metadata"):
+    jax_cp.fused_attention(q, k, v, lens, lens[:1], offs, offs)
+  with pytest.raises(ValueError, match="q_seqlens holds a segment of length "
+                     "10 above its bound 8"):
+    jax_cp.fused_attention(q, k, v, lens, lens, offs, offs, max_seqlen_q=8)
+  with pytest.raises(ValueError, match="softmax_scale"):
+    jax_cp.fused_attention(q, k, v, lens, lens, offs, offs,
+                           softmax_scale=-1.0)
