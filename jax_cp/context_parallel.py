@@ -24,13 +24,13 @@ from typing import List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_cp import checks, metadata, partition
 from jax_cp.attention.api import default_scale
 from jax_cp.attention.registry import Segments, resolve_backend
+from jax_cp.kv_exchange import KVExchange, choose_exchange
 from jax_cp.strategy import CPLoadBalancingStrategy, as_strategy
 
 _DCS = CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
@@ -42,7 +42,7 @@ class CPConfig:
   """Static (hashable) layout of one CP attention call.
 
   Forward and backward read the same instance, so the backward always uses
-  the forward's strategy and layout.
+  the forward's strategy, exchange and layout.
   """
 
   strategy: CPLoadBalancingStrategy
@@ -54,6 +54,7 @@ class CPConfig:
   total_tokens: int           # T, the whole row
   max_seqlen: int             # bound on any padded document length
   split_causal_backward: bool
+  exchange: KVExchange
 
   @property
   def local_tokens(self) -> int:
@@ -62,10 +63,14 @@ class CPConfig:
 
 @dataclasses.dataclass(frozen=True)
 class _Call:
+  """One varlen attention call: metadata, mask, static length bounds, and
+  whether KV comes from the local chunk or the exchanged buffer."""
+
   meta: metadata.StepMetadata
   mask: str
   max_q: int
   max_kv: int
+  exchanged: bool
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -79,10 +84,18 @@ def _forward_calls(cfg: CPConfig, cu, cuP, rank) -> List[_Call]:
     m = metadata.no_load_balance_step(cu, cuP, 1, 0, cfg.total_tokens)
     # Q and KV lengths agree per document: top-left == bottom-right, and
     # top-left is the faster cuDNN backward.
-    return [_Call(m, "causal_top_left" if cfg.causal else "no_mask", w, w)]
+    return [_Call(m, "causal_top_left" if cfg.causal else "no_mask", w, w,
+                  False)]
   if cfg.strategy is _NLB:
-    m = metadata.no_load_balance_step(cu, cuP, cp, rank, cfg.total_tokens)
-    return [_Call(m, "causal_bottom_right", min(w, tl), w)]
+    # Documents inside the chunk need only local K/V (and can run while the
+    # exchange is in flight); the one straddling document per row needs the
+    # exchanged buffer.
+    local, straddle = metadata.no_load_balance_split(
+        cu, cuP, cp, rank, cfg.total_tokens, cfg.exchange.buffer_start(rank))
+    bound = min(w, tl)
+    return [_Call(local, "causal_top_left", bound, bound, False),
+            _Call(straddle, "causal_bottom_right", min(max(w - 1, 1), tl), w,
+                  True)]
   c = max(_ceil_div(w, 2 * cp), 1)
   calls = []
   for step in (0, 1):
@@ -90,9 +103,9 @@ def _forward_calls(cfg: CPConfig, cu, cuP, rank) -> List[_Call]:
     if cfg.causal:
       # Step 0 sees at most chunks 0..r <= cp-1, step 1 the whole document.
       calls.append(_Call(m, "causal_bottom_right", c,
-                         min(w, cp * c) if step == 0 else w))
+                         min(w, cp * c) if step == 0 else w, True))
     else:
-      calls.append(_Call(m, "no_mask", c, w))
+      calls.append(_Call(m, "no_mask", c, w, True))
   return calls
 
 
@@ -106,13 +119,14 @@ def _backward_calls(cfg: CPConfig, cu, cuP, rank) -> List[_Call]:
       out.append(call)
       continue
     rect, diag = metadata.split_bottom_right(call.meta)
-    out.append(_Call(rect, "no_mask", call.max_q, call.max_kv))
-    out.append(_Call(diag, "causal_top_left", call.max_q, call.max_q))
+    out.append(dataclasses.replace(call, meta=rect, mask="no_mask"))
+    out.append(dataclasses.replace(call, meta=diag, mask="causal_top_left",
+                                   max_kv=call.max_q))
   return out
 
 
 def _segments(call: _Call, tq: int, tkv: int) -> Segments:
-  """[B, N] metadata over B rows -> one segment list over flattened rows."""
+  """[B, n] metadata over B rows -> one segment list over flattened rows."""
   m = call.meta
   rows = jnp.arange(m.q_lens.shape[0], dtype=jnp.int32)[:, None]
   flat = lambda x: x.reshape(-1).astype(jnp.int32)
@@ -139,38 +153,6 @@ def merge_partials(outs, lses):
   return out, lse
 
 
-# ----------------------------------------------------------------- K/V exchange
-
-
-def _gather_kv(k, v, cfg: CPConfig, cuP):
-  """All-gather local K/V ``[B, Tl, H, D]`` into sequence order ``[B, T, ...]``."""
-  if cfg.cp_size == 1:
-    return k, v
-  hk = k.shape[2]
-  kv = jnp.concatenate([k, v], axis=2)       # one collective for both
-  kv = jax.lax.all_gather(kv, cfg.cp_axis, axis=1, tiled=True)
-  if cfg.strategy is _DCS:
-    idx = partition.gathered_to_sequence_index(cuP, cfg.cp_size,
-                                               cfg.total_tokens)
-    kv = jnp.take_along_axis(kv, idx[:, :, None, None], axis=1)
-  return kv[:, :, :hk], kv[:, :, hk:]
-
-
-def _scatter_dkv(dk, dv, cfg: CPConfig, cuP):
-  """Inverse of :func:`_gather_kv` for gradients: un-restore, reduce-scatter."""
-  if cfg.cp_size == 1:
-    return dk, dv
-  hk = dk.shape[2]
-  dkv = jnp.concatenate([dk, dv], axis=2)
-  if cfg.strategy is _DCS:
-    pos = partition.sequence_to_gathered_index(cuP, cfg.cp_size,
-                                               cfg.total_tokens)
-    dkv = jnp.take_along_axis(dkv, pos[:, :, None, None], axis=1)
-  dkv = jax.lax.psum_scatter(dkv, cfg.cp_axis, scatter_dimension=1,
-                             tiled=True)
-  return dkv[:, :, :hk], dkv[:, :, hk:]
-
-
 def _rank(cfg: CPConfig):
   if cfg.cp_size == 1:
     return jnp.int32(0)
@@ -185,14 +167,14 @@ def _flat(x):
 
 
 def _cp_forward(q, k, v, cu, cuP, cfg: CPConfig):
-  b, tl, hq, d = q.shape
+  b, tl, hq, _ = q.shape
   backend = resolve_backend(cfg.backend)
-  kg, vg = _gather_kv(k, v, cfg, cuP)
-  tkv = kg.shape[1]
+  kx, vx = cfg.exchange.gather(k, v, cuP)
   outs, lses = [], []
   for call in _forward_calls(cfg, cu, cuP, _rank(cfg)):
-    o, l = backend.forward(_flat(q), _flat(kg), _flat(vg),
-                           _segments(call, tl, tkv), mask=call.mask,
+    kc, vc = (kx, vx) if call.exchanged else (k, v)
+    o, l = backend.forward(_flat(q), _flat(kc), _flat(vc),
+                           _segments(call, tl, kc.shape[1]), mask=call.mask,
                            scale=cfg.scale)
     outs.append(o)
     lses.append(l)
@@ -207,31 +189,38 @@ def _cp_attention(q, k, v, cu, cuP, cfg: CPConfig):
 
 def _cp_attention_fwd(q, k, v, cu, cuP, cfg: CPConfig):
   out, lse = _cp_forward(q, k, v, cu, cuP, cfg)
-  # Residuals are local only: the gathered K/V are rebuilt in the backward.
+  # Residuals are local only: the exchanged K/V are rebuilt in the backward.
   return out, (q, k, v, cu, cuP, out, lse)
 
 
 def _cp_attention_bwd(cfg: CPConfig, res, dout):
   q, k, v, cu, cuP, out, lse = res
-  b, tl, hq, d = q.shape
+  tl, hq = q.shape[1], q.shape[2]
   backend = resolve_backend(cfg.backend)
-  kg, vg = _gather_kv(k, v, cfg, cuP)
-  tkv = kg.shape[1]
-  dq = jnp.zeros(_flat(q).shape, jnp.float32)
-  dk = jnp.zeros(_flat(kg).shape, jnp.float32)
-  dv = jnp.zeros(_flat(vg).shape, jnp.float32)
+  # The barrier keeps XLA from merging this re-gather with the forward's
+  # (which would keep the exchanged K/V alive from forward to backward).
+  k, v = jax.lax.optimization_barrier((k, v))
+  kx, vx = cfg.exchange.gather(k, v, cuP)
+  f32 = lambda x: jnp.zeros(x.shape, jnp.float32)
+  dq, dk, dv, dkx, dvx = f32(q), f32(k), f32(v), f32(kx), f32(vx)
   for call in _backward_calls(cfg, cu, cuP, _rank(cfg)):
+    kc, vc = (kx, vx) if call.exchanged else (k, v)
     dq_i, dk_i, dv_i = backend.backward(
-        _flat(q), _flat(kg), _flat(vg), _flat(out), lse.reshape(-1, hq),
-        _flat(dout.astype(out.dtype)), _segments(call, tl, tkv),
+        _flat(q), _flat(kc), _flat(vc), _flat(out), lse.reshape(-1, hq),
+        _flat(dout.astype(out.dtype)), _segments(call, tl, kc.shape[1]),
         mask=call.mask, scale=cfg.scale)
-    dq = dq + dq_i.astype(jnp.float32)
-    dk = dk + dk_i.astype(jnp.float32)
-    dv = dv + dv_i.astype(jnp.float32)
-  dk = dk.astype(k.dtype).reshape(kg.shape)
-  dv = dv.astype(v.dtype).reshape(vg.shape)
-  dk, dv = _scatter_dkv(dk, dv, cfg, cuP)
-  return dq.astype(q.dtype).reshape(q.shape), dk, dv, None, None
+    dq = dq + dq_i.astype(jnp.float32).reshape(q.shape)
+    if call.exchanged:
+      dkx = dkx + dk_i.astype(jnp.float32).reshape(kx.shape)
+      dvx = dvx + dv_i.astype(jnp.float32).reshape(vx.shape)
+    else:
+      dk = dk + dk_i.astype(jnp.float32).reshape(k.shape)
+      dv = dv + dv_i.astype(jnp.float32).reshape(v.shape)
+  dk_back, dv_back = cfg.exchange.scatter(dkx.astype(k.dtype),
+                                          dvx.astype(v.dtype), cuP)
+  dk = (dk + dk_back.astype(jnp.float32)).astype(k.dtype)
+  dv = (dv + dv_back.astype(jnp.float32)).astype(v.dtype)
+  return dq.astype(q.dtype), dk, dv, None, None
 
 
 _cp_attention.defvjp(_cp_attention_fwd, _cp_attention_bwd)
@@ -261,17 +250,20 @@ def _config(q, k, v, cu_seqlens, cu_seqlens_padded, *, cp_size, cp_axis,
   checks.check_divisible_tokens(total_tokens, cp_size)
   checks.check_cu_seqlens_padded(cu_seqlens_padded, total_tokens)
   checks.check_cu_seqlens(cu_seqlens, cu_seqlens_padded)
-  if strategy is _DCS:
+  if strategy is _DCS and cp_size > 1:
     checks.check_dual_chunk_divisible(cu_seqlens_padded, cp_size)
   w = check_max_seqlen(max_seqlen, cu_seqlens_padded, total_tokens)
   name = resolve_backend(backend, platform).name
   if split_causal_backward is None:
     split_causal_backward = name == "cudnn"
+  exchange = choose_exchange(strategy is _NLB, cp_axis, cp_size,
+                             total_tokens, w)
   return CPConfig(strategy=strategy, cp_axis=cp_axis, cp_size=cp_size,
                   causal=attn_mask_type == "causal",
                   scale=default_scale(q.shape[-1], softmax_scale),
                   backend=name, total_tokens=total_tokens, max_seqlen=w,
-                  split_causal_backward=bool(split_causal_backward))
+                  split_causal_backward=bool(split_causal_backward),
+                  exchange=exchange)
 
 
 def check_max_seqlen(max_seqlen, cu_seqlens_padded, total_tokens: int) -> int:
@@ -282,15 +274,8 @@ def check_max_seqlen(max_seqlen, cu_seqlens_padded, total_tokens: int) -> int:
   if isinstance(max_seqlen, jax.core.Tracer) or int(max_seqlen) < 1:
     raise ValueError(f"max_seqlen must be a static positive int, got "
                      f"{max_seqlen!r}")
-  w = min(int(max_seqlen), total_tokens)
-  cuP = checks.concrete(cu_seqlens_padded)
-  if cuP is not None:
-    longest = int(np.max(np.diff(cuP, axis=-1)))
-    if longest > w:
-      raise ValueError(
-          f"max_seqlen={max_seqlen} is smaller than the longest padded "
-          f"document ({longest} tokens) in cu_seqlens_padded")
-  return w
+  partition.check_max_seqlen_bound(cu_seqlens_padded, max_seqlen)
+  return min(int(max_seqlen), total_tokens)
 
 
 def _as_batched(q, k, v, cu, cuP):

@@ -100,3 +100,47 @@ def split_bottom_right(meta: StepMetadata) -> tuple[StepMetadata, StepMetadata]:
                       jnp.where(q > 0, rect_kv, 0), meta.kv_offsets)
   diag = StepMetadata(q, meta.q_offsets, q, meta.kv_offsets + rect_kv)
   return rect, diag
+
+
+def no_load_balance_split(cu_seqlens, cu_seqlens_padded, cp_size: int, rank,
+                          total_tokens: int, exchanged_start
+                          ) -> tuple[StepMetadata, StepMetadata]:
+  """NO_LOAD_BALANCE step of rank ``r``, cut by where K/V come from.
+
+  With ``lo = r*Tl``, a document that starts at or after ``lo`` sees only
+  K/V of this rank: its Q and KV lengths agree (top-left == bottom-right
+  causal), and it needs nothing from other ranks. At most one document per
+  row starts before ``lo`` and reaches into the chunk (it *straddles* the
+  boundary); only it needs remote K/V.
+
+  Returns ``(local, straddle)``:
+
+  * ``local`` ``[..., N]``: Q and KV offsets both index the *local* chunk.
+  * ``straddle`` ``[..., 1]``: the straddling document (lengths 0 if none),
+    Q offset 0 in the local chunk, KV offset into an exchanged buffer that
+    holds physical tokens from ``exchanged_start`` on (0 for an all-gather,
+    ``lo - halo`` for a halo exchange), bottom-right causal. A KV range
+    that would start before the buffer is cut to the buffer (only possible
+    when a document is longer than the ``max_seqlen`` bound the buffer was
+    sized by).
+  """
+  full = no_load_balance_step(cu_seqlens, cu_seqlens_padded, cp_size, rank,
+                              total_tokens)
+  lo = jnp.asarray(rank, jnp.int32) * (total_tokens // cp_size)
+  starts = full.kv_offsets
+  inside = (starts >= lo) & (full.q_lens > 0)
+  rel = jnp.where(inside, starts - lo, 0)
+  q_local = jnp.where(inside, full.q_lens, 0)
+  local = StepMetadata(q_local, rel, q_local, rel)
+
+  crossing = (starts < lo) & (full.q_lens > 0)
+  has = crossing.any(axis=-1, keepdims=True)
+  idx = jnp.argmax(crossing, axis=-1)[..., None]
+  pick = lambda x: jnp.where(has, jnp.take_along_axis(x, idx, axis=-1), 0)
+  q_len, kv_len, start = pick(full.q_lens), pick(full.kv_lens), pick(starts)
+  kv_off = start - jnp.asarray(exchanged_start, jnp.int32)
+  cut = jnp.maximum(-kv_off, 0)            # only if the bound was violated
+  straddle = StepMetadata(q_len, jnp.zeros_like(q_len),
+                          jnp.where(has, kv_len - cut, 0),
+                          jnp.maximum(kv_off, 0))
+  return local, straddle

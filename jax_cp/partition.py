@@ -100,6 +100,9 @@ def get_partition_indices(
     checks.check_cp_rank(cp_rank, cp_size)
   checks.check_cu_seqlens_padded(cu_seqlens_padded, total_tokens)
   local = _local_tokens(cu_seqlens_padded, cp_size, total_tokens)
+  if cp_size == 1:
+    # One rank holds the row in order, whatever the strategy.
+    strategy = CPLoadBalancingStrategy.NO_LOAD_BALANCE
   if strategy is CPLoadBalancingStrategy.DUAL_CHUNK_SWAP:
     checks.check_dual_chunk_divisible(cu_seqlens_padded, cp_size)
   if xp is jnp:
@@ -165,6 +168,7 @@ def get_batch_on_this_cp_rank(
     cp_rank,
     load_balancing_strategy=CPLoadBalancingStrategy.DUAL_CHUNK_SWAP,
     seq_dim: int = 0,
+    max_seqlen: Optional[int] = None,
 ) -> Tuple[Any, ...]:
   """Slices each tensor along ``seq_dim`` to the tokens of ``cp_rank``.
 
@@ -174,10 +178,18 @@ def get_batch_on_this_cp_rank(
   own layout (``seq_dim`` must then be >= 1). Use the same strategy here and
   in :func:`jax_cp.cp_attention`.
 
+  ``max_seqlen``: the bound you will pass to :func:`jax_cp.cp_attention`;
+  when given (and the metadata is concrete) it is checked against the
+  longest padded document here, on the host, where a violation can still be
+  reported (under ``jit`` it cannot).
+
   Raises:
-    ValueError: a tensor's length along ``seq_dim`` is not ``cuP[-1]``, or the
-      layout breaks the strategy's rules.
+    ValueError: a tensor's length along ``seq_dim`` is not ``cuP[-1]``, the
+      layout breaks the strategy's rules, or a document is longer than
+      ``max_seqlen``.
   """
+  if max_seqlen is not None:
+    check_max_seqlen_bound(cu_seqlens_padded, max_seqlen)
   if not tensors:
     return ()
   batched = np.ndim(cu_seqlens_padded) == 2
@@ -228,7 +240,7 @@ def reorder_for_cp(x, cu_seqlens_padded, cp_size: int,
   strategy = as_strategy(load_balancing_strategy)
   total = x.shape[seq_dim]
   checks.check_seq_len_matches(total, cu_seqlens_padded, "x")
-  if strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE:
+  if strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE or cp_size == 1:
     checks.check_cu_seqlens_padded(cu_seqlens_padded, total)
     checks.check_divisible_tokens(total, cp_size)
     return x
@@ -243,13 +255,36 @@ def restore_from_cp(x, cu_seqlens_padded, cp_size: int,
   strategy = as_strategy(load_balancing_strategy)
   total = x.shape[seq_dim]
   checks.check_seq_len_matches(total, cu_seqlens_padded, "x")
-  if strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE:
+  if strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE or cp_size == 1:
     checks.check_cu_seqlens_padded(cu_seqlens_padded, total)
     checks.check_divisible_tokens(total, cp_size)
     return x
   perm = _cp_permutation(cu_seqlens_padded, cp_size, strategy, total)
   return _take(x, _inverse_permutation(perm), seq_dim,
                np.ndim(cu_seqlens_padded) == 2)
+
+
+def longest_padded_document(cu_seqlens_padded) -> int:
+  """The longest padded document of a row (or of all rows): the tightest
+  ``max_seqlen`` for :func:`jax_cp.cp_attention`. Host (concrete) data."""
+  cuP = checks.concrete(cu_seqlens_padded)
+  if cuP is None:
+    raise ValueError("longest_padded_document needs concrete (host) "
+                     "cu_seqlens_padded, not a traced value")
+  checks.check_cu_seqlens_padded(cuP)
+  return int(np.diff(cuP, axis=-1).max())
+
+
+def check_max_seqlen_bound(cu_seqlens_padded, max_seqlen) -> None:
+  """Raises if a concrete row holds a padded document longer than
+  ``max_seqlen`` (a no-op for traced metadata)."""
+  if checks.concrete(cu_seqlens_padded) is None:
+    return
+  longest = longest_padded_document(cu_seqlens_padded)
+  if longest > int(max_seqlen):
+    raise ValueError(
+        f"max_seqlen={max_seqlen} is smaller than the longest padded "
+        f"document ({longest} tokens) in cu_seqlens_padded")
 
 
 def get_position_ids(cu_seqlens_padded, total_tokens: Optional[int] = None):
@@ -328,4 +363,4 @@ def sequence_to_gathered_index(cu_seqlens_padded, cp_size: int,
 
 __all__: Sequence[str] = (
     "get_partition_indices", "get_batch_on_this_cp_rank", "reorder_for_cp",
-    "restore_from_cp", "get_position_ids")
+    "restore_from_cp", "get_position_ids", "longest_padded_document")

@@ -69,12 +69,15 @@ def run_global(q, k, v, cu, cuP, w, *, cp, data, strategy, **kw):
   attn = functools.partial(jax_cp.cp_attention, mesh=mesh, cp_axis="cp",
                            batch_axis="data", load_balancing_strategy=strategy,
                            backend="xla", **kw)
-  fwd = jax.jit(lambda q, k, v: attn(q, k, v, cu, cuP))
-  grad = jax.jit(jax.grad(lambda q, k, v, w: jnp.sum(
-      attn(q, k, v, cu, cuP).astype(jnp.float32) * w), argnums=(0, 1, 2)))
-  qs, ks, vs = re(q), re(k), re(v)
-  out = back(fwd(qs, ks, vs))
-  grads = tuple(back(g) for g in grad(qs, ks, vs, re(w)))
+  def loss(q, k, v, w):
+    out = attn(q, k, v, cu, cuP)
+    return jnp.sum(out.astype(jnp.float32) * w), out
+
+  # One program for the output and the gradients (one compile).
+  (_, out), grads = jax.jit(jax.value_and_grad(
+      loss, argnums=(0, 1, 2), has_aux=True))(re(q), re(k), re(v), re(w))
+  out = back(out)
+  grads = tuple(back(g) for g in grads)
   return out, grads
 
 

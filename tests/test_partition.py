@@ -142,3 +142,14 @@ def test_batched_metadata_rows():
     xr = jax_cp.reorder_for_cp(x, cuP, cp, strategy, seq_dim=1)
     np.testing.assert_array_equal(
         jax_cp.restore_from_cp(xr, cuP, cp, strategy, seq_dim=1), x)
+
+
+def test_cp_size_one_is_identity_for_any_lengths():
+  """At cp=1 nothing is chunked, so odd padded lengths are fine."""
+  cuP = np.array([0, 5, 12], np.int32)
+  for strategy in S:
+    np.testing.assert_array_equal(
+        jax_cp.get_partition_indices(cuP, 1, 0, strategy), np.arange(12))
+    x = np.arange(12)
+    np.testing.assert_array_equal(jax_cp.reorder_for_cp(x, cuP, 1, strategy),
+                                  x)

@@ -1,0 +1,148 @@
+"""How K/V travel between CP ranks, forward and backward (inside shard_map).
+
+* ``all_gather``: every rank gets the whole row ``[T]``; DUAL_CHUNK_SWAP
+  buffers are put back into sequence order with a gather. Gradients go back
+  with the inverse gather and a reduce-scatter (``psum_scatter``).
+* ``halo`` (NO_LOAD_BALANCE with a ``max_seqlen`` bound W, DESIGN §5.1):
+  rank r needs only physical tokens ``[lo - (W-1), lo)`` from its
+  predecessors, ``ceil((W-1)/Tl)`` ``ppermute`` hops. The buffer holds
+  ``[lo - halo, hi)``. Gradients of the halo go back with the reverse
+  permutes and are added to the owners' local gradients.
+* ``none``: one rank (cp=1), the local chunk is the row.
+
+K and V travel together (concatenated on the head axis): one collective for
+both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jax_cp import partition
+
+
+@dataclasses.dataclass(frozen=True)
+class KVExchange:
+  """Static description of the exchange (hashable).
+
+  Attributes:
+    kind: ``"none"``, ``"all_gather"`` or ``"halo"``.
+    cp_axis: mesh axis name.
+    cp_size: its size.
+    total_tokens: T, tokens per row.
+    restore_dual_chunk: all-gathered buffer is in DUAL_CHUNK_SWAP layout and
+      must be put back into sequence order.
+    halo_tokens: tokens received from predecessors (``kind == "halo"``).
+  """
+
+  kind: str
+  cp_axis: Optional[str]
+  cp_size: int
+  total_tokens: int
+  restore_dual_chunk: bool = False
+  halo_tokens: int = 0
+
+  @property
+  def local_tokens(self) -> int:
+    return self.total_tokens // self.cp_size
+
+  @property
+  def buffer_tokens(self) -> int:
+    """Token count of the exchanged buffer."""
+    if self.kind == "all_gather":
+      return self.total_tokens
+    if self.kind == "halo":
+      return self.halo_tokens + self.local_tokens
+    return self.local_tokens
+
+  def buffer_start(self, rank):
+    """Physical index of the buffer's first token on ``rank``."""
+    if self.kind == "all_gather":
+      return jnp.int32(0)
+    lo = jnp.asarray(rank, jnp.int32) * self.local_tokens
+    return lo - self.halo_tokens if self.kind == "halo" else lo
+
+  def _hops(self):
+    """(hop distance, tokens) from the farthest predecessor to the nearest."""
+    tl, h = self.local_tokens, self.halo_tokens
+    n = -(-h // tl)
+    return [(j, tl if j < n else h - (n - 1) * tl) for j in range(n, 0, -1)]
+
+  # ----------------------------------------------------------------- forward
+
+  def gather(self, k, v, cu_seqlens_padded):
+    """Local ``[B, Tl, Hkv, D]`` K and V -> exchanged buffers."""
+    if self.kind == "none":
+      return k, v
+    hk = k.shape[2]
+    kv = jnp.concatenate([k, v], axis=2)
+    if self.kind == "all_gather":
+      kv = jax.lax.all_gather(kv, self.cp_axis, axis=1, tiled=True)
+      if self.restore_dual_chunk:
+        idx = partition.gathered_to_sequence_index(
+            cu_seqlens_padded, self.cp_size, self.total_tokens)
+        kv = jnp.take_along_axis(kv, idx[:, :, None, None], axis=1)
+    else:
+      tl = self.local_tokens
+      pieces = []
+      for hop, size in self._hops():
+        perm = [(i, i + hop) for i in range(self.cp_size - hop)]
+        pieces.append(jax.lax.ppermute(kv[:, tl - size:], self.cp_axis, perm))
+      kv = jnp.concatenate(pieces + [kv], axis=1)
+    return kv[:, :, :hk], kv[:, :, hk:]
+
+  # ----------------------------------------------------------------- backward
+
+  def scatter(self, dk, dv, cu_seqlens_padded):
+    """Gradients w.r.t. the exchanged buffers -> gradients of the local
+    chunk (summed over every rank that read it)."""
+    if self.kind == "none":
+      return dk, dv
+    hk = dk.shape[2]
+    dkv = jnp.concatenate([dk, dv], axis=2)
+    if self.kind == "all_gather":
+      if self.restore_dual_chunk:
+        pos = partition.sequence_to_gathered_index(
+            cu_seqlens_padded, self.cp_size, self.total_tokens)
+        dkv = jnp.take_along_axis(dkv, pos[:, :, None, None], axis=1)
+      dkv = jax.lax.psum_scatter(dkv, self.cp_axis, scatter_dimension=1,
+                                 tiled=True)
+    else:
+      tl = self.local_tokens
+      local = dkv[:, self.halo_tokens:]
+      start = 0
+      for hop, size in self._hops():
+        piece = dkv[:, start:start + size]
+        start += size
+        perm = [(i + hop, i) for i in range(self.cp_size - hop)]
+        back = jax.lax.ppermute(piece, self.cp_axis, perm)
+        # (A padded add rather than `.at[].add`: the latter crashed XLA:CPU's
+        # compiler with two hops, jaxlib 0.11.2.)
+        local = local + jnp.pad(back, ((0, 0), (tl - size, 0), (0, 0), (0, 0)))
+      dkv = local
+    return dkv[:, :, :hk], dkv[:, :, hk:]
+
+
+def choose_exchange(strategy_is_nlb: bool, cp_axis, cp_size: int,
+                    total_tokens: int, max_seqlen: Optional[int]
+                    ) -> KVExchange:
+  """The cheapest correct exchange for the layout, chosen statically.
+
+  NO_LOAD_BALANCE with a bound W moves ``W-1`` tokens per rank through
+  ``ceil((W-1)/Tl)`` hops instead of ``(cp-1)*Tl``; when that reaches rank 0
+  anyway (``W-1 >= (cp-1)*Tl``) the all-gather is used.
+  """
+  if cp_size == 1:
+    return KVExchange("none", cp_axis, 1, total_tokens)
+  tl = total_tokens // cp_size
+  if strategy_is_nlb and max_seqlen is not None:
+    halo = max(int(max_seqlen) - 1, 0)
+    if halo < (cp_size - 1) * tl:
+      return KVExchange("halo", cp_axis, cp_size, total_tokens,
+                        halo_tokens=halo)
+  return KVExchange("all_gather", cp_axis, cp_size, total_tokens,
+                    restore_dual_chunk=not strategy_is_nlb)

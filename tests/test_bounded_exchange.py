@@ -1,0 +1,119 @@
+"""NO_LOAD_BALANCE with a max_seqlen bound: the halo exchange gives the same
+results as the all-gather, moves only what is needed, and says so in HLO."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_cp
+from jax_cp import CPLoadBalancingStrategy as S
+from jax_cp.kv_exchange import choose_exchange
+from tests import reference as ref
+
+T, D = 128, 16
+NLB = S.NO_LOAD_BALANCE
+
+
+def layout_with_longest(rng, w, batch, max_docs=64):
+  """Rows of T tokens whose documents are at most w long (padded), with
+  one document of exactly w per row so the bound is tight."""
+  cus, cuPs = [], []
+  for _ in range(batch):
+    plens = [w]
+    while sum(plens) < T:
+      plens.append(int(rng.integers(1, w + 1)))
+    plens[-1] -= sum(plens) - T
+    rng.shuffle(plens)
+    plens = [p for p in plens if p > 0]
+    lens = [p if rng.random() < 0.6 else int(rng.integers(1, p + 1))
+            for p in plens]
+    cuP = np.zeros(max_docs + 1, np.int32)
+    cu = np.zeros(max_docs + 1, np.int32)
+    cuP[1:len(plens) + 1] = np.cumsum(plens)
+    cu[1:len(lens) + 1] = np.cumsum(lens)
+    cuP[len(plens) + 1:] = T
+    cu[len(lens) + 1:] = cu[len(lens)]
+    cus.append(cu)
+    cuPs.append(cuP)
+  return np.stack(cus), np.stack(cuPs)
+
+
+def run(q, k, v, w, cu, cuP, cp, max_seqlen, split=False):
+  mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  attn = functools.partial(jax_cp.cp_attention, mesh=mesh,
+                           load_balancing_strategy=NLB, backend="xla",
+                           max_seqlen=max_seqlen,
+                           split_causal_backward=split)
+  out = jax.jit(lambda q, k, v: attn(q, k, v, cu, cuP))(q, k, v)
+  grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(
+      attn(q, k, v, cu, cuP) * w), argnums=(0, 1, 2)))(q, k, v)
+  return out, grads
+
+
+@pytest.mark.parametrize("cp, w", [
+    (2, 20), (2, 100),                 # one hop; bound above Tl -> gather
+    (4, 20), (4, 50), (4, 128),        # one hop, two hops, falls back
+    (8, 10), (8, 30), (8, 64),         # one, two, four hops
+])
+def test_bounded_equals_all_gather_and_reference(cp, w, record_error):
+  rng = np.random.default_rng(cp * 1000 + w)
+  cu, cuP = layout_with_longest(rng, w, batch=2)
+  q = jnp.asarray(rng.standard_normal((2, T, 4, D)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((2, T, 2, D)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((2, T, 2, D)), jnp.float32)
+  wt = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  exch = choose_exchange(True, "cp", cp, T, w)
+  tl = T // cp
+  if w - 1 < (cp - 1) * tl:
+    assert exch.kind == "halo" and exch.halo_tokens == w - 1
+  else:
+    assert exch.kind == "all_gather"
+  out_b, g_b = run(q, k, v, wt, cu, cuP, cp, max_seqlen=w,
+                   split=cp == 4)
+  out_a, g_a = run(q, k, v, wt, cu, cuP, cp, max_seqlen=None)
+  assert ref.rel_err(out_b, out_a) < 1e-5
+  for x, y in zip(g_b, g_a):
+    assert ref.rel_err(x, y) < 1e-5
+  want = ref.batched_attention(q, k, v, cu, cuP)
+  valid = np.stack([ref.valid_token_mask(cu[i], cuP[i]) for i in range(2)])
+  err = ref.rel_err(np.asarray(out_b)[valid], np.asarray(want)[valid])
+  record_error(jnp.float32, "out", err)
+  assert err < 1e-4
+
+
+def test_lowered_hlo_has_permutes_not_gathers():
+  cp, w = 4, 20
+  rng = np.random.default_rng(0)
+  cu, cuP = layout_with_longest(rng, w, batch=1)
+  q = jnp.asarray(rng.standard_normal((1, T, 4, D)), jnp.float32)
+  k = v = jnp.asarray(rng.standard_normal((1, T, 2, D)), jnp.float32)
+  mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+  def loss(q, k, v, bound):
+    return jnp.sum(jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh,
+                                       load_balancing_strategy=NLB,
+                                       backend="xla", max_seqlen=bound))
+
+  for bound, permutes in ((w, True), (None, False)):
+    text = jax.jit(jax.value_and_grad(functools.partial(loss, bound=bound),
+                                      argnums=(0, 1, 2))).lower(
+                                          q, k, v).as_text()
+    assert ("collective_permute" in text) == permutes, bound
+    assert ("all_gather" in text) == (not permutes), bound
+    assert ("reduce_scatter" in text) == (not permutes), bound
+
+
+def test_max_seqlen_guard_on_host_helpers():
+  cuP = np.array([0, 40, 64], np.int32)
+  with pytest.raises(ValueError, match="max_seqlen=30 is smaller than the "
+                     "longest padded document \\(40 tokens\\)"):
+    jax_cp.get_batch_on_this_cp_rank(cuP, np.arange(64), cp_size=2,
+                                     cp_rank=0, load_balancing_strategy=NLB,
+                                     max_seqlen=30)
+  assert jax_cp.longest_padded_document(cuP) == 40
+  assert jax_cp.longest_padded_document(np.stack([cuP, [0, 10, 64]])) == 54
