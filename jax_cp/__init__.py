@@ -12,21 +12,34 @@ Public API (DESIGN section 7)::
 
 from jax_cp.attention.api import fused_attention
 from jax_cp.context_parallel import cp_attention, cp_attention_local
+from jax_cp.cost_model import (CPCostEstimate, StrategyRecommendation,
+                               estimate_cp_imbalance, recommend_strategy)
+from jax_cp.data import (GlobalBatch, make_global_batch, make_global_metadata,
+                          process_batch_rows)
 from jax_cp.partition import (get_batch_on_this_cp_rank, get_partition_indices,
-                              get_position_ids, reorder_for_cp,
-                              restore_from_cp)
+                              get_position_ids, longest_padded_document,
+                              reorder_for_cp, restore_from_cp)
 from jax_cp.strategy import CPLoadBalancingStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CPCostEstimate",
     "CPLoadBalancingStrategy",
+    "GlobalBatch",
+    "StrategyRecommendation",
     "cp_attention",
     "cp_attention_local",
+    "estimate_cp_imbalance",
     "fused_attention",
     "get_batch_on_this_cp_rank",
     "get_partition_indices",
     "get_position_ids",
+    "longest_padded_document",
+    "make_global_batch",
+    "make_global_metadata",
+    "process_batch_rows",
+    "recommend_strategy",
     "reorder_for_cp",
     "restore_from_cp",
 ]

@@ -1,0 +1,479 @@
+"""Turns bench_cp.py result JSONs into ``RESULTS.md`` and ``speedup.png``.
+
+Usage::
+
+    python3 benchmarks/report.py benchmarks/results/results_*.json \\
+        --out benchmarks/results
+
+With several files, a measurement present in more than one is taken from
+the newest file. Needs only the standard library (plus matplotlib for the
+plot, skipped with a note when it is missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+DIST_ORDER = ("one_doc", "short_128_1k", "uniform_1k_8k", "stdlib_mix")
+DIST_LABEL = {"one_doc": "one document", "short_128_1k": "128–1k docs",
+              "uniform_1k_8k": "1k–8k docs",
+              "stdlib_mix": "stdlib .py sizes"}
+STRATEGIES = ("dual_chunk_swap", "no_load_balance")
+SHORT = {"dual_chunk_swap": "DCS", "no_load_balance": "NLB", None: "cp=1"}
+PASS_LABEL = {"fwd": "forward", "fwd_bwd": "forward+backward"}
+TARGET_T = 65536
+
+
+# ----------------------------------------------------------------- loading
+
+
+def load(paths: Sequence[str]) -> Tuple[List[Dict[str, Any]],
+                                        List[Dict[str, Any]]]:
+  """All records (newest file wins on duplicates) and the files' envs."""
+  files = []
+  for pattern in paths:
+    matches = sorted(glob.glob(pattern)) or [pattern]
+    for path in matches:
+      with open(path) as f:
+        data = json.load(f)
+      data["_path"] = path
+      files.append(data)
+  files.sort(key=lambda d: d.get("env", {}).get("date", ""))
+  merged: Dict[Tuple, Dict[str, Any]] = {}
+  for data in files:
+    for r in data.get("records", []):
+      key = (r["kind"], r["row_id"], r["cp"], r["strategy"], r["pass_name"],
+             r["hkv"], r["hq"], r["head_dim"], r["dtype"], r.get("bound"))
+      merged[key] = dict(r, _file=os.path.basename(data["_path"]))
+  return list(merged.values()), [dict(d.get("env", {}), path=d["_path"],
+                                      args=d.get("args", {}),
+                                      summary=d.get("summary", {}))
+                                 for d in files]
+
+
+def select(records: Iterable[Dict[str, Any]], **where) -> List[Dict[str, Any]]:
+  return [r for r in records if all(r.get(k) == v for k, v in where.items())]
+
+
+def one(records, **where) -> Optional[Dict[str, Any]]:
+  found = [r for r in select(records, **where)
+           if r.get("ms_median") is not None]
+  return found[0] if found else None
+
+
+# ----------------------------------------------------------------- formatting
+
+
+def _f(x, fmt: str, suffix: str = "") -> str:
+  return "–" if x is None else format(x, fmt) + suffix
+
+
+def _pct(x) -> str:
+  return "–" if x is None else f"{100 * x:.1f} %"
+
+
+def _cell(r: Optional[Dict[str, Any]]) -> str:
+  if r is None:
+    return "–"
+  if r.get("ms_median") is None:
+    return "error"
+  parts = [f"**{_f(r.get('speedup'), '.2f', '×')}**"
+           if r["cp"] > 1 else "1.00×"]
+  if r["cp"] > 1:
+    parts.append(_f(r.get("efficiency") and 100 * r["efficiency"], ".0f",
+                    " %"))
+  parts.append(f"{r['ms_median']:.3f} ms")
+  parts.append(_f(r.get("tflops_per_gpu"), ".0f", " TF/s"))
+  parts.append("imb " + _f(r.get("predicted_imbalance"), ".2f"))
+  return " · ".join(parts)
+
+
+def _verdict(ok: Optional[bool]) -> str:
+  return {True: "✅ met", False: "❌ missed", None: "— not measured"}[ok]
+
+
+# ----------------------------------------------------------------- sections
+
+
+def _groups(records):
+  """(tokens, hkv, pass) groups present among cp_attention records."""
+  keys = {(r["tokens"], r["hkv"], r["pass_name"])
+          for r in records if r["kind"] == "cp_attention"}
+  return sorted(keys, key=lambda k: (k[0], k[1], k[2] != "fwd_bwd"))
+
+
+def target_rows(records) -> List[Tuple[str, str, str]]:
+  """(target, measured, verdict) rows for the issue's targets."""
+  rows = []
+  cpa = select(records, kind="cp_attention")
+  hkvs = sorted({r["hkv"] for r in cpa})
+  hkv = 8 if 8 in hkvs else (hkvs[0] if hkvs else None)
+
+  def get(**w):
+    return one(cpa, **w)
+
+  # 1. cp=2 one doc DCS fwd+bwd >= 1.8x.
+  r = get(dist="one_doc", tokens=TARGET_T, hkv=hkv, pass_name="fwd_bwd",
+          strategy="dual_chunk_swap", cp=2)
+  sp = r and r.get("speedup")
+  rows.append(("cp=2, one document, T=64k, DCS, fwd+bwd: speed-up ≥ 1.8×",
+               _f(sp, ".2f", "×") + (
+                   f" ({r['ms_cp1']:.2f} → {r['ms_median']:.2f} ms)"
+                   if sp else ""),
+               _verdict(None if sp is None else sp >= 1.8)))
+  # 2. cp=2 short docs NLB >= 1.85x and faster than DCS.
+  for pass_name in ("fwd_bwd", "fwd"):
+    n = get(dist="short_128_1k", tokens=TARGET_T, hkv=hkv,
+            pass_name=pass_name, strategy="no_load_balance", cp=2)
+    d = get(dist="short_128_1k", tokens=TARGET_T, hkv=hkv,
+            pass_name=pass_name, strategy="dual_chunk_swap", cp=2)
+    sp = n and n.get("speedup")
+    faster = (None if n is None or d is None
+              else n["ms_median"] < d["ms_median"])
+    ok = None if sp is None else (sp >= 1.85 and faster is not False)
+    bound = n and n.get("max_seqlen")
+    rows.append((
+        f"cp=2, 128–1k docs, T=64k, NLB (max_seqlen={bound}), "
+        f"{PASS_LABEL[pass_name]}: speed-up ≥ 1.85× and faster than DCS",
+        f"{_f(sp, '.2f', '×')}; NLB {_f(n and n['ms_median'], '.3f')} ms vs "
+        f"DCS {_f(d and d['ms_median'], '.3f')} ms", _verdict(ok)))
+  # 3. exposed exchange <= 10 % at T=64k, Hkv=8.
+  for dist in DIST_ORDER:
+    cands = [r for r in select(cpa, dist=dist, tokens=TARGET_T, hkv=hkv)
+             if r["cp"] > 1 and r.get("exposed_exchange_fraction") is not None]
+    if not cands:
+      continue
+    worst = max(cands, key=lambda r: r["exposed_exchange_fraction"])
+    stand = [r.get("standalone_exchange_fraction") for r in cands
+             if r.get("standalone_exchange_fraction") is not None]
+    rows.append((
+        f"exposed all-gather (+reorder) ≤ 10 % of the step, T=64k, "
+        f"Hkv={hkv}, {DIST_LABEL.get(dist, dist)} (worst of cp × strategy × "
+        f"pass)",
+        f"exposed {_pct(worst['exposed_exchange_fraction'])} "
+        f"({SHORT[worst['strategy']]} cp={worst['cp']} "
+        f"{worst['pass_name']}); standalone gather+reorder up to "
+        f"{_pct(max(stand) if stand else None)}",
+        _verdict(worst["exposed_exchange_fraction"] <= 0.10)))
+  # 4. cp=1 within 5 % of the primitive.
+  for pass_name in ("fwd_bwd", "fwd"):
+    cands = [r for r in select(cpa, cp=1, tokens=TARGET_T, hkv=hkv,
+                               pass_name=pass_name)
+             if r.get("overhead_vs_primitive") is not None]
+    if not cands:
+      continue
+    worst = max(cands, key=lambda r: r["overhead_vs_primitive"])
+    rows.append((
+        f"cp=1 cp_attention within 5 % of fused_attention, T=64k, "
+        f"{PASS_LABEL[pass_name]} (worst distribution)",
+        f"{100 * worst['overhead_vs_primitive']:+.1f} % "
+        f"({DIST_LABEL.get(worst['dist'], worst['dist'])}: "
+        f"{worst['ms_median']:.3f} vs {worst['primitive_ms']:.3f} ms)",
+        _verdict(worst["overhead_vs_primitive"] <= 0.05)))
+  # 5./6. follow-up: cp=4 efficiencies.
+  for dist, strategy, t in (("one_doc", "dual_chunk_swap", 131072),
+                            ("short_128_1k", "no_load_balance", TARGET_T)):
+    for tokens in sorted({t, TARGET_T, 131072}):
+      r = get(dist=dist, tokens=tokens, hkv=hkv, pass_name="fwd_bwd",
+              strategy=strategy, cp=4)
+      if r is None and tokens != t:
+        continue
+      eff = r and r.get("efficiency")
+      rows.append((
+          f"cp=4, {DIST_LABEL[dist]}, T={tokens // 1024}k, "
+          f"{SHORT[strategy]}, fwd+bwd: efficiency ≥ 85 %",
+          _f(eff and 100 * eff, ".1f", " %"),
+          _verdict(None if eff is None else eff >= 0.85)))
+  return rows
+
+
+def imbalance_rows(records) -> List[str]:
+  """NLB on one document: measured speed-up vs the bound cp / ((2cp-1)/cp)."""
+  out = []
+  for r in sorted(select(records, kind="cp_attention", dist="one_doc",
+                         strategy="no_load_balance"),
+                  key=lambda r: (r["tokens"], r["hkv"], r["pass_name"],
+                                 r["cp"])):
+    if r.get("speedup") is None:
+      continue
+    cp = r["cp"]
+    bound = cp * cp / (2 * cp - 1)
+    out.append(f"| {r['tokens']} | {r['hkv']} | {r['pass_name']} | {cp} | "
+               f"{(2 * cp - 1) / cp:.3f} | "
+               f"{_f(r.get('predicted_imbalance'), '.3f')} | "
+               f"{bound:.2f}× | {r['speedup']:.2f}× | "
+               f"{100 * r['speedup'] / bound:.0f} % |")
+  return out
+
+
+def recommendation_paragraph(records) -> str:
+  """'Which strategy should I pick', from the measurements."""
+  lines = []
+  cpa = [r for r in select(records, kind="cp_attention")
+         if r["cp"] > 1 and r.get("ms_median") is not None]
+  wins = {}
+  agree = total = 0
+  for r in cpa:
+    if r["strategy"] != "no_load_balance":
+      continue
+    d = next((x for x in cpa if x["strategy"] == "dual_chunk_swap"
+              and x["dist"] == r["dist"] and x["tokens"] == r["tokens"]
+              and x["hkv"] == r["hkv"] and x["pass_name"] == r["pass_name"]
+              and x["cp"] == r["cp"] and x["hq"] == r["hq"]), None)
+    if d is None:
+      continue
+    ratio = d["ms_median"] / r["ms_median"]       # > 1: NLB faster
+    wins.setdefault(r["dist"], []).append((ratio, r))
+    if r.get("predicted_ms") is not None and d.get("predicted_ms") is not None:
+      total += 1
+      agree += ((r["predicted_ms"] < d["predicted_ms"]) == (ratio > 1))
+  if not wins:
+    return "No CP configuration with both strategies was measured."
+  verdicts = {}
+  for dist in sorted(wins, key=lambda x: DIST_ORDER.index(x)
+                     if x in DIST_ORDER else 99):
+    ratios = wins[dist]
+    n_nlb = sum(1 for x, _ in ratios if x > 1)
+    lo = min(x for x, _ in ratios)
+    hi = max(x for x, _ in ratios)
+    if n_nlb == len(ratios):
+      verdicts[dist] = "nlb"
+      verdict = "pick **NO_LOAD_BALANCE**"
+    elif n_nlb == 0:
+      verdicts[dist] = "dcs"
+      verdict = "keep **DUAL_CHUNK_SWAP**"
+    else:
+      verdicts[dist] = "mixed"
+      won = sorted({(r["cp"], r["pass_name"]) for x, r in ratios if x > 1})
+      verdict = ("it depends: NO_LOAD_BALANCE wins at " + ", ".join(
+          f"cp={c} {p}" for c, p in won) + ", DUAL_CHUNK_SWAP elsewhere")
+    lines.append(
+        f"- **{DIST_LABEL.get(dist, dist)}**: NLB is faster in {n_nlb} of "
+        f"{len(ratios)} configurations (DCS time / NLB time from "
+        f"{lo:.2f} to {hi:.2f}): {verdict}.")
+  text = ("Measured (DCS time ÷ NLB time > 1 means NO_LOAD_BALANCE wins):\n\n"
+          + "\n".join(lines) + "\n\n")
+  long_dcs = verdicts.get("one_doc") == "dcs"
+  short_nlb = verdicts.get("short_128_1k") == "nlb"
+  if long_dcs and short_nlb:
+    text += (
+        "So: when one document (or a few long ones) fills the row, the "
+        "causal imbalance of contiguous chunks ((2cp−1)/cp for one "
+        "document) costs more than DUAL_CHUNK_SWAP's second kernel call and "
+        "reorder: keep the default. When the row holds many documents much "
+        "shorter than T/cp, the imbalance vanishes and NO_LOAD_BALANCE's "
+        "single call (and, with `max_seqlen`, its bounded exchange) wins.")
+  else:
+    text += (
+        "These measurements do not split cleanly into \"one long document: "
+        "DUAL_CHUNK_SWAP, many short ones: NO_LOAD_BALANCE\" (one document: "
+        f"{verdicts.get('one_doc', 'not measured')}, 128–1k documents: "
+        f"{verdicts.get('short_128_1k', 'not measured')}); decide per "
+        "configuration from the tables above.")
+  text += (" Per batch, `jax_cp.recommend_strategy(cu, cuP, cp, "
+           "num_heads_q=..., num_heads_kv=..., max_seqlen=...)` applies the "
+           "cost model")
+  if total:
+    text += (f"; its pick agreed with the measured winner in {agree} of "
+             f"{total} configurations here.")
+  else:
+    text += "."
+  return text
+
+
+def render_markdown(records, envs) -> str:
+  out = ["# jax_cp context-parallel attention: benchmark results", ""]
+  for env in envs:
+    s = env.get("summary", {})
+    out.append(
+        f"- `{os.path.basename(env['path'])}`: {env.get('date')} on "
+        f"{env.get('device_count')}× {env.get('device_kind')} "
+        f"({env.get('platform')}), jax {env.get('jax')}, jaxlib "
+        f"{env.get('jaxlib')}, cuDNN {env.get('cudnn')}, backend "
+        f"`{env.get('args', {}).get('backend')}`; "
+        f"{s.get('measurements')} measurements, {s.get('programs')} programs, "
+        f"{s.get('xla_compiles')} XLA compiles, wall "
+        f"{_f(s.get('wall_s'), '.0f')} s")
+  out += ["",
+          "Times are medians of host-clock timings of one jitted call "
+          "(see `benchmarks/README.md`). FLOPs are exact causal pairs "
+          "(`4·Hq·D·L(L+1)/2` per document forward, ×3.5 forward+backward). "
+          "Speed-up is against cp=1 on the same row (same strategy's "
+          "padding); efficiency = speed-up / cp; *imb* is the cost model's "
+          "predicted max/mean per-rank work.", ""]
+
+  out += ["## Targets", "", "| target | measured | verdict |",
+          "|---|---|---|"]
+  out += [f"| {a} | {b} | {c} |" for a, b, c in target_rows(records)]
+  out.append("")
+
+  for tokens, hkv, pass_name in _groups(records):
+    grp = select(records, kind="cp_attention", tokens=tokens, hkv=hkv,
+                 pass_name=pass_name)
+    cps = sorted({r["cp"] for r in grp})
+    hq = grp[0]["hq"]
+    out += [f"## T={tokens}, Hq={hq}, Hkv={hkv}, {PASS_LABEL[pass_name]}",
+            "", "Cells: speed-up · efficiency · median ms · TFLOP/s per GPU · "
+            "predicted imbalance.", ""]
+    for dist in DIST_ORDER + tuple(sorted({r["dist"] for r in grp}
+                                          - set(DIST_ORDER))):
+      drows = select(grp, dist=dist)
+      if not drows:
+        continue
+      any_r = drows[0]
+      ndocs = any_r["num_docs"]
+      out += [f"### {DIST_LABEL.get(dist, dist)} ({ndocs} "
+              f"document{'s' if ndocs != 1 else ''}, longest padded "
+              f"{any_r['longest_padded_doc']}, "
+              f"max_seqlen {any_r['max_seqlen']})", "",
+              "| strategy | " + " | ".join(f"cp={c}" for c in cps) + " |",
+              "|---|" + "---|" * len(cps)]
+      for strategy in STRATEGIES:
+        srows = [r for r in drows if r["strategy"] == strategy]
+        if not srows:
+          continue
+        row_id = srows[0]["row_id"]
+        cells = []
+        for c in cps:
+          if c == 1:
+            cells.append(_cell(one(drows, cp=1, row_id=row_id)))
+          else:
+            cells.append(_cell(one(srows, cp=c)))
+        out.append(f"| {SHORT[strategy]} | " + " | ".join(cells) + " |")
+      prims = [r for r in drows if r["cp"] == 1
+               and r.get("primitive_ms") is not None]
+      notes = []
+      for r in prims:
+        notes.append(f"cp=1 ({r['layout']}) vs fused_attention: "
+                     f"{r['ms_median']:.3f} vs {r['primitive_ms']:.3f} ms "
+                     f"({100 * r['overhead_vs_primitive']:+.1f} %)")
+      dense = one(records, kind="dense_reference", dist=dist, tokens=tokens,
+                  hkv=hkv, pass_name=pass_name)
+      if dense is not None:
+        impl = "cuDNN" if dense.get("backend") == "cudnn" else "XLA"
+        notes.append(f"jax.nn.dot_product_attention ({impl}, dense causal): "
+                     f"{dense['ms_median']:.3f} ms, "
+                     f"{_f(dense.get('tflops_per_gpu'), '.0f')} TFLOP/s")
+      exch = [r for r in drows if r["cp"] > 1 and (
+          r.get("exposed_exchange_fraction") is not None
+          or r.get("standalone_exchange_fraction") is not None)]
+      if exch:
+        notes.append("exchange share of the step (exposed / standalone): " +
+                     "; ".join(
+                         f"{SHORT[r['strategy']]} cp={r['cp']} "
+                         f"{_pct(r.get('exposed_exchange_fraction'))} / "
+                         f"{_pct(r.get('standalone_exchange_fraction'))}"
+                         for r in sorted(exch, key=lambda r: (r['strategy'],
+                                                              r['cp']))))
+      pred = [r for r in drows if r.get("predicted_ms") is not None
+              and r.get("ms_median") is not None and r["cp"] > 1]
+      if pred:
+        notes.append("cost model predicted / measured ms: " + "; ".join(
+            f"{SHORT[r['strategy']]} cp={r['cp']} {r['predicted_ms']:.2f} / "
+            f"{r['ms_median']:.2f}" for r in sorted(
+                pred, key=lambda r: (r['strategy'], r['cp']))))
+      errors = [r for r in select(records, dist=dist, tokens=tokens, hkv=hkv,
+                                  pass_name=pass_name) if r.get("error")]
+      for r in errors:
+        notes.append(f"error in {r['kind']} {SHORT.get(r['strategy'])} "
+                     f"cp={r['cp']}: `{str(r['error'])[:160]}`")
+      out += [""] + [f"- {n}" for n in notes] + [""]
+
+  imb = imbalance_rows(records)
+  if imb:
+    out += ["## Where NO_LOAD_BALANCE's imbalance shows up (one document)",
+            "",
+            "With one document, contiguous chunks give the last rank "
+            "(2cp−1)/cp times the mean work, so the speed-up is bounded by "
+            "cp²/(2cp−1) (1.33× at cp=2, 2.29× at cp=4, 4.27× at cp=8).", "",
+            "| T | Hkv | pass | cp | (2cp−1)/cp | predicted imb | bound | "
+            "measured speed-up | of bound |",
+            "|---|---|---|---|---|---|---|---|---|"] + imb + [""]
+
+  out += ["## Which strategy should I pick?", "",
+          recommendation_paragraph(records), ""]
+  return "\n".join(out)
+
+
+def plot(records, path: str) -> Optional[str]:
+  """Grouped bars: speed-up per distribution, per strategy and cp (the
+  largest T and the first Hkv present, forward+backward if measured)."""
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+  cpa = [r for r in select(records, kind="cp_attention")
+         if r.get("speedup") is not None and r["cp"] > 1]
+  if not cpa:
+    return None
+  passes = [p for p in ("fwd_bwd", "fwd") if any(r["pass_name"] == p
+                                                for r in cpa)]
+  tokens = TARGET_T if any(r["tokens"] == TARGET_T for r in cpa) else max(
+      r["tokens"] for r in cpa)
+  hkvs = sorted({r["hkv"] for r in cpa})
+  hkv = 8 if 8 in hkvs else hkvs[0]
+  fig, axes = plt.subplots(1, len(passes), figsize=(6.5 * len(passes), 4.2),
+                           squeeze=False)
+  for ax, pass_name in zip(axes[0], passes):
+    sel = select(cpa, tokens=tokens, hkv=hkv, pass_name=pass_name)
+    dists = [d for d in DIST_ORDER if any(r["dist"] == d for r in sel)]
+    series = sorted({(r["strategy"], r["cp"]) for r in sel},
+                    key=lambda s: (s[1], s[0]))
+    width = 0.8 / max(len(series), 1)
+    for i, (strategy, cp) in enumerate(series):
+      ys = []
+      for d in dists:
+        r = one(sel, dist=d, strategy=strategy, cp=cp)
+        ys.append(r["speedup"] if r else 0.0)
+      xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(dists))]
+      ax.bar(xs, ys, width, label=f"{SHORT[strategy]} cp={cp}",
+             hatch="//" if strategy == "no_load_balance" else None,
+             color=f"C{sorted({c for _, c in series}).index(cp)}",
+             alpha=0.6 if strategy == "no_load_balance" else 1.0)
+    for cp in sorted({c for _, c in series}):
+      ax.axhline(cp, color="gray", lw=0.8, ls=":")
+    ax.set_xticks(range(len(dists)))
+    ax.set_xticklabels([DIST_LABEL.get(d, d) for d in dists])
+    ax.set_ylabel("speed-up over cp=1")
+    ax.set_title(f"{PASS_LABEL[pass_name]}, T={tokens}, Hkv={hkv}")
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Tuple[str, Optional[str]]:
+  here = os.path.dirname(os.path.abspath(__file__))
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("results", nargs="*",
+                 default=[os.path.join(here, "results", "results_*.json")],
+                 help="result JSONs (globs allowed)")
+  p.add_argument("--out", default=os.path.join(here, "results"))
+  args = p.parse_args(argv)
+  records, envs = load(args.results)
+  if not records:
+    raise SystemExit(f"no records in {args.results}")
+  os.makedirs(args.out, exist_ok=True)
+  md = os.path.join(args.out, "RESULTS.md")
+  png = plot(records, os.path.join(args.out, "speedup.png"))
+  text = render_markdown(records, envs)
+  if png:
+    text += "\n![speed-up](speedup.png)\n"
+  else:
+    text += "\n(speedup.png not drawn: matplotlib missing or no data)\n"
+  with open(md, "w") as f:
+    f.write(text)
+  print(f"wrote {md}" + (f" and {png}" if png else ""), file=sys.stderr)
+  return md, png
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,400 @@
+"""Host-side cost model of all-gather CP attention (DESIGN section 5, item 3).
+
+Given a batch's metadata, :func:`estimate_cp_imbalance` predicts what each
+context-parallel rank does in the forward of causal self-attention under a
+load-balancing strategy:
+
+* **work**: the causal (query, key) pairs each rank computes, counted exactly
+  for every document's *valid* tokens (query at position ``j`` of its
+  document sees keys ``0..j``, so a whole document of ``L`` valid tokens has
+  ``L(L+1)/2`` pairs); forward FLOPs are ``4 * D * Hq * pairs`` (two matmuls
+  of ``2*D`` FLOPs per pair and head);
+* **imbalance**: max over ranks / mean over ranks of that work (1 is
+  perfect; the step waits for the slowest rank);
+* **traffic**: the K/V bytes each rank receives in the all-gather,
+  ``(cp-1)/cp * T * Hkv * D * 2 * dtype_bytes``, and for NO_LOAD_BALANCE with
+  a ``max_seqlen`` bound ``W`` the bounded-halo bytes (rank ``r`` needs only
+  ``min(W-1, r*Tl)`` tokens from its predecessors);
+* **calls**: attention kernel calls per rank (2 for DUAL_CHUNK_SWAP, 1 for
+  NO_LOAD_BALANCE, 1 at ``cp == 1``).
+
+:func:`recommend_strategy` turns two such estimates into a predicted step
+time with a deliberately simple model (see
+:meth:`CPCostEstimate.predicted_time_s`) and picks the cheaper strategy.
+Everything here is numpy on the host: call it from the data loader, not
+inside ``jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+
+from jax_cp import checks
+from jax_cp.strategy import CPLoadBalancingStrategy, as_strategy
+
+_DCS = CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
+_NLB = CPLoadBalancingStrategy.NO_LOAD_BALANCE
+
+#: Default sustained causal-attention throughput of one H200 (FLOP/s, bf16).
+H200_ATTENTION_FLOPS = 600e12
+#: Default all-gather bus bandwidth between H200s over NVLink (B/s).
+H200_ALLGATHER_BUS_BANDWIDTH = 150e9
+#: Default fixed cost of one attention kernel call (launch + metadata), s.
+CALL_OVERHEAD_S = 20e-6
+#: FLOPs of forward + backward relative to the forward (FlashAttention
+#: convention: the backward does 2.5x the forward's matmul work).
+FWD_BWD_FLOP_FACTOR = 3.5
+#: K/V exchanges of forward + backward relative to the forward: forward
+#: gather, backward re-gather, and the reduce-scatter of dK/dV.
+FWD_BWD_BYTES_FACTOR = 3.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CPCostEstimate:
+  """Predicted per-rank work and traffic of one CP attention forward.
+
+  Attributes:
+    strategy: the load-balancing strategy the estimate is for.
+    cp_size: number of CP ranks.
+    pairs_per_rank: causal (query, key) pairs each rank computes, summed over
+      the rows of a batch.
+    flops_per_rank: forward FLOPs per rank, ``4 * head_dim * num_heads_q *
+      pairs``.
+    imbalance: ``max(flops_per_rank) / mean(flops_per_rank)`` (1.0 when no
+      rank has work).
+    calls_per_rank: attention kernel calls per rank in the forward.
+    allgather_bytes: K+V bytes each rank receives in the all-gather, summed
+      over rows.
+    halo_bytes_per_rank: NO_LOAD_BALANCE with ``max_seqlen``: K+V bytes rank
+      ``r`` needs from its predecessors (``min(W-1, r*Tl)`` tokens per row);
+      ``None`` otherwise.
+    halo_bytes: ``max(halo_bytes_per_rank)`` or ``None``.
+    longest_padded_doc: longest padded document of the batch.
+    total_tokens: ``T``, tokens per row.
+    num_rows: ``B`` (1 for ``[N+1]`` metadata).
+    valid_tokens: valid tokens over all rows.
+    max_seqlen: the bound ``W`` used for the halo (clamped to ``T``), or
+      ``None``.
+  """
+
+  strategy: CPLoadBalancingStrategy
+  cp_size: int
+  pairs_per_rank: Tuple[int, ...]
+  flops_per_rank: Tuple[int, ...]
+  imbalance: float
+  calls_per_rank: int
+  allgather_bytes: int
+  halo_bytes_per_rank: Optional[Tuple[int, ...]]
+  halo_bytes: Optional[int]
+  longest_padded_doc: int
+  total_tokens: int
+  num_rows: int
+  valid_tokens: int
+  max_seqlen: Optional[int]
+
+  @property
+  def total_flops(self) -> int:
+    """Forward FLOPs of the whole batch (all ranks)."""
+    return int(sum(self.flops_per_rank))
+
+  @property
+  def max_rank_flops(self) -> int:
+    """Forward FLOPs of the busiest rank (what the step waits for)."""
+    return int(max(self.flops_per_rank))
+
+  @property
+  def mean_rank_flops(self) -> float:
+    return self.total_flops / self.cp_size
+
+  @property
+  def exchange_bytes(self) -> int:
+    """K/V bytes per rank of the forward exchange the model charges: the
+    bounded halo when known, else the all-gather."""
+    return self.allgather_bytes if self.halo_bytes is None else self.halo_bytes
+
+  def predicted_time_s(self, *, peak_flops: float = H200_ATTENTION_FLOPS,
+                       bandwidth: float = H200_ALLGATHER_BUS_BANDWIDTH,
+                       call_overhead_s: float = CALL_OVERHEAD_S,
+                       include_backward: bool = False,
+                       bounded_exchange: bool = True) -> float:
+    """Predicted step time of the busiest rank, in seconds.
+
+    ``max_rank_flops / peak_flops + exchange_bytes / bandwidth + calls *
+    call_overhead_s``, with nothing overlapped. With ``include_backward``,
+    FLOPs are multiplied by :data:`FWD_BWD_FLOP_FACTOR` (3.5), bytes by
+    :data:`FWD_BWD_BYTES_FACTOR` (3: gather, re-gather, reduce-scatter) and
+    calls by 2. The model ignores kernel efficiency on short documents, the
+    DUAL_CHUNK_SWAP reorder gather and any overlap of exchange and compute.
+
+    Args:
+      peak_flops: sustained causal-attention FLOP/s of one GPU.
+      bandwidth: bus bandwidth of the exchange, B/s.
+      call_overhead_s: fixed cost per attention kernel call.
+      include_backward: model forward + backward instead of the forward.
+      bounded_exchange: charge the bounded halo (NO_LOAD_BALANCE with a
+        ``max_seqlen``) instead of the full all-gather.
+    """
+    for name, x in (("peak_flops", peak_flops), ("bandwidth", bandwidth)):
+      if not np.isfinite(x) or x <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {x!r}")
+    if not np.isfinite(call_overhead_s) or call_overhead_s < 0:
+      raise ValueError(f"call_overhead_s must be >= 0, got {call_overhead_s!r}")
+    nbytes = self.exchange_bytes if bounded_exchange else self.allgather_bytes
+    flops, calls = float(self.max_rank_flops), self.calls_per_rank
+    if include_backward:
+      flops *= FWD_BWD_FLOP_FACTOR
+      nbytes *= FWD_BWD_BYTES_FACTOR
+      calls *= 2
+    return flops / peak_flops + nbytes / bandwidth + calls * call_overhead_s
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyRecommendation:
+  """What :func:`recommend_strategy` picked and why.
+
+  Attributes:
+    strategy: the strategy with the lower predicted step time.
+    predicted_time_s: predicted step time per strategy value.
+    estimates: the :class:`CPCostEstimate` per strategy value.
+    reason: one human-readable sentence.
+  """
+
+  strategy: CPLoadBalancingStrategy
+  predicted_time_s: Dict[str, float]
+  estimates: Dict[str, CPCostEstimate]
+  reason: str
+
+
+# ----------------------------------------------------------------- helpers
+
+
+def _causal_pairs(a, b):
+  """Sum of ``j+1`` for ``j`` in ``[a, b)`` (0 where ``b <= a``), int64."""
+  a = np.asarray(a, np.int64)
+  b = np.maximum(np.asarray(b, np.int64), a)
+  return (b * (b + 1) - a * (a + 1)) // 2
+
+
+def _as_int_rows(x: Any, name: str) -> np.ndarray:
+  arr = checks.concrete(x)
+  if arr is None:
+    raise ValueError(f"{name} must be a concrete host array (numpy or a "
+                     "non-traced JAX array); the cost model runs on the host")
+  if not np.issubdtype(arr.dtype, np.integer):
+    raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+  return arr.astype(np.int64).reshape(-1, arr.shape[-1])
+
+
+def _check_positive_int(value: Any, name: str) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
+      or value < 1:
+    raise ValueError(f"{name} must be a positive int, got {value!r}")
+  return int(value)
+
+
+def _rank_pairs(lens, starts, plens, cp: int, total: int,
+                strategy: CPLoadBalancingStrategy) -> np.ndarray:
+  """Causal pairs per rank ``[cp]`` of one row (int64)."""
+  ranks = np.arange(cp, dtype=np.int64)[:, None]          # [cp, 1]
+  lens, starts, plens = lens[None], starts[None], plens[None]  # [1, N]
+  if strategy is _NLB or cp == 1:
+    tl = total // cp
+    lo, hi = ranks * tl, (ranks + 1) * tl
+    a = np.clip(lo - starts, 0, lens)
+    b = np.clip(hi - starts, 0, lens)
+    return _causal_pairs(a, b).sum(axis=1)
+  c = plens // (2 * cp)                                    # chunk length
+  pairs = 0
+  for k in (ranks, 2 * cp - 1 - ranks):
+    a = np.clip(k * c, 0, lens)
+    b = np.clip((k + 1) * c, 0, lens)
+    pairs = pairs + _causal_pairs(a, b)
+  return pairs.sum(axis=1)
+
+
+# ----------------------------------------------------------------- public API
+
+
+def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded, cp_size: int,
+                          strategy=_DCS, *, num_heads_q: int = 1,
+                          num_heads_kv: int = 1, head_dim: int = 128,
+                          dtype_bytes: int = 2,
+                          max_seqlen: Optional[int] = None) -> CPCostEstimate:
+  """Predicts per-rank causal attention work and K/V traffic of a batch.
+
+  Args:
+    cu_seqlens: int ``[N+1]`` or ``[B, N+1]`` cumulative valid lengths.
+    cu_seqlens_padded: int, same shape, cumulative padded lengths
+      (``cuP[-1] == T`` in every row).
+    cp_size: number of CP ranks.
+    strategy: :class:`CPLoadBalancingStrategy` or its string.
+    num_heads_q: query heads (scales FLOPs).
+    num_heads_kv: key/value heads (scales bytes).
+    head_dim: head dimension ``D``.
+    dtype_bytes: bytes per K/V element (2 for bf16).
+    max_seqlen: static bound ``W`` on every padded document length; with
+      NO_LOAD_BALANCE it gives the bounded-halo bytes. ``None``: no bound.
+
+  Returns:
+    A :class:`CPCostEstimate`. With batched metadata, per-rank quantities are
+    sums over rows.
+
+  Raises:
+    ValueError: malformed metadata, ``T % cp_size != 0``, DUAL_CHUNK_SWAP
+      with a padded length not divisible by ``2*cp_size``, a document longer
+      than ``max_seqlen``, or bad sizes.
+  """
+  strategy = as_strategy(strategy, "strategy")
+  checks.check_cp_size(cp_size)
+  cp = int(cp_size)
+  hq = _check_positive_int(num_heads_q, "num_heads_q")
+  hkv = _check_positive_int(num_heads_kv, "num_heads_kv")
+  d = _check_positive_int(head_dim, "head_dim")
+  nbytes = _check_positive_int(dtype_bytes, "dtype_bytes")
+  if hq % hkv:
+    raise ValueError(f"num_heads_q={hq} must be a multiple of num_heads_kv="
+                     f"{hkv} (GQA/MQA)")
+  cuP = _as_int_rows(cu_seqlens_padded, "cu_seqlens_padded")
+  cu = _as_int_rows(cu_seqlens, "cu_seqlens")
+  checks.check_cu_seqlens_padded(np.asarray(cu_seqlens_padded))
+  checks.check_cu_seqlens(np.asarray(cu_seqlens),
+                          np.asarray(cu_seqlens_padded))
+  total = int(cuP[0, -1])
+  checks.check_divisible_tokens(total, cp)
+  if strategy is _DCS:
+    checks.check_dual_chunk_divisible(cuP, cp)
+  plens = np.diff(cuP, axis=-1)
+  lens = np.diff(cu, axis=-1)
+  longest = int(plens.max()) if plens.size else 0
+  w = None
+  if max_seqlen is not None:
+    w = min(_check_positive_int(max_seqlen, "max_seqlen"), total)
+    if longest > w:
+      raise ValueError(f"max_seqlen={max_seqlen} is smaller than the longest "
+                       f"padded document ({longest} tokens)")
+
+  pairs = np.zeros(cp, np.int64)
+  for row in range(cuP.shape[0]):
+    pairs += _rank_pairs(lens[row], cuP[row, :-1], plens[row], cp, total,
+                         strategy)
+  flops = pairs * (4 * d * hq)
+  mean = float(flops.sum()) / cp
+  imbalance = float(flops.max()) / mean if mean > 0 else 1.0
+  rows = cuP.shape[0]
+  token_bytes = hkv * d * 2 * nbytes                    # K and V of a token
+  allgather = (cp - 1) * rows * total * token_bytes // cp
+  halo_per_rank = halo = None
+  if strategy is _NLB and w is not None:
+    tl = total // cp
+    halo_tokens = [min(w - 1, r * tl) for r in range(cp)]
+    halo_per_rank = tuple(int(t * rows * token_bytes) for t in halo_tokens)
+    halo = max(halo_per_rank)
+  return CPCostEstimate(
+      strategy=strategy, cp_size=cp,
+      pairs_per_rank=tuple(int(p) for p in pairs),
+      flops_per_rank=tuple(int(f) for f in flops),
+      imbalance=imbalance,
+      calls_per_rank=1 if (cp == 1 or strategy is _NLB) else 2,
+      allgather_bytes=int(allgather),
+      halo_bytes_per_rank=halo_per_rank, halo_bytes=halo,
+      longest_padded_doc=longest, total_tokens=total, num_rows=rows,
+      valid_tokens=int(lens.sum()), max_seqlen=w)
+
+
+def pad_cu_seqlens(cu_seqlens, multiple: int) -> np.ndarray:
+  """Cumulative padded lengths with every document padded up to a multiple
+  of ``multiple`` (e.g. ``2*cp`` for DUAL_CHUNK_SWAP). The row grows."""
+  multiple = _check_positive_int(multiple, "multiple")
+  cu = _as_int_rows(cu_seqlens, "cu_seqlens")
+  lens = np.diff(cu, axis=-1)
+  if (lens < 0).any():
+    raise ValueError("cu_seqlens must be non-decreasing")
+  plens = -(-lens // multiple) * multiple
+  out = np.concatenate([np.zeros((cu.shape[0], 1), np.int64),
+                        np.cumsum(plens, axis=-1)], axis=-1)
+  return out.reshape(np.shape(cu_seqlens))
+
+
+def recommend_strategy(cu_seqlens, cu_seqlens_padded, cp_size: int, *,
+                       num_heads_q: int = 1, num_heads_kv: int = 1,
+                       head_dim: int = 128, dtype_bytes: int = 2,
+                       max_seqlen: Optional[int] = None,
+                       cu_seqlens_padded_dcs=None,
+                       peak_flops: float = H200_ATTENTION_FLOPS,
+                       bandwidth: float = H200_ALLGATHER_BUS_BANDWIDTH,
+                       call_overhead_s: float = CALL_OVERHEAD_S,
+                       include_backward: bool = True,
+                       bounded_exchange: bool = True
+                       ) -> StrategyRecommendation:
+  """Picks the load-balancing strategy with the lower predicted step time.
+
+  The model (per strategy, for its busiest rank)::
+
+      t = max_rank_flops / peak_flops + exchange_bytes / bandwidth
+          + calls_per_rank * call_overhead_s
+
+  (forward + backward scaled as in :meth:`CPCostEstimate.predicted_time_s`).
+  NO_LOAD_BALANCE is charged the bounded halo when ``max_seqlen`` is given
+  and ``bounded_exchange`` is on, else the full all-gather. Ties go to
+  DUAL_CHUNK_SWAP (the default).
+
+  Args:
+    cu_seqlens, cu_seqlens_padded: the batch (``[N+1]`` or ``[B, N+1]``), in
+      the layout NO_LOAD_BALANCE would use.
+    cp_size: number of CP ranks.
+    num_heads_q, num_heads_kv, head_dim, dtype_bytes, max_seqlen: as in
+      :func:`estimate_cp_imbalance`.
+    cu_seqlens_padded_dcs: the padded layout DUAL_CHUNK_SWAP would use for
+      the same documents. Default: ``cu_seqlens_padded`` if every padded
+      length divides by ``2*cp``, else each document re-padded to a multiple
+      of ``2*cp`` (:func:`pad_cu_seqlens`; the row grows, which the estimate
+      then includes).
+    peak_flops: sustained causal-attention FLOP/s per GPU (H200: 600e12).
+    bandwidth: exchange bus bandwidth, B/s (H200 NVLink all-gather: 150e9).
+    call_overhead_s: fixed cost per kernel call (20e-6).
+    include_backward: model a training step (forward + backward).
+    bounded_exchange: whether NO_LOAD_BALANCE exchanges only the halo.
+
+  Returns:
+    A :class:`StrategyRecommendation`.
+  """
+  kw = dict(num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
+            head_dim=head_dim, dtype_bytes=dtype_bytes)
+  nlb = estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded, cp_size, _NLB,
+                              max_seqlen=max_seqlen, **kw)
+  note = ""
+  if cu_seqlens_padded_dcs is None:
+    plens = np.diff(_as_int_rows(cu_seqlens_padded, "cu_seqlens_padded"),
+                    axis=-1)
+    if (plens % (2 * cp_size)).any():
+      cu_seqlens_padded_dcs = pad_cu_seqlens(cu_seqlens, 2 * cp_size)
+      note = (f" (DUAL_CHUNK_SWAP estimated on documents re-padded to a "
+              f"multiple of {2 * cp_size})")
+    else:
+      cu_seqlens_padded_dcs = cu_seqlens_padded
+  dcs = estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded_dcs, cp_size,
+                              _DCS, **kw)
+  model = dict(peak_flops=peak_flops, bandwidth=bandwidth,
+               call_overhead_s=call_overhead_s,
+               include_backward=include_backward)
+  times = {_DCS.value: dcs.predicted_time_s(**model),
+           _NLB.value: nlb.predicted_time_s(
+               bounded_exchange=bounded_exchange, **model)}
+  best = _NLB if times[_NLB.value] < times[_DCS.value] else _DCS
+  other = _DCS if best is _NLB else _NLB
+  reason = (f"{best.value} is predicted at {times[best.value] * 1e3:.3f} ms "
+            f"vs {times[other.value] * 1e3:.3f} ms for {other.value} "
+            f"(imbalance {nlb.imbalance:.3f} no_load_balance vs "
+            f"{dcs.imbalance:.3f} dual_chunk_swap; exchange "
+            f"{nlb.exchange_bytes if bounded_exchange else nlb.allgather_bytes}"
+            f" vs {dcs.exchange_bytes} B/rank){note}")
+  return StrategyRecommendation(
+      strategy=best, predicted_time_s=times,
+      estimates={_DCS.value: dcs, _NLB.value: nlb}, reason=reason)
+
+
+__all__ = ("CPCostEstimate", "StrategyRecommendation",
+           "estimate_cp_imbalance", "recommend_strategy", "pad_cu_seqlens")

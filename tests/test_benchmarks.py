@@ -1,0 +1,110 @@
+"""CPU smoke test of benchmarks/bench_cp.py and benchmarks/report.py."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+from benchmarks import bench_cp, report
+
+HQ, HKV, D, T = 4, 2, 16, 256
+
+
+def test_pack_row_layouts():
+  for dist in bench_cp.DISTS:
+    for mult in (1, 4, 16):
+      cu, cuP = bench_cp.pack_row(dist, 4096, mult, seed=3)
+      lens, plens = np.diff(cu), np.diff(cuP)
+      assert cuP[-1] == 4096 and (plens % mult == 0).all()
+      assert (lens <= plens).all() and (lens > 0).all()
+      assert (plens[:-1] - lens[:-1] < mult).all()   # only rounding padding
+  # Same documents whatever the padding (up to the trimmed tail).
+  a, _ = bench_cp.pack_row("short_128_1k", 8192, 1)
+  b, _ = bench_cp.pack_row("short_128_1k", 8192, 8)
+  n = min(len(a), len(b)) - 2
+  assert np.array_equal(np.diff(a)[:n], np.diff(b)[:n])
+  lens = np.diff(bench_cp.pack_row("uniform_1k_8k", 65536, 1)[0])
+  assert lens[:-1].min() >= 1024 and lens.max() <= 8192
+  assert len(bench_cp.STDLIB_PY_SIZES) == 683
+  assert bench_cp.pack_row("one_doc", 512, 8)[0].tolist() == [0, 512]
+
+
+@pytest.fixture(scope="module")
+def bench_json(tmp_path_factory):
+  out = tmp_path_factory.mktemp("bench")
+  path = bench_cp.main([
+      "--backend", "xla", "--tokens", str(T), "--hq", str(HQ), "--hkv",
+      str(HKV), "--head-dim", str(D), "--dtype", "float32", "--cp", "1", "2",
+      "--dists", "one_doc", "short_128_1k", "--passes", "fwd_bwd",
+      "--reps", "1", "--warmup", "1", "--compile-workers", "2",
+      "--out", str(out)])
+  assert os.path.exists(path)
+  with open(path) as f:
+    return path, json.load(f)
+
+
+def test_bench_json_fields(bench_json):
+  _, data = bench_json
+  env = data["env"]
+  for key in ("date", "device_kind", "jax", "jaxlib", "cudnn", "platform"):
+    assert key in env
+  s = data["summary"]
+  # One XLA compile per program plus a few for the random inputs: nothing
+  # is recompiled per measurement.
+  assert s["programs"] <= s["measurements"]
+  assert s["xla_compiles"] <= s["programs"] + 8
+  recs = data["records"]
+  assert not [r for r in recs if r.get("error")], [r["error"] for r in recs
+                                                    if r.get("error")]
+  kinds = {r["kind"] for r in recs}
+  assert kinds == {"cp_attention", "cp_attention_nocomm",
+                   "exchange_standalone", "fused_primitive", "dense_reference"}
+  cpa = [r for r in recs if r["kind"] == "cp_attention"]
+  for r in cpa:
+    assert r["ms_median"] > 0 and r["reps"] == 1 and len(r["ms_all"]) == 1
+    assert r["tflops_per_gpu"] > 0
+    assert r["speedup"] > 0
+    assert r["efficiency"] == pytest.approx(r["speedup"] / r["cp"])
+    lens = np.diff(np.asarray(bench_cp.pack_row(
+        r["dist"], T, 4 if r["layout"] == "pad4" else 1)[0], np.int64))
+    assert r["flops"] == pytest.approx(
+        3.5 * 4 * HQ * D * float((lens * (lens + 1) // 2).sum()))
+    if r["cp"] == 1:
+      assert r["strategy"] is None
+      assert "overhead_vs_primitive" in r and r["primitive_ms"] > 0
+      assert r["speedup"] == 1.0
+    else:
+      assert r["strategy"] in bench_cp.STRATEGIES
+      assert "exposed_exchange_fraction" in r
+      assert 0 < r["standalone_exchange_fraction"]
+  one = {(r["strategy"], r["cp"]): r for r in cpa if r["dist"] == "one_doc"}
+  assert one[("dual_chunk_swap", 2)]["predicted_imbalance"] == 1.0
+  assert one[("no_load_balance", 2)]["predicted_imbalance"] == pytest.approx(
+      1.5, rel=0.01)
+  assert one[(None, 1)]["dense_ms"] > 0
+  assert one[(None, 1)]["max_seqlen"] == T
+  short = [r for r in cpa if r["dist"] == "short_128_1k"]
+  # (At T=256 a 128-1k document fills the row: the "short" row is one
+  # document too, which also exercises program sharing between rows.)
+  assert all(r["max_seqlen"] == r["longest_padded_doc"] for r in short)
+  assert {r["layout"] for r in short} == {"pad4", "unpadded"}
+
+
+def test_report_markdown_and_plot(bench_json, tmp_path):
+  path, _ = bench_json
+  md, png = report.main([path, "--out", str(tmp_path)])
+  text = open(md).read()
+  assert "## Targets" in text and "## Which strategy should I pick?" in text
+  assert f"## T={T}, Hq={HQ}, Hkv={HKV}, forward+backward" in text
+  assert "| DCS |" in text and "| NLB |" in text
+  assert "### one document" in text and "### 128–1k docs" in text
+  assert "vs fused_attention" in text
+  if importlib.util.find_spec("matplotlib") is None:
+    pytest.skip("matplotlib missing: PNG not drawn")
+  assert png and os.path.getsize(png) > 1000
+  assert glob.glob(str(tmp_path / "speedup.png"))

@@ -1,0 +1,241 @@
+"""Tests of jax_cp.cost_model against brute force and DESIGN's facts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax_cp
+from jax_cp import CPLoadBalancingStrategy as S
+from jax_cp import cost_model
+
+
+def _layout(rng, cp, n_docs, strategy, max_len=40, empty_tail=0):
+  """Random packed row: valid lengths (some 0), padded per strategy, plus
+  trailing empty slots; ``T`` divisible by ``cp`` (NLB) or every padded
+  length by ``2cp`` (DCS)."""
+  lens = rng.integers(0, max_len, n_docs)
+  mult = 2 * cp if strategy is S.DUAL_CHUNK_SWAP else 1
+  plens = -(-lens // mult) * mult + mult * rng.integers(0, 2, n_docs)
+  if strategy is S.NO_LOAD_BALANCE:
+    plens[-1] += (-plens.sum()) % cp           # make T divisible by cp
+  lens = np.minimum(lens, plens)
+  lens = np.concatenate([lens, np.zeros(empty_tail, int)])
+  plens = np.concatenate([plens, np.zeros(empty_tail, int)])
+  cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+  cuP = np.concatenate([[0], np.cumsum(plens)]).astype(np.int32)
+  if cuP[-1] == 0:                              # keep T > 0
+    cuP[-1:] = cp * mult
+  return cu, cuP
+
+
+def _brute_pairs(cu, cuP, cp, strategy):
+  """Per-rank allowed (q, k) pairs from the actual token indices each rank
+  holds: a causal same-document mask between valid tokens, counted."""
+  cu, cuP = np.asarray(cu), np.asarray(cuP)
+  t = int(cuP[-1])
+  pos = np.arange(t)
+  doc = np.searchsorted(cuP, pos, side="right") - 1
+  doc = np.clip(doc, 0, len(cuP) - 2)
+  valid = (pos - cuP[doc]) < (cu[doc + 1] - cu[doc])
+  out = []
+  for r in range(cp):
+    qi = np.asarray(jax_cp.get_partition_indices(cuP, cp, r, strategy))
+    mask = ((doc[qi][:, None] == doc[None, :]) & valid[qi][:, None]
+            & valid[None, :] & (pos[None, :] <= qi[:, None]))
+    out.append(int(mask.sum()))
+  return out
+
+
+@pytest.mark.parametrize("strategy", list(S))
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_matches_brute_force_on_random_layouts(cp, strategy):
+  rng = np.random.default_rng(1000 * cp + len(strategy.value))
+  for trial in range(8):
+    cu, cuP = _layout(rng, cp, n_docs=int(rng.integers(1, 7)),
+                      strategy=strategy, empty_tail=trial % 3)
+    est = jax_cp.estimate_cp_imbalance(cu, cuP, cp, strategy,
+                                       num_heads_q=4, head_dim=8)
+    want = _brute_pairs(cu, cuP, cp, strategy)
+    assert list(est.pairs_per_rank) == want, (cu, cuP)
+    assert list(est.flops_per_rank) == [4 * 8 * 4 * p for p in want]
+    mean = np.mean(want)
+    assert est.imbalance == pytest.approx(max(want) / mean if mean else 1.0)
+    assert est.valid_tokens == int(cu[-1])
+    assert est.longest_padded_doc == int(np.diff(cuP).max())
+
+
+@pytest.mark.parametrize("strategy", list(S))
+def test_batched_rows_sum_per_rank(strategy):
+  cp = 2
+  rng = np.random.default_rng(7)
+  rows = []
+  while len(rows) < 3:
+    cu, cuP = _layout(rng, cp, 4, strategy)
+    if not rows or cuP[-1] == rows[0][1][-1]:
+      rows.append((cu, cuP))
+  cu = np.stack([r[0] for r in rows])
+  cuP = np.stack([r[1] for r in rows])
+  est = jax_cp.estimate_cp_imbalance(cu, cuP, cp, strategy, num_heads_q=2,
+                                     num_heads_kv=2,
+                                     head_dim=4, max_seqlen=int(cuP[0, -1]))
+  per_row = [jax_cp.estimate_cp_imbalance(a, b, cp, strategy, num_heads_q=2,
+                                          num_heads_kv=2,
+                                          head_dim=4) for a, b in rows]
+  assert est.pairs_per_rank == tuple(
+      sum(e.pairs_per_rank[r] for e in per_row) for r in range(cp))
+  assert est.allgather_bytes == sum(e.allgather_bytes for e in per_row)
+  assert est.num_rows == 3
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_one_document_no_load_balance(cp):
+  """DESIGN: rank r does (2r+1)/cp^2 of the work, imbalance (2cp-1)/cp.
+  Exactly, rank r has Tl^2 (2r+1)/2 + Tl/2 pairs (the diagonal adds Tl/2),
+  so the ratios hold up to O(1/Tl)."""
+  t = 4096 * cp
+  tl = t // cp
+  est = jax_cp.estimate_cp_imbalance([0, t], [0, t], cp, "no_load_balance")
+  assert list(est.pairs_per_rank) == [tl * tl * (2 * r + 1) // 2 + tl // 2
+                                      for r in range(cp)]
+  total = sum(est.pairs_per_rank)
+  for r, p in enumerate(est.pairs_per_rank):
+    assert p / total == pytest.approx((2 * r + 1) / cp**2, rel=2 / tl)
+  assert est.imbalance == pytest.approx((2 * cp - 1) / cp, rel=2 / tl)
+  assert est.calls_per_rank == 1
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4, 8])
+def test_one_document_dual_chunk_swap_is_exactly_balanced(cp):
+  t = 2 * cp * 1000
+  est = jax_cp.estimate_cp_imbalance([0, t], [0, t], cp, "dual_chunk_swap")
+  assert len(set(est.pairs_per_rank)) == 1
+  assert est.imbalance == 1.0
+  assert est.calls_per_rank == (1 if cp == 1 else 2)
+
+
+def test_design_example_three_quarters_and_quarter():
+  """DESIGN section 2 says per-document chunking "can even be worse" with
+  cp=2 and documents of 3S/4 and S/4. In causal work it is not: DCS
+  balances each document exactly (imbalance 1), contiguous chunks give
+  rank 1 the last quarter of the long document plus the short one
+  (6/32 S^2 vs 4/32 S^2: imbalance 1.2)."""
+  s = 4096
+  cu = cuP = [0, 3 * s // 4, s]
+  nlb = jax_cp.estimate_cp_imbalance(cu, cuP, 2, "no_load_balance")
+  dcs = jax_cp.estimate_cp_imbalance(cu, cuP, 2, "dual_chunk_swap")
+  assert dcs.imbalance == 1.0
+  assert nlb.imbalance == pytest.approx(1.2, rel=1e-3)
+  assert nlb.imbalance > dcs.imbalance
+  # With valid == padded, DCS is exactly balanced for any layout, so it can
+  # never lose on work balance; it loses only through padding that fills
+  # the tail chunks, e.g. 5 valid tokens padded to 8 at cp=2:
+  nlb = jax_cp.estimate_cp_imbalance([0, 5], [0, 8], 2, "no_load_balance")
+  dcs = jax_cp.estimate_cp_imbalance([0, 5], [0, 8], 2, "dual_chunk_swap")
+  assert nlb.pairs_per_rank == (10, 5) and dcs.pairs_per_rank == (3, 12)
+  assert dcs.imbalance > nlb.imbalance
+
+
+def test_bytes_and_halo():
+  t, cp, hkv, d = 4096, 4, 8, 128
+  tl = t // cp
+  est = jax_cp.estimate_cp_imbalance([0, 100, 1000, t], [0, 100, 1000, t],
+                                     cp, "no_load_balance", num_heads_q=32,
+                                     num_heads_kv=hkv, head_dim=d,
+                                     max_seqlen=3096)
+  token = hkv * d * 2 * 2
+  assert est.allgather_bytes == (cp - 1) * t * token // cp
+  assert est.halo_bytes_per_rank == tuple(min(3095, r * tl) * token
+                                          for r in range(cp))
+  assert est.halo_bytes == min(3095, (cp - 1) * tl) * token
+  assert est.exchange_bytes == est.halo_bytes
+  # A short bound: every rank needs W-1 tokens (rank 0 none).
+  est = jax_cp.estimate_cp_imbalance([0, 100, 200, t], [0, 100, 200, t], cp,
+                                     "no_load_balance", num_heads_q=hkv,
+                                     num_heads_kv=hkv,
+                                     head_dim=d, max_seqlen=t - 200)
+  assert est.halo_bytes_per_rank[0] == 0
+  dcs = jax_cp.estimate_cp_imbalance([0, t], [0, t], cp, "dual_chunk_swap",
+                                     max_seqlen=t)
+  assert dcs.halo_bytes is None and dcs.exchange_bytes == dcs.allgather_bytes
+  one = jax_cp.estimate_cp_imbalance([0, t], [0, t], 1, "dual_chunk_swap")
+  assert one.allgather_bytes == 0 and one.imbalance == 1.0
+
+
+def test_predicted_time_and_recommendation():
+  t = 65536
+  one = dict(cu_seqlens=[0, t], cu_seqlens_padded=[0, t], cp_size=2,
+             num_heads_q=32, num_heads_kv=8, head_dim=128)
+  rec = jax_cp.recommend_strategy(**one)
+  # One long document: the imbalance (1.5) dominates -> DCS.
+  assert rec.strategy is S.DUAL_CHUNK_SWAP
+  dcs = rec.estimates["dual_chunk_swap"]
+  want = (dcs.max_rank_flops * 3.5 / 600e12 + dcs.allgather_bytes * 3 / 150e9
+          + 4 * 20e-6)
+  assert rec.predicted_time_s["dual_chunk_swap"] == pytest.approx(want)
+  assert "dual_chunk_swap" in rec.reason
+  # Many short documents with a tight bound: halo is tiny, imbalance small,
+  # one call -> NLB.
+  lens = np.full(128, t // 128)
+  cu = np.concatenate([[0], np.cumsum(lens)])
+  rec = jax_cp.recommend_strategy(cu, cu, 2, num_heads_q=32, num_heads_kv=8,
+                                  head_dim=128, max_seqlen=t // 128)
+  assert rec.strategy is S.NO_LOAD_BALANCE
+  # The model's knobs are arguments: free communication and calls, perfect
+  # balance -> tie -> the default.
+  rec = jax_cp.recommend_strategy(cu, cu, 2, bandwidth=1e30,
+                                  call_overhead_s=0.0)
+  assert rec.strategy is S.DUAL_CHUNK_SWAP
+  # A layout DCS cannot use is re-padded for the DCS estimate.
+  rec = jax_cp.recommend_strategy([0, 5, 11], [0, 5, 12], 2)
+  assert rec.estimates["dual_chunk_swap"].total_tokens == 16
+  assert "re-padded" in rec.reason
+  assert np.array_equal(cost_model.pad_cu_seqlens([0, 5, 11], 4),
+                        [0, 8, 16])
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    (([0, 5], [0, 8], 0, "no_load_balance"), {}, "cp_size"),
+    (([0, 5], [0, 8], 3, "no_load_balance"), {}, "divisible"),
+    (([0, 6], [0, 6], 2, "dual_chunk_swap"), {}, "2\\*cp_size"),
+    (([0, 9], [0, 8], 2, "no_load_balance"), {}, "above its padded"),
+    (([0, 4], [1, 8], 2, "no_load_balance"), {}, "start at 0"),
+    (([0, 4, 2], [0, 4, 8], 2, "no_load_balance"), {}, "non-decreasing"),
+    (([0, 4], [0, 4, 8], 2, "no_load_balance"), {}, "same shape"),
+    (([[0, 4]], [[0, 4, 8]][0:1], 2, "no_load_balance"), {}, "same shape"),
+    (([0, 4], [0, 8], 2, "round_robin"), {}, "CPLoadBalancingStrategy"),
+    (([0.0, 4.0], [0.0, 8.0], 2, "no_load_balance"), {}, "integers"),
+    (([0, 8], [0, 8], 2, "no_load_balance"), {"max_seqlen": 4}, "max_seqlen"),
+    (([0, 8], [0, 8], 2, "no_load_balance"), {"max_seqlen": 0}, "max_seqlen"),
+    (([0, 8], [0, 8], 2, "no_load_balance"), {"num_heads_q": 3,
+                                               "num_heads_kv": 2}, "multiple"),
+    (([0, 8], [0, 8], 2, "no_load_balance"), {"head_dim": 0}, "head_dim"),
+    (([0, 8], [0, 8], 2, "no_load_balance"), {"dtype_bytes": -2},
+     "dtype_bytes"),
+    (([[0, 4], [0, 4]], [[0, 8], [0, 4]], 2, "no_load_balance"), {},
+     "same T"),
+    ((np.zeros((1, 1, 2), int), np.zeros((1, 1, 2), int), 2,
+      "no_load_balance"), {}, "shape"),
+])
+def test_bad_input_raises(args, kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    jax_cp.estimate_cp_imbalance(*args, **kwargs)
+
+
+def test_bad_model_parameters_raise():
+  est = jax_cp.estimate_cp_imbalance([0, 8], [0, 8], 2, "no_load_balance")
+  with pytest.raises(ValueError, match="peak_flops"):
+    est.predicted_time_s(peak_flops=0)
+  with pytest.raises(ValueError, match="bandwidth"):
+    est.predicted_time_s(bandwidth=-1.0)
+  with pytest.raises(ValueError, match="call_overhead_s"):
+    est.predicted_time_s(call_overhead_s=float("nan"))
+
+
+def test_estimate_is_frozen_and_exported():
+  est = jax_cp.estimate_cp_imbalance([0, 8], [0, 8], 2, S.NO_LOAD_BALANCE)
+  assert isinstance(est, jax_cp.CPCostEstimate)
+  with pytest.raises(Exception):
+    est.imbalance = 2.0  # type: ignore[misc]
+  assert "estimate_cp_imbalance" in jax_cp.__all__
+  assert "recommend_strategy" in jax_cp.__all__
