@@ -1,0 +1,307 @@
+"""Multi-process jax_cp: per-process loading (jax_cp.data) and cp_attention
+under jax.distributed with gloo CPU collectives.
+
+* Single process, 8 virtual devices: ``make_global_batch`` equals
+  ``reorder_for_cp`` + ``device_put`` with the sharding; row planning and
+  validation.
+* ``multiprocess`` marker: two local processes of 4 virtual CPU devices each
+  (tests/multiprocess/worker.py) run cp_attention forward and gradients with
+  cp=8 spanning both, and on a (data=2, cp=4) mesh with dp across them, each
+  checking its shards against plain masked attention; and one process dying
+  mid-run makes the other exit non-zero with a clear message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jax_cp
+from jax_cp import CPLoadBalancingStrategy as S
+from tests import reference as ref
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "multiprocess" / "worker.py"
+sys.path.insert(0, str(ROOT / "examples"))
+import multihost  # noqa: E402  (examples/ is not a package)
+
+T = 64
+
+
+def _rows(seed, cp, strategy, batch):
+  rng = np.random.default_rng(seed)
+  cu, cuP = map(np.stack, zip(*[ref.random_layout(
+      rng, T, cp, ("mixed", "many_short")[i % 2],
+      dual_chunk=strategy == S.DUAL_CHUNK_SWAP, max_docs=T)
+      for i in range(batch)]))
+  ids = rng.integers(0, 256, (batch, T)).astype(np.int32)
+  x = rng.standard_normal((batch, T, 2, 4)).astype(np.float32)
+  return cu, cuP, ids, x
+
+
+def _mesh(data, cp, axis_type):
+  devs = np.array(jax.devices()[:data * cp]).reshape(data, cp)
+  return jax.sharding.Mesh(devs, ("data", "cp"), axis_types=(axis_type,) * 2)
+
+
+# ------------------------------------------------------- single process
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto],
+                         ids=["explicit", "auto"])
+@pytest.mark.parametrize("strategy", list(S), ids=lambda s: s.value)
+@pytest.mark.parametrize("data,cp", [(2, 4), (1, 8), (4, 2)])
+def test_single_process_equals_reorder_and_device_put(data, cp, strategy,
+                                                      axis_type):
+  cu, cuP, ids, x = _rows(data * 10 + cp, cp, strategy, batch=4)
+  mesh = _mesh(data, cp, axis_type)
+  rows = jax_cp.process_batch_rows(mesh, 4, "data")
+  np.testing.assert_array_equal(rows, np.arange(4))
+  batch, meta = jax_cp.make_global_batch(
+      {"ids": ids, "x": x}, cuP, mesh, batch_axis="data",
+      load_balancing_strategy=strategy, global_batch_size=4)
+  for name, arr, spec in (("ids", ids, P("data", "cp")),
+                          ("x", x, P("data", "cp", None, None))):
+    want = jax.device_put(
+        jax_cp.reorder_for_cp(arr, cuP, cp, strategy, seq_dim=1),
+        NamedSharding(mesh, spec))
+    got = batch[name]
+    assert got.sharding.is_equivalent_to(want.sharding, arr.ndim), name
+    assert got.dtype == arr.dtype
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for s in got.addressable_shards:   # device r holds exactly its tokens
+      r = s.index[1].start // (T // cp)
+      b = s.index[0]
+      np.testing.assert_array_equal(np.asarray(s.data), jax_cp.
+                                    get_batch_on_this_cp_rank(
+                                        cuP[b], arr[b], cp_size=cp,
+                                        cp_rank=r, seq_dim=1,
+                                        load_balancing_strategy=strategy)[0])
+  assert meta.dtype == jnp.int32
+  assert meta.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
+  np.testing.assert_array_equal(np.asarray(meta), cuP)
+  cu_g = jax_cp.make_global_metadata(cu, mesh, batch_axis="data")
+  np.testing.assert_array_equal(np.asarray(cu_g), cu)
+
+
+def test_single_process_feeds_cp_attention():
+  """The global batch goes straight into cp_attention (Explicit mesh)."""
+  cp, strategy = 4, S.NO_LOAD_BALANCE
+  cu, cuP, _, x = _rows(7, cp, strategy, batch=2)
+  mesh = _mesh(2, cp, AxisType.Explicit)
+  (q,), cuP_g = jax_cp.make_global_batch((x,), cuP, mesh, batch_axis="data",
+                                         load_balancing_strategy=strategy)
+  cu_g = jax_cp.make_global_metadata(cu, mesh, batch_axis="data")
+  with jax.set_mesh(mesh):
+    out = jax.jit(lambda q, cu, cuP: jax_cp.cp_attention(
+        q, q, q, cu, cuP, batch_axis="data", backend="xla",
+        load_balancing_strategy=strategy))(q, cu_g, cuP_g)
+  want = ref.batched_attention(x, x, x, cu, cuP)
+  valid = np.stack([ref.valid_token_mask(cu[i], cuP[i]) for i in range(2)])
+  got = np.asarray(out)     # NO_LOAD_BALANCE: the layout is physical order
+  assert ref.rel_err(got[valid], np.asarray(want)[valid]) < 1e-4
+
+
+def test_unbatched_rows_and_single_array():
+  cu, cuP, ids, _ = _rows(3, 4, S.DUAL_CHUNK_SWAP, batch=1)
+  mesh = jax.make_mesh((4,), ("cp",), devices=jax.devices()[:4],
+                       axis_types=(AxisType.Auto,))
+  got, meta = jax_cp.make_global_batch(ids[0], cuP[0], mesh, seq_dim=0)
+  np.testing.assert_array_equal(
+      np.asarray(got), jax_cp.reorder_for_cp(ids[0], cuP[0], 4))
+  assert got.sharding.is_equivalent_to(NamedSharding(mesh, P("cp")), 1)
+  np.testing.assert_array_equal(np.asarray(meta), cuP[0])
+
+
+def test_process_batch_rows_with_two_batch_axes():
+  devs = np.array(jax.devices()).reshape(2, 2, 2)
+  mesh = jax.sharding.Mesh(devs, ("a", "b", "cp"))
+  np.testing.assert_array_equal(
+      jax_cp.process_batch_rows(mesh, 8, ("a", "b")), np.arange(8))
+  with pytest.raises(ValueError, match="multiple of the number of batch"):
+    jax_cp.process_batch_rows(mesh, 6, ("a", "b"))
+  with pytest.raises(ValueError, match="not an axis of the mesh"):
+    jax_cp.process_batch_rows(mesh, 8, "data")
+
+
+def test_make_global_batch_validation():
+  cu, cuP, ids, x = _rows(5, 4, S.DUAL_CHUNK_SWAP, batch=2)
+  mesh = _mesh(2, 4, AxisType.Auto)
+  mk = lambda *a, **kw: jax_cp.make_global_batch(
+      *a, **{"batch_axis": "data", **kw})
+  with pytest.raises(ValueError, match="passed 2 rows.*must pass 4 rows"):
+    mk({"ids": ids}, cuP, mesh, global_batch_size=4)
+  with pytest.raises(ValueError, match="3 rows but cu_seqlens_padded has 2"):
+    mk({"ids": np.concatenate([ids, ids[:1]])}, cuP, mesh)
+  with pytest.raises(ValueError, match="must equal the token count"):
+    mk({"ids": ids[:, :T - 8]}, cuP, mesh)
+  with pytest.raises(ValueError, match="different token counts"):
+    mk({"ids": ids, "x": x[:, :T - 8]}, cuP, mesh)
+  with pytest.raises(ValueError, match="divisible by 2\\*cp_size=8"):
+    mk((ids,), np.array([[0, 4, T]] * 2), mesh)
+  with pytest.raises(ValueError, match="cp_axis='seq' is not an axis"):
+    mk((ids,), cuP, mesh, cp_axis="seq")
+  with pytest.raises(ValueError, match="cannot also be a batch axis"):
+    mk((ids,), cuP, mesh, batch_axis=("data", "cp"))
+  with pytest.raises(ValueError, match="max_seqlen=2 is smaller"):
+    mk((ids,), cuP, mesh, max_seqlen=2)
+  with pytest.raises(ValueError, match="seq_dim must be >= 1"):
+    mk((ids,), cuP, mesh, seq_dim=0)
+  with pytest.raises(ValueError, match="holds no arrays"):
+    mk({}, cuP, mesh)
+
+
+def test_multihost_make_mesh_single_process():
+  mesh = multihost.make_mesh(2, 4)
+  assert dict(mesh.shape) == {"data": 2, "cp": 4}
+  assert mesh.devices[1, 0] == jax.devices()[4]
+  assert multihost.make_mesh(None, 2).shape["data"] == 4
+  with pytest.raises(ValueError, match="must equal the number of devices"):
+    multihost.make_mesh(3, 2)
+
+
+def test_init_distributed_single_process(monkeypatch):
+  for name in (multihost.ENV_COORDINATOR, multihost.ENV_NUM_PROCESSES,
+               multihost.ENV_PROCESS_ID, "JAX_COORDINATOR_ADDRESS"):
+    monkeypatch.delenv(name, raising=False)
+  assert multihost.init_distributed() is False
+  assert multihost.init_distributed(num_processes=1) is False
+  monkeypatch.setenv(multihost.ENV_NUM_PROCESSES, "2")
+  with pytest.raises(ValueError, match="missing coordinator.*process_id"):
+    multihost.init_distributed()
+  monkeypatch.setenv(multihost.ENV_PROCESS_ID, "x")
+  with pytest.raises(ValueError, match="not an integer"):
+    multihost.init_distributed()
+
+
+# ---------------------------------------------------------- two processes
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _launch(tmp_path, timeout: float, *worker_args: str, n: int = 2):
+  """Starts ``n`` workers (each its own process group), waits up to
+  ``timeout`` seconds in all, and kills every group that is left, whatever
+  happens. Returns [(returncode, stdout, stderr)] and the wall time."""
+  port = _free_port()
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+      [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                     if p])
+  # 4 virtual devices per process, and a cheaper (unoptimised) LLVM backend:
+  # compilation dominates these tiny runs on a 2-core machine.
+  env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4 "
+                      "--xla_backend_optimization_level=0")
+  env.pop("JAX_PLATFORMS", None)
+  procs, files = [], []
+  start = time.monotonic()
+  try:
+    for i in range(n):
+      out = open(tmp_path / f"stdout{i}", "w+")
+      err = open(tmp_path / f"stderr{i}", "w+")
+      files.append((out, err))
+      procs.append(subprocess.Popen(
+          [sys.executable, str(WORKER), "--process-id", str(i),
+           "--num-processes", str(n), "--coordinator", f"localhost:{port}",
+           "--out", str(tmp_path), *worker_args],
+          stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
+          cwd=ROOT, start_new_session=True))
+    for p in procs:
+      left = timeout - (time.monotonic() - start)
+      try:
+        p.wait(timeout=max(left, 0.1))
+      except subprocess.TimeoutExpired:
+        pytest.fail(f"workers still running after {timeout:.0f} s:\n"
+                    + _logs(files))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        try:
+          os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+          pass
+        p.wait()
+  wall = time.monotonic() - start
+  results = []
+  for p, (out, err) in zip(procs, files):
+    out.seek(0)
+    err.seek(0)
+    results.append((p.returncode, out.read(), err.read()))
+    out.close()
+    err.close()
+  return results, wall
+
+
+def _logs(files) -> str:
+  text = []
+  for i, (out, err) in enumerate(files):
+    for name, f in (("stdout", out), ("stderr", err)):
+      f.flush()
+      f.seek(0)
+      body = "".join(line for line in f if "[Gloo]" not in line)
+      text.append(f"--- worker {i} {name}:\n{body[-4000:]}")
+  return "\n".join(text)
+
+
+@pytest.mark.multiprocess
+def test_two_processes_cp_attention_matches_reference(tmp_path):
+  results, wall = _launch(tmp_path, 240, "--scenario", "attention")
+  for i, (rc, out, err) in enumerate(results):
+    assert rc == 0, f"worker {i} exited with {rc}:\n{out}\n{err[-4000:]}"
+  print(f"two-process run: {wall:.1f} s wall")
+  reports = [json.loads((tmp_path / f"result{i}.json").read_text())
+             for i in range(2)]
+  # The rows each process loaded: only its own where dp spans processes.
+  rows = {"cp8": lambda i: [0, 1], "dp2_cp4": lambda i: [i],
+          "dp4_cp2_interleaved": lambda i: [i, i + 2],
+          "dp2_cp4_spanning": lambda i: [0, 1, 2, 3]}
+  want_cases = {f"{m}/{s.value}" for m in rows for s in S}
+  for i, rep in enumerate(reports):
+    assert set(rep["results"]) == want_cases
+    for case, res in rep["results"].items():
+      bad = {k: e for k, e in res["errors"].items() if not e < 1e-4}
+      assert not bad, f"worker {i} {case}: {bad}"
+      assert res["rows"] == rows[case.split("/")[0]](i), (i, case)
+    for case in want_cases:
+      if case.startswith(("cp8", "dp2_cp4/")):   # attention was checked
+        assert {"out", "dq", "dk", "dv"} <= set(rep["results"][case]["errors"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("dying", [1, 0], ids=["worker", "coordinator"])
+def test_dead_process_makes_the_other_exit(tmp_path, dying):
+  """One process exits (status 3) right before the first collective; the
+  other, blocked in the cp all-gather, must exit non-zero with a message
+  naming the failure well within the timeout. A dead worker is found by the
+  coordination service's heartbeat check (timeout 5 s in the worker; JAX's
+  default is 100 s), a dead coordinator (process 0) by the lost connection.
+  The worker's watchdog (status 70) is only a backstop."""
+  results, wall = _launch(tmp_path, 90, "--scenario", "die",
+                          "--dying-process", str(dying),
+                          "--heartbeat", "5", "--watchdog", "75")
+  rc, out, err = results[dying]
+  assert rc == 3, f"worker {dying} exited with {rc}:\n{out}\n{err[-4000:]}"
+  rc, out, err = results[1 - dying]
+  assert rc != 0, f"the survivor exited with 0:\n{out}\n{err[-4000:]}"
+  assert rc != 70, f"only the watchdog stopped the survivor:\n{err[-4000:]}"
+  assert "another task died" in err, err[-4000:]
+  if dying:
+    assert "stopped sending heartbeats" in err, err[-4000:]
+  print(f"process {dying} died: the survivor exited with {rc} after "
+        f"{wall:.1f} s")
