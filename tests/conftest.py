@@ -12,7 +12,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
   # Test programs are small: LLVM's -O0 roughly halves XLA:CPU compile time,
-  # which dominates the suite on 2 cores. (GPU code generation is unaffected.)
+  # which dominates the suite on 2 cores (tests check results, not speed).
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 import jax  # noqa: E402  (after XLA_FLAGS on purpose)
