@@ -1,0 +1,153 @@
+"""A pre-norm transformer layer over packed documents, context parallel."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple, Union
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from jax_cp.flax import settings
+from jax_cp.flax.attention import (Dtype, Initializer, MeshLike,
+                                   MultiHeadAttention)
+from jax_cp.strategy import DEFAULT_STRATEGY, CPLoadBalancingStrategy
+
+_ACTIVATIONS = {"gelu": nn.gelu, "relu": nn.relu, "silu": nn.silu}
+_NORMS = ("rmsnorm", "layernorm")
+
+
+class MlpBlock(nn.Module):
+  """Position-wise feed-forward block ``E -> mlp_dim -> E``; with a
+  ``"swiglu"``/``"geglu"`` activation the hidden layer is gated.
+
+  Attributes:
+    mlp_dim: hidden features.
+    activation: ``"gelu"``, ``"relu"``, ``"silu"``, ``"swiglu"`` or
+      ``"geglu"``.
+    use_bias: whether the dense layers have biases.
+    dtype: computation dtype.
+    param_dtype: dtype of the parameters.
+    kernel_init: initializer of the kernels.
+  """
+
+  mlp_dim: int
+  activation: str = "gelu"
+  use_bias: bool = False
+  dtype: Optional[Dtype] = None
+  param_dtype: Dtype = jnp.float32
+  kernel_init: Initializer = nn.initializers.lecun_normal()
+
+  def __post_init__(self):
+    if self.activation not in (*_ACTIVATIONS, "swiglu", "geglu"):
+      raise ValueError(f"activation={self.activation!r} is not one of "
+                       f"{[*_ACTIVATIONS, 'swiglu', 'geglu']}")
+    super().__post_init__()
+
+  @nn.compact
+  def __call__(self, x):
+    dense = lambda n, name: nn.Dense(
+        n, use_bias=self.use_bias, dtype=self.dtype,
+        param_dtype=self.param_dtype, kernel_init=self.kernel_init, name=name)
+    if self.activation in ("swiglu", "geglu"):
+      act = nn.silu if self.activation == "swiglu" else nn.gelu
+      h = act(dense(self.mlp_dim, "gate")(x)) * dense(self.mlp_dim, "up")(x)
+    else:
+      h = _ACTIVATIONS[self.activation](dense(self.mlp_dim, "up")(x))
+    return dense(x.shape[-1], "down")(h)
+
+
+class TransformerLayer(nn.Module):
+  """Pre-norm decoder layer: ``x + attn(norm(x))``, then ``h + mlp(norm(h))``.
+
+  Causal self-attention over packed documents with rotary embeddings and
+  GQA; context parallel through the CP fields, which the layer passes
+  unchanged to its :class:`MultiHeadAttention` (and on to
+  :class:`DotProductAttention`): setting them here is enough.
+  No dropout.
+
+  Attributes:
+    num_heads: number of query heads.
+    num_kv_heads: number of key/value heads (default ``num_heads``).
+    num_gqa_groups: alias of ``num_kv_heads``.
+    head_dim: per-head features (default ``E // num_heads``).
+    mlp_dim: hidden features of the MLP (default ``4 * E``).
+    mlp_activation: see :class:`MlpBlock`.
+    norm_type: ``"rmsnorm"`` (default) or ``"layernorm"``.
+    norm_epsilon: epsilon of the norms.
+    rope_theta: rotary base; ``None`` disables rotary embeddings.
+    use_bias: biases in the projections and the MLP.
+    dtype: computation dtype.
+    param_dtype: dtype of the parameters.
+    kernel_init: initializer of all kernels.
+    cp_axis, cp_strategy, cp_comm_type, attn_backend, max_seqlen, mesh,
+      batch_axis, local_view: CP settings, as in
+      :class:`jax_cp.flax.DotProductAttention` (``local_view=False``: global
+      view under ``jit`` with a mesh; ``True``: inside the caller's
+      ``shard_map``).
+  """
+
+  num_heads: int
+  num_kv_heads: Optional[int] = None
+  num_gqa_groups: Optional[int] = None
+  head_dim: Optional[int] = None
+  mlp_dim: Optional[int] = None
+  mlp_activation: str = "gelu"
+  norm_type: str = "rmsnorm"
+  norm_epsilon: float = 1e-6
+  rope_theta: Optional[float] = 10000.0
+  use_bias: bool = False
+  dtype: Optional[Dtype] = None
+  param_dtype: Dtype = jnp.float32
+  kernel_init: Initializer = nn.initializers.lecun_normal()
+  cp_axis: Optional[str] = None
+  cp_strategy: Union[CPLoadBalancingStrategy, str] = DEFAULT_STRATEGY
+  cp_comm_type: str = "all_gather"
+  attn_backend: str = "auto"
+  max_seqlen: Optional[int] = None
+  mesh: Optional[MeshLike] = None
+  batch_axis: Union[str, Tuple[str, ...], None] = None
+  local_view: bool = False
+
+  def __post_init__(self):
+    settings.validate_fields(self)
+    if self.norm_type not in _NORMS:
+      raise ValueError(f"norm_type={self.norm_type!r} is not one of "
+                       f"{list(_NORMS)}")
+    super().__post_init__()
+
+  def _norm(self, name: str) -> Callable:
+    cls = nn.RMSNorm if self.norm_type == "rmsnorm" else nn.LayerNorm
+    return cls(epsilon=self.norm_epsilon, dtype=self.dtype,
+               param_dtype=self.param_dtype, name=name)
+
+  @nn.compact
+  def __call__(self, x, cu_seqlens, cu_seqlens_padded, position_ids=None):
+    """Applies the layer.
+
+    Args:
+      x: ``[B, T, E]`` (or ``[T, E]``): the whole row in
+        :func:`jax_cp.reorder_for_cp` layout sharded over ``cp_axis``
+        (global view), or this rank's chunk (local view).
+      cu_seqlens: int ``[B, N+1]`` global valid lengths.
+      cu_seqlens_padded: int ``[B, N+1]`` global padded lengths.
+      position_ids: int ``[B, T]`` per-document positions in the layout of
+        ``x`` (default: derived from ``cu_seqlens_padded``).
+
+    Returns:
+      ``[B, T, E]``, same layout as ``x``.
+    """
+    settings.check_tokens(self, x.shape[-2], cu_seqlens_padded, "x")
+    settings.check_position_ids(position_ids, x.shape)
+    attn = MultiHeadAttention(
+        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+        num_gqa_groups=self.num_gqa_groups, head_dim=self.head_dim,
+        rope_theta=self.rope_theta, use_bias=self.use_bias, dtype=self.dtype,
+        param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+        **settings.cp_settings(self), name="attention")
+    h = x + attn(self._norm("pre_attention_norm")(x), cu_seqlens,
+                 cu_seqlens_padded, position_ids)
+    mlp = MlpBlock(self.mlp_dim or 4 * x.shape[-1],
+                   activation=self.mlp_activation, use_bias=self.use_bias,
+                   dtype=self.dtype, param_dtype=self.param_dtype,
+                   kernel_init=self.kernel_init, name="mlp")
+    return h + mlp(self._norm("pre_mlp_norm")(h))
