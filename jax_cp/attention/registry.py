@@ -108,8 +108,10 @@ def resolve_backend(name: str, platform: str | None = None) -> AttentionBackend:
     hint = ""
     if name == "cudnn":
       hint = (" The cuDNN extension is not built in this installation: on a "
-              "machine with the CUDA toolkit and cuDNN headers, reinstall "
-              "with `JAX_CP_BUILD_CUDA=1 pip install -e .` (see README).")
+              "machine with the CUDA toolkit, cuDNN and the cuDNN frontend "
+              "headers, reinstall with `JAX_CP_BUILD_CUDA=1 pip install "
+              "--no-build-isolation -e .` (README: Building the cuDNN "
+              "extension).")
     raise ValueError(
         f"backend={name!r} is not available; registered backends: "
         f"{sorted(_BACKENDS) + ['auto']}.{hint}")

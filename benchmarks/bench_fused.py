@@ -1,0 +1,165 @@
+"""Speed of the cuDNN varlen primitive (no CP) on one GPU, side by side with
+JAX's own cuDNN attention, in one run.
+
+    python3 benchmarks/bench_fused.py [--tokens 32768] [--out DIR]
+
+Per (document mix, Hkv), forward and forward+backward, bf16, Hq=32, D=128:
+
+* ``ours``: ``jax_cp.fused_attention(backend="cudnn")`` over the packed row,
+  top-left causal (Q and KV lengths agree), ``max_seqlen`` = longest doc;
+* ``ours_br``: the same with the bottom-right mask (what CP steps need; the
+  backward penalty the CP layer avoids by splitting);
+* ``ours_rowbound``: ``max_seqlen`` = T (what a kernel sized by the row does);
+* ``jax_dense``: ``jax.nn.dot_product_attention(implementation="cudnn",
+  is_causal=True)`` on the one-document row (B=1);
+* ``jax_packed``: JAX's cuDNN packed path
+  (``fused_attention_stablehlo.dot_product_attention`` with ``q_offsets``,
+  ``MaskType.PADDING_CAUSAL``).
+
+FLOPs: ``4 * Hq * D * pairs`` forward with ``pairs = L(L+1)/2`` per document,
+3.5x that for forward+backward. Median of ``--reps`` host-clock timings after
+warm-up, two alternating input sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jax_cp  # noqa: E402
+from bench_cp import pack_row  # noqa: E402
+
+
+def timeit(fn, arg_sets, warmup=3, reps=10):
+  for i in range(warmup):
+    jax.block_until_ready(fn(*arg_sets[i % 2]))
+  times = []
+  for i in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*arg_sets[i % 2]))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def fwd_and_bwd(attn):
+  fwd = jax.jit(attn)
+
+  def loss(q, k, v, w):
+    return jnp.sum(attn(q, k, v).astype(jnp.float32) * w)
+  bwd = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  return fwd, bwd
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--tokens", type=int, default=32768)
+  p.add_argument("--hq", type=int, default=32)
+  p.add_argument("--hkv", type=int, nargs="+", default=[8, 32])
+  p.add_argument("--head-dim", type=int, default=128)
+  p.add_argument("--dists", nargs="+",
+                 default=["one_doc", "uniform_1k_8k", "short_128_1k"])
+  p.add_argument("--reps", type=int, default=10)
+  p.add_argument("--out", default=None)
+  args = p.parse_args(argv)
+  from jax._src.cudnn import fused_attention_stablehlo as fas  # noqa
+  t, hq, d = args.tokens, args.hq, args.head_dim
+  scale = 1.0 / np.sqrt(d)
+  results = []
+  rng = np.random.default_rng(0)
+  for dist in args.dists:
+    cu, cuP = pack_row(dist, t, 1, seed=0)
+    lens = np.diff(cu).astype(np.int32)
+    offs = cuP[:-1].astype(np.int32)
+    longest = int(lens.max())
+    pairs = int((lens.astype(np.int64) * (lens + 1) // 2).sum())
+    flops = 4.0 * hq * d * pairs
+    for hkv in args.hkv:
+      def inputs():
+        q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.bfloat16)
+        k = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.bfloat16)
+        v = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.float32)
+        return q, k, v, w
+      sets = [inputs(), inputs()]
+      variants = {}
+
+      def ours(mask, bound):
+        return lambda q, k, v: jax_cp.fused_attention(
+            q, k, v, lens, lens, offs, offs, attn_mask_type=mask,
+            backend="cudnn", max_seqlen_q=bound, max_seqlen_kv=bound)
+      variants["ours"] = ours("causal_top_left", longest)
+      variants["ours_br"] = ours("causal_bottom_right", longest)
+      if dist != "one_doc":
+        variants["ours_rowbound"] = ours("causal_top_left", t)
+      if dist == "one_doc":
+        variants["jax_dense"] = lambda q, k, v: jax.nn.dot_product_attention(
+            q[None], k[None], v[None], is_causal=True,
+            implementation="cudnn")[0]
+      m = len(lens)
+      q_seq = jnp.asarray(lens[None])
+      q_off = jnp.asarray(np.append(offs, t)[None].astype(np.int32))
+      variants["jax_packed"] = lambda q, k, v: fas.dot_product_attention(
+          q[None], k[None], v[None], q_seqlen=q_seq, kv_seqlen=q_seq,
+          q_offsets=q_off, kv_offsets=q_off, scale=scale,
+          mask_type=fas.MaskType.PADDING_CAUSAL)[0]
+      del m
+      for name, attn in variants.items():
+        fwd, bwd = fwd_and_bwd(attn)
+        for pass_name, fn, args_of, fl in (
+            ("fwd", fwd, lambda s: s[:3], flops),
+            ("fwd+bwd", bwd, lambda s: s, 3.5 * flops)):
+          rec = dict(dist=dist, hkv=hkv, variant=name, pass_=pass_name,
+                     docs=int(len(lens)), longest=longest)
+          try:
+            ms = 1e3 * timeit(fn, [args_of(s) for s in sets], reps=args.reps)
+            rec.update(ms=ms, tflops=fl / ms / 1e9)
+          except Exception as e:  # pylint: disable=broad-except
+            rec.update(error=f"{type(e).__name__}: {str(e)[:300]}")
+          results.append(rec)
+          print(json.dumps(rec), flush=True)
+  # Ratios against the references, per (dist, hkv, pass).
+  print("\n| mix | Hkv | pass | variant | ms | TFLOP/s | vs jax_dense | "
+        "vs jax_packed |\n|---|---|---|---|---|---|---|---|")
+  for r in results:
+    if "ms" not in r:
+      print(f"| {r['dist']} | {r['hkv']} | {r['pass_']} | {r['variant']} | "
+            f"error: {r['error'][:60]} | | | |")
+      continue
+    ref = {x["variant"]: x for x in results
+           if (x["dist"], x["hkv"], x["pass_"]) ==
+           (r["dist"], r["hkv"], r["pass_"]) and "ms" in x}
+    one = [x for x in results if x["dist"] == "one_doc" and
+           x["hkv"] == r["hkv"] and x["pass_"] == r["pass_"] and
+           x["variant"] == "jax_dense" and "ms" in x]
+    vd = f"{r['tflops'] / one[0]['tflops']:.2f}x" if one else ""
+    vp = (f"{r['tflops'] / ref['jax_packed']['tflops']:.2f}x"
+          if "jax_packed" in ref else "")
+    print(f"| {r['dist']} | {r['hkv']} | {r['pass_']} | {r['variant']} | "
+          f"{r['ms']:.2f} | {r['tflops']:.0f} | {vd} | {vp} |")
+  if args.out:
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "fused_" + datetime.date.today().isoformat()
+                        + ".json")
+    with open(path, "w") as f:
+      json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                     tokens=t, hq=hq, head_dim=d, results=results), f,
+                indent=1)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,110 @@
+// XLA FFI handler `jax_cp_cudnn_sdpa_bwd`: packed varlen attention backward.
+//
+// Operands: q, k, v, out, dout, stats, q_lens, kv_lens, q_off, kv_off,
+// stats_off (layouts as in sdpa_fwd.cc; out/dout like q, stats float32
+// [Tq,Hq] from the forward). Results: dq (like q), dk, dv (like k).
+// Attributes as in the forward.
+//
+// dq, dk and dv are cleared first: Q rows outside every segment and KV rows
+// no segment reads stay zero. cuDNN writes dK/dV per segment (no
+// accumulation across segments), so segments' KV ranges must not overlap.
+#include <exception>
+#include <vector>
+
+#include "sdpa_ffi_common.h"
+#include "sdpa_graph.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_cp {
+namespace {
+
+constexpr const char* kCall = "jax_cp_cudnn_sdpa_bwd";
+
+ffi::Error SdpaBackward(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                        int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                        ffi::AnyBuffer v, ffi::AnyBuffer out,
+                        ffi::AnyBuffer dout, ffi::AnyBuffer stats,
+                        Int32Vector q_lens, Int32Vector kv_lens,
+                        Int32Vector q_off, Int32Vector kv_off,
+                        Int32Vector stats_off, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::Result<ffi::AnyBuffer> dk,
+                        ffi::Result<ffi::AnyBuffer> dv, int64_t mask,
+                        float scale, int64_t max_seqlen_q,
+                        int64_t max_seqlen_kv) {
+  try {
+    const SdpaCommonOperands ops{q,     k,      v,      q_lens,
+                                 kv_lens, q_off, kv_off, stats_off};
+    auto key_or = MakeSdpaKey(kCall, SdpaDirection::kBackward, device, ops,
+                              {mask, scale, max_seqlen_q, max_seqlen_kv});
+    if (!key_or.has_value()) return key_or.error();
+    const SdpaGraphKey& key = *key_or;
+    ffi::Error e = CheckSameAs(kCall, "out", out, "q", q);
+    if (e.success()) e = CheckSameAs(kCall, "dout", dout, "q", q);
+    if (e.success()) e = CheckStats(kCall, "stats", stats, key);
+    if (e.success()) e = CheckSameAs(kCall, "dq", *dq, "q", q);
+    if (e.success()) e = CheckSameAs(kCall, "dk", *dk, "k", k);
+    if (e.success()) e = CheckSameAs(kCall, "dv", *dv, "v", v);
+    if (e.failure()) return e;
+
+    std::unordered_map<int64_t, void*> ptrs = {
+        {sdpa_uid::kQ, q.untyped_data()},
+        {sdpa_uid::kK, k.untyped_data()},
+        {sdpa_uid::kV, v.untyped_data()},
+        {sdpa_uid::kO, out.untyped_data()},
+        {sdpa_uid::kDO, dout.untyped_data()},
+        {sdpa_uid::kStats, stats.untyped_data()},
+        {sdpa_uid::kDQ, dq->untyped_data()},
+        {sdpa_uid::kDK, dk->untyped_data()},
+        {sdpa_uid::kDV, dv->untyped_data()},
+        {sdpa_uid::kSeqLenQ, q_lens.untyped_data()},
+        {sdpa_uid::kSeqLenKv, kv_lens.untyped_data()},
+        {sdpa_uid::kOffsetQ, q_off.untyped_data()},
+        {sdpa_uid::kOffsetO, q_off.untyped_data()},
+        {sdpa_uid::kOffsetK, kv_off.untyped_data()},
+        {sdpa_uid::kOffsetV, kv_off.untyped_data()},
+        {sdpa_uid::kOffsetStats, stats_off.untyped_data()},
+    };
+    const std::vector<ZeroFill> zero_fills = {
+        {dq->untyped_data(), dq->size_bytes(), "dq"},
+        {dk->untyped_data(), dk->size_bytes(), "dk"},
+        {dv->untyped_data(), dv->size_bytes(), "dv"},
+    };
+    return RunSdpaGraph(kCall, key, stream, scratch, std::move(ptrs),
+                        zero_fills);
+  } catch (const std::exception& ex) {
+    return ffi::Error::Internal(std::string(kCall) + ": " + ex.what());
+  } catch (...) {
+    return ffi::Error::Internal(std::string(kCall) + ": unknown exception");
+  }
+}
+
+}  // namespace
+
+// No kCmdBufferCompatible trait (see sdpa_fwd.cc).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpCudnnSdpaBackward, SdpaBackward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // out
+                                  .Arg<ffi::AnyBuffer>()  // dout
+                                  .Arg<ffi::AnyBuffer>()  // stats
+                                  .Arg<Int32Vector>()     // q_lens
+                                  .Arg<Int32Vector>()     // kv_lens
+                                  .Arg<Int32Vector>()     // q_off
+                                  .Arg<Int32Vector>()     // kv_off
+                                  .Arg<Int32Vector>()     // stats_off
+                                  .Ret<ffi::AnyBuffer>()  // dq
+                                  .Ret<ffi::AnyBuffer>()  // dk
+                                  .Ret<ffi::AnyBuffer>()  // dv
+                                  .Attr<int64_t>("mask")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("max_seqlen_q")
+                                  .Attr<int64_t>("max_seqlen_kv"));
+
+}  // namespace jax_cp

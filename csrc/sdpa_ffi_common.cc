@@ -1,0 +1,143 @@
+#include "sdpa_ffi_common.h"
+
+#include <cstring>
+#include <sstream>
+
+namespace ffi = xla::ffi;
+
+namespace jax_cp {
+namespace {
+
+std::string DimsToString(ffi::AnyBuffer::Dimensions dims) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < dims.size(); ++i) os << (i ? "," : "") << dims[i];
+  os << "]";
+  return os.str();
+}
+
+ffi::Error Invalid(const char* call, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string(call) + ": " + what);
+}
+
+bool SameDims(ffi::AnyBuffer::Dimensions a, ffi::AnyBuffer::Dimensions b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i]) return false;
+  return true;
+}
+
+constexpr int64_t kInt32Limit = int64_t{1} << 31;
+
+}  // namespace
+
+ffi::ErrorOr<SdpaGraphKey> MakeSdpaKey(const char* call,
+                                       SdpaDirection direction, int device,
+                                       const SdpaCommonOperands& ops,
+                                       const SdpaAttributes& attrs) {
+  const auto qd = ops.q.dimensions();
+  const auto kd = ops.k.dimensions();
+  const auto vd = ops.v.dimensions();
+  if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3) {
+    return Invalid(call, "q, k, v must be rank 3 [T, H, D]; got q" +
+                             DimsToString(qd) + " k" + DimsToString(kd) +
+                             " v" + DimsToString(vd));
+  }
+  const ffi::DataType dtype = ops.q.element_type();
+  if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
+    return Invalid(call, "q must be bfloat16 or float16");
+  }
+  if (ops.k.element_type() != dtype || ops.v.element_type() != dtype) {
+    return Invalid(call, "q, k and v must have the same dtype");
+  }
+  if (!SameDims(kd, vd) || qd[2] != kd[2]) {
+    return Invalid(call, "k and v must have equal shapes and the head dim of "
+                         "q; got q" + DimsToString(qd) + " k" +
+                         DimsToString(kd) + " v" + DimsToString(vd));
+  }
+  SdpaGraphKey key;
+  key.device = device;
+  key.direction = direction;
+  key.tokens_q = qd[0];
+  key.heads_q = qd[1];
+  key.head_dim = qd[2];
+  key.tokens_kv = kd[0];
+  key.heads_kv = kd[1];
+  key.io_type = dtype == ffi::DataType::BF16 ? SdpaIoType::kBFloat16
+                                             : SdpaIoType::kFloat16;
+  if (key.heads_kv <= 0 || key.heads_q % key.heads_kv != 0) {
+    return Invalid(call, "Hq must be a multiple of Hkv; got Hq=" +
+                             std::to_string(key.heads_q) +
+                             " Hkv=" + std::to_string(key.heads_kv));
+  }
+  if (key.head_dim % 8 != 0 || key.head_dim <= 0 || key.head_dim > 256) {
+    return Invalid(call, "head dim must be a positive multiple of 8, <= 256; "
+                         "got " + std::to_string(key.head_dim));
+  }
+  if (key.tokens_q * key.heads_q * key.head_dim >= kInt32Limit ||
+      key.tokens_kv * key.heads_kv * key.head_dim >= kInt32Limit) {
+    return Invalid(call, "element offsets overflow int32 for q" +
+                             DimsToString(qd) + " k" + DimsToString(kd));
+  }
+
+  key.segments = ops.q_lens.element_count();
+  if (key.segments < 1 ||
+      static_cast<int64_t>(ops.kv_lens.element_count()) != key.segments ||
+      static_cast<int64_t>(ops.q_off.element_count()) != key.segments + 1 ||
+      static_cast<int64_t>(ops.kv_off.element_count()) != key.segments + 1 ||
+      static_cast<int64_t>(ops.stats_off.element_count()) != key.segments + 1) {
+    return Invalid(call, "expected q_lens, kv_lens of length S >= 1 and "
+                         "q_off, kv_off, stats_off of length S + 1; got S=" +
+                             std::to_string(key.segments));
+  }
+
+  if (attrs.mask < 0 || attrs.mask > 2) {
+    return Invalid(call, "mask must be 0 (no_mask), 1 (causal_top_left) or 2 "
+                         "(causal_bottom_right); got " +
+                             std::to_string(attrs.mask));
+  }
+  key.mask = static_cast<SdpaMask>(attrs.mask);
+  std::memcpy(&key.scale_bits, &attrs.scale, sizeof(float));
+  if (attrs.max_seqlen_q < 1 || attrs.max_seqlen_kv < 1 ||
+      attrs.max_seqlen_q > key.tokens_q ||
+      attrs.max_seqlen_kv > key.tokens_kv) {
+    return Invalid(call, "need 1 <= max_seqlen_q <= Tq and 1 <= max_seqlen_kv "
+                         "<= Tkv; got max_seqlen_q=" +
+                             std::to_string(attrs.max_seqlen_q) +
+                             " max_seqlen_kv=" +
+                             std::to_string(attrs.max_seqlen_kv) +
+                             " Tq=" + std::to_string(key.tokens_q) +
+                             " Tkv=" + std::to_string(key.tokens_kv));
+  }
+  key.max_seqlen_q = attrs.max_seqlen_q;
+  key.max_seqlen_kv = attrs.max_seqlen_kv;
+  return key;
+}
+
+ffi::Error CheckSameAs(const char* call, const char* name,
+                       const ffi::AnyBuffer& buf, const char* like_name,
+                       const ffi::AnyBuffer& like) {
+  if (buf.element_type() != like.element_type() ||
+      !SameDims(buf.dimensions(), like.dimensions())) {
+    return Invalid(call, std::string(name) + " must have the dtype and shape "
+                         "of " + like_name + "; got " + name +
+                         DimsToString(buf.dimensions()) + " " + like_name +
+                         DimsToString(like.dimensions()));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckStats(const char* call, const char* name,
+                      const ffi::AnyBuffer& stats, const SdpaGraphKey& key) {
+  const auto d = stats.dimensions();
+  if (stats.element_type() != ffi::DataType::F32 || d.size() != 2 ||
+      d[0] != key.tokens_q || d[1] != key.heads_q) {
+    return Invalid(call, std::string(name) + " must be float32 [Tq, Hq] = [" +
+                             std::to_string(key.tokens_q) + "," +
+                             std::to_string(key.heads_q) + "]; got " +
+                             DimsToString(d));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace jax_cp

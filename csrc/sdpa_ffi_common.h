@@ -1,0 +1,56 @@
+// Operand checks shared by the forward and backward FFI handlers. The Python
+// wrapper already validates everything; these checks turn a mismatch (e.g. a
+// hand-written custom call) into an InvalidArgument error instead of a bad
+// memory access.
+#ifndef JAX_CP_CSRC_SDPA_FFI_COMMON_H_
+#define JAX_CP_CSRC_SDPA_FFI_COMMON_H_
+
+#include <cstdint>
+#include <string>
+
+#include "sdpa_graph.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_cp {
+
+using Int32Vector = xla::ffi::Buffer<xla::ffi::S32, 1>;
+
+// The operands every SDPA call has, forward and backward alike.
+struct SdpaCommonOperands {
+  const xla::ffi::AnyBuffer& q;
+  const xla::ffi::AnyBuffer& k;
+  const xla::ffi::AnyBuffer& v;
+  const Int32Vector& q_lens;
+  const Int32Vector& kv_lens;
+  const Int32Vector& q_off;
+  const Int32Vector& kv_off;
+  const Int32Vector& stats_off;
+};
+
+// The attributes of both custom calls.
+struct SdpaAttributes {
+  int64_t mask;
+  float scale;
+  int64_t max_seqlen_q;
+  int64_t max_seqlen_kv;
+};
+
+// Checks q/k/v, lengths, offsets and attributes and returns the graph key.
+xla::ffi::ErrorOr<SdpaGraphKey> MakeSdpaKey(const char* call,
+                                           SdpaDirection direction, int device,
+                                           const SdpaCommonOperands& ops,
+                                           const SdpaAttributes& attrs);
+
+// `buf` must have the same dtype and dims as `like` (e.g. out vs q).
+xla::ffi::Error CheckSameAs(const char* call, const char* name,
+                            const xla::ffi::AnyBuffer& buf, const char* like_name,
+                            const xla::ffi::AnyBuffer& like);
+
+// `stats` must be float32 [Tq, Hq].
+xla::ffi::Error CheckStats(const char* call, const char* name,
+                           const xla::ffi::AnyBuffer& stats,
+                           const SdpaGraphKey& key);
+
+}  // namespace jax_cp
+
+#endif  // JAX_CP_CSRC_SDPA_FFI_COMMON_H_

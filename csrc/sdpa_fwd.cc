@@ -1,0 +1,95 @@
+// XLA FFI handler `jax_cp_cudnn_sdpa_fwd`: packed varlen attention forward.
+//
+// Operands: q [Tq,Hq,D], k [Tkv,Hkv,D], v [Tkv,Hkv,D] (bf16/f16), q_lens [S],
+// kv_lens [S], q_off [S+1], kv_off [S+1], stats_off [S+1] (int32; offsets in
+// elements). Results: out [Tq,Hq,D] (q dtype), stats [Tq,Hq] float32 (the
+// natural-log LSE of the scaled scores on covered rows). Attributes: mask
+// (int64), scale (f32), max_seqlen_q, max_seqlen_kv (int64).
+//
+// out and stats are cleared first: rows outside every segment stay zero.
+#include <exception>
+#include <vector>
+
+#include "sdpa_ffi_common.h"
+#include "sdpa_graph.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_cp {
+namespace {
+
+constexpr const char* kCall = "jax_cp_cudnn_sdpa_fwd";
+
+ffi::Error SdpaForward(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                       int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                       ffi::AnyBuffer v, Int32Vector q_lens, Int32Vector kv_lens,
+                       Int32Vector q_off, Int32Vector kv_off,
+                       Int32Vector stats_off, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Result<ffi::AnyBuffer> stats, int64_t mask,
+                       float scale, int64_t max_seqlen_q,
+                       int64_t max_seqlen_kv) {
+  try {
+    const SdpaCommonOperands ops{q,     k,      v,      q_lens,
+                                 kv_lens, q_off, kv_off, stats_off};
+    auto key_or = MakeSdpaKey(kCall, SdpaDirection::kForward, device, ops,
+                              {mask, scale, max_seqlen_q, max_seqlen_kv});
+    if (!key_or.has_value()) return key_or.error();
+    const SdpaGraphKey& key = *key_or;
+    ffi::Error e = CheckSameAs(kCall, "out", *out, "q", q);
+    if (e.success()) e = CheckStats(kCall, "stats", *stats, key);
+    if (e.failure()) return e;
+
+    std::unordered_map<int64_t, void*> ptrs = {
+        {sdpa_uid::kQ, q.untyped_data()},
+        {sdpa_uid::kK, k.untyped_data()},
+        {sdpa_uid::kV, v.untyped_data()},
+        {sdpa_uid::kO, out->untyped_data()},
+        {sdpa_uid::kStats, stats->untyped_data()},
+        {sdpa_uid::kSeqLenQ, q_lens.untyped_data()},
+        {sdpa_uid::kSeqLenKv, kv_lens.untyped_data()},
+        {sdpa_uid::kOffsetQ, q_off.untyped_data()},
+        {sdpa_uid::kOffsetO, q_off.untyped_data()},
+        {sdpa_uid::kOffsetK, kv_off.untyped_data()},
+        {sdpa_uid::kOffsetV, kv_off.untyped_data()},
+        {sdpa_uid::kOffsetStats, stats_off.untyped_data()},
+    };
+    const std::vector<ZeroFill> zero_fills = {
+        {out->untyped_data(), out->size_bytes(), "out"},
+        {stats->untyped_data(), stats->size_bytes(), "stats"},
+    };
+    return RunSdpaGraph(kCall, key, stream, scratch, std::move(ptrs),
+                        zero_fills);
+  } catch (const std::exception& ex) {
+    return ffi::Error::Internal(std::string(kCall) + ": " + ex.what());
+  } catch (...) {
+    return ffi::Error::Internal(std::string(kCall) + ": unknown exception");
+  }
+}
+
+}  // namespace
+
+// Deliberately without ffi::Traits::kCmdBufferCompatible: the first call for
+// a key builds a cuDNN graph on the host, and the workspace comes from the
+// scratch allocator, neither of which is allowed inside CUDA-graph capture.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpCudnnSdpaForward, SdpaForward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<Int32Vector>()     // q_lens
+                                  .Arg<Int32Vector>()     // kv_lens
+                                  .Arg<Int32Vector>()     // q_off
+                                  .Arg<Int32Vector>()     // kv_off
+                                  .Arg<Int32Vector>()     // stats_off
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::AnyBuffer>()  // stats
+                                  .Attr<int64_t>("mask")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("max_seqlen_q")
+                                  .Attr<int64_t>("max_seqlen_kv"));
+
+}  // namespace jax_cp

@@ -1,0 +1,439 @@
+#include "sdpa_graph.h"
+
+#include <cudnn_frontend.h>
+
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <mutex>
+
+namespace ffi = xla::ffi;
+namespace fe = cudnn_frontend;
+
+namespace jax_cp {
+namespace {
+
+using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
+
+// A finalised graph and the workspace its chosen plan needs.
+struct BuiltGraph {
+  std::shared_ptr<fe::graph::Graph> graph;
+  int64_t workspace_bytes = 0;
+};
+
+const char* MaskName(SdpaMask mask) {
+  switch (mask) {
+    case SdpaMask::kNoMask:
+      return "no_mask";
+    case SdpaMask::kCausalTopLeft:
+      return "causal_top_left";
+    case SdpaMask::kCausalBottomRight:
+      return "causal_bottom_right";
+  }
+  return "invalid";
+}
+
+fe::DataType_t FrontendIoType(SdpaIoType t) {
+  return t == SdpaIoType::kBFloat16 ? fe::DataType_t::BFLOAT16
+                                    : fe::DataType_t::HALF;
+}
+
+// Token-major packed layout [T, H, D] seen as {b, H, s, D}: consecutive
+// tokens of a segment are H*D elements apart, heads D apart. The batch
+// stride is never used with ragged offsets (each segment starts at its
+// offset), so the dense value is given.
+void SetThdLayout(fe::graph::Tensor_attributes& t, int64_t b, int64_t h,
+                  int64_t s, int64_t d) {
+  t.set_dim({b, h, s, d}).set_stride({s * h * d, d, h * d, 1});
+}
+
+// Packed LSE [T, H] seen as {b, H, s, 1}: token stride H, head stride 1.
+// Ragged (per-segment) stats need cuDNN >= 9.6; the offsets are token
+// offsets times H (not H*D).
+void SetStatsLayout(fe::graph::Tensor_attributes& t, int64_t b, int64_t h,
+                    int64_t s) {
+  t.set_dim({b, h, s, 1})
+      .set_stride({s * h, 1, h, 1})
+      .set_data_type(fe::DataType_t::FLOAT);
+}
+
+// int32 {n, 1, 1, 1}: per-segment lengths (n = b) or ragged element offsets
+// (n = b + 1; entry i is where segment i starts, the last entry the total).
+TensorPtr NewIndexTensor(fe::graph::Graph& g, const char* name, int64_t uid,
+                         int64_t n) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name(name)
+                      .set_uid(uid)
+                      .set_dim({n, 1, 1, 1})
+                      .set_stride({1, 1, 1, 1})
+                      .set_data_type(fe::DataType_t::INT32));
+}
+
+TensorPtr NewThdInput(fe::graph::Graph& g, const char* name, int64_t uid,
+                      int64_t b, int64_t h, int64_t s, int64_t d,
+                      fe::DataType_t type, const TensorPtr& offset) {
+  auto t = g.tensor(fe::graph::Tensor_attributes()
+                        .set_name(name)
+                        .set_uid(uid)
+                        .set_data_type(type));
+  SetThdLayout(*t, b, h, s, d);
+  t->set_ragged_offset(offset);
+  return t;
+}
+
+void MarkThdOutput(const TensorPtr& t, int64_t uid, int64_t b, int64_t h,
+                   int64_t s, int64_t d, fe::DataType_t type,
+                   const TensorPtr& offset) {
+  t->set_output(true).set_uid(uid).set_data_type(type);
+  SetThdLayout(*t, b, h, s, d);
+  t->set_ragged_offset(offset);
+}
+
+// Causal masks are a diagonal band with right bound 0. Bottom-right aligns
+// the band per segment with (q_len, kv_len) from the padding-mask lengths:
+// row j sees keys <= j + kv_len - q_len.
+template <typename Attributes>
+void ApplyMask(Attributes& attrs, SdpaMask mask) {
+  switch (mask) {
+    case SdpaMask::kNoMask:
+      break;
+    case SdpaMask::kCausalTopLeft:
+      attrs.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
+          .set_diagonal_band_right_bound(0);
+      break;
+    case SdpaMask::kCausalBottomRight:
+      attrs.set_diagonal_alignment(fe::DiagonalAlignment_t::BOTTOM_RIGHT)
+          .set_diagonal_band_right_bound(0);
+      break;
+  }
+}
+
+// Common input tensors of both directions.
+struct GraphInputs {
+  TensorPtr q, k, v, seq_q, seq_kv, off_q, off_k, off_v, off_o, off_stats;
+};
+
+GraphInputs AddInputs(fe::graph::Graph& g, const SdpaGraphKey& key) {
+  const int64_t b = key.segments, sq = key.max_seqlen_q,
+                skv = key.max_seqlen_kv, d = key.head_dim;
+  const fe::DataType_t io = FrontendIoType(key.io_type);
+  GraphInputs in;
+  // Separate offset tensors per operand (bound to the same device buffer)
+  // keep each operand's layout independent, as the frontend expects.
+  in.off_q = NewIndexTensor(g, "offset_q", sdpa_uid::kOffsetQ, b + 1);
+  in.off_k = NewIndexTensor(g, "offset_k", sdpa_uid::kOffsetK, b + 1);
+  in.off_v = NewIndexTensor(g, "offset_v", sdpa_uid::kOffsetV, b + 1);
+  in.off_o = NewIndexTensor(g, "offset_o", sdpa_uid::kOffsetO, b + 1);
+  in.off_stats =
+      NewIndexTensor(g, "offset_stats", sdpa_uid::kOffsetStats, b + 1);
+  in.seq_q = NewIndexTensor(g, "seq_len_q", sdpa_uid::kSeqLenQ, b);
+  in.seq_kv = NewIndexTensor(g, "seq_len_kv", sdpa_uid::kSeqLenKv, b);
+  in.q = NewThdInput(g, "Q", sdpa_uid::kQ, b, key.heads_q, sq, d, io, in.off_q);
+  in.k = NewThdInput(g, "K", sdpa_uid::kK, b, key.heads_kv, skv, d, io,
+                     in.off_k);
+  in.v = NewThdInput(g, "V", sdpa_uid::kV, b, key.heads_kv, skv, d, io,
+                     in.off_v);
+  return in;
+}
+
+std::shared_ptr<fe::graph::Graph> NewGraph(const SdpaGraphKey& key) {
+  auto g = std::make_shared<fe::graph::Graph>();
+  g->set_io_data_type(FrontendIoType(key.io_type))
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  return g;
+}
+
+std::shared_ptr<fe::graph::Graph> DescribeForward(const SdpaGraphKey& key) {
+  auto g = NewGraph(key);
+  GraphInputs in = AddInputs(*g, key);
+  fe::graph::SDPA_attributes attrs;
+  attrs.set_name("jax_cp_sdpa_fwd")
+      .set_generate_stats(true)
+      .set_attn_scale(key.scale())
+      // Ragged (THD) offsets require the padding mask; lengths are actual
+      // per-segment lengths, not cumulative.
+      .set_padding_mask(true)
+      .set_seq_len_q(in.seq_q)
+      .set_seq_len_kv(in.seq_kv)
+      .set_max_total_seq_len_q(key.tokens_q)
+      .set_max_total_seq_len_kv(key.tokens_kv);
+  ApplyMask(attrs, key.mask);
+  auto [o, stats] = g->sdpa(in.q, in.k, in.v, std::move(attrs));
+  const fe::DataType_t io = FrontendIoType(key.io_type);
+  MarkThdOutput(o, sdpa_uid::kO, key.segments, key.heads_q, key.max_seqlen_q,
+                key.head_dim, io, in.off_o);
+  stats->set_output(true).set_uid(sdpa_uid::kStats);
+  SetStatsLayout(*stats, key.segments, key.heads_q, key.max_seqlen_q);
+  stats->set_ragged_offset(in.off_stats);
+  return g;
+}
+
+std::shared_ptr<fe::graph::Graph> DescribeBackward(const SdpaGraphKey& key) {
+  auto g = NewGraph(key);
+  GraphInputs in = AddInputs(*g, key);
+  const int64_t b = key.segments, sq = key.max_seqlen_q, d = key.head_dim;
+  const fe::DataType_t io = FrontendIoType(key.io_type);
+  TensorPtr o =
+      NewThdInput(*g, "O", sdpa_uid::kO, b, key.heads_q, sq, d, io, in.off_o);
+  TensorPtr d_o =
+      NewThdInput(*g, "dO", sdpa_uid::kDO, b, key.heads_q, sq, d, io, in.off_o);
+  TensorPtr stats = g->tensor(fe::graph::Tensor_attributes()
+                                  .set_name("Stats")
+                                  .set_uid(sdpa_uid::kStats));
+  SetStatsLayout(*stats, b, key.heads_q, sq);
+  stats->set_ragged_offset(in.off_stats);
+
+  fe::graph::SDPA_backward_attributes attrs;
+  attrs.set_name("jax_cp_sdpa_bwd")
+      .set_attn_scale(key.scale())
+      .set_padding_mask(true)
+      .set_seq_len_q(in.seq_q)
+      .set_seq_len_kv(in.seq_kv)
+      // Sizes the dQ accumulator / softmax-sum / GQA dK,dV workspaces by the
+      // packed token totals instead of b * s (which can be far larger with
+      // many segments). The frontend drops the hint when D % 16 != 0.
+      .set_max_total_seq_len_q(key.tokens_q)
+      .set_max_total_seq_len_kv(key.tokens_kv);
+  // Deterministic mode stays off (the default): on Hopper it forces a large
+  // dP workspace.
+  ApplyMask(attrs, key.mask);
+  auto [d_q, d_k, d_v] =
+      g->sdpa_backward(in.q, in.k, in.v, o, d_o, stats, std::move(attrs));
+  MarkThdOutput(d_q, sdpa_uid::kDQ, b, key.heads_q, sq, d, io, in.off_q);
+  MarkThdOutput(d_k, sdpa_uid::kDK, b, key.heads_kv, key.max_seqlen_kv, d, io,
+                in.off_k);
+  MarkThdOutput(d_v, sdpa_uid::kDV, b, key.heads_kv, key.max_seqlen_kv, d, io,
+                in.off_v);
+  return g;
+}
+
+std::string CallContext(const char* call, const SdpaGraphKey& key) {
+  return std::string(call) + " [" + key.ToString() + "]";
+}
+
+ffi::Error StepError(const char* call, const SdpaGraphKey& key,
+                     const char* step, const std::string& detail) {
+  return ffi::Error::Internal(CallContext(call, key) + ": " + step +
+                              " failed: " + detail);
+}
+
+// Each frontend build step is checked on its own, so the error names the
+// step that failed (and later steps never run on a broken graph).
+ffi::Error CheckStep(fe::error_t status, const char* call,
+                     const SdpaGraphKey& key, const char* step) {
+  if (status.is_good()) return ffi::Error::Success();
+  return StepError(call, key, step, status.get_message());
+}
+
+ffi::ErrorOr<std::shared_ptr<const BuiltGraph>> BuildGraph(
+    const CudaLibraries& libs, DeviceCudnn& dev, const SdpaGraphKey& key,
+    const char* call) {
+  auto built = std::make_shared<BuiltGraph>();
+  std::lock_guard<std::mutex> lock(dev.mu);
+  ffi::Error err = WithCudaDevice(libs, key.device, [&]() -> ffi::Error {
+    built->graph = key.direction == SdpaDirection::kForward
+                       ? DescribeForward(key)
+                       : DescribeBackward(key);
+    fe::graph::Graph& g = *built->graph;
+    cudnnHandle_t h = dev.handle;
+    ffi::Error e = CheckStep(g.validate(), call, key, "validate");
+    if (e.success())
+      e = CheckStep(g.build_operation_graph(h), call, key,
+                    "build_operation_graph");
+    if (e.success())
+      e = CheckStep(
+          g.create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}),
+          call, key, "create_execution_plans");
+    if (e.success()) e = CheckStep(g.check_support(h), call, key, "check_support");
+    if (e.success())
+      e = CheckStep(g.build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE),
+                    call, key, "build_plans");
+    if (e.success())
+      e = CheckStep(g.get_workspace_size(built->workspace_bytes), call, key,
+                    "get_workspace_size");
+    return e;
+  });
+  if (err.failure()) return err;
+  return std::shared_ptr<const BuiltGraph>(std::move(built));
+}
+
+struct GraphCache {
+  std::mutex mu;
+  std::unordered_map<SdpaGraphKey, std::shared_ptr<const BuiltGraph>,
+                     SdpaGraphKeyHash>
+      graphs;
+  int64_t builds = 0;
+  int64_t hits = 0;
+};
+
+GraphCache& Cache() {
+  static GraphCache* cache = new GraphCache;  // never destroyed
+  return *cache;
+}
+
+// Cache lookup; on a miss the graph is built outside the cache lock (builds
+// take a while; other keys, e.g. other devices, proceed meanwhile).
+ffi::ErrorOr<std::shared_ptr<const BuiltGraph>> GetOrBuild(
+    const CudaLibraries& libs, DeviceCudnn& dev, const SdpaGraphKey& key,
+    const char* call) {
+  GraphCache& cache = Cache();
+  {
+    std::lock_guard<std::mutex> lock(cache.mu);
+    auto it = cache.graphs.find(key);
+    if (it != cache.graphs.end()) {
+      ++cache.hits;
+      return it->second;
+    }
+  }
+  auto built = BuildGraph(libs, dev, key, call);
+  if (!built.has_value()) return built.error();
+  std::lock_guard<std::mutex> lock(cache.mu);
+  ++cache.builds;
+  // If another thread built the same key meanwhile, keep the first one.
+  return cache.graphs.emplace(key, *built).first->second;
+}
+
+ffi::Error RunSdpaGraphImpl(const char* call, const SdpaGraphKey& key,
+                            cudaStream_t stream, ffi::ScratchAllocator& scratch,
+                            std::unordered_map<int64_t, void*>& uid_to_ptr,
+                            const std::vector<ZeroFill>& zero_fills) {
+  auto libs_or = GetCudaLibraries();
+  if (!libs_or.has_value()) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      CallContext(call, key) + ": loading CUDA libraries: " +
+                          libs_or.error().message());
+  }
+  const CudaLibraries& libs = **libs_or;
+  auto dev_or = GetDeviceCudnn(libs, key.device);
+  if (!dev_or.has_value()) {
+    return StepError(call, key, "cudnn handle", dev_or.error().message());
+  }
+  DeviceCudnn& dev = **dev_or;
+  auto graph_or = GetOrBuild(libs, dev, key, call);
+  if (!graph_or.has_value()) return graph_or.error();
+  const BuiltGraph& built = **graph_or;
+
+  // Rows no segment covers are never written by cuDNN: clear them first.
+  for (const ZeroFill& z : zero_fills) {
+    ffi::Error e = ZeroAsync(libs, z.data, z.bytes, stream, z.name);
+    if (e.failure()) return StepError(call, key, "zero fill", e.message());
+  }
+  void* workspace = nullptr;
+  if (built.workspace_bytes > 0) {
+    std::optional<void*> ws =
+        scratch.Allocate(static_cast<size_t>(built.workspace_bytes), 256);
+    if (!ws.has_value()) {
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                        CallContext(call, key) + ": workspace allocation of " +
+                            std::to_string(built.workspace_bytes) +
+                            " bytes failed");
+    }
+    workspace = *ws;
+  }
+  std::lock_guard<std::mutex> lock(dev.mu);
+  cudnnStatus_t st = libs.cudnn.SetStream(dev.handle, stream);
+  if (st != CUDNN_STATUS_SUCCESS) {
+    return StepError(call, key, "cudnnSetStream",
+                     libs.cudnn.GetErrorString(st));
+  }
+  return CheckStep(built.graph->execute(dev.handle, uid_to_ptr, workspace),
+                   call, key, "execute");
+}
+
+}  // namespace
+
+float SdpaGraphKey::scale() const {
+  float s;
+  std::memcpy(&s, &scale_bits, sizeof(s));
+  return s;
+}
+
+bool SdpaGraphKey::operator==(const SdpaGraphKey& o) const {
+  return device == o.device && direction == o.direction &&
+         segments == o.segments && tokens_q == o.tokens_q &&
+         tokens_kv == o.tokens_kv && heads_q == o.heads_q &&
+         heads_kv == o.heads_kv && head_dim == o.head_dim &&
+         io_type == o.io_type && mask == o.mask && scale_bits == o.scale_bits &&
+         max_seqlen_q == o.max_seqlen_q && max_seqlen_kv == o.max_seqlen_kv;
+}
+
+std::string SdpaGraphKey::ToString() const {
+  char buf[384];
+  std::snprintf(
+      buf, sizeof(buf),
+      "%s device=%d S=%lld Tq=%lld Tkv=%lld Hq=%lld Hkv=%lld D=%lld dtype=%s "
+      "mask=%s scale=%.9g max_seqlen_q=%lld max_seqlen_kv=%lld",
+      direction == SdpaDirection::kForward ? "fwd" : "bwd", device,
+      static_cast<long long>(segments), static_cast<long long>(tokens_q),
+      static_cast<long long>(tokens_kv), static_cast<long long>(heads_q),
+      static_cast<long long>(heads_kv), static_cast<long long>(head_dim),
+      io_type == SdpaIoType::kBFloat16 ? "bf16" : "f16", MaskName(mask),
+      static_cast<double>(scale()), static_cast<long long>(max_seqlen_q),
+      static_cast<long long>(max_seqlen_kv));
+  return buf;
+}
+
+size_t SdpaGraphKeyHash::operator()(const SdpaGraphKey& k) const {
+  size_t h = 0;
+  auto mix = [&h](uint64_t v) {
+    h ^= std::hash<uint64_t>()(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+  };
+  mix(static_cast<uint64_t>(k.device));
+  mix(static_cast<uint64_t>(k.direction));
+  mix(static_cast<uint64_t>(k.segments));
+  mix(static_cast<uint64_t>(k.tokens_q));
+  mix(static_cast<uint64_t>(k.tokens_kv));
+  mix(static_cast<uint64_t>(k.heads_q));
+  mix(static_cast<uint64_t>(k.heads_kv));
+  mix(static_cast<uint64_t>(k.head_dim));
+  mix(static_cast<uint64_t>(k.io_type));
+  mix(static_cast<uint64_t>(k.mask));
+  mix(k.scale_bits);
+  mix(static_cast<uint64_t>(k.max_seqlen_q));
+  mix(static_cast<uint64_t>(k.max_seqlen_kv));
+  return h;
+}
+
+ffi::Error RunSdpaGraph(const char* call, const SdpaGraphKey& key,
+                        cudaStream_t stream, ffi::ScratchAllocator& scratch,
+                        std::unordered_map<int64_t, void*> uid_to_ptr,
+                        const std::vector<ZeroFill>& zero_fills) {
+  // Nothing may propagate across the FFI boundary: the frontend throws on
+  // some failures (e.g. a missing symbol), the standard library on OOM.
+  try {
+    return RunSdpaGraphImpl(call, key, stream, scratch, uid_to_ptr,
+                            zero_fills);
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(CallContext(call, key) +
+                                ": C++ exception: " + e.what());
+  } catch (...) {
+    return ffi::Error::Internal(CallContext(call, key) +
+                                ": unknown C++ exception");
+  }
+}
+
+GraphCacheStats GetGraphCacheStats() {
+  GraphCache& cache = Cache();
+  std::lock_guard<std::mutex> lock(cache.mu);
+  GraphCacheStats s;
+  s.builds = cache.builds;
+  s.hits = cache.hits;
+  s.entries = static_cast<int64_t>(cache.graphs.size());
+  return s;
+}
+
+void ResetGraphCacheStats() {
+  GraphCache& cache = Cache();
+  std::lock_guard<std::mutex> lock(cache.mu);
+  cache.builds = 0;
+  cache.hits = 0;
+}
+
+std::vector<std::pair<std::string, int64_t>> BuildVersions() {
+  return {{"cudnn_frontend", CUDNN_FRONTEND_VERSION},
+          {"cudnn_headers", CUDNN_VERSION},
+          {"cuda_runtime_headers", CUDART_VERSION}};
+}
+
+}  // namespace jax_cp

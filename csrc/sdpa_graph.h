@@ -1,0 +1,118 @@
+// cuDNN SDPA graphs over packed (THD, ragged) segments: key, process-wide
+// cache, and execution. Only sdpa_graph.cc includes the cuDNN frontend.
+//
+// Layout shared by the forward and backward graphs (b = number of segments):
+//   Q, O, dO, dQ : [Tq, Hq, D]   viewed as {b, Hq, s_q, D}, ragged by q_off
+//   K, V, dK, dV : [Tkv, Hkv, D] viewed as {b, Hkv, s_kv, D}, ragged by kv_off
+//   Stats (LSE)  : [Tq, Hq] f32  viewed as {b, Hq, s_q, 1}, ragged by stats_off
+//   q_lens, kv_lens : int32 [b]   actual lengths (padding mask)
+//   q_off, kv_off, stats_off : int32 [b + 1] element offsets of each segment
+// s_q / s_kv (the graph's sequence dims) bound every segment's length.
+#ifndef JAX_CP_CSRC_SDPA_GRAPH_H_
+#define JAX_CP_CSRC_SDPA_GRAPH_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "cudnn_state.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_cp {
+
+enum class SdpaDirection { kForward, kBackward };
+
+// Values of the `mask` attribute (the Python wrapper uses the same codes).
+enum class SdpaMask : int64_t {
+  kNoMask = 0,
+  kCausalTopLeft = 1,
+  kCausalBottomRight = 2,
+};
+
+enum class SdpaIoType { kBFloat16, kFloat16 };
+
+// Everything a built graph depends on. Two calls with equal keys share one
+// graph; the key never holds device data (lengths and offsets are buffers).
+struct SdpaGraphKey {
+  int device = 0;
+  SdpaDirection direction = SdpaDirection::kForward;
+  int64_t segments = 0;   // b
+  int64_t tokens_q = 0;   // Tq
+  int64_t tokens_kv = 0;  // Tkv
+  int64_t heads_q = 0;
+  int64_t heads_kv = 0;
+  int64_t head_dim = 0;
+  SdpaIoType io_type = SdpaIoType::kBFloat16;
+  SdpaMask mask = SdpaMask::kNoMask;
+  uint32_t scale_bits = 0;  // bit pattern of the float scale
+  int64_t max_seqlen_q = 0;
+  int64_t max_seqlen_kv = 0;
+
+  float scale() const;
+  bool operator==(const SdpaGraphKey& other) const;
+  // "fwd device=0 S=3 Tq=... dtype=bf16 mask=causal_bottom_right ...".
+  std::string ToString() const;
+};
+
+struct SdpaGraphKeyHash {
+  size_t operator()(const SdpaGraphKey& key) const;
+};
+
+// Tensor uids: the handlers bind device pointers to these.
+namespace sdpa_uid {
+constexpr int64_t kQ = 1;
+constexpr int64_t kK = 2;
+constexpr int64_t kV = 3;
+constexpr int64_t kO = 4;
+constexpr int64_t kStats = 5;
+constexpr int64_t kDO = 6;
+constexpr int64_t kDQ = 7;
+constexpr int64_t kDK = 8;
+constexpr int64_t kDV = 9;
+constexpr int64_t kSeqLenQ = 10;
+constexpr int64_t kSeqLenKv = 11;
+constexpr int64_t kOffsetQ = 12;  // Q and dQ
+constexpr int64_t kOffsetK = 13;  // K and dK
+constexpr int64_t kOffsetV = 14;  // V and dV
+constexpr int64_t kOffsetO = 15;  // O and dO
+constexpr int64_t kOffsetStats = 16;
+}  // namespace sdpa_uid
+
+// One device buffer to clear before the kernel runs (rows no segment writes).
+struct ZeroFill {
+  void* data;
+  size_t bytes;
+  const char* name;
+};
+
+// Runs one SDPA call: looks the graph up in the cache (building it on the
+// first call for this key), clears `zero_fills`, allocates the workspace from
+// `scratch` and enqueues the graph on `stream`. Builds nothing and reads no
+// device memory when the key is cached. `call` ("jax_cp_cudnn_sdpa_fwd")
+// prefixes every error message, which also names the failing step and key.
+xla::ffi::Error RunSdpaGraph(const char* call, const SdpaGraphKey& key,
+                             cudaStream_t stream,
+                             xla::ffi::ScratchAllocator& scratch,
+                             std::unordered_map<int64_t, void*> uid_to_ptr,
+                             const std::vector<ZeroFill>& zero_fills);
+
+struct GraphCacheStats {
+  int64_t builds = 0;
+  int64_t hits = 0;
+  int64_t entries = 0;
+};
+GraphCacheStats GetGraphCacheStats();
+void ResetGraphCacheStats();
+
+// Compile-time versions, for diagnostics: {"cudnn_frontend", "cudnn_headers",
+// "cuda_runtime_headers"}.
+std::vector<std::pair<std::string, int64_t>> BuildVersions();
+
+}  // namespace jax_cp
+
+#endif  // JAX_CP_CSRC_SDPA_GRAPH_H_

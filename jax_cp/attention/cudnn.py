@@ -1,0 +1,300 @@
+"""The ``"cudnn"`` attention backend: cuDNN SDPA over packed segments (XLA FFI).
+
+Importing this module loads the compiled extension ``jax_cp._jax_cp_cuda``,
+registers its two FFI targets for the CUDA platform and registers the backend
+with :mod:`jax_cp.attention.registry`. Without the extension it raises
+``ImportError`` (the registry then explains how to build it).
+
+The wrapper is thin: it validates shapes and dtypes (``check_*`` functions,
+``ValueError``), turns :class:`~jax_cp.attention.registry.Segments` into the
+per-segment lengths and *element* offsets cuDNN's ragged (THD) layout needs,
+calls the custom call, and masks the rows cuDNN leaves undefined:
+
+* Q rows no segment covers: the handler zero-fills ``out``/``dq``; ``lse`` is
+  set to ``-inf`` here.
+* Q rows that see no key (``kv_len == 0``, or ``j < q_len - kv_len`` with the
+  bottom-right causal mask): ``out``/``dq`` are set to 0 and ``lse`` to
+  ``-inf`` here, whatever cuDNN wrote.
+
+Limitation (cuDNN writes dK/dV per segment, it does not accumulate): the
+segments' KV row ranges must not overlap for ``backward`` to be right. The CP
+layer's per-document segments never overlap.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Tuple
+
+import jax  # Before the extension: JAX's CUDA plugin loads cuDNN/cudart.
+import jax.numpy as jnp
+import numpy as np
+
+from jax_cp.attention.registry import (MASK_TYPES, AttentionBackend, Segments,
+                                       register_backend)
+
+try:
+  from jax_cp import _jax_cp_cuda
+except ImportError as e:  # pragma: no cover - depends on the build
+  raise ImportError(
+      "jax_cp's cuDNN extension (jax_cp._jax_cp_cuda) is not built. On a "
+      "machine with the CUDA toolkit, cuDNN and the cuDNN frontend headers, "
+      "reinstall with `JAX_CP_BUILD_CUDA=1 pip install --no-build-isolation "
+      "-e .`.") from e
+
+FWD_TARGET = "jax_cp_cudnn_sdpa_fwd"
+BWD_TARGET = "jax_cp_cudnn_sdpa_bwd"
+
+#: Values of the custom calls' ``mask`` attribute.
+MASK_CODES = {"no_mask": 0, "causal_top_left": 1, "causal_bottom_right": 2}
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MAX_HEAD_DIM = 256
+_INT32_LIMIT = 2**31
+
+
+def graph_cache_stats() -> Dict[str, int]:
+  """``dict(builds=, hits=, entries=)`` of the process-wide cuDNN graph cache."""
+  return dict(_jax_cp_cuda.graph_cache_stats())
+
+
+def reset_graph_cache_stats() -> None:
+  """Zeroes the ``builds``/``hits`` counters (the cached graphs are kept)."""
+  _jax_cp_cuda.reset_graph_cache_stats()
+
+
+def build_info() -> Dict[str, Any]:
+  """Compile-time versions of the cuDNN frontend, cuDNN and CUDA headers."""
+  return dict(_jax_cp_cuda.build_info())
+
+
+# ----------------------------------------------------------------------------
+# Validation (static: shapes, dtypes, attributes)
+# ----------------------------------------------------------------------------
+
+
+def check_dtypes(q, k, v) -> None:
+  """q, k, v must share one dtype, bfloat16 or float16."""
+  if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+    raise ValueError(
+        f"backend 'cudnn' needs bfloat16 or float16 q/k/v, got q.dtype="
+        f"{q.dtype}; cast the inputs or use backend='xla'.")
+  if k.dtype != q.dtype or v.dtype != q.dtype:
+    raise ValueError(
+        f"backend 'cudnn' needs q, k, v of one dtype; got q={q.dtype}, "
+        f"k={k.dtype}, v={v.dtype}.")
+
+
+def check_shapes(q, k, v) -> None:
+  """q [Tq,Hq,D], k = v [Tkv,Hkv,D]; D a multiple of 8 <= 256; Hq % Hkv == 0."""
+  if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+    raise ValueError(
+        f"backend 'cudnn' needs rank-3 [T, H, D] q/k/v; got q{q.shape} "
+        f"k{k.shape} v{v.shape}.")
+  if k.shape != v.shape or q.shape[2] != k.shape[2]:
+    raise ValueError(
+        f"k and v must have equal shapes and q's head dim; got q{q.shape} "
+        f"k{k.shape} v{v.shape}.")
+  d = q.shape[2]
+  if d <= 0 or d % 8 != 0 or d > MAX_HEAD_DIM:
+    raise ValueError(
+        f"backend 'cudnn' needs a head dim that is a positive multiple of 8 "
+        f"and <= {MAX_HEAD_DIM}; got D={d}.")
+  hq, hkv = q.shape[1], k.shape[1]
+  if hkv <= 0 or hq % hkv != 0:
+    raise ValueError(
+        f"the number of query heads must be a multiple of the number of "
+        f"key/value heads; got Hq={hq}, Hkv={hkv}.")
+
+
+def check_offsets_fit_int32(q_shape, k_shape) -> None:
+  """cuDNN's ragged offsets are int32 element offsets: T*H*D < 2**31."""
+  for name, shape in (("q", q_shape), ("k/v", k_shape)):
+    elements = math.prod(int(n) for n in shape)
+    if elements >= _INT32_LIMIT:
+      raise ValueError(
+          f"{name} of shape {tuple(shape)} has {elements} elements; backend "
+          f"'cudnn' addresses segments with int32 element offsets, so T*H*D "
+          f"must be < 2**31. Split the call (e.g. over heads or a CP axis).")
+
+
+def check_mask(mask) -> None:
+  if mask not in MASK_CODES:
+    raise ValueError(f"mask must be one of {MASK_TYPES}, got {mask!r}.")
+
+
+def check_segments(seg: Segments) -> None:
+  """Four int [S] vectors (S >= 1) and non-negative static bounds."""
+  shapes = {name: getattr(seg, name).shape
+            for name in ("q_lens", "kv_lens", "q_offsets", "kv_offsets")}
+  if len(set(shapes.values())) != 1 or len(shapes["q_lens"]) != 1 or \
+      shapes["q_lens"][0] < 1:
+    raise ValueError(
+        f"segment metadata must be four int vectors of one length S >= 1; "
+        f"got shapes {shapes}.")
+  for name in ("q_lens", "kv_lens", "q_offsets", "kv_offsets"):
+    if not jnp.issubdtype(getattr(seg, name).dtype, jnp.integer):
+      raise ValueError(f"seg.{name} must be an integer array, got "
+                       f"{getattr(seg, name).dtype}.")
+  for name in ("max_seqlen_q", "max_seqlen_kv"):
+    value = getattr(seg, name)
+    if not isinstance(value, (int, np.integer)) or value < 0:
+      raise ValueError(f"seg.{name} must be a static int >= 0, got {value!r}.")
+
+
+def check_like(name: str, x, shape, dtype=None) -> None:
+  if tuple(x.shape) != tuple(shape) or (dtype is not None and
+                                        jnp.dtype(x.dtype) != jnp.dtype(dtype)):
+    want = f"{tuple(shape)}" + (f" {jnp.dtype(dtype)}" if dtype else "")
+    raise ValueError(f"{name} must be {want}, got {tuple(x.shape)} {x.dtype}.")
+
+
+def _check_call(q, k, v, seg, mask) -> None:
+  check_dtypes(q, k, v)
+  check_shapes(q, k, v)
+  check_offsets_fit_int32(q.shape, k.shape)
+  check_mask(mask)
+  check_segments(seg)
+
+
+def _scale_value(scale, head_dim: int) -> np.float32:
+  if scale is None:
+    scale = 1.0 / math.sqrt(head_dim)
+  scale = float(scale)
+  if not math.isfinite(scale):
+    raise ValueError(f"scale must be finite, got {scale}.")
+  return np.float32(scale)
+
+
+# ----------------------------------------------------------------------------
+# Metadata for the custom call
+# ----------------------------------------------------------------------------
+
+
+def _graph_bounds(seg: Segments, tq: int, tkv: int) -> Tuple[int, int]:
+  """The graph's s dims: the static bounds, capped by the token counts."""
+  return min(int(seg.max_seqlen_q), tq), min(int(seg.max_seqlen_kv), tkv)
+
+
+def _lengths(seg: Segments, max_q: int, max_kv: int):
+  """int32 lengths, clipped to [0, bound] so cuDNN never runs past a bound."""
+  q_lens = jnp.clip(seg.q_lens.astype(jnp.int32), 0, max_q)
+  kv_lens = jnp.clip(seg.kv_lens.astype(jnp.int32), 0, max_kv)
+  return q_lens, kv_lens
+
+
+def _element_offsets(token_offsets, tokens: int, row_elements: int):
+  """[S+1] int32: where each segment starts, in elements, then the total."""
+  starts = token_offsets.astype(jnp.int32) * np.int32(row_elements)
+  total = jnp.full((1,), tokens * row_elements, jnp.int32)
+  return jnp.concatenate([starts, total])
+
+
+def _rows_with_keys(q_lens, kv_lens, q_offsets, tq: int, mask: str):
+  """bool [Tq]: the row is inside a segment and sees at least one key.
+
+  A difference array marks each segment's Q range with its index + 1 (ranges
+  do not overlap), so no sorting of the segments is needed.
+  """
+  s = q_lens.shape[0]
+  ids = jnp.arange(1, s + 1, dtype=jnp.int32)
+  q_offsets = q_offsets.astype(jnp.int32)
+  start = jnp.clip(q_offsets, 0, tq)
+  end = jnp.clip(q_offsets + q_lens, 0, tq)
+  delta = jnp.zeros((tq + 1,), jnp.int32).at[start].add(ids).at[end].add(-ids)
+  seg_plus_one = jnp.cumsum(delta[:tq])
+  covered = seg_plus_one > 0
+  seg = jnp.maximum(seg_plus_one - 1, 0)
+  kv_len = kv_lens[seg]
+  sees = kv_len > 0
+  if mask == "causal_bottom_right":
+    row = jnp.arange(tq, dtype=jnp.int32) - q_offsets[seg]
+    sees = sees & (row >= q_lens[seg] - kv_len)
+  return covered & sees
+
+
+def _ffi_operands(seg: Segments, q_shape, k_shape, max_q: int, max_kv: int):
+  tq, hq, d = q_shape
+  tkv, hkv, _ = k_shape
+  q_lens, kv_lens = _lengths(seg, max_q, max_kv)
+  q_off = _element_offsets(seg.q_offsets, tq, hq * d)
+  kv_off = _element_offsets(seg.kv_offsets, tkv, hkv * d)
+  stats_off = _element_offsets(seg.q_offsets, tq, hq)
+  return q_lens, kv_lens, q_off, kv_off, stats_off
+
+
+def _attributes(mask: str, scale: np.float32, max_q: int, max_kv: int):
+  return dict(mask=np.int64(MASK_CODES[mask]), scale=scale,
+              max_seqlen_q=np.int64(max_q), max_seqlen_kv=np.int64(max_kv))
+
+
+# ----------------------------------------------------------------------------
+# The backend
+# ----------------------------------------------------------------------------
+
+
+def forward(q, k, v, seg: Segments, *, mask: str, scale: float):
+  """Varlen attention forward (see :mod:`jax_cp.attention.registry`).
+
+  Returns ``(out [Tq,Hq,D] in q's dtype, lse [Tq,Hq] float32)``.
+  """
+  _check_call(q, k, v, seg, mask)
+  scale = _scale_value(scale, q.shape[2])
+  tq, hq, _ = q.shape
+  max_q, max_kv = _graph_bounds(seg, tq, k.shape[0])
+  if max_q == 0 or max_kv == 0:  # No segment can attend anything.
+    return (jnp.zeros_like(q), jnp.full((tq, hq), -jnp.inf, jnp.float32))
+  operands = _ffi_operands(seg, q.shape, k.shape, max_q, max_kv)
+  out, stats = jax.ffi.ffi_call(
+      FWD_TARGET,
+      (jax.ShapeDtypeStruct(q.shape, q.dtype),
+       jax.ShapeDtypeStruct((tq, hq), jnp.float32)),
+      vmap_method="sequential",
+  )(q, k, v, *operands, **_attributes(mask, scale, max_q, max_kv))
+  q_lens, kv_lens = operands[0], operands[1]
+  live = _rows_with_keys(q_lens, kv_lens, seg.q_offsets, tq, mask)
+  out = jnp.where(live[:, None, None], out, jnp.zeros((), out.dtype))
+  lse = jnp.where(live[:, None], stats, -jnp.inf)
+  return out, lse
+
+
+def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
+             scale: float):
+  """Gradients ``(dq, dk, dv)`` of ``sum(out * dout)``, in q/k/v's dtype."""
+  _check_call(q, k, v, seg, mask)
+  check_like("out", out, q.shape)
+  check_like("dout", dout, q.shape)
+  check_like("lse", lse, q.shape[:2])
+  scale = _scale_value(scale, q.shape[2])
+  tq = q.shape[0]
+  max_q, max_kv = _graph_bounds(seg, tq, k.shape[0])
+  if max_q == 0 or max_kv == 0:
+    return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+  operands = _ffi_operands(seg, q.shape, k.shape, max_q, max_kv)
+  # Rows that see no key carry lse = -inf; cuDNN recomputes P = exp(s - lse)
+  # with masked scores s = -inf, and -inf - (-inf) is NaN. Any finite value
+  # gives P = 0 there (out is 0 on those rows too), so use 0.
+  stats = jnp.where(jnp.isneginf(lse), 0.0, lse).astype(jnp.float32)
+  dq, dk, dv = jax.ffi.ffi_call(
+      BWD_TARGET,
+      (jax.ShapeDtypeStruct(q.shape, q.dtype),
+       jax.ShapeDtypeStruct(k.shape, k.dtype),
+       jax.ShapeDtypeStruct(v.shape, v.dtype)),
+      vmap_method="sequential",
+  )(q, k, v, out.astype(q.dtype), dout.astype(q.dtype), stats, *operands,
+    **_attributes(mask, scale, max_q, max_kv))
+  q_lens, kv_lens = operands[0], operands[1]
+  live = _rows_with_keys(q_lens, kv_lens, seg.q_offsets, tq, mask)
+  dq = jnp.where(live[:, None, None], dq, jnp.zeros((), dq.dtype))
+  return dq, dk, dv
+
+
+def _is_available(platform: str) -> bool:
+  return platform in ("cuda", "gpu")
+
+
+for _name, _capsule in _jax_cp_cuda.registrations().items():
+  jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+
+BACKEND = AttentionBackend(name="cudnn", forward=forward, backward=backward,
+                           is_available=_is_available)
+register_backend(BACKEND)

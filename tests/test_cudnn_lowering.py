@@ -1,0 +1,265 @@
+"""CPU tests of the cuDNN backend: lowering for CUDA and the Python wrapper.
+
+Programs are lowered with ``lowering_platforms=("cuda",)`` on a CPU-only
+machine; the StableHLO must hold the two custom calls with the operand
+shapes and attributes the C++ handlers bind. Skipped when the extension
+(``jax_cp._jax_cp_cuda``) is not built.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+try:
+  from jax_cp.attention import cudnn as cudnn_backend
+except ImportError:
+  pytest.skip("jax_cp's cuDNN extension is not built", allow_module_level=True)
+
+import jax_cp
+from jax_cp.attention import registry
+from jax_cp.attention.registry import Segments
+
+FWD = "jax_cp_cudnn_sdpa_fwd"
+BWD = "jax_cp_cudnn_sdpa_bwd"
+MASK_CODES = {"no_mask": 0, "causal_top_left": 1, "causal_bottom_right": 2}
+
+_CALL_RE = re.compile(
+    r"stablehlo\.custom_call @(?P<name>\w+)\((?P<args>[^)]*)\)\s*\{(?P<attrs>.*)\}"
+    r"\s*:\s*\((?P<in>[^)]*)\)\s*->\s*(?P<out>.+)$")
+
+
+def lower_for_cuda(fn, *args) -> str:
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def custom_calls(text: str, name: str):
+  """[(attributes dict, operand types, result types)] of calls to `name`."""
+  calls = []
+  for line in text.splitlines():
+    m = _CALL_RE.search(line)
+    if not m or m.group("name") != name:
+      continue
+    cfg = re.search(r"mhlo\.backend_config = \{([^}]*)\}", m.group("attrs"))
+    attrs = {}
+    for item in cfg.group(1).split(", "):
+      key, value = item.split(" = ")
+      attrs[key] = value
+    out = m.group("out").strip()
+    out = out[1:-1] if out.startswith("(") else out
+    calls.append((attrs, m.group("in").split(", "), out.split(", ")))
+  return calls
+
+
+def t(shape, dtype):
+  return f"tensor<{'x'.join(map(str, shape))}x{dtype}>"
+
+
+def make_segments(q_lens, kv_lens, q_offs, kv_offs, max_q, max_kv):
+  i32 = lambda x: jnp.asarray(x, jnp.int32)
+  return Segments(i32(q_lens), i32(kv_lens), i32(q_offs), i32(kv_offs),
+                  max_q, max_kv)
+
+
+# Three segments with a gap, an empty one and kv_len > q_len.
+SEG = make_segments([10, 0, 30], [20, 0, 40], [0, 10, 24], [0, 20, 40], 32, 40)
+TQ, TKV, HQ, HKV, D = 64, 80, 8, 2, 64
+
+
+def qkv(dtype=jnp.bfloat16, tq=TQ, tkv=TKV, hq=HQ, hkv=HKV, d=D):
+  return (jnp.zeros((tq, hq, d), dtype), jnp.zeros((tkv, hkv, d), dtype),
+          jnp.zeros((tkv, hkv, d), dtype))
+
+
+def expected_operands(dtype, s=3, tq=TQ, tkv=TKV, hq=HQ, hkv=HKV, d=D):
+  return ([t((tq, hq, d), dtype), t((tkv, hkv, d), dtype),
+           t((tkv, hkv, d), dtype)],
+          [t((s,), "i32")] * 2 + [t((s + 1,), "i32")] * 3)
+
+
+@pytest.mark.parametrize("mask", sorted(MASK_CODES))
+def test_forward_lowers_to_custom_call(mask):
+  f = lambda q, k, v, seg: cudnn_backend.forward(q, k, v, seg, mask=mask,
+                                                 scale=0.125)
+  (attrs, ins, outs), = custom_calls(lower_for_cuda(f, *qkv(), SEG), FWD)
+  assert attrs == {"mask": f"{MASK_CODES[mask]} : i64",
+                   "max_seqlen_kv": "40 : i64", "max_seqlen_q": "32 : i64",
+                   "scale": "1.250000e-01 : f32"}
+  tensors, meta = expected_operands("bf16")
+  assert ins == tensors + meta
+  assert outs == [t((TQ, HQ, D), "bf16"), t((TQ, HQ), "f32")]
+
+
+def test_forward_f16_default_scale_and_capped_bounds():
+  seg = make_segments([16], [16], [0], [0], 1000, 1000)  # bounds > T
+  f = lambda q, k, v, seg: cudnn_backend.forward(
+      q, k, v, seg, mask="causal_top_left", scale=None)
+  q, k, v = qkv(jnp.float16, tq=16, tkv=24, hq=4, hkv=4, d=128)
+  (attrs, ins, outs), = custom_calls(lower_for_cuda(f, q, k, v, seg), FWD)
+  assert attrs["max_seqlen_q"] == "16 : i64"
+  assert attrs["max_seqlen_kv"] == "24 : i64"
+  assert np.float32(attrs["scale"].split(" : ")[0]) == np.float32(128**-0.5)
+  assert ins[0] == t((16, 4, 128), "f16")
+  assert outs[0] == t((16, 4, 128), "f16")
+
+
+def test_backward_lowers_to_custom_call():
+  q, k, v = qkv()
+  out = jnp.zeros_like(q)
+  lse = jnp.zeros((TQ, HQ), jnp.float32)
+
+  def f(q, k, v, out, lse, dout, seg):
+    return cudnn_backend.backward(q, k, v, out, lse, dout, seg,
+                                  mask="causal_bottom_right", scale=0.5)
+
+  text = lower_for_cuda(f, q, k, v, out, lse, out, SEG)
+  (attrs, ins, outs), = custom_calls(text, BWD)
+  assert attrs == {"mask": "2 : i64", "max_seqlen_kv": "40 : i64",
+                   "max_seqlen_q": "32 : i64", "scale": "5.000000e-01 : f32"}
+  tensors, meta = expected_operands("bf16")
+  assert ins == tensors + [t((TQ, HQ, D), "bf16")] * 2 + [
+      t((TQ, HQ), "f32")] + meta
+  assert outs == tensors
+  assert not custom_calls(text, FWD)
+
+
+@pytest.mark.parametrize("mask", ["causal", "causal_top_left", "no_mask"])
+def test_grad_through_fused_attention(mask):
+  b, tq, n = 2, 32, 3
+  q = jnp.zeros((b, tq, 4, 64), jnp.bfloat16)
+  k = jnp.zeros((b, tq, 2, 64), jnp.bfloat16)
+  lens = jnp.array([[10, 6, 0], [16, 16, 0]], jnp.int32)
+  offs = jnp.array([[0, 16, 32], [0, 16, 32]], jnp.int32)
+
+  def loss(q, k, v):
+    out = jax_cp.fused_attention(q, k, v, lens, lens, offs, offs,
+                                 attn_mask_type=mask, backend="cudnn",
+                                 softmax_scale=0.25, max_seqlen_q=16,
+                                 max_seqlen_kv=16)
+    return jnp.sum(out.astype(jnp.float32))
+
+  text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)
+  fwd, = custom_calls(text, FWD)
+  bwd, = custom_calls(text, BWD)
+  code = MASK_CODES["causal_bottom_right" if mask == "causal" else mask]
+  for attrs, _, _ in (fwd, bwd):
+    assert attrs == {"mask": f"{code} : i64", "max_seqlen_kv": "16 : i64",
+                     "max_seqlen_q": "16 : i64",
+                     "scale": "2.500000e-01 : f32"}
+  s = b * n  # the batch is flattened into one segment list
+  tensors, meta = expected_operands("bf16", s=s, tq=b * tq, tkv=b * tq, hq=4,
+                                    hkv=2)
+  assert fwd[1] == tensors + meta
+  assert bwd[1][:3] == tensors and bwd[1][-5:] == meta
+  assert bwd[2] == tensors
+
+
+def test_backend_is_registered():
+  assert "cudnn" in registry.registered_backends()
+  backend = registry.resolve_backend("cudnn")
+  assert backend.forward is cudnn_backend.forward
+  assert backend.backward is cudnn_backend.backward
+  assert backend.is_available("cuda") and backend.is_available("gpu")
+  assert not backend.is_available("cpu")
+  stats = cudnn_backend.graph_cache_stats()
+  assert isinstance(stats["builds"], int) and isinstance(stats["hits"], int)
+  assert cudnn_backend.build_info()["cudnn_frontend"] >= 10000
+
+
+# ---------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------
+
+
+def _forward_shapes(q, k, v, seg=SEG, mask="causal_bottom_right"):
+  f = lambda q, k, v: cudnn_backend.forward(q, k, v, seg, mask=mask,
+                                            scale=0.1)
+  return jax.eval_shape(f, q, k, v)
+
+
+def sds(shape, dtype=jnp.bfloat16):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def test_rejects_float32():
+  q = sds((TQ, HQ, D), jnp.float32)
+  kv = sds((TKV, HKV, D), jnp.float32)
+  with pytest.raises(ValueError, match="bfloat16 or float16.*float32"):
+    _forward_shapes(q, kv, kv)
+
+
+def test_rejects_mixed_dtypes():
+  with pytest.raises(ValueError, match="one dtype"):
+    _forward_shapes(sds((TQ, HQ, D)), sds((TKV, HKV, D), jnp.float16),
+                    sds((TKV, HKV, D), jnp.float16))
+
+
+@pytest.mark.parametrize("d", [12, 264, 0])
+def test_rejects_head_dim(d):
+  with pytest.raises(ValueError, match=f"D={d}"):
+    _forward_shapes(sds((TQ, HQ, d)), sds((TKV, HKV, d)), sds((TKV, HKV, d)))
+
+
+def test_rejects_head_ratio():
+  with pytest.raises(ValueError, match="Hq=6, Hkv=4"):
+    _forward_shapes(sds((TQ, 6, D)), sds((TKV, 4, D)), sds((TKV, 4, D)))
+
+
+def test_rejects_rank():
+  with pytest.raises(ValueError, match="rank-3"):
+    _forward_shapes(sds((1, TQ, HQ, D)), sds((1, TKV, HKV, D)),
+                    sds((1, TKV, HKV, D)))
+
+
+def test_rejects_int32_offset_overflow():
+  big = sds((2**21, 16, 64))  # exactly 2**31 elements
+  with pytest.raises(ValueError, match=r"\(2097152, 16, 64\).*2\*\*31"):
+    _forward_shapes(big, sds((TKV, 16, 64)), sds((TKV, 16, 64)))
+  with pytest.raises(ValueError, match="k/v"):
+    _forward_shapes(sds((TQ, 16, 64)), big, big)
+  # One element below the limit is accepted.
+  _forward_shapes(sds((2**21 - 1, 16, 64)), sds((TKV, 16, 64)),
+                  sds((TKV, 16, 64)))
+
+
+def test_rejects_bad_mask_and_segments():
+  q, k, v = sds((TQ, HQ, D)), sds((TKV, HKV, D)), sds((TKV, HKV, D))
+  with pytest.raises(ValueError, match="mask"):
+    _forward_shapes(q, k, v, mask="causal")
+  bad = make_segments([1, 2], [1, 2], [0, 1], [0], 4, 4)
+  with pytest.raises(ValueError, match="one length"):
+    _forward_shapes(q, k, v, seg=bad)
+
+
+def test_backward_rejects_bad_lse():
+  q, k, v = qkv()
+  with pytest.raises(ValueError, match="lse"):
+    cudnn_backend.backward(q, k, v, q, jnp.zeros((TQ, HQ + 1)), q, SEG,
+                           mask="no_mask", scale=1.0)
+
+
+# ---------------------------------------------------------------------------
+# The wrapper's metadata (pure JAX, runs on CPU)
+# ---------------------------------------------------------------------------
+
+
+def test_element_offsets():
+  q_off = cudnn_backend._element_offsets(SEG.q_offsets, TQ, HQ * D)
+  np.testing.assert_array_equal(q_off, np.array([0, 10, 24, TQ]) * HQ * D)
+  assert q_off.dtype == jnp.int32
+
+
+@pytest.mark.parametrize("mask", sorted(MASK_CODES))
+def test_rows_with_keys_matches_xla_reference(mask):
+  from jax_cp.attention.xla import segment_mask
+  # Gaps, an empty segment, a kv-only segment, kv < q (bottom-right rows
+  # without keys), and a length-1 document.
+  seg = make_segments([5, 0, 6, 4, 1, 3], [9, 3, 2, 0, 1, 7],
+                      [1, 6, 8, 15, 20, 22], [0, 9, 12, 14, 14, 15], 8, 9)
+  tq, tkv = 26, 24
+  live = cudnn_backend._rows_with_keys(seg.q_lens, seg.kv_lens,
+                                       seg.q_offsets, tq, mask)
+  ok, _ = segment_mask(seg, tq, tkv, mask)
+  np.testing.assert_array_equal(live, np.asarray(ok).any(axis=1))
