@@ -321,8 +321,10 @@ ffi::Error RunSdpaGraphImpl(const char* call, const SdpaGraphKey& key,
   }
   void* workspace = nullptr;
   if (built.workspace_bytes > 0) {
+    // XLA's FFI allocator rejects alignments above 16 ("Unsupported
+    // alignment"); its device allocations are 256-byte aligned anyway.
     std::optional<void*> ws =
-        scratch.Allocate(static_cast<size_t>(built.workspace_bytes), 256);
+        scratch.Allocate(static_cast<size_t>(built.workspace_bytes), 16);
     if (!ws.has_value()) {
       return ffi::Error(ffi::ErrorCode::kResourceExhausted,
                         CallContext(call, key) + ": workspace allocation of " +

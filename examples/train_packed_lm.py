@@ -12,6 +12,15 @@ rows in :func:`jax_cp.reorder_for_cp` layout, sharded over the mesh, and
 final parameters are evaluated on the last batch both with CP and without it
 (``cp_axis=None`` on one device): the two losses must agree.
 
+Several processes (hosts): the same command on every host, with
+``--coordinator host0:PORT --num-processes N --process-id I`` (or
+``$JAX_CP_COORDINATOR``, ``$JAX_CP_NUM_PROCESSES``, ``$JAX_CP_PROCESS_ID``;
+see ``multihost.py``). The ``(data, cp)`` mesh puts each cp group on as few
+processes as possible (dp across them); each process builds every step's
+batch from its own rows only (:func:`jax_cp.process_batch_rows`,
+:func:`jax_cp.make_global_batch`) and each device receives only its cp
+slice. Process 0 prints; ``--report`` writes the returned dict as JSON.
+
 Run (CPU, 8 virtual devices, dp=2 x cp=4; a couple of minutes on 2 cores)::
 
     python examples/train_packed_lm.py
@@ -19,9 +28,14 @@ Run (CPU, 8 virtual devices, dp=2 x cp=4; a couple of minutes on 2 cores)::
     python examples/train_packed_lm.py --checkpoint-dir /tmp/lm  # rerun resumes
     python examples/train_packed_lm.py --device gpu --dp 1 --cp 2 \\
         --dtype bfloat16 --seq-len 8192 --d-model 512 --layers 4
+    # two processes on this machine, cp=8 spanning both (4 devices each):
+    for i in 0 1; do python examples/train_packed_lm.py --dp 1 --cp 8 \\
+        --coordinator localhost:29500 --num-processes 2 --process-id $i & done
 
-Unless ``XLA_FLAGS`` is set or ``--device gpu`` is given, the script asks
-XLA for ``max(8, dp*cp)`` virtual CPU devices before importing jax.
+On CPU (unless ``--device gpu``), a single process asks XLA for
+``max(8, dp*cp)`` virtual devices before importing jax (unless ``XLA_FLAGS``
+already sets ``--xla_force_host_platform_device_count``); with N processes
+each gets ``dp*cp/N`` (``jax_num_cpu_devices``).
 """
 
 from __future__ import annotations
@@ -68,7 +82,31 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--no-compare", action="store_true",
                  help="skip the final comparison with a no-CP evaluation")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
+  p.add_argument("--report", default=None, metavar="FILE",
+                 help="write the returned dict as JSON; with several "
+                 "processes, '{process}' in FILE is replaced by the process "
+                 "id (without it, process 0 writes)")
+  g = p.add_argument_group(
+      "several processes", "one process per host (default: from the "
+      "environment, see multihost.py; nothing set: single process)")
+  g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                 help="address of process 0 (default: $JAX_CP_COORDINATOR, "
+                 "else $JAX_COORDINATOR_ADDRESS)")
+  g.add_argument("--num-processes", type=int, default=None,
+                 help="default: $JAX_CP_NUM_PROCESSES")
+  g.add_argument("--process-id", type=int, default=None,
+                 help="default: $JAX_CP_PROCESS_ID")
   return p
+
+
+def _num_processes(args) -> int:
+  """The process count asked on the command line or in the environment."""
+  if args.num_processes is not None:
+    return args.num_processes
+  try:   # a malformed value is reported by multihost.init_distributed
+    return int(os.environ.get("JAX_CP_NUM_PROCESSES", ""))
+  except ValueError:
+    return 1
 
 
 def _configure_platform(argv: Sequence[str]) -> None:
@@ -77,9 +115,13 @@ def _configure_platform(argv: Sequence[str]) -> None:
   if args.device == "gpu":
     return
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  if "XLA_FLAGS" not in os.environ:
+  flags = os.environ.get("XLA_FLAGS", "")
+  # Several processes: main() sets jax_num_cpu_devices (dp*cp/N) instead.
+  if (_num_processes(args) <= 1
+      and "xla_force_host_platform_device_count" not in flags):
     n = max(8, args.dp * args.cp)
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
+    os.environ["XLA_FLAGS"] = (
+        f"{flags} --xla_force_host_platform_device_count={n}".strip())
 
 
 if __name__ == "__main__":
@@ -103,6 +145,7 @@ from jax_cp.flax import TransformerLayer  # noqa: E402
 from jax_cp.flax.settings import cp_settings  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import multihost  # noqa: E402
 import packed_data  # noqa: E402
 
 DATA, CP = "data", "cp"
@@ -162,35 +205,73 @@ def loss_fn(model: PackedLM, params, batch: Dict[str, jax.Array]):
 
 
 def make_mesh(dp: int, cp: int, device: str):
+  """The ``(data, cp)`` mesh with Auto axes: XLA propagates the batch
+  shardings through the model (with Explicit axes, the default of
+  ``jax.make_mesh``, the embedding gather would need an explicit
+  out_sharding)."""
   devices = jax.devices()
+  auto = (jax.sharding.AxisType.Auto,) * 2
   if devices[0].platform != device:
     raise SystemExit(f"--device {device} asked, but jax runs on "
                      f"{devices[0].platform}")
-  if len(devices) < dp * cp:
-    raise SystemExit(
-        f"dp*cp = {dp * cp} devices needed, jax sees {len(devices)}; on CPU "
-        "set XLA_FLAGS=--xla_force_host_platform_device_count=N")
-  # Auto axes: XLA propagates the batch shardings through the model (with
-  # Explicit axes, the default of jax.make_mesh, the embedding gather would
-  # need an explicit out_sharding).
-  return jax.make_mesh((dp, cp), (DATA, CP), devices=devices[:dp * cp],
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  n_proc = jax.process_count()
+  if n_proc == 1:
+    if len(devices) < dp * cp:
+      raise SystemExit(
+          f"dp*cp = {dp * cp} devices needed, jax sees {len(devices)}; on "
+          "CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N")
+    return jax.make_mesh((dp, cp), (DATA, CP), devices=devices[:dp * cp],
+                         axis_types=auto)
+  # Several processes: the first dp*cp/N devices of every process, each cp
+  # group on as few consecutive processes as possible (inside a host and
+  # its NVLink domain when cp <= devices per process), dp across them.
+  per = dp * cp // n_proc
+  if per * n_proc != dp * cp:
+    raise SystemExit(f"dp*cp = {dp * cp} devices must be spread evenly over "
+                     f"the {n_proc} processes")
+  chosen = []
+  for p in range(n_proc):
+    own = sorted((d for d in devices if d.process_index == p),
+                 key=lambda d: d.id)
+    if len(own) < per:
+      raise SystemExit(f"dp*cp/processes = {per} devices needed per "
+                       f"process, process {p} has {len(own)}")
+    chosen += own[:per]
+  return multihost.make_mesh(dp, cp, axis_names=(DATA, CP), axis_types=auto,
+                             devices=chosen)
 
 
-def place_batch(rows: packed_data.PackedRows, mesh) -> Dict[str, jax.Array]:
-  """Global view on the mesh: token arrays ``[B, T]`` sharded
-  ``P(data, cp)``, metadata ``[B, N+1]`` sharded ``P(data)``."""
-  out = {}
-  for k, v in rows.as_dict().items():
-    spec = P(DATA, CP) if k in packed_data.PackedRows.TOKEN_FIELDS else P(
-        DATA, None)
-    out[k] = jax.device_put(v, NamedSharding(mesh, spec))
-  return out
+def place_batch(rows: packed_data.PackedRows, mesh,
+                local: np.ndarray, strategy: str,
+                max_seqlen: int) -> Dict[str, jax.Array]:
+  """Global view on the mesh from *this process's* rows ``local`` (global
+  row indices of :func:`jax_cp.process_batch_rows`): token arrays
+  ``[B, T]`` in :func:`jax_cp.reorder_for_cp` layout sharded ``P(data,
+  cp)`` (each device gets only its cp slice), metadata ``[B, N+1]`` sharded
+  ``P(data)``. ``rows`` is the whole global batch in physical order; only
+  ``rows[local]`` is read."""
+  mine = {k: v[local] for k, v in rows.as_dict().items()}
+  tokens, cu_seqlens_padded = jax_cp.make_global_batch(
+      {k: mine[k] for k in packed_data.PackedRows.TOKEN_FIELDS},
+      mine["cu_seqlens_padded"], mesh, cp_axis=CP, batch_axis=DATA,
+      load_balancing_strategy=strategy, max_seqlen=max_seqlen,
+      global_batch_size=rows.num_rows)
+  cu_seqlens = jax_cp.make_global_metadata(
+      mine["cu_seqlens"], mesh, batch_axis=DATA,
+      global_batch_size=rows.num_rows)
+  return {**tokens, "cu_seqlens": cu_seqlens,
+          "cu_seqlens_padded": cu_seqlens_padded}
 
 
 class Checkpointer:
   """Orbax checkpoints of ``{step, params, opt_state}`` plus the run's
-  config (a resumed run must use the same model and data settings)."""
+  config (a resumed run must use the same model and data settings).
+
+  With several processes, the directory must be shared by all of them (one
+  path on a shared file system, or the same local directory for processes
+  of one machine): orbax writes the replicated state once and synchronises
+  the processes itself; ``run_config.json`` is read by every process before
+  process 0 writes it."""
 
   _KEYS = ("layers", "d_model", "heads", "kv_heads", "seq_len", "batch",
            "seed", "strategy", "max_doc_len")
@@ -203,18 +284,22 @@ class Checkpointer:
     self.every = every
     config = {k: getattr(args, k) for k in self._KEYS}
     cfg_file = self.path / "run_config.json"
-    if cfg_file.exists():
+    exists = cfg_file.exists()
+    if exists:
       old = json.loads(cfg_file.read_text())
       diff = {k: (old.get(k), v) for k, v in config.items()
               if old.get(k) != v}
       if diff:
         raise SystemExit(f"--checkpoint-dir {self.path} holds a run with "
                          f"other settings (old, new): {diff}")
-    else:
+    if jax.process_count() > 1:   # everyone has read before anyone writes
+      ocp.multihost.sync_global_processes("jax_cp_example_run_config")
+    if not exists and jax.process_index() == 0:
       cfg_file.write_text(json.dumps(config, indent=1))
     self.manager = ocp.CheckpointManager(
         self.path / "state", options=ocp.CheckpointManagerOptions(
             max_to_keep=2, create=True))
+    self._last_saved = self.manager.latest_step()
 
   def latest_step(self) -> Optional[int]:
     return self.manager.latest_step()
@@ -226,9 +311,14 @@ class Checkpointer:
         self.latest_step(), args=self._ocp.args.StandardRestore(abstract))
 
   def save(self, step: int, state, force: bool = False) -> None:
+    """Saves every ``every`` steps, or now with ``force`` (a step already
+    saved is not saved again)."""
+    if step == self._last_saved:
+      return
     if force or step % self.every == 0:
       self.manager.save(step, args=self._ocp.args.StandardSave(state),
                         force=force)
+      self._last_saved = step
 
   def close(self) -> None:
     self.manager.wait_until_finished()
@@ -244,16 +334,36 @@ def _progress(step: int, total: int, loss: float, tok_s: float) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
   """Trains and returns ``{"losses": [...], "start_step", "eval_loss_cp",
-  "eval_loss_nocp", "tokens_per_s", ...}`` (losses of the steps run here)."""
+  "eval_loss_nocp", "tokens_per_s", "local_rows", ...}`` (losses of the
+  steps run here; ``eval_loss_nocp`` on process 0 only; ``local_rows``: the
+  rows of each global batch that this process loads)."""
   args = build_parser().parse_args(argv)
-  log = (lambda *a, **k: None) if args.quiet else print
   dtype = jnp.dtype(args.dtype)
   if args.batch % args.dp:
     raise SystemExit(f"--batch {args.batch} must be divisible by --dp "
                      f"{args.dp}")
   if args.max_doc_len is None:
     args.max_doc_len = args.seq_len // 2
+  # Several processes: jax.distributed first, before any device query.
+  n_proc = _num_processes(args)
+  cpu_devices = None
+  if n_proc > 1 and args.device == "cpu":
+    cpu_devices = args.dp * args.cp // n_proc
+    if cpu_devices * n_proc != args.dp * args.cp:
+      raise SystemExit(f"dp*cp = {args.dp * args.cp} CPU devices cannot be "
+                       f"split evenly over {n_proc} processes")
+  if not jax.distributed.is_initialized():
+    try:
+      multihost.init_distributed(args.coordinator, args.num_processes,
+                                 args.process_id, cpu_devices=cpu_devices)
+    except ValueError as e:
+      raise SystemExit(f"several processes: {e}") from None
+  is_main = jax.process_index() == 0
+  log = print if is_main and not args.quiet else (lambda *a, **k: None)
   mesh = make_mesh(args.dp, args.cp, args.device)
+  # The rows of every global batch that this process loads: those of the
+  # data shards its devices hold (all of them when dp == 1).
+  local = jax_cp.process_batch_rows(mesh, args.batch, DATA)
 
   # Data: row i is the same whatever --steps is, so a resumed run continues
   # on the batches it has not seen.
@@ -261,12 +371,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
       args.steps * args.batch, args.seq_len, cp_size=args.cp,
       strategy=args.strategy, seed=args.seed, max_doc_len=args.max_doc_len)
   max_seqlen = args.max_seqlen or rows.max_seqlen
-  # Global view: tokens permuted so that a contiguous split over the cp axis
-  # gives every rank its strategy's tokens. (A per-rank data loader would
-  # instead call packed_data.rows_on_cp_rank(rows, cp, rank, strategy), i.e.
-  # jax_cp.get_batch_on_this_cp_rank, and feed TransformerLayer with
-  # local_view=True inside a shard_map.)
-  cp_rows = packed_data.reorder_rows_for_cp(rows, args.cp, args.strategy)
+  # Every process makes the same rows (same seed) but passes on only its
+  # own (place_batch). Global view: make_global_batch puts the tokens in
+  # reorder_for_cp layout, so that a contiguous split over the cp axis gives
+  # every rank its strategy's tokens, and hands each device only its slice
+  # (jax_cp.get_batch_on_this_cp_rank). (A per-rank model would instead
+  # feed TransformerLayer with local_view=True inside a shard_map.)
   docs = int((np.diff(rows.cu_seqlens, axis=1) > 0).sum())
   log(f"data: {rows.num_rows} rows x {rows.seq_len} tokens, {docs} documents "
       f"from the stdlib, max_seqlen={max_seqlen}, "
@@ -298,8 +408,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             "opt_state": opt_state}, loss
 
   def batch_at(step: int):
-    return place_batch(cp_rows.rows(step * args.batch,
-                                    (step + 1) * args.batch), mesh)
+    # The metadata are global arrays too: arguments of the jitted step (a
+    # jit cannot close over arrays spanning other processes).
+    return place_batch(rows.rows(step * args.batch, (step + 1) * args.batch),
+                       mesh, local, args.strategy, max_seqlen)
 
   ckpt = (Checkpointer(args.checkpoint_dir, args, args.checkpoint_every)
           if args.checkpoint_dir else None)
@@ -324,12 +436,18 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         f"{args.heads} heads / {args.kv_heads} kv heads, {n_params:,} params"
         f"; mesh dp={args.dp} x cp={args.cp} ({args.strategy}), "
         f"{args.dtype}, backend {args.backend}")
+    if jax.process_count() > 1:
+      groups = [sorted({d.process_index for d in g}) for g in mesh.devices]
+      log(f"{jax.process_count()} processes x "
+          f"{mesh.size // jax.process_count()} "
+          f"devices; processes of each cp group: {groups}; process 0 loads "
+          f"rows {local.tolist()} of each batch")
     losses: List[float] = []
     timed_tokens, timed_s, t_start = 0, 0.0, time.perf_counter()
     for step in range(start, args.steps):
       t0 = time.perf_counter()
       state, loss = step_fn(state, batch_at(step))
-      loss = float(loss)
+      loss = float(loss.addressable_data(0))    # replicated
       dt = time.perf_counter() - t0
       losses.append(loss)
       if step > start:          # the first step includes compilation
@@ -337,11 +455,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         timed_s += dt
       if ckpt is not None:
         ckpt.save(step + 1, state)
-      if not args.quiet:
+      if is_main and not args.quiet:
         print(_progress(step + 1, args.steps, loss,
                         timed_tokens / timed_s if timed_s else 0.0),
               end="", flush=True)
-    if not args.quiet and losses:
+    if is_main and not args.quiet and losses:
       print()
     if ckpt is not None:
       if losses:
@@ -355,13 +473,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     eval_loss_cp = eval_loss_nocp = None
     if not args.no_compare:
       eval_loss_cp = float(jax.jit(lambda p, b: loss_fn(model, p, b))(
-          state["params"], batch_at(last)))
-  if not args.no_compare:
+          state["params"], batch_at(last)).addressable_data(0))
+  if not args.no_compare and is_main:
+    # Process 0 alone, on one of its devices: the parameters are replicated,
+    # so its local copy is the whole of them.
     nocp_model = PackedLM(cp_axis=None, **common)
     host_batch = rows.rows(last * args.batch,
                            (last + 1) * args.batch).as_dict()
+    local_params = jax.tree.map(lambda x: x.addressable_data(0),
+                                state["params"])
     eval_loss_nocp = float(jax.jit(lambda p, b: loss_fn(nocp_model, p, b))(
-        jax.device_get(state["params"]), host_batch))
+        local_params, host_batch))
 
   if losses:
     k = min(10, len(losses))
@@ -374,9 +496,18 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         f"{args.dp} x cp={args.cp}, {args.strategy}) {eval_loss_cp:.6f} vs "
         f"without CP (cp_axis=None, one device, same params and batch) "
         f"{eval_loss_nocp:.6f}: relative difference {rel:.2e}")
-  return {"losses": losses, "start_step": start, "steps": args.steps,
-          "eval_loss_cp": eval_loss_cp, "eval_loss_nocp": eval_loss_nocp,
-          "tokens_per_s": tok_s, "max_seqlen": max_seqlen}
+  result = {"losses": losses, "start_step": start, "steps": args.steps,
+            "eval_loss_cp": eval_loss_cp, "eval_loss_nocp": eval_loss_nocp,
+            "tokens_per_s": tok_s, "max_seqlen": max_seqlen,
+            "process_index": jax.process_index(),
+            "num_processes": jax.process_count(),
+            "local_rows": local.tolist()}
+  if args.report and ("{process}" in args.report or is_main):
+    path = pathlib.Path(args.report.replace("{process}",
+                                            str(jax.process_index())))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+  return result
 
 
 if __name__ == "__main__":

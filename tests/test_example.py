@@ -1,6 +1,7 @@
 """The main example: packing of real documents, a short training run whose
 loss decreases and matches the no-CP loss, and checkpoint resume."""
 
+import json
 import pathlib
 import sys
 
@@ -96,3 +97,15 @@ def test_checkpoint_dir_of_another_run_is_refused(tmp_path):
   (d / "run_config.json").write_text('{"d_model": 999}')
   with pytest.raises(SystemExit, match="other settings"):
     train_packed_lm.main(TINY + ["--checkpoint-dir", str(d), "--steps", "1"])
+
+
+def test_checkpoint_at_the_last_step_and_report(tmp_path):
+  """--checkpoint-every dividing --steps: the final save does not repeat the
+  step already saved (orbax refused it); --report writes the result."""
+  report = tmp_path / "out" / "report.json"
+  got = train_packed_lm.main(TINY + [
+      "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1",
+      "--steps", "1", "--no-compare", "--report", str(report)])
+  assert (tmp_path / "ckpt" / "state" / "1").is_dir()
+  assert json.loads(report.read_text()) == got
+  assert got["num_processes"] == 1 and got["local_rows"] == [0, 1]

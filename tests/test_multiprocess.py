@@ -7,8 +7,10 @@ under jax.distributed with gloo CPU collectives.
 * ``multiprocess`` marker: two local processes of 4 virtual CPU devices each
   (tests/multiprocess/worker.py) run cp_attention forward and gradients with
   cp=8 spanning both, and on a (data=2, cp=4) mesh with dp across them, each
-  checking its shards against plain masked attention; and one process dying
-  mid-run makes the other exit non-zero with a clear message.
+  checking its shards against plain masked attention; one process dying
+  mid-run makes the other exit non-zero with a clear message; and
+  examples/train_packed_lm.py on 2 processes trains with the same losses as
+  on one (dp across the processes, and cp spanning them).
 """
 
 from __future__ import annotations
@@ -195,40 +197,63 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def _child_env(xla_flags: str) -> dict:
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+      [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                     if p])
+  env["XLA_FLAGS"] = xla_flags
+  env.pop("JAX_PLATFORMS", None)
+  return env
+
+
 def _launch(tmp_path, timeout: float, *worker_args: str, n: int = 2):
   """Starts ``n`` workers (each its own process group), waits up to
   ``timeout`` seconds in all, and kills every group that is left, whatever
   happens. Returns [(returncode, stdout, stderr)] and the wall time."""
   port = _free_port()
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join(
-      [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                     if p])
   # 4 virtual devices per process, and a cheaper (unoptimised) LLVM backend:
   # compilation dominates these tiny runs on a 2-core machine.
-  env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4 "
-                      "--xla_backend_optimization_level=0")
-  env.pop("JAX_PLATFORMS", None)
+  env = _child_env("--xla_force_host_platform_device_count=4 "
+                   "--xla_backend_optimization_level=0")
+  return _run_processes(tmp_path, timeout, [
+      [sys.executable, str(WORKER), "--process-id", str(i),
+       "--num-processes", str(n), "--coordinator", f"localhost:{port}",
+       "--out", str(tmp_path), *worker_args] for i in range(n)], env)
+
+
+def _run_processes(tmp_path, timeout: float, commands, env,
+                   fail_fast: bool = False):
+  """Runs ``commands`` (one process group each), waits up to ``timeout``
+  seconds in all, and kills every group that is left, whatever happens;
+  with ``fail_fast``, as soon as one exits non-zero. Returns
+  [(returncode, stdout, stderr)] and the wall time."""
   procs, files = [], []
   start = time.monotonic()
   try:
-    for i in range(n):
+    for i, cmd in enumerate(commands):
       out = open(tmp_path / f"stdout{i}", "w+")
       err = open(tmp_path / f"stderr{i}", "w+")
       files.append((out, err))
       procs.append(subprocess.Popen(
-          [sys.executable, str(WORKER), "--process-id", str(i),
-           "--num-processes", str(n), "--coordinator", f"localhost:{port}",
-           "--out", str(tmp_path), *worker_args],
-          stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
+          cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
           cwd=ROOT, start_new_session=True))
+    if fail_fast:
+      while any(p.poll() is None for p in procs):
+        if any(p.poll() not in (None, 0) for p in procs):
+          break     # the others would wait for it in a collective
+        if time.monotonic() - start > timeout:
+          pytest.fail(f"processes still running after {timeout:.0f} s:\n"
+                      + _logs(files))
+        time.sleep(0.2)
     for p in procs:
       left = timeout - (time.monotonic() - start)
       try:
-        p.wait(timeout=max(left, 0.1))
+        p.wait(timeout=max(left, 0.1) if not fail_fast else 0.1)
       except subprocess.TimeoutExpired:
-        pytest.fail(f"workers still running after {timeout:.0f} s:\n"
-                    + _logs(files))
+        if not fail_fast:
+          pytest.fail(f"workers still running after {timeout:.0f} s:\n"
+                      + _logs(files))
   finally:
     for p in procs:
       if p.poll() is None:
@@ -305,3 +330,52 @@ def test_dead_process_makes_the_other_exit(tmp_path, dying):
     assert "stopped sending heartbeats" in err, err[-4000:]
   print(f"process {dying} died: the survivor exited with {rc} after "
         f"{wall:.1f} s")
+
+
+# ------------------------------------------- the training example, 2 x 4
+
+EXAMPLE = ROOT / "examples" / "train_packed_lm.py"
+EXAMPLE_ARGS = ["--seq-len", "256", "--layers", "1", "--d-model", "64",
+                "--steps", "3", "--batch", "2", "--backend", "xla",
+                "--no-compare", "--quiet"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("dp,cp", [(2, 4), (1, 8)],
+                         ids=["dp2_cp4_dp_across", "dp1_cp8_cp_across"])
+def test_two_process_training_matches_single_process(tmp_path, dp, cp):
+  """examples/train_packed_lm.py on 2 processes x 4 CPU devices trains like
+  one process of 8 devices on the same (dp, cp) mesh: same losses, each
+  process loading only its own rows. With dp=2, the 2 processes also save
+  an orbax checkpoint (shared local dir) that one process then resumes."""
+  args = EXAMPLE_ARGS + ["--dp", str(dp), "--cp", str(cp)]
+  ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")] if dp == 2 else []
+  port = _free_port()
+  results, wall = _run_processes(tmp_path, 240, [
+      [sys.executable, str(EXAMPLE), *args, *ckpt,
+       "--coordinator", f"localhost:{port}", "--num-processes", "2",
+       "--process-id", str(i),
+       "--report", str(tmp_path / "report{process}.json")]
+      for i in range(2)], _child_env("--xla_backend_optimization_level=0"),
+                                fail_fast=True)
+  for i, (rc, out, err) in enumerate(results):
+    body = "".join(l for l in err.splitlines(True) if "[Gloo]" not in l)
+    assert rc == 0, f"process {i} exited with {rc}:\n{out[-2000:]}\n" \
+        f"{body[-4000:]}"
+  reports = [json.loads((tmp_path / f"report{i}.json").read_text())
+             for i in range(2)]
+  import train_packed_lm  # pylint: disable=import-outside-toplevel
+  t = time.monotonic()
+  single = train_packed_lm.main(args)      # in this process: 8 devices
+  print(f"2 processes: {wall:.1f} s wall; 1 process: "
+        f"{time.monotonic() - t:.1f} s")
+  assert single["num_processes"] == 1 and len(single["losses"]) == 3
+  for i, rep in enumerate(reports):
+    assert rep["process_index"] == i and rep["num_processes"] == 2
+    # Only its own rows: one data shard each, or both rows when cp spans
+    # the processes.
+    assert rep["local_rows"] == ([i] if dp == 2 else [0, 1])
+    np.testing.assert_allclose(rep["losses"], single["losses"], rtol=1e-5)
+  if ckpt:        # the 2-process checkpoint, resumed by one process
+    resumed = train_packed_lm.main(args + ckpt)
+    assert resumed["start_step"] == 3 and resumed["losses"] == []
