@@ -63,14 +63,28 @@ class CPConfig:
 
 @dataclasses.dataclass(frozen=True)
 class _Call:
-  """One varlen attention call: metadata, mask, static length bounds, and
-  whether KV comes from the local chunk or the exchanged buffer."""
+  """One varlen attention call.
+
+  Attributes:
+    meta: per-segment lengths/offsets ``[B, n]``.
+    mask: backend mask type.
+    max_q, max_kv: static bounds on the segment lengths.
+    exchanged: KV come from the exchanged buffer (else the local chunk).
+    q_rows: the call reads/writes only the first ``q_rows`` local Q rows of
+      each row (static); None = all. Small calls then produce small outputs.
+    kv_rows: likewise for the KV buffer.
+
+  The calls of one step cover disjoint Q rows, so their outputs are merged
+  by addition (each is 0 outside its rows) with no log-sum-exp rescaling.
+  """
 
   meta: metadata.StepMetadata
   mask: str
   max_q: int
   max_kv: int
   exchanged: bool
+  q_rows: Optional[int] = None
+  kv_rows: Optional[int] = None
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -90,12 +104,18 @@ def _forward_calls(cfg: CPConfig, cu, cuP, rank) -> List[_Call]:
     # Documents inside the chunk need only local K/V (and can run while the
     # exchange is in flight); the one straddling document per row needs the
     # exchanged buffer.
+    # The straddling document reaches at most W-1 tokens into the chunk, so
+    # its call only needs the first W-1 Q rows and, with the halo exchange,
+    # the first halo + W-1 KV rows: small buffers for short documents.
     local, straddle = metadata.no_load_balance_split(
         cu, cuP, cp, rank, cfg.total_tokens, cfg.exchange.buffer_start(rank))
     bound = min(w, tl)
+    q_rows = min(max(w - 1, 1), tl)
+    kv_rows = (cfg.exchange.halo_tokens + q_rows
+               if cfg.exchange.kind == "halo" else None)
     return [_Call(local, "causal_top_left", bound, bound, False),
-            _Call(straddle, "causal_bottom_right", min(max(w - 1, 1), tl), w,
-                  True)]
+            _Call(straddle, "causal_bottom_right", q_rows, w, True,
+                  q_rows=q_rows if q_rows < tl else None, kv_rows=kv_rows)]
   c = max(_ceil_div(w, 2 * cp), 1)
   calls = []
   for step in (0, 1):
@@ -126,31 +146,55 @@ def _backward_calls(cfg: CPConfig, cu, cuP, rank) -> List[_Call]:
 
 
 def _segments(call: _Call, tq: int, tkv: int) -> Segments:
-  """[B, n] metadata over B rows -> one segment list over flattened rows."""
+  """[B, n] metadata over B rows -> one segment list over flattened rows.
+
+  Every CP call satisfies ``kv_len >= q_len`` with ``kv_len > 0`` whenever
+  ``q_len > 0``, so every covered row sees a key (``rows_see_keys``)."""
   m = call.meta
   rows = jnp.arange(m.q_lens.shape[0], dtype=jnp.int32)[:, None]
   flat = lambda x: x.reshape(-1).astype(jnp.int32)
   return Segments(flat(m.q_lens), flat(m.kv_lens),
                   flat(m.q_offsets + rows * tq), flat(m.kv_offsets + rows * tkv),
-                  max(min(call.max_q, tq), 1), max(min(call.max_kv, tkv), 1))
+                  max(min(call.max_q, tq), 1), max(min(call.max_kv, tkv), 1),
+                  rows_see_keys=True)
 
 
-def merge_partials(outs, lses):
-  """Merges attention partials over disjoint key sets by log-sum-exp.
+def _prefix(x, rows: Optional[int]):
+  return x if rows is None else x[:, :rows]
 
-  ``outs[i]`` ``[T, H, D]`` and ``lses[i]`` ``[T, H]`` (``-inf`` where a
-  row saw no key). Returns the float32 merged output and lse.
-  """
-  if len(outs) == 1:
-    return outs[0].astype(jnp.float32), lses[0]
-  lse = functools.reduce(jnp.logaddexp, lses)
-  finite = jnp.isfinite(lse)
-  safe = jnp.where(finite, lse, 0.0)
-  out = 0.0
-  for o, l in zip(outs, lses):
-    w = jnp.where(finite & jnp.isfinite(l), jnp.exp(l - safe), 0.0)
-    out = out + o.astype(jnp.float32) * w[..., None]
-  return out, lse
+
+def _update_prefix(total, fn, part):
+  """``total`` with its first ``part.shape[1]`` rows replaced by
+  ``fn(those rows, part)``: a dynamic-update-slice, done in place by XLA.
+  (``.at[:, :n].add`` lowers to a scatter, which crashed XLA:CPU's compiler
+  in jaxlib 0.11.2 and is slower on GPU.)"""
+  rows = part.shape[1]
+  head = jax.lax.slice_in_dim(total, 0, rows, axis=1)
+  return jax.lax.dynamic_update_slice_in_dim(total, fn(head, part), 0, axis=1)
+
+
+def _pad_rows(x, rows: int, value):
+  """``x`` padded with ``value`` along axis 1 up to ``rows`` rows."""
+  widths = [(0, 0)] * x.ndim
+  widths[1] = (0, rows - x.shape[1])
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _add(a, b):
+  """a + b, summed in float32, in a's dtype (one fused pass)."""
+  return (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(a.dtype)
+
+
+def _accumulate(total, part, rows: Optional[int], full_shape):
+  """``total + part``, ``part`` covering the first ``rows`` rows (None: all).
+
+  Totals keep the backend's dtype; sums are formed in float32. A single full
+  call's gradient is used as is (no extra pass over it)."""
+  if rows is None:
+    return part if total is None else _add(total, part)
+  if total is None:
+    total = jnp.zeros(full_shape, part.dtype)
+  return _update_prefix(total, _add, part)
 
 
 def _rank(cfg: CPConfig):
@@ -166,20 +210,33 @@ def _flat(x):
   return x.reshape((-1,) + x.shape[2:])
 
 
+def _run_call(backend, call: _Call, cfg: CPConfig, q, kc, vc):
+  qc, kc = _prefix(q, call.q_rows), _prefix(kc, call.kv_rows)
+  vc = _prefix(vc, call.kv_rows)
+  o, l = backend.forward(_flat(qc), _flat(kc), _flat(vc),
+                         _segments(call, qc.shape[1], kc.shape[1]),
+                         mask=call.mask, scale=cfg.scale)
+  return o.reshape(qc.shape), l.reshape(qc.shape[:3])
+
+
 def _cp_forward(q, k, v, cu, cuP, cfg: CPConfig):
-  b, tl, hq, _ = q.shape
   backend = resolve_backend(cfg.backend)
   kx, vx = cfg.exchange.gather(k, v, cuP)
-  outs, lses = [], []
+  out = lse = None
+  # Calls cover disjoint Q rows: outputs add up (0 elsewhere), and the lse of
+  # a row is the one finite value among the calls (max).
   for call in _forward_calls(cfg, cu, cuP, _rank(cfg)):
     kc, vc = (kx, vx) if call.exchanged else (k, v)
-    o, l = backend.forward(_flat(q), _flat(kc), _flat(vc),
-                           _segments(call, tl, kc.shape[1]), mask=call.mask,
-                           scale=cfg.scale)
-    outs.append(o)
-    lses.append(l)
-  out, lse = merge_partials(outs, lses)
-  return out.astype(q.dtype).reshape(q.shape), lse.reshape(b, tl, hq)
+    o, l = _run_call(backend, call, cfg, q, kc, vc)
+    if call.q_rows is None:
+      out = o if out is None else out + o
+      lse = l if lse is None else jnp.maximum(lse, l)
+    else:   # a prefix call always follows a full one (see _forward_calls)
+      # (Not a dynamic-update-slice into the previous call's output: XLA:GPU's
+      # DynamicSliceFusion rejects a custom call's result as its target.)
+      out = out + _pad_rows(o, out.shape[1], 0)
+      lse = jnp.maximum(lse, _pad_rows(l, lse.shape[1], -jnp.inf))
+  return out.astype(q.dtype), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -195,32 +252,36 @@ def _cp_attention_fwd(q, k, v, cu, cuP, cfg: CPConfig):
 
 def _cp_attention_bwd(cfg: CPConfig, res, dout):
   q, k, v, cu, cuP, out, lse = res
-  tl, hq = q.shape[1], q.shape[2]
   backend = resolve_backend(cfg.backend)
   # The barrier keeps XLA from merging this re-gather with the forward's
   # (which would keep the exchanged K/V alive from forward to backward).
   k, v = jax.lax.optimization_barrier((k, v))
   kx, vx = cfg.exchange.gather(k, v, cuP)
-  f32 = lambda x: jnp.zeros(x.shape, jnp.float32)
-  dq, dk, dv, dkx, dvx = f32(q), f32(k), f32(v), f32(kx), f32(vx)
+  dout = dout.astype(out.dtype)
+  dq = dk = dv = dkx = dvx = None
   for call in _backward_calls(cfg, cu, cuP, _rank(cfg)):
     kc, vc = (kx, vx) if call.exchanged else (k, v)
+    r, kr = call.q_rows, call.kv_rows
+    qc, kcc, vcc = _prefix(q, r), _prefix(kc, kr), _prefix(vc, kr)
     dq_i, dk_i, dv_i = backend.backward(
-        _flat(q), _flat(kc), _flat(vc), _flat(out), lse.reshape(-1, hq),
-        _flat(dout.astype(out.dtype)), _segments(call, tl, kc.shape[1]),
-        mask=call.mask, scale=cfg.scale)
-    dq = dq + dq_i.astype(jnp.float32).reshape(q.shape)
+        _flat(qc), _flat(kcc), _flat(vcc), _flat(_prefix(out, r)),
+        _prefix(lse, r).reshape(-1, q.shape[2]), _flat(_prefix(dout, r)),
+        _segments(call, qc.shape[1], kcc.shape[1]), mask=call.mask,
+        scale=cfg.scale)
+    dq = _accumulate(dq, dq_i.reshape(qc.shape), r, q.shape)
     if call.exchanged:
-      dkx = dkx + dk_i.astype(jnp.float32).reshape(kx.shape)
-      dvx = dvx + dv_i.astype(jnp.float32).reshape(vx.shape)
+      dkx = _accumulate(dkx, dk_i.reshape(kcc.shape), kr, kx.shape)
+      dvx = _accumulate(dvx, dv_i.reshape(vcc.shape), kr, vx.shape)
     else:
-      dk = dk + dk_i.astype(jnp.float32).reshape(k.shape)
-      dv = dv + dv_i.astype(jnp.float32).reshape(v.shape)
-  dk_back, dv_back = cfg.exchange.scatter(dkx.astype(k.dtype),
-                                          dvx.astype(v.dtype), cuP)
-  dk = (dk + dk_back.astype(jnp.float32)).astype(k.dtype)
-  dv = (dv + dv_back.astype(jnp.float32)).astype(v.dtype)
-  return dq.astype(q.dtype), dk, dv, None, None
+      dk = _accumulate(dk, dk_i.reshape(kcc.shape), kr, k.shape)
+      dv = _accumulate(dv, dv_i.reshape(vcc.shape), kr, v.shape)
+  if dkx is not None:
+    dk_back, dv_back = cfg.exchange.scatter(dkx.astype(k.dtype),
+                                            dvx.astype(v.dtype), cuP)
+    dk = _accumulate(dk, dk_back, None, k.shape)
+    dv = _accumulate(dv, dv_back, None, v.shape)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None,
+          None)
 
 
 _cp_attention.defvjp(_cp_attention_fwd, _cp_attention_bwd)

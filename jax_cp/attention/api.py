@@ -50,7 +50,18 @@ def check_metadata_shapes(batch: Optional[int], **arrays) -> int:
   return first[-1]
 
 
-def _flatten_segments(q_lens, kv_lens, q_offs, kv_offs, tq, tkv, max_q, max_kv):
+def _rows_see_keys(q_lens, kv_lens, mask: str) -> bool:
+  """True when concrete metadata shows every covered row sees a key."""
+  ql, kl = checks.concrete(q_lens), checks.concrete(kv_lens)
+  if ql is None or kl is None:
+    return False
+  if mask == "causal_bottom_right":
+    return bool(np.all((ql == 0) | (kl >= ql)))
+  return bool(np.all((ql == 0) | (kl > 0)))
+
+
+def _flatten_segments(q_lens, kv_lens, q_offs, kv_offs, tq, tkv, max_q, max_kv,
+                      rows_see_keys=False):
   """``[B, N]`` metadata over ``[B, T]`` rows -> one segment list over the
   flattened ``[B*T]`` buffer."""
   as32 = lambda x: jnp.asarray(x, jnp.int32)
@@ -61,7 +72,8 @@ def _flatten_segments(q_lens, kv_lens, q_offs, kv_offs, tq, tkv, max_q, max_kv):
     q_offs = q_offs + rows * tq
     kv_offs = kv_offs + rows * tkv
   return Segments(q_lens.reshape(-1), kv_lens.reshape(-1),
-                  q_offs.reshape(-1), kv_offs.reshape(-1), max_q, max_kv)
+                  q_offs.reshape(-1), kv_offs.reshape(-1), max_q, max_kv,
+                  rows_see_keys)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -142,7 +154,8 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets, kv_offsets, *,
       raise ValueError(f"{name} holds a segment of length {int(arr.max())} "
                        f"above its bound {bound} (max_seqlen / row length)")
   seg = _flatten_segments(q_seqlens, kv_seqlens, q_offsets, kv_offsets,
-                          tq, tkv, max_q, max_kv)
+                          tq, tkv, max_q, max_kv,
+                          _rows_see_keys(q_seqlens, kv_seqlens, mask))
   name = resolve_backend(backend).name
   flat = lambda x: x.reshape((-1,) + x.shape[-2:])
   out, lse = _attention(flat(q), flat(k), flat(v), seg, name, mask, scale)

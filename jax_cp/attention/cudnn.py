@@ -252,7 +252,10 @@ def forward(q, k, v, seg: Segments, *, mask: str, scale: float):
   )(q, k, v, *operands, **_attributes(mask, scale, max_q, max_kv))
   q_lens, kv_lens = operands[0], operands[1]
   live = _rows_with_keys(q_lens, kv_lens, seg.q_offsets, tq, mask)
-  out = jnp.where(live[:, None, None], out, jnp.zeros((), out.dtype))
+  if not seg.rows_see_keys:
+    # A pass over the whole output: skipped when the caller promises that
+    # every covered row sees a key (uncovered rows are zero-filled in C++).
+    out = jnp.where(live[:, None, None], out, jnp.zeros((), out.dtype))
   lse = jnp.where(live[:, None], stats, -jnp.inf)
   return out, lse
 
@@ -282,9 +285,10 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
       vmap_method="sequential",
   )(q, k, v, out.astype(q.dtype), dout.astype(q.dtype), stats, *operands,
     **_attributes(mask, scale, max_q, max_kv))
-  q_lens, kv_lens = operands[0], operands[1]
-  live = _rows_with_keys(q_lens, kv_lens, seg.q_offsets, tq, mask)
-  dq = jnp.where(live[:, None, None], dq, jnp.zeros((), dq.dtype))
+  if not seg.rows_see_keys:
+    q_lens, kv_lens = operands[0], operands[1]
+    live = _rows_with_keys(q_lens, kv_lens, seg.q_offsets, tq, mask)
+    dq = jnp.where(live[:, None, None], dq, jnp.zeros((), dq.dtype))
   return dq, dk, dv
 
 

@@ -51,6 +51,10 @@ class Segments:
     kv_offsets: int32 ``[S]`` first KV row (token index) of each segment.
     max_seqlen_q: static bound on ``q_lens`` (kernels size grids by it).
     max_seqlen_kv: static bound on ``kv_lens``.
+    rows_see_keys: static promise that every covered Q row sees at least
+      one key (``kv_len > 0`` where ``q_len > 0``, and ``kv_len >= q_len``
+      for the bottom-right mask); backends may then skip zeroing rows that
+      see none. The CP layer's calls always satisfy it.
   """
 
   q_lens: jax.Array
@@ -59,6 +63,8 @@ class Segments:
   kv_offsets: jax.Array
   max_seqlen_q: int = dataclasses.field(metadata=dict(static=True))
   max_seqlen_kv: int = dataclasses.field(metadata=dict(static=True))
+  rows_see_keys: bool = dataclasses.field(default=False,
+                                          metadata=dict(static=True))
 
 
 @dataclasses.dataclass(frozen=True)
