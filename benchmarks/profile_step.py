@@ -1,0 +1,126 @@
+"""Where the time of one CP attention step goes: a per-kernel breakdown
+from the JAX profiler, for one configuration.
+
+    python3 benchmarks/profile_step.py --strategy no_load_balance \\
+        --dist short_128_1k --tokens 65536 --cp 2 --pass fwd_bwd
+
+Runs the jitted step a few times under ``jax.profiler.trace``, reads the
+XSpace with ``jax.profiler.ProfileData`` and prints, for the first GPU, the
+device time per iteration of each kernel (summed over its launches), the
+number of launches, and the busy time against the wall time of a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_HERE))
+sys.path.insert(0, _HERE)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_cp  # noqa: E402
+from bench_cp import make_row  # noqa: E402
+
+
+def build_step(args):
+  row = make_row(args.dist, args.tokens, args.strategy, args.cp, "auto", 0)
+  devices = jax.devices()[:args.cp]
+  mesh = jax.make_mesh((args.cp,), ("cp",), devices=devices,
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  shard = NamedSharding(mesh, P(None, "cp"))
+  rng = np.random.default_rng(0)
+  mk = lambda h: jax.device_put(jnp.asarray(
+      rng.standard_normal((1, args.tokens, h, args.head_dim)),
+      jnp.bfloat16), shard)
+  q, k, v, w = mk(args.hq), mk(args.hkv), mk(args.hkv), mk(args.hq)
+  cu, cuP = row.cu[None], row.cuP[None]
+
+  def attn(q, k, v):
+    return jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh, backend=args.backend,
+                               load_balancing_strategy=args.strategy,
+                               max_seqlen=row.max_seqlen)
+  if args.pass_name == "fwd":
+    return jax.jit(attn), (q, k, v)
+  loss = lambda q, k, v, w: jnp.sum(attn(q, k, v).astype(jnp.float32) * w)
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (q, k, v, w)
+
+
+def kernel_table(trace_dir: str, iters: int, device_prefix: str):
+  paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
+                    recursive=True)
+  if not paths:
+    raise SystemExit(f"no .xplane.pb under {trace_dir}")
+  data = jax.profiler.ProfileData.from_file(paths[0])
+  totals = collections.defaultdict(float)
+  counts = collections.Counter()
+  planes = [p for p in data.planes if p.name.startswith(device_prefix)]
+  if not planes:
+    raise SystemExit("planes: " + ", ".join(p.name for p in data.planes))
+  plane = sorted(planes, key=lambda p: p.name)[0]
+  for line in plane.lines:
+    if "stream" not in line.name.lower():
+      continue
+    for ev in line.events:
+      totals[ev.name] += ev.duration_ns / 1e6
+      counts[ev.name] += 1
+  if not totals:
+    raise SystemExit(f"no stream lines in {plane.name}; lines: "
+                     + ", ".join(line.name for line in plane.lines))
+  return plane.name, totals, counts
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--strategy", default="no_load_balance")
+  p.add_argument("--dist", default="short_128_1k")
+  p.add_argument("--tokens", type=int, default=65536)
+  p.add_argument("--cp", type=int, default=2)
+  p.add_argument("--hq", type=int, default=32)
+  p.add_argument("--hkv", type=int, default=8)
+  p.add_argument("--head-dim", type=int, default=128)
+  p.add_argument("--pass", dest="pass_name", default="fwd_bwd",
+                 choices=("fwd", "fwd_bwd"))
+  p.add_argument("--backend", default="cudnn")
+  p.add_argument("--iters", type=int, default=5)
+  p.add_argument("--top", type=int, default=30)
+  p.add_argument("--device-plane", default="/device:GPU:0")
+  args = p.parse_args(argv)
+  step, inputs = build_step(args)
+  for _ in range(3):
+    jax.block_until_ready(step(*inputs))
+  t0 = time.perf_counter()
+  for _ in range(args.iters):
+    jax.block_until_ready(step(*inputs))
+  wall = (time.perf_counter() - t0) / args.iters * 1e3
+  trace_dir = tempfile.mkdtemp(prefix="jax_cp_profile_")
+  with jax.profiler.trace(trace_dir):
+    for _ in range(args.iters):
+      jax.block_until_ready(step(*inputs))
+  name, totals, counts = kernel_table(trace_dir, args.iters,
+                                      args.device_plane)
+  busy = sum(totals.values()) / args.iters
+  print(f"{args.strategy} {args.dist} T={args.tokens} cp={args.cp} "
+        f"{args.pass_name}: wall {wall:.3f} ms/step, {name} kernels "
+        f"{busy:.3f} ms/step, {sum(counts.values()) / args.iters:.0f} "
+        f"launches/step")
+  print(f"{'ms/step':>9} {'launches':>8}  kernel")
+  for kname, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:args.top]:
+    print(f"{ms / args.iters:9.4f} {counts[kname] / args.iters:8.1f}  "
+          f"{kname[:110]}")
+
+
+if __name__ == "__main__":
+  main()
