@@ -8,19 +8,26 @@ Two entry points:
   is sharded over the cp mesh axis (in :func:`jax_cp.reorder_for_cp` layout)
   and opens its own ``shard_map`` on the given or the context mesh.
 
-Forward per rank: all-gather K/V over the cp axis, restore sequence order
-(DUAL_CHUNK_SWAP), run one (NO_LOAD_BALANCE) or two (DUAL_CHUNK_SWAP) varlen
-attention steps with bottom-right causal masks on per-document metadata, and
-merge them by log-sum-exp. Backward (``jax.custom_vjp``) keeps only the local
-q/k/v/out/lse, re-gathers K/V, runs the per-step backward with the forward's
-layout, un-restores dK/dV and reduce-scatters them to their owners.
+Forward per rank: exchange K/V over the cp axis (all-gather, or for
+NO_LOAD_BALANCE with a ``max_seqlen`` bound only the halo its straddling
+document needs; see :mod:`jax_cp.kv_exchange`), restore sequence order
+(DUAL_CHUNK_SWAP), and run the varlen attention calls of the strategy on
+per-document metadata: DUAL_CHUNK_SWAP two steps with bottom-right causal
+masks; NO_LOAD_BALANCE one step made of a top-left call on the local chunk
+(documents inside it) and a bottom-right call for the one straddling
+document per row. The calls cover disjoint Q rows, so their outputs add up.
+Backward (``jax.custom_vjp``) keeps only the local q/k/v/out/lse, exchanges
+K/V again, runs the per-call backward with the forward's layout (bottom-right
+blocks split into an unmasked rectangle and a top-left triangle when
+``split_causal_backward``), and returns dK/dV to their owners
+(reduce-scatter, or the reverse halo permutes).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import jax
 import jax.numpy as jnp
@@ -165,9 +172,10 @@ def _prefix(x, rows: Optional[int]):
 
 def _update_prefix(total, fn, part):
   """``total`` with its first ``part.shape[1]`` rows replaced by
-  ``fn(those rows, part)``: a dynamic-update-slice, done in place by XLA.
-  (``.at[:, :n].add`` lowers to a scatter, which crashed XLA:CPU's compiler
-  in jaxlib 0.11.2 and is slower on GPU.)"""
+  ``fn(those rows, part)`` (a dynamic-update-slice; ``.at[:, :n].add``
+  lowers to a scatter, which crashed XLA:CPU's compiler in jaxlib 0.11.2).
+  When ``total`` is a custom call's result XLA:GPU copies it first
+  (benchmarks/results/profile_20261129_nlb_short_T64k.txt): a known cost."""
   rows = part.shape[1]
   head = jax.lax.slice_in_dim(total, 0, rows, axis=1)
   return jax.lax.dynamic_update_slice_in_dim(total, fn(head, part), 0, axis=1)

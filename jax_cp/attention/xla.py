@@ -60,7 +60,6 @@ def _probs(q, k, lse, ok, scale):
 
 def forward(q, k, v, seg: Segments, *, mask: str, scale: float):
   tq, hq, d = q.shape
-  hkv = k.shape[1]
   ok, _ = segment_mask(seg, tq, k.shape[0], mask)
   s = jnp.where(ok, _scores(q, k, scale), -jnp.inf)
   m = jnp.max(s, axis=-1, keepdims=True)
