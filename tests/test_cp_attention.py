@@ -193,3 +193,32 @@ def test_context_mesh_and_3d_inputs(record_error):
   want = ref.attention(q, k, v, cu, cuP)
   valid = ref.valid_token_mask(cu, cuP)
   check_close(out, want, valid, jnp.float32, "out", record_error)
+
+
+@pytest.mark.parametrize("strategy", list(S), ids=lambda s: s.value)
+def test_head_axis_tensor_parallel(strategy, record_error):
+  """Heads sharded over a 'tp' axis next to 'cp' (and a batch axis)."""
+  cp, tp = 2, 2
+  cu, cuP, rng = make_rows(500, cp, strategy)
+  q, k, v = make_qkv(rng, 2, 4, 2, jnp.float32)
+  w = jnp.asarray(rng.standard_normal((2, T, 4, D)), jnp.float32)
+  devs = np.array(jax.devices()[:2 * cp * tp]).reshape(2, cp, tp)
+  mesh = jax.sharding.Mesh(devs, ("data", "cp", "tp"),
+                           axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  re = lambda x: jax_cp.reorder_for_cp(x, cuP, cp, strategy, seq_dim=1)
+  back = lambda x: jax_cp.restore_from_cp(x, cuP, cp, strategy, seq_dim=1)
+
+  def loss(q, k, v, w):
+    out = jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh, cp_axis="cp",
+                              batch_axis="data", head_axis="tp",
+                              load_balancing_strategy=strategy,
+                              backend="xla")
+    return jnp.sum(out * w), out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(
+      loss, argnums=(0, 1, 2), has_aux=True))(re(q), re(k), re(v), re(w))
+  want, want_grads = reference_out_and_grads(q, k, v, cu, cuP, w)
+  valid = np.stack([ref.valid_token_mask(cu[i], cuP[i]) for i in range(2)])
+  check_close(back(out), want, valid, jnp.float32, "out", record_error)
+  for name, g, gw in zip(("dq", "dk", "dv"), grads, want_grads):
+    check_close(back(g), gw, valid, jnp.float32, name, record_error)
