@@ -51,7 +51,8 @@ def build_step(args):
   def attn(q, k, v):
     return jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh, backend=args.backend,
                                load_balancing_strategy=args.strategy,
-                               max_seqlen=row.max_seqlen)
+                               max_seqlen=row.max_seqlen,
+                               split_causal_backward=args.split)
   if args.pass_name == "fwd":
     return jax.jit(attn), (q, k, v)
   loss = lambda q, k, v, w: jnp.sum(attn(q, k, v).astype(jnp.float32) * w)
@@ -82,6 +83,24 @@ def kernel_table(trace_dir: str, iters: int, device_prefix: str):
   return plane.name, totals, counts
 
 
+def host_table(trace_dir: str):
+  """Host-side events (XLA thunks, custom-call handlers, ...) by total
+  time: whether the host keeps ahead of the GPU."""
+  paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
+                    recursive=True)
+  data = jax.profiler.ProfileData.from_file(paths[0])
+  totals = collections.defaultdict(float)
+  counts = collections.Counter()
+  for plane in data.planes:
+    if not plane.name.startswith("/host:"):
+      continue
+    for line in plane.lines:
+      for ev in line.events:
+        totals[ev.name] += ev.duration_ns / 1e6
+        counts[ev.name] += 1
+  return totals, counts
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--strategy", default="no_load_balance")
@@ -97,7 +116,12 @@ def main(argv=None):
   p.add_argument("--iters", type=int, default=5)
   p.add_argument("--top", type=int, default=30)
   p.add_argument("--device-plane", default="/device:GPU:0")
+  p.add_argument("--host-top", type=int, default=0,
+                 help="also print this many host events by total time")
+  p.add_argument("--split", choices=("auto", "on", "off"), default="auto",
+                 help="split_causal_backward (auto: the backend's default)")
   args = p.parse_args(argv)
+  args.split = {"auto": None, "on": True, "off": False}[args.split]
   step, inputs = build_step(args)
   for _ in range(3):
     jax.block_until_ready(step(*inputs))
@@ -105,6 +129,9 @@ def main(argv=None):
   for _ in range(args.iters):
     jax.block_until_ready(step(*inputs))
   wall = (time.perf_counter() - t0) / args.iters * 1e3
+  t0 = time.perf_counter()   # dispatched back to back (a training loop)
+  jax.block_until_ready([step(*inputs) for _ in range(4 * args.iters)])
+  wall_pipelined = (time.perf_counter() - t0) / (4 * args.iters) * 1e3
   trace_dir = tempfile.mkdtemp(prefix="jax_cp_profile_")
   with jax.profiler.trace(trace_dir):
     for _ in range(args.iters):
@@ -113,13 +140,21 @@ def main(argv=None):
                                       args.device_plane)
   busy = sum(totals.values()) / args.iters
   print(f"{args.strategy} {args.dist} T={args.tokens} cp={args.cp} "
-        f"{args.pass_name}: wall {wall:.3f} ms/step, {name} kernels "
+        f"{args.pass_name}: wall {wall:.3f} ms/step (pipelined "
+        f"{wall_pipelined:.3f}), {name} kernels "
         f"{busy:.3f} ms/step, {sum(counts.values()) / args.iters:.0f} "
         f"launches/step")
   print(f"{'ms/step':>9} {'launches':>8}  kernel")
   for kname, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:args.top]:
     print(f"{ms / args.iters:9.4f} {counts[kname] / args.iters:8.1f}  "
           f"{kname[:110]}")
+  if args.host_top:
+    htot, hcnt = host_table(trace_dir)
+    print(f"host events (ms/step, count/step), top {args.host_top}:")
+    for hname, ms in sorted(htot.items(), key=lambda kv: -kv[1])[
+        :args.host_top]:
+      print(f"{ms / args.iters:9.4f} {hcnt[hname] / args.iters:8.1f}  "
+            f"{hname[:110]}")
 
 
 if __name__ == "__main__":

@@ -76,7 +76,13 @@ LoadResult Load() {
       !Resolve(cudart, rt_name.c_str(), "cudaMemsetAsync", &rt.MemsetAsync,
                &err) ||
       !Resolve(cudart, rt_name.c_str(), "cudaGetErrorString",
-               &rt.GetErrorString, &err)) {
+               &rt.GetErrorString, &err) ||
+      !Resolve(cudart, rt_name.c_str(), "cudaLibraryLoadData",
+               &rt.LibraryLoadData, &err) ||
+      !Resolve(cudart, rt_name.c_str(), "cudaLibraryGetKernel",
+               &rt.LibraryGetKernel, &err) ||
+      !Resolve(cudart, rt_name.c_str(), "cudaLaunchKernel", &rt.LaunchKernel,
+               &err)) {
     return r;
   }
 

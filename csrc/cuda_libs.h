@@ -24,6 +24,13 @@ struct CudaRuntimeApi {
   cudaError_t (*SetDevice)(int);
   cudaError_t (*MemsetAsync)(void*, int, size_t, cudaStream_t);
   const char* (*GetErrorString)(cudaError_t);
+  // Loading and launching the embedded row-merge kernels (row_merge.cc).
+  cudaError_t (*LibraryLoadData)(cudaLibrary_t*, const void*, cudaJitOption*,
+                                 void**, unsigned int, cudaLibraryOption*,
+                                 void**, unsigned int);
+  cudaError_t (*LibraryGetKernel)(cudaKernel_t*, cudaLibrary_t, const char*);
+  cudaError_t (*LaunchKernel)(const void*, dim3, dim3, void**, size_t,
+                              cudaStream_t);
 };
 
 // The few cuDNN entry points this extension calls itself (graph building and

@@ -11,6 +11,9 @@ namespace nb = nanobind;
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpCudnnSdpaForward);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpCudnnSdpaBackward);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpCudnnSdpaForwardInto);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpCudnnSdpaBackwardInto);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpMergeRows);
 
 namespace {
 
@@ -22,7 +25,7 @@ nb::capsule HandlerCapsule(Fn* fn) {
 }  // namespace
 
 NB_MODULE(_jax_cp_cuda, m) {
-  m.doc() = "cuDNN SDPA handlers (XLA FFI) for jax_cp's 'cudnn' backend.";
+  m.doc() = "cuDNN SDPA and row-merge handlers (XLA FFI) for jax_cp's 'cudnn' backend.";
 
   // Must happen before the cuDNN frontend first opens the CUDA runtime.
   jax_cp::PinFrontendCudaRuntime();
@@ -33,6 +36,11 @@ NB_MODULE(_jax_cp_cuda, m) {
         nb::dict d;
         d["jax_cp_cudnn_sdpa_fwd"] = HandlerCapsule(JaxCpCudnnSdpaForward);
         d["jax_cp_cudnn_sdpa_bwd"] = HandlerCapsule(JaxCpCudnnSdpaBackward);
+        d["jax_cp_cudnn_sdpa_fwd_into"] =
+            HandlerCapsule(JaxCpCudnnSdpaForwardInto);
+        d["jax_cp_cudnn_sdpa_bwd_into"] =
+            HandlerCapsule(JaxCpCudnnSdpaBackwardInto);
+        d["jax_cp_merge_rows"] = HandlerCapsule(JaxCpMergeRows);
         return d;
       },
       "Returns {FFI target name: handler capsule} (execute stage only).");

@@ -8,7 +8,12 @@
 // dq, dk and dv are cleared first: Q rows outside every segment and KV rows
 // no segment reads stay zero. cuDNN writes dK/dV per segment (no
 // accumulation across segments), so segments' KV ranges must not overlap.
+//
+// `jax_cp_cudnn_sdpa_bwd_into` takes one more operand after stats, dq_in,
+// aliased to dq: dq is not cleared, the call writes the Q rows its segments
+// cover and every other row keeps its value (dk, dv are cleared as usual).
 #include <exception>
+#include <utility>
 #include <vector>
 
 #include "sdpa_ffi_common.h"
@@ -20,32 +25,34 @@ namespace ffi = xla::ffi;
 namespace jax_cp {
 namespace {
 
-constexpr const char* kCall = "jax_cp_cudnn_sdpa_bwd";
+constexpr const char* kFresh = "jax_cp_cudnn_sdpa_bwd";
+constexpr const char* kInto = "jax_cp_cudnn_sdpa_bwd_into";
 
-ffi::Error SdpaBackward(cudaStream_t stream, ffi::ScratchAllocator scratch,
-                        int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                        ffi::AnyBuffer v, ffi::AnyBuffer out,
-                        ffi::AnyBuffer dout, ffi::AnyBuffer stats,
-                        Int32Vector q_lens, Int32Vector kv_lens,
-                        Int32Vector q_off, Int32Vector kv_off,
-                        Int32Vector stats_off, ffi::Result<ffi::AnyBuffer> dq,
-                        ffi::Result<ffi::AnyBuffer> dk,
-                        ffi::Result<ffi::AnyBuffer> dv, int64_t mask,
-                        float scale, int64_t max_seqlen_q,
-                        int64_t max_seqlen_kv) {
+// `dq_in`: dq's buffer (aliased), not cleared; null: dq is cleared first.
+ffi::Error SdpaBackwardImpl(
+    cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
+    ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
+    ffi::AnyBuffer dout, ffi::AnyBuffer stats, const ffi::AnyBuffer* dq_in,
+    Int32Vector q_lens, Int32Vector kv_lens, Int32Vector q_off,
+    Int32Vector kv_off, Int32Vector stats_off, ffi::Result<ffi::AnyBuffer> dq,
+    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+    int64_t mask, float scale, int64_t max_seqlen_q, int64_t max_seqlen_kv) {
+  const bool into = dq_in != nullptr;
+  const char* call = into ? kInto : kFresh;
   try {
     const SdpaCommonOperands ops{q,     k,      v,      q_lens,
                                  kv_lens, q_off, kv_off, stats_off};
-    auto key_or = MakeSdpaKey(kCall, SdpaDirection::kBackward, device, ops,
+    auto key_or = MakeSdpaKey(call, SdpaDirection::kBackward, device, ops,
                               {mask, scale, max_seqlen_q, max_seqlen_kv});
     if (!key_or.has_value()) return key_or.error();
     const SdpaGraphKey& key = *key_or;
-    ffi::Error e = CheckSameAs(kCall, "out", out, "q", q);
-    if (e.success()) e = CheckSameAs(kCall, "dout", dout, "q", q);
-    if (e.success()) e = CheckStats(kCall, "stats", stats, key);
-    if (e.success()) e = CheckSameAs(kCall, "dq", *dq, "q", q);
-    if (e.success()) e = CheckSameAs(kCall, "dk", *dk, "k", k);
-    if (e.success()) e = CheckSameAs(kCall, "dv", *dv, "v", v);
+    ffi::Error e = CheckSameAs(call, "out", out, "q", q);
+    if (e.success()) e = CheckSameAs(call, "dout", dout, "q", q);
+    if (e.success()) e = CheckStats(call, "stats", stats, key);
+    if (e.success()) e = CheckSameAs(call, "dq", *dq, "q", q);
+    if (e.success()) e = CheckSameAs(call, "dk", *dk, "k", k);
+    if (e.success()) e = CheckSameAs(call, "dv", *dv, "v", v);
+    if (e.success() && into) e = CheckAliased(call, "dq", *dq, *dq_in);
     if (e.failure()) return e;
 
     std::unordered_map<int64_t, void*> ptrs = {
@@ -66,18 +73,51 @@ ffi::Error SdpaBackward(cudaStream_t stream, ffi::ScratchAllocator scratch,
         {sdpa_uid::kOffsetV, kv_off.untyped_data()},
         {sdpa_uid::kOffsetStats, stats_off.untyped_data()},
     };
-    const std::vector<ZeroFill> zero_fills = {
-        {dq->untyped_data(), dq->size_bytes(), "dq"},
+    std::vector<ZeroFill> zero_fills = {
         {dk->untyped_data(), dk->size_bytes(), "dk"},
         {dv->untyped_data(), dv->size_bytes(), "dv"},
     };
-    return RunSdpaGraph(kCall, key, stream, scratch, std::move(ptrs),
+    if (!into) {
+      zero_fills.push_back({dq->untyped_data(), dq->size_bytes(), "dq"});
+    }
+    return RunSdpaGraph(call, key, stream, scratch, std::move(ptrs),
                         zero_fills);
   } catch (const std::exception& ex) {
-    return ffi::Error::Internal(std::string(kCall) + ": " + ex.what());
+    return ffi::Error::Internal(std::string(call) + ": " + ex.what());
   } catch (...) {
-    return ffi::Error::Internal(std::string(kCall) + ": unknown exception");
+    return ffi::Error::Internal(std::string(call) + ": unknown exception");
   }
+}
+
+ffi::Error SdpaBackward(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                        int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                        ffi::AnyBuffer v, ffi::AnyBuffer out,
+                        ffi::AnyBuffer dout, ffi::AnyBuffer stats,
+                        Int32Vector q_lens, Int32Vector kv_lens,
+                        Int32Vector q_off, Int32Vector kv_off,
+                        Int32Vector stats_off, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::Result<ffi::AnyBuffer> dk,
+                        ffi::Result<ffi::AnyBuffer> dv, int64_t mask,
+                        float scale, int64_t max_seqlen_q,
+                        int64_t max_seqlen_kv) {
+  return SdpaBackwardImpl(stream, std::move(scratch), device, q, k, v, out, dout, stats,
+                          nullptr, q_lens, kv_lens, q_off, kv_off, stats_off,
+                          dq, dk, dv, mask, scale, max_seqlen_q,
+                          max_seqlen_kv);
+}
+
+ffi::Error SdpaBackwardInto(
+    cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
+    ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
+    ffi::AnyBuffer dout, ffi::AnyBuffer stats, ffi::AnyBuffer dq_in,
+    Int32Vector q_lens, Int32Vector kv_lens, Int32Vector q_off,
+    Int32Vector kv_off, Int32Vector stats_off, ffi::Result<ffi::AnyBuffer> dq,
+    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+    int64_t mask, float scale, int64_t max_seqlen_q, int64_t max_seqlen_kv) {
+  return SdpaBackwardImpl(stream, std::move(scratch), device, q, k, v, out, dout, stats,
+                          &dq_in, q_lens, kv_lens, q_off, kv_off, stats_off,
+                          dq, dk, dv, mask, scale, max_seqlen_q,
+                          max_seqlen_kv);
 }
 
 }  // namespace
@@ -94,6 +134,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpCudnnSdpaBackward, SdpaBackward,
                                   .Arg<ffi::AnyBuffer>()  // out
                                   .Arg<ffi::AnyBuffer>()  // dout
                                   .Arg<ffi::AnyBuffer>()  // stats
+                                  .Arg<Int32Vector>()     // q_lens
+                                  .Arg<Int32Vector>()     // kv_lens
+                                  .Arg<Int32Vector>()     // q_off
+                                  .Arg<Int32Vector>()     // kv_off
+                                  .Arg<Int32Vector>()     // stats_off
+                                  .Ret<ffi::AnyBuffer>()  // dq
+                                  .Ret<ffi::AnyBuffer>()  // dk
+                                  .Ret<ffi::AnyBuffer>()  // dv
+                                  .Attr<int64_t>("mask")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("max_seqlen_q")
+                                  .Attr<int64_t>("max_seqlen_kv"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpCudnnSdpaBackwardInto, SdpaBackwardInto,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // out
+                                  .Arg<ffi::AnyBuffer>()  // dout
+                                  .Arg<ffi::AnyBuffer>()  // stats
+                                  .Arg<ffi::AnyBuffer>()  // dq_in (aliased)
                                   .Arg<Int32Vector>()     // q_lens
                                   .Arg<Int32Vector>()     // kv_lens
                                   .Arg<Int32Vector>()     // q_off

@@ -127,6 +127,16 @@ ffi::Error CheckSameAs(const char* call, const char* name,
   return ffi::Error::Success();
 }
 
+ffi::Error CheckAliased(const char* call, const char* name,
+                        const ffi::AnyBuffer& result, const ffi::AnyBuffer& in) {
+  if (result.untyped_data() != in.untyped_data() ||
+      result.size_bytes() != in.size_bytes()) {
+    return Invalid(call, std::string(name) + " must alias its input buffer "
+                         "(input_output_aliases)");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error CheckStats(const char* call, const char* name,
                       const ffi::AnyBuffer& stats, const SdpaGraphKey& key) {
   const auto d = stats.dimensions();

@@ -46,6 +46,12 @@ xla::ffi::Error CheckSameAs(const char* call, const char* name,
                             const xla::ffi::AnyBuffer& buf, const char* like_name,
                             const xla::ffi::AnyBuffer& like);
 
+// `result` must be the buffer of the aliased operand `in` (the Python
+// wrapper passes input_output_aliases; XLA copies first if it must).
+xla::ffi::Error CheckAliased(const char* call, const char* name,
+                             const xla::ffi::AnyBuffer& result,
+                             const xla::ffi::AnyBuffer& in);
+
 // `stats` must be float32 [Tq, Hq].
 xla::ffi::Error CheckStats(const char* call, const char* name,
                            const xla::ffi::AnyBuffer& stats,

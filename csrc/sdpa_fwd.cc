@@ -6,10 +6,21 @@
 // natural-log LSE of the scaled scores on covered rows). Attributes: mask
 // (int64), scale (f32), max_seqlen_q, max_seqlen_kv (int64).
 //
-// out and stats are cleared first: rows outside every segment stay zero.
+// out is cleared and stats filled with -inf first: rows outside every
+// segment hold 0 and -inf (the log-sum-exp of no scores).
+//
+// `jax_cp_cudnn_sdpa_fwd_into` takes two more operands after v, out_in and
+// stats_in, aliased to the results: nothing is cleared, the call writes the
+// rows its segments cover and every other row keeps its value. Context
+// parallel attention writes a second call's rows into the first's outputs
+// this way, with no merge pass and no extra output buffers.
 #include <exception>
+#include <limits>
+#include <utility>
 #include <vector>
 
+#include "cuda_libs.h"
+#include "row_merge.h"
 #include "sdpa_ffi_common.h"
 #include "sdpa_graph.h"
 #include "xla/ffi/api/ffi.h"
@@ -19,25 +30,36 @@ namespace ffi = xla::ffi;
 namespace jax_cp {
 namespace {
 
-constexpr const char* kCall = "jax_cp_cudnn_sdpa_fwd";
+constexpr const char* kFresh = "jax_cp_cudnn_sdpa_fwd";
+constexpr const char* kInto = "jax_cp_cudnn_sdpa_fwd_into";
 
-ffi::Error SdpaForward(cudaStream_t stream, ffi::ScratchAllocator scratch,
-                       int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                       ffi::AnyBuffer v, Int32Vector q_lens, Int32Vector kv_lens,
-                       Int32Vector q_off, Int32Vector kv_off,
-                       Int32Vector stats_off, ffi::Result<ffi::AnyBuffer> out,
-                       ffi::Result<ffi::AnyBuffer> stats, int64_t mask,
-                       float scale, int64_t max_seqlen_q,
-                       int64_t max_seqlen_kv) {
+// `into`: out_in/stats_in are the results' buffers (aliased); nothing is
+// cleared. Otherwise both are null and the results are cleared first.
+ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                           int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                           ffi::AnyBuffer v, const ffi::AnyBuffer* out_in,
+                           const ffi::AnyBuffer* stats_in, Int32Vector q_lens,
+                           Int32Vector kv_lens, Int32Vector q_off,
+                           Int32Vector kv_off, Int32Vector stats_off,
+                           ffi::Result<ffi::AnyBuffer> out,
+                           ffi::Result<ffi::AnyBuffer> stats, int64_t mask,
+                           float scale, int64_t max_seqlen_q,
+                           int64_t max_seqlen_kv) {
+  const bool into = out_in != nullptr;
+  const char* call = into ? kInto : kFresh;
   try {
     const SdpaCommonOperands ops{q,     k,      v,      q_lens,
                                  kv_lens, q_off, kv_off, stats_off};
-    auto key_or = MakeSdpaKey(kCall, SdpaDirection::kForward, device, ops,
+    auto key_or = MakeSdpaKey(call, SdpaDirection::kForward, device, ops,
                               {mask, scale, max_seqlen_q, max_seqlen_kv});
     if (!key_or.has_value()) return key_or.error();
     const SdpaGraphKey& key = *key_or;
-    ffi::Error e = CheckSameAs(kCall, "out", *out, "q", q);
-    if (e.success()) e = CheckStats(kCall, "stats", *stats, key);
+    ffi::Error e = CheckSameAs(call, "out", *out, "q", q);
+    if (e.success()) e = CheckStats(call, "stats", *stats, key);
+    if (e.success() && into) e = CheckAliased(call, "out", *out, *out_in);
+    if (e.success() && into) {
+      e = CheckAliased(call, "stats", *stats, *stats_in);
+    }
     if (e.failure()) return e;
 
     std::unordered_map<int64_t, void*> ptrs = {
@@ -54,17 +76,50 @@ ffi::Error SdpaForward(cudaStream_t stream, ffi::ScratchAllocator scratch,
         {sdpa_uid::kOffsetV, kv_off.untyped_data()},
         {sdpa_uid::kOffsetStats, stats_off.untyped_data()},
     };
-    const std::vector<ZeroFill> zero_fills = {
-        {out->untyped_data(), out->size_bytes(), "out"},
-        {stats->untyped_data(), stats->size_bytes(), "stats"},
-    };
-    return RunSdpaGraph(kCall, key, stream, scratch, std::move(ptrs),
+    std::vector<ZeroFill> zero_fills;
+    if (!into) {
+      zero_fills = {{out->untyped_data(), out->size_bytes(), "out"}};
+      auto libs_or = GetCudaLibraries();
+      if (!libs_or.has_value()) return libs_or.error();
+      e = FillF32Async(**libs_or, device,
+                       static_cast<float*>(stats->untyped_data()),
+                       stats->element_count(),
+                       -std::numeric_limits<float>::infinity(), stream,
+                       "stats");
+      if (e.failure()) return e;
+    }
+    return RunSdpaGraph(call, key, stream, scratch, std::move(ptrs),
                         zero_fills);
   } catch (const std::exception& ex) {
-    return ffi::Error::Internal(std::string(kCall) + ": " + ex.what());
+    return ffi::Error::Internal(std::string(call) + ": " + ex.what());
   } catch (...) {
-    return ffi::Error::Internal(std::string(kCall) + ": unknown exception");
+    return ffi::Error::Internal(std::string(call) + ": unknown exception");
   }
+}
+
+ffi::Error SdpaForward(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                       int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                       ffi::AnyBuffer v, Int32Vector q_lens, Int32Vector kv_lens,
+                       Int32Vector q_off, Int32Vector kv_off,
+                       Int32Vector stats_off, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Result<ffi::AnyBuffer> stats, int64_t mask,
+                       float scale, int64_t max_seqlen_q,
+                       int64_t max_seqlen_kv) {
+  return SdpaForwardImpl(stream, std::move(scratch), device, q, k, v, nullptr, nullptr,
+                         q_lens, kv_lens, q_off, kv_off, stats_off, out, stats,
+                         mask, scale, max_seqlen_q, max_seqlen_kv);
+}
+
+ffi::Error SdpaForwardInto(
+    cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
+    ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out_in,
+    ffi::AnyBuffer stats_in, Int32Vector q_lens, Int32Vector kv_lens,
+    Int32Vector q_off, Int32Vector kv_off, Int32Vector stats_off,
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> stats,
+    int64_t mask, float scale, int64_t max_seqlen_q, int64_t max_seqlen_kv) {
+  return SdpaForwardImpl(stream, std::move(scratch), device, q, k, v, &out_in, &stats_in,
+                         q_lens, kv_lens, q_off, kv_off, stats_off, out, stats,
+                         mask, scale, max_seqlen_q, max_seqlen_kv);
 }
 
 }  // namespace
@@ -80,6 +135,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpCudnnSdpaForward, SdpaForward,
                                   .Arg<ffi::AnyBuffer>()  // q
                                   .Arg<ffi::AnyBuffer>()  // k
                                   .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<Int32Vector>()     // q_lens
+                                  .Arg<Int32Vector>()     // kv_lens
+                                  .Arg<Int32Vector>()     // q_off
+                                  .Arg<Int32Vector>()     // kv_off
+                                  .Arg<Int32Vector>()     // stats_off
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Ret<ffi::AnyBuffer>()  // stats
+                                  .Attr<int64_t>("mask")
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("max_seqlen_q")
+                                  .Attr<int64_t>("max_seqlen_kv"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpCudnnSdpaForwardInto, SdpaForwardInto,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // out_in (aliased)
+                                  .Arg<ffi::AnyBuffer>()  // stats_in (aliased)
                                   .Arg<Int32Vector>()     // q_lens
                                   .Arg<Int32Vector>()     // kv_lens
                                   .Arg<Int32Vector>()     // q_off

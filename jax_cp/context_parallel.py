@@ -42,6 +42,9 @@ from jax_cp.strategy import CPLoadBalancingStrategy, as_strategy
 
 _DCS = CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
 _NLB = CPLoadBalancingStrategy.NO_LOAD_BALANCE
+# With split_causal_backward left to the backend, NO_LOAD_BALANCE splits its
+# straddle call's backward only when max_seqlen exceeds this.
+_SPLIT_STRADDLE_ABOVE = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +65,7 @@ class CPConfig:
   max_seqlen: int             # bound on any padded document length
   split_causal_backward: bool
   exchange: KVExchange
+  split_straddle: bool = False   # NO_LOAD_BALANCE's straddle call too
 
   @property
   def local_tokens(self) -> int:
@@ -80,9 +84,15 @@ class _Call:
     q_rows: the call reads/writes only the first ``q_rows`` local Q rows of
       each row (static); None = all. Small calls then produce small outputs.
     kv_rows: likewise for the KV buffer.
+    overlaps_previous: its Q rows are those of the previous call (the
+      triangle of a split bottom-right block); every other call's rows are
+      disjoint from all others'.
 
-  The calls of one step cover disjoint Q rows, so their outputs are merged
-  by addition (each is 0 outside its rows) with no log-sum-exp rescaling.
+  The calls of a step cover disjoint Q rows, so a call writes its outputs
+  into the buffers of the calls before it (the backend's ``into=`` /
+  ``dq_into=``; in place with cudnn, with the full local Q/out/dO as
+  inputs) and no log-sum-exp rescaling is needed. Only the triangle of a
+  split block reads its ``q_rows`` prefix and has its dq added.
   """
 
   meta: metadata.StepMetadata
@@ -92,6 +102,7 @@ class _Call:
   exchanged: bool
   q_rows: Optional[int] = None
   kv_rows: Optional[int] = None
+  overlaps_previous: bool = False
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -137,18 +148,21 @@ def _forward_calls(cfg: CPConfig, cu, cuP, rank) -> List[_Call]:
 
 
 def _backward_calls(cfg: CPConfig, cu, cuP, rank) -> List[_Call]:
-  calls = _forward_calls(cfg, cu, cuP, rank)
-  if not cfg.split_causal_backward:
-    return calls
+  """The forward's calls in reverse order (NO_LOAD_BALANCE's straddle call
+  first, so the halo's gradients travel back while the local call runs),
+  bottom-right blocks split into rectangle + triangle where the config says
+  so (the triangle ``overlaps_previous``)."""
   out = []
-  for call in calls:
-    if call.mask != "causal_bottom_right":
+  for call in reversed(_forward_calls(cfg, cu, cuP, rank)):
+    straddle = cfg.strategy is _NLB and call.exchanged
+    split = cfg.split_straddle if straddle else cfg.split_causal_backward
+    if call.mask != "causal_bottom_right" or not split:
       out.append(call)
       continue
     rect, diag = metadata.split_bottom_right(call.meta)
     out.append(dataclasses.replace(call, meta=rect, mask="no_mask"))
     out.append(dataclasses.replace(call, meta=diag, mask="causal_top_left",
-                                   max_kv=call.max_q))
+                                   max_kv=call.max_q, overlaps_previous=True))
   return out
 
 
@@ -170,39 +184,52 @@ def _prefix(x, rows: Optional[int]):
   return x if rows is None else x[:, :rows]
 
 
-def _update_prefix(total, fn, part):
-  """``total`` with its first ``part.shape[1]`` rows replaced by
-  ``fn(those rows, part)`` (a dynamic-update-slice; ``.at[:, :n].add``
-  lowers to a scatter, which crashed XLA:CPU's compiler in jaxlib 0.11.2).
-  When ``total`` is a custom call's result XLA:GPU copies it first
-  (benchmarks/results/profile_20261129_nlb_short_T64k.txt): a known cost."""
-  rows = part.shape[1]
-  head = jax.lax.slice_in_dim(total, 0, rows, axis=1)
-  return jax.lax.dynamic_update_slice_in_dim(total, fn(head, part), 0, axis=1)
-
-
-def _pad_rows(x, rows: int, value):
-  """``x`` padded with ``value`` along axis 1 up to ``rows`` rows."""
-  widths = [(0, 0)] * x.ndim
-  widths[1] = (0, rows - x.shape[1])
-  return jnp.pad(x, widths, constant_values=value)
-
-
 def _add(a, b):
   """a + b, summed in float32, in a's dtype (one fused pass)."""
   return (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(a.dtype)
 
 
-def _accumulate(total, part, rows: Optional[int], full_shape):
-  """``total + part``, ``part`` covering the first ``rows`` rows (None: all).
+class _Sum:
+  """The running sum of one gradient over the calls of a step.
 
-  Totals keep the backend's dtype; sums are formed in float32. A single full
-  call's gradient is used as is (no extra pass over it)."""
-  if rows is None:
-    return part if total is None else _add(total, part)
-  if total is None:
-    total = jnp.zeros(full_shape, part.dtype)
-  return _update_prefix(total, _add, part)
+  Full-size parts are added as they come (one fused pass each). Parts that
+  cover only a prefix of the rows (the straddle calls) are summed among
+  themselves in float32, which is cheap, and merged into the full sum once
+  with the backend's in-place ``merge_rows``: no pass over the full buffer
+  and no copy of it.
+  """
+
+  def __init__(self):
+    self.full = None
+    self.prefix = None
+
+  def add(self, part, rows: Optional[int]):
+    if rows is None:
+      self.full = part if self.full is None else _add(self.full, part)
+    elif self.prefix is None:
+      self.prefix = part.astype(jnp.float32)
+    else:
+      self.prefix = self.prefix + part.astype(jnp.float32)
+
+  def merged(self, merge_rows, dtype):
+    """The full sum with the prefix merged in; the prefix alone (in
+    ``dtype``) if no full part came; None if nothing came."""
+    prefix = None if self.prefix is None else self.prefix.astype(dtype)
+    if self.full is None:
+      return prefix
+    if prefix is None:
+      return self.full
+    return merge_rows(self.full, prefix.astype(self.full.dtype), 0, "add")
+
+
+def _call_kv(cfg: CPConfig, call: _Call, k, v, kx, vx, halo):
+  """The K/V a call reads: the local chunk, or the first ``kv_rows`` rows of
+  the exchanged buffer (assembled from the halo when there is one)."""
+  if not call.exchanged:
+    return _prefix(k, call.kv_rows), _prefix(v, call.kv_rows)
+  if halo is not None:
+    return cfg.exchange.assemble(halo, k, v, call.kv_rows)
+  return _prefix(kx, call.kv_rows), _prefix(vx, call.kv_rows)
 
 
 def _rank(cfg: CPConfig):
@@ -218,33 +245,28 @@ def _flat(x):
   return x.reshape((-1,) + x.shape[2:])
 
 
-def _run_call(backend, call: _Call, cfg: CPConfig, q, kc, vc):
-  qc, kc = _prefix(q, call.q_rows), _prefix(kc, call.kv_rows)
-  vc = _prefix(vc, call.kv_rows)
-  o, l = backend.forward(_flat(qc), _flat(kc), _flat(vc),
-                         _segments(call, qc.shape[1], kc.shape[1]),
-                         mask=call.mask, scale=cfg.scale)
-  return o.reshape(qc.shape), l.reshape(qc.shape[:3])
-
-
 def _cp_forward(q, k, v, cu, cuP, cfg: CPConfig):
+  """(out, lse, halo): halo is the received K|V halo when the exchange
+  keeps it for the backward (else None)."""
   backend = resolve_backend(cfg.backend)
-  kx, vx = cfg.exchange.gather(k, v, cuP)
+  halo = kx = vx = None
+  if cfg.exchange.kind == "halo":
+    halo = cfg.exchange.receive_halo(k, v)
+  else:
+    kx, vx = cfg.exchange.gather(k, v, cuP)
   out = lse = None
-  # Calls cover disjoint Q rows: outputs add up (0 elsewhere), and the lse of
-  # a row is the one finite value among the calls (max).
+  # The calls cover disjoint Q rows: the first one's outputs hold 0 / -inf
+  # on the others' rows, which write into them (in place with cudnn).
   for call in _forward_calls(cfg, cu, cuP, _rank(cfg)):
-    kc, vc = (kx, vx) if call.exchanged else (k, v)
-    o, l = _run_call(backend, call, cfg, q, kc, vc)
-    if call.q_rows is None:
-      out = o if out is None else out + o
-      lse = l if lse is None else jnp.maximum(lse, l)
-    else:   # a prefix call always follows a full one (see _forward_calls)
-      # (Not a dynamic-update-slice into the previous call's output: XLA:GPU's
-      # DynamicSliceFusion rejects a custom call's result as its target.)
-      out = out + _pad_rows(o, out.shape[1], 0)
-      lse = jnp.maximum(lse, _pad_rows(l, lse.shape[1], -jnp.inf))
-  return out.astype(q.dtype), lse
+    assert not call.overlaps_previous, call
+    kc, vc = _call_kv(cfg, call, k, v, kx, vx, halo)
+    into = None if out is None else (_flat(out), _flat(lse))
+    o, l = backend.forward(_flat(q), _flat(kc), _flat(vc),
+                           _segments(call, q.shape[1], kc.shape[1]),
+                           mask=call.mask, scale=cfg.scale, into=into)
+    out, lse = o.reshape(q.shape), l.reshape(q.shape[:3])
+  return out.astype(q.dtype), lse, (halo if cfg.exchange.keeps_halo else
+                                    None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -253,41 +275,56 @@ def _cp_attention(q, k, v, cu, cuP, cfg: CPConfig):
 
 
 def _cp_attention_fwd(q, k, v, cu, cuP, cfg: CPConfig):
-  out, lse = _cp_forward(q, k, v, cu, cuP, cfg)
-  # Residuals are local only: the exchanged K/V are rebuilt in the backward.
-  return out, (q, k, v, cu, cuP, out, lse)
+  out, lse, halo = _cp_forward(q, k, v, cu, cuP, cfg)
+  # Residuals are local, plus a small received halo (KVExchange.keeps_halo):
+  # all-gathered K/V are rebuilt in the backward.
+  return out, (q, k, v, cu, cuP, out, lse, halo)
 
 
 def _cp_attention_bwd(cfg: CPConfig, res, dout):
-  q, k, v, cu, cuP, out, lse = res
+  q, k, v, cu, cuP, out, lse, halo = res
   backend = resolve_backend(cfg.backend)
-  # The barrier keeps XLA from merging this re-gather with the forward's
-  # (which would keep the exchanged K/V alive from forward to backward).
-  k, v = jax.lax.optimization_barrier((k, v))
-  kx, vx = cfg.exchange.gather(k, v, cuP)
+  kx = vx = None
+  if halo is None:
+    # The barrier keeps XLA from merging this re-gather with the forward's
+    # (which would keep the exchanged K/V alive from forward to backward).
+    k, v = jax.lax.optimization_barrier((k, v))
+    if cfg.exchange.kind == "halo":
+      halo = cfg.exchange.receive_halo(k, v)
+    else:
+      kx, vx = cfg.exchange.gather(k, v, cuP)
   dout = dout.astype(out.dtype)
-  dq = dk = dv = dkx = dvx = None
+  dq, dk, dv, dkx, dvx = _Sum(), _Sum(), _Sum(), _Sum(), _Sum()
   for call in _backward_calls(cfg, cu, cuP, _rank(cfg)):
-    kc, vc = (kx, vx) if call.exchanged else (k, v)
-    r, kr = call.q_rows, call.kv_rows
-    qc, kcc, vcc = _prefix(q, r), _prefix(kc, kr), _prefix(vc, kr)
+    kr = call.kv_rows
+    kcc, vcc = _call_kv(cfg, call, k, v, kx, vx, halo)
+    # The first call makes the full-size dq, later calls on other rows write
+    # into it (in place with cudnn), both reading the full local buffers; a
+    # split block's triangle reads its prefix rows and is summed (_Sum).
+    into = dq.full is not None and not call.overlaps_previous
+    r = call.q_rows if call.overlaps_previous else None
+    qc = _prefix(q, r)
     dq_i, dk_i, dv_i = backend.backward(
         _flat(qc), _flat(kcc), _flat(vcc), _flat(_prefix(out, r)),
         _prefix(lse, r).reshape(-1, q.shape[2]), _flat(_prefix(dout, r)),
         _segments(call, qc.shape[1], kcc.shape[1]), mask=call.mask,
-        scale=cfg.scale)
-    dq = _accumulate(dq, dq_i.reshape(qc.shape), r, q.shape)
-    if call.exchanged:
-      dkx = _accumulate(dkx, dk_i.reshape(kcc.shape), kr, kx.shape)
-      dvx = _accumulate(dvx, dv_i.reshape(vcc.shape), kr, vx.shape)
+        scale=cfg.scale, dq_into=_flat(dq.full) if into else None)
+    if into:
+      dq.full = dq_i.reshape(q.shape)
     else:
-      dk = _accumulate(dk, dk_i.reshape(kcc.shape), kr, k.shape)
-      dv = _accumulate(dv, dv_i.reshape(vcc.shape), kr, v.shape)
+      dq.add(dq_i.reshape(qc.shape), r)
+    (dkx if call.exchanged else dk).add(dk_i.reshape(kcc.shape), kr)
+    (dvx if call.exchanged else dv).add(dv_i.reshape(vcc.shape), kr)
+  merge = backend.merge_rows
+  dq = dq.merged(merge, q.dtype)
+  dk, dv = dk.merged(merge, k.dtype), dv.merged(merge, v.dtype)
+  dkx, dvx = dkx.merged(merge, k.dtype), dvx.merged(merge, v.dtype)
   if dkx is not None:
-    dk_back, dv_back = cfg.exchange.scatter(dkx.astype(k.dtype),
-                                            dvx.astype(v.dtype), cuP)
-    dk = _accumulate(dk, dk_back, None, k.shape)
-    dv = _accumulate(dv, dv_back, None, v.shape)
+    # Gradients of the exchanged K/V go back to their owners and are merged
+    # into the local ones (dk/dv may be None: DUAL_CHUNK_SWAP has no local
+    # call).
+    dk, dv = cfg.exchange.scatter(dkx, dvx, cuP, into=(dk, dv),
+                                  merge_rows=merge)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None,
           None)
 
@@ -325,6 +362,12 @@ def _config(q, k, v, cu_seqlens, cu_seqlens_padded, *, cp_size, cp_axis,
   name = resolve_backend(backend, platform).name
   if split_causal_backward is None:
     split_causal_backward = name == "cudnn"
+    # NO_LOAD_BALANCE's straddle block is at most W-1 rows: below this bound
+    # the extra call of a split costs more than the slower bottom-right
+    # backward saves (measured on H200, benchmarks/results/RESULTS.md).
+    split_straddle = split_causal_backward and w > _SPLIT_STRADDLE_ABOVE
+  else:
+    split_straddle = bool(split_causal_backward)
   exchange = choose_exchange(strategy is _NLB, cp_axis, cp_size,
                              total_tokens, w)
   return CPConfig(strategy=strategy, cp_axis=cp_axis, cp_size=cp_size,
@@ -332,7 +375,7 @@ def _config(q, k, v, cu_seqlens, cu_seqlens_padded, *, cp_size, cp_axis,
                   scale=default_scale(q.shape[-1], softmax_scale),
                   backend=name, total_tokens=total_tokens, max_seqlen=w,
                   split_causal_backward=bool(split_causal_backward),
-                  exchange=exchange)
+                  exchange=exchange, split_straddle=split_straddle)
 
 
 def check_max_seqlen(max_seqlen, cu_seqlens_padded, total_tokens: int) -> int:
@@ -384,8 +427,11 @@ def cp_attention_local(q, k, v, cu_seqlens, cu_seqlens_padded, *,
       concrete).
     window_size: ``None`` or ``(-1, 0)``; sliding windows are rejected.
     split_causal_backward: run the backward of bottom-right causal blocks as
-      an unmasked rectangle plus a top-left triangle (faster with cuDNN 9.19;
-      default: on for cudnn, off otherwise). Same result either way.
+      an unmasked rectangle plus a top-left triangle (faster with cuDNN 9.19
+      for large blocks). Default: on for cudnn, off otherwise; with cudnn,
+      NO_LOAD_BALANCE's straddle block (at most ``max_seqlen - 1`` rows) is
+      split only when ``max_seqlen > 8192``, below which the extra call
+      costs more than it saves. Same result either way.
 
   Returns:
     The local output, shaped and typed like ``q``.

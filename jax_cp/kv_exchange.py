@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_cp import partition
+from jax_cp.attention.merge import merge_rows_jnp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,55 +77,105 @@ class KVExchange:
 
   def gather(self, k, v, cu_seqlens_padded):
     """Local ``[B, Tl, Hkv, D]`` K and V -> exchanged buffers."""
+    if self.kind == "halo":
+      return self.assemble(self.receive_halo(k, v), k, v)
     if self.kind == "none":
       return k, v
     hk = k.shape[2]
     kv = jnp.concatenate([k, v], axis=2)
-    if self.kind == "all_gather":
-      kv = jax.lax.all_gather(kv, self.cp_axis, axis=1, tiled=True)
-      if self.restore_dual_chunk:
-        idx = partition.gathered_to_sequence_index(
-            cu_seqlens_padded, self.cp_size, self.total_tokens)
-        kv = jnp.take_along_axis(kv, idx[:, :, None, None], axis=1)
-    else:
-      tl = self.local_tokens
-      pieces = []
-      for hop, size in self._hops():
-        perm = [(i, i + hop) for i in range(self.cp_size - hop)]
-        pieces.append(jax.lax.ppermute(kv[:, tl - size:], self.cp_axis, perm))
-      kv = jnp.concatenate(pieces + [kv], axis=1)
+    kv = jax.lax.all_gather(kv, self.cp_axis, axis=1, tiled=True)
+    if self.restore_dual_chunk:
+      idx = partition.gathered_to_sequence_index(
+          cu_seqlens_padded, self.cp_size, self.total_tokens)
+      kv = jnp.take_along_axis(kv, idx[:, :, None, None], axis=1)
     return kv[:, :, :hk], kv[:, :, hk:]
+
+  def receive_halo(self, k, v):
+    """Halo exchange: the ``halo_tokens`` K|V rows before this rank's chunk
+    (``[B, halo, 2*Hkv, D]``, K heads first), from the predecessors."""
+    assert self.kind == "halo", self.kind
+    kv = jnp.concatenate([k, v], axis=2)
+    tl = self.local_tokens
+    pieces = []
+    for hop, size in self._hops():
+      perm = [(i, i + hop) for i in range(self.cp_size - hop)]
+      pieces.append(jax.lax.ppermute(kv[:, tl - size:], self.cp_axis, perm))
+    return jnp.concatenate(pieces, axis=1)
+
+  def assemble(self, halo, k, v, rows: Optional[int] = None):
+    """The exchanged buffers ``[B, halo + Tl, Hkv, D]`` from a received
+    halo and the local chunk (no communication), or only their first
+    ``rows`` rows (the local chunk is cut before concatenating, so nothing
+    larger is materialised)."""
+    hk = k.shape[2]
+    n = k.shape[1] if rows is None else rows - self.halo_tokens
+    return (jnp.concatenate([halo[:, :, :hk], k[:, :n]], axis=1),
+            jnp.concatenate([halo[:, :, hk:], v[:, :n]], axis=1))
+
+  @property
+  def keeps_halo(self) -> bool:
+    """Whether the forward keeps the received halo for the backward instead
+    of exchanging it again: when it is at most half a chunk, so residual
+    memory grows by at most half the local K/V. The backward then starts
+    with the straddle call and sends the halo's gradients back early."""
+    return self.kind == "halo" and 0 < self.halo_tokens <= \
+        self.local_tokens // 2
 
   # ----------------------------------------------------------------- backward
 
-  def scatter(self, dk, dv, cu_seqlens_padded):
+  def scatter(self, dk, dv, cu_seqlens_padded, into=(None, None),
+              merge_rows=merge_rows_jnp):
     """Gradients w.r.t. the exchanged buffers -> gradients of the local
-    chunk (summed over every rank that read it)."""
+    chunk (summed over every rank that read it), added to ``into``.
+
+    Args:
+      dk, dv: ``[B, rows, Hkv, D]`` gradients of the exchanged K/V. For the
+        halo exchange ``rows`` may be a prefix of the buffer (``halo_tokens
+        <= rows``): the calls read only its first rows.
+      into: local ``(dk, dv)`` gradients ``[B, Tl, Hkv, D]`` to add to (None:
+        zeros).
+      merge_rows: the backend's row merge; the halo's gradients come back
+        as a few rows each and are merged in place.
+    """
+    into_k, into_v = into
     if self.kind == "none":
-      return dk, dv
+      return (dk if into_k is None else _add(into_k, dk),
+              dv if into_v is None else _add(into_v, dv))
     hk = dk.shape[2]
-    dkv = jnp.concatenate([dk, dv], axis=2)
     if self.kind == "all_gather":
+      dkv = jnp.concatenate([dk, dv], axis=2)
       if self.restore_dual_chunk:
         pos = partition.sequence_to_gathered_index(
             cu_seqlens_padded, self.cp_size, self.total_tokens)
         dkv = jnp.take_along_axis(dkv, pos[:, :, None, None], axis=1)
       dkv = jax.lax.psum_scatter(dkv, self.cp_axis, scatter_dimension=1,
                                  tiled=True)
-    else:
-      tl = self.local_tokens
-      local = dkv[:, self.halo_tokens:]
-      start = 0
-      for hop, size in self._hops():
-        piece = dkv[:, start:start + size]
-        start += size
-        perm = [(i + hop, i) for i in range(self.cp_size - hop)]
-        back = jax.lax.ppermute(piece, self.cp_axis, perm)
-        # (A padded add rather than `.at[].add`: the latter crashed XLA:CPU's
-        # compiler with two hops, jaxlib 0.11.2.)
-        local = local + jnp.pad(back, ((0, 0), (tl - size, 0), (0, 0), (0, 0)))
-      dkv = local
-    return dkv[:, :, :hk], dkv[:, :, hk:]
+      back_k, back_v = dkv[:, :, :hk], dkv[:, :, hk:]
+      return (back_k if into_k is None else _add(into_k, back_k),
+              back_v if into_v is None else _add(into_v, back_v))
+    tl, halo = self.local_tokens, self.halo_tokens
+    shape = dk.shape[:1] + (tl,) + dk.shape[2:]
+    out_k = jnp.zeros(shape, dk.dtype) if into_k is None else into_k
+    out_v = jnp.zeros(shape, dv.dtype) if into_v is None else into_v
+    # This rank's own rows of the buffer (after the halo).
+    out_k = merge_rows(out_k, dk[:, halo:], 0, "add")
+    out_v = merge_rows(out_v, dv[:, halo:], 0, "add")
+    start = 0
+    for hop, size in self._hops():
+      piece = jnp.concatenate([dk[:, start:start + size],
+                               dv[:, start:start + size]], axis=2)
+      start += size
+      perm = [(i + hop, i) for i in range(self.cp_size - hop)]
+      back = jax.lax.ppermute(piece, self.cp_axis, perm)
+      # The last `size` rows of this rank's chunk, read by a successor.
+      out_k = merge_rows(out_k, back[:, :, :hk], tl - size, "add")
+      out_v = merge_rows(out_v, back[:, :, hk:], tl - size, "add")
+    return out_k, out_v
+
+
+def _add(a, b):
+  """a + b, summed in float32, in a's dtype."""
+  return (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(a.dtype)
 
 
 def choose_exchange(strategy_is_nlb: bool, cp_axis, cp_size: int,

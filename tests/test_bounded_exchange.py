@@ -117,3 +117,52 @@ def test_max_seqlen_guard_on_host_helpers():
                                      max_seqlen=30)
   assert jax_cp.longest_padded_document(cuP) == 40
   assert jax_cp.longest_padded_document(np.stack([cuP, [0, 10, 64]])) == 54
+
+
+@pytest.mark.parametrize("split", [None, True])
+def test_cudnn_lowering_writes_straddle_parts_in_place(split):
+  """With the cudnn backend (lowered for CUDA here), the straddle call
+  writes its output, lse and dq into the local call's buffers (aliased
+  ``*_into`` custom calls), and the halo's dK/dV are merged with aliased
+  ``jax_cp_merge_rows`` calls: no pad or dynamic-update-slice of a
+  full-size buffer, which would cost a pass over (or a copy of) it."""
+  try:
+    import jax_cp.attention.cudnn  # noqa: F401
+  except ImportError:
+    pytest.skip("jax_cp's cuDNN extension is not built")
+  cp, tl, w = 2, 2048, 1600
+  cu = jnp.asarray([0, 300, 1000, 2100, 2600, cp * tl], jnp.int32)
+  mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+  def loss(q, k, v, dout):
+    out = jax_cp.cp_attention(q, k, v, cu, cu, mesh=mesh,
+                              load_balancing_strategy=NLB, backend="cudnn",
+                              max_seqlen=w, split_causal_backward=split)
+    return jnp.sum(out.astype(jnp.float32) * dout)
+
+  sds = lambda h: jax.ShapeDtypeStruct((cp * tl, h, 64), jnp.bfloat16)
+  text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(
+      sds(8), sds(2), sds(2), jax.ShapeDtypeStruct((cp * tl, 8, 64),
+                                                   jnp.float32)).lower(
+          lowering_platforms=("cuda",)).as_text()
+  calls = lambda name: [l for l in text.splitlines() if f"@{name}(" in l]
+  fwd, fwd_into = calls("jax_cp_cudnn_sdpa_fwd"), calls(
+      "jax_cp_cudnn_sdpa_fwd_into")
+  bwd, bwd_into = calls("jax_cp_cudnn_sdpa_bwd"), calls(
+      "jax_cp_cudnn_sdpa_bwd_into")
+  merges = calls("jax_cp_merge_rows")
+  assert len(fwd) == 1 and len(fwd_into) == 1
+  assert f"tensor<{tl}x8x64xbf16>" in fwd_into[0].split("->")[-1]
+  assert len(bwd_into) == 1
+  # Unsplit (the default below max_seqlen 8192): the local call and the
+  # straddle call. Split: the triangle runs on prefix buffers and its dq is
+  # merged. dK/dV: this rank's rows of the halo buffer, and the rows a
+  # successor read, for K and V.
+  assert len(bwd) == (1 if split is None else 2)
+  assert len(merges) == (4 if split is None else 5), merges
+  assert all("output_operand_aliases" in l
+             for l in fwd_into + bwd_into + merges)
+  for line in text.splitlines():
+    if "stablehlo.pad" in line or "dynamic_update_slice" in line:
+      assert f"{tl}x8x64" not in line and f"{tl}x2x64" not in line, line

@@ -1,7 +1,8 @@
 """The ``"cudnn"`` attention backend: cuDNN SDPA over packed segments (XLA FFI).
 
 Importing this module loads the compiled extension ``jax_cp._jax_cp_cuda``,
-registers its two FFI targets for the CUDA platform and registers the backend
+registers its FFI targets (SDPA forward and backward, and the in-place row
+merge of :mod:`jax_cp.attention.merge`) for the CUDA platform and registers the backend
 with :mod:`jax_cp.attention.registry`. Without the extension it raises
 ``ImportError`` (the registry then explains how to build it).
 
@@ -10,11 +11,13 @@ The wrapper is thin: it validates shapes and dtypes (``check_*`` functions,
 per-segment lengths and *element* offsets cuDNN's ragged (THD) layout needs,
 calls the custom call, and masks the rows cuDNN leaves undefined:
 
-* Q rows no segment covers: the handler zero-fills ``out``/``dq``; ``lse`` is
-  set to ``-inf`` here.
+* Q rows no segment covers: the handler zero-fills ``out``/``dq`` and fills
+  ``lse`` with ``-inf``.
 * Q rows that see no key (``kv_len == 0``, or ``j < q_len - kv_len`` with the
   bottom-right causal mask): ``out``/``dq`` are set to 0 and ``lse`` to
-  ``-inf`` here, whatever cuDNN wrote.
+  ``-inf`` here, whatever cuDNN wrote; a pass skipped when the segments
+  promise there are none (``Segments.rows_see_keys``).
+
 
 Limitation (cuDNN writes dK/dV per segment, it does not accumulate): the
 segments' KV row ranges must not overlap for ``backward`` to be right. The CP
@@ -30,6 +33,7 @@ import jax  # Before the extension: JAX's CUDA plugin loads cuDNN/cudart.
 import jax.numpy as jnp
 import numpy as np
 
+from jax_cp.attention.merge import check_merge_rows, merge_rows_jnp
 from jax_cp.attention.registry import (MASK_TYPES, AttentionBackend, Segments,
                                        register_backend)
 
@@ -44,11 +48,18 @@ except ImportError as e:  # pragma: no cover - depends on the build
 
 FWD_TARGET = "jax_cp_cudnn_sdpa_fwd"
 BWD_TARGET = "jax_cp_cudnn_sdpa_bwd"
+# The same calls writing into aliased buffers (``into=`` / ``dq_into=``).
+FWD_INTO_TARGET = "jax_cp_cudnn_sdpa_fwd_into"
+BWD_INTO_TARGET = "jax_cp_cudnn_sdpa_bwd_into"
+MERGE_TARGET = "jax_cp_merge_rows"
+#: Values of the merge call's ``op`` attribute, and the dtypes it takes.
+MERGE_OP_CODES = {"add": 0, "max": 1}
 
 #: Values of the custom calls' ``mask`` attribute.
 MASK_CODES = {"no_mask": 0, "causal_top_left": 1, "causal_bottom_right": 2}
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_HEAD_DIM = 256
+MERGE_DTYPES = (jnp.dtype(jnp.float32),) + SUPPORTED_DTYPES
 _INT32_LIMIT = 2**31
 
 
@@ -232,64 +243,118 @@ def _attributes(mask: str, scale: np.float32, max_q: int, max_kv: int):
 # ----------------------------------------------------------------------------
 
 
-def forward(q, k, v, seg: Segments, *, mask: str, scale: float):
+def check_into(seg: Segments, name: str, x, shape, dtype) -> None:
+  """Buffers to write into must match the call's outputs, and the rows
+  the call covers must all see a key (nothing is masked afterwards)."""
+  check_like(name, x, shape, dtype)
+  if not seg.rows_see_keys:
+    raise ValueError(f"{name}= needs Segments(rows_see_keys=True): rows "
+                     f"written in place are not masked afterwards.")
+
+
+def forward(q, k, v, seg: Segments, *, mask: str, scale: float, into=None):
   """Varlen attention forward (see :mod:`jax_cp.attention.registry`).
 
-  Returns ``(out [Tq,Hq,D] in q's dtype, lse [Tq,Hq] float32)``.
+  Returns ``(out [Tq,Hq,D] in q's dtype, lse [Tq,Hq] float32)``. With
+  ``into=(out, lse)`` the custom call writes the covered rows of those
+  buffers in place (aliased; no clearing, no extra outputs).
   """
   _check_call(q, k, v, seg, mask)
   scale = _scale_value(scale, q.shape[2])
   tq, hq, _ = q.shape
+  if into is not None:
+    check_into(seg, "into[0]", into[0], q.shape, q.dtype)
+    check_into(seg, "into[1]", into[1], (tq, hq), jnp.float32)
   max_q, max_kv = _graph_bounds(seg, tq, k.shape[0])
   if max_q == 0 or max_kv == 0:  # No segment can attend anything.
+    if into is not None:
+      return into
     return (jnp.zeros_like(q), jnp.full((tq, hq), -jnp.inf, jnp.float32))
   operands = _ffi_operands(seg, q.shape, k.shape, max_q, max_kv)
-  out, stats = jax.ffi.ffi_call(
-      FWD_TARGET,
-      (jax.ShapeDtypeStruct(q.shape, q.dtype),
-       jax.ShapeDtypeStruct((tq, hq), jnp.float32)),
-      vmap_method="sequential",
-  )(q, k, v, *operands, **_attributes(mask, scale, max_q, max_kv))
+  result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                  jax.ShapeDtypeStruct((tq, hq), jnp.float32))
+  attrs = _attributes(mask, scale, max_q, max_kv)
+  if into is not None:
+    return jax.ffi.ffi_call(
+        FWD_INTO_TARGET, result_types, input_output_aliases={3: 0, 4: 1},
+        vmap_method="sequential")(q, k, v, into[0], into[1], *operands,
+                                  **attrs)
+  out, stats = jax.ffi.ffi_call(FWD_TARGET, result_types,
+                                vmap_method="sequential")(q, k, v, *operands,
+                                                          **attrs)
+  if seg.rows_see_keys:
+    # The handler cleared out and filled stats with -inf; every covered row
+    # sees a key, so nothing is left to mask.
+    return out, stats
   q_lens, kv_lens = operands[0], operands[1]
   live = _rows_with_keys(q_lens, kv_lens, seg.q_offsets, tq, mask)
-  if not seg.rows_see_keys:
-    # A pass over the whole output: skipped when the caller promises that
-    # every covered row sees a key (uncovered rows are zero-filled in C++).
-    out = jnp.where(live[:, None, None], out, jnp.zeros((), out.dtype))
+  out = jnp.where(live[:, None, None], out, jnp.zeros((), out.dtype))
   lse = jnp.where(live[:, None], stats, -jnp.inf)
   return out, lse
 
 
 def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
-             scale: float):
-  """Gradients ``(dq, dk, dv)`` of ``sum(out * dout)``, in q/k/v's dtype."""
+             scale: float, dq_into=None):
+  """Gradients ``(dq, dk, dv)`` of ``sum(out * dout)``, in q/k/v's dtype.
+
+  With ``dq_into`` the custom call writes the covered rows of that buffer
+  in place (aliased) instead of a fresh dq.
+  """
   _check_call(q, k, v, seg, mask)
   check_like("out", out, q.shape)
   check_like("dout", dout, q.shape)
   check_like("lse", lse, q.shape[:2])
+  if dq_into is not None:
+    check_into(seg, "dq_into", dq_into, q.shape, q.dtype)
   scale = _scale_value(scale, q.shape[2])
   tq = q.shape[0]
   max_q, max_kv = _graph_bounds(seg, tq, k.shape[0])
   if max_q == 0 or max_kv == 0:
-    return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+    dq = jnp.zeros_like(q) if dq_into is None else dq_into
+    return dq, jnp.zeros_like(k), jnp.zeros_like(v)
   operands = _ffi_operands(seg, q.shape, k.shape, max_q, max_kv)
-  # Rows that see no key carry lse = -inf; cuDNN recomputes P = exp(s - lse)
-  # with masked scores s = -inf, and -inf - (-inf) is NaN. Any finite value
-  # gives P = 0 there (out is 0 on those rows too), so use 0.
-  stats = jnp.where(jnp.isneginf(lse), 0.0, lse).astype(jnp.float32)
-  dq, dk, dv = jax.ffi.ffi_call(
-      BWD_TARGET,
-      (jax.ShapeDtypeStruct(q.shape, q.dtype),
-       jax.ShapeDtypeStruct(k.shape, k.dtype),
-       jax.ShapeDtypeStruct(v.shape, v.dtype)),
-      vmap_method="sequential",
-  )(q, k, v, out.astype(q.dtype), dout.astype(q.dtype), stats, *operands,
-    **_attributes(mask, scale, max_q, max_kv))
+  if seg.rows_see_keys:
+    # Covered rows have a finite lse; cuDNN reads no other row.
+    stats = lse.astype(jnp.float32)
+  else:
+    # Rows that see no key carry lse = -inf; cuDNN recomputes
+    # P = exp(s - lse) with masked scores s = -inf, and -inf - (-inf) is NaN.
+    # Any finite value gives P = 0 there (out is 0 on those rows too): 0.
+    stats = jnp.where(jnp.isneginf(lse), 0.0, lse).astype(jnp.float32)
+  result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                  jax.ShapeDtypeStruct(k.shape, k.dtype),
+                  jax.ShapeDtypeStruct(v.shape, v.dtype))
+  attrs = _attributes(mask, scale, max_q, max_kv)
+  inputs = (q, k, v, out.astype(q.dtype), dout.astype(q.dtype), stats)
+  if dq_into is not None:
+    return jax.ffi.ffi_call(
+        BWD_INTO_TARGET, result_types, input_output_aliases={6: 0},
+        vmap_method="sequential")(*inputs, dq_into, *operands, **attrs)
+  dq, dk, dv = jax.ffi.ffi_call(BWD_TARGET, result_types,
+                                vmap_method="sequential")(*inputs, *operands,
+                                                          **attrs)
   if not seg.rows_see_keys:
     q_lens, kv_lens = operands[0], operands[1]
     live = _rows_with_keys(q_lens, kv_lens, seg.q_offsets, tq, mask)
     dq = jnp.where(live[:, None, None], dq, jnp.zeros((), dq.dtype))
   return dq, dk, dv
+
+
+def merge_rows(dst, src, row_offset: int, op: str = "add"):
+  """In-place ``merge_rows`` (see :mod:`jax_cp.attention.merge`): one
+  kernel over ``src``'s elements on ``dst``'s (aliased) buffer; XLA copies
+  ``dst`` first only if it is still used elsewhere. Other dtypes than
+  float32/bfloat16/float16 take the ``jnp`` version."""
+  check_merge_rows(dst, src, row_offset, op)
+  if jnp.dtype(dst.dtype) not in MERGE_DTYPES:
+    return merge_rows_jnp(dst, src, row_offset, op)
+  if src.size == 0:
+    return dst
+  return jax.ffi.ffi_call(
+      MERGE_TARGET, jax.ShapeDtypeStruct(dst.shape, dst.dtype),
+      input_output_aliases={0: 0}, vmap_method="sequential",
+  )(dst, src, row_offset=np.int64(row_offset),
+    op=np.int64(MERGE_OP_CODES[op]))
 
 
 def _is_available(platform: str) -> bool:
@@ -300,5 +365,5 @@ for _name, _capsule in _jax_cp_cuda.registrations().items():
   jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
 
 BACKEND = AttentionBackend(name="cudnn", forward=forward, backward=backward,
-                           is_available=_is_available)
+                           is_available=_is_available, merge_rows=merge_rows)
 register_backend(BACKEND)

@@ -4,7 +4,7 @@ A backend computes causal/non-causal attention over *ragged segments* of a
 packed token buffer. The contract (all backends implement exactly this, so the
 CP layer above is backend-neutral):
 
-``forward(q, k, v, seg, *, mask, scale) -> (out, lse)``
+``forward(q, k, v, seg, *, mask, scale, into=None) -> (out, lse)``
     q: ``[Tq, Hq, D]``; k, v: ``[Tkv, Hkv, D]`` (``Hq % Hkv == 0``).
     seg: a :class:`Segments` (per-segment lengths and *token* offsets, int32
     ``[S]``, plus static bounds ``max_seqlen_q``/``max_seqlen_kv``).
@@ -21,12 +21,27 @@ CP layer above is backend-neutral):
     natural-log log-sum-exp of the scaled scores of each row; ``-inf`` on rows
     that see no key.
 
-``backward(q, k, v, out, lse, dout, seg, *, mask, scale) -> (dq, dk, dv)``
+    ``into=(out0, lse0)`` (optional): buffers shaped like the results that
+    already hold 0 / ``-inf`` on every row this call covers; the results are
+    then ``out0`` / ``lse0`` with this call's rows filled in (the ``cudnn``
+    backend writes them in place: no clearing, no extra buffers). Needs
+    ``seg.rows_see_keys``. Used to run a second call on other rows of the
+    same output.
+
+``backward(q, k, v, out, lse, dout, seg, *, mask, scale, dq_into=None)
+-> (dq, dk, dv)``
     Gradients of ``sum(out * dout)``; ``out``/``lse`` are the forward's.
     dq is 0 on uncovered rows, dk/dv are 0 on KV rows no segment reads.
+    ``dq_into`` (optional): like ``into`` for dq (0 on the covered rows).
 
 ``is_available(platform) -> bool``: whether the backend can run on a JAX
 platform name (``"cpu"``, ``"cuda"``, ...).
+
+``merge_rows(dst, src, row_offset, op) -> dst'``: ``dst [B, Td, ...]`` with
+rows ``[row_offset, row_offset + Ts)`` of axis 1 replaced by
+``op(those rows, src)`` (``op`` ``"add"`` or ``"max"``, formed in float32),
+everything else unchanged; used to merge small per-call outputs into large
+ones (:mod:`jax_cp.attention.merge`). Defaults to the ``jnp`` version.
 """
 
 from __future__ import annotations
@@ -35,6 +50,8 @@ import dataclasses
 from typing import Callable, Dict, Tuple
 
 import jax
+
+from jax_cp.attention.merge import merge_rows_jnp
 
 MASK_TYPES = ("no_mask", "causal_top_left", "causal_bottom_right")
 
@@ -75,6 +92,7 @@ class AttentionBackend:
   forward: Callable[..., Tuple[jax.Array, jax.Array]]
   backward: Callable[..., Tuple[jax.Array, jax.Array, jax.Array]]
   is_available: Callable[[str], bool]
+  merge_rows: Callable[..., jax.Array] = merge_rows_jnp
 
 
 _BACKENDS: Dict[str, AttentionBackend] = {}

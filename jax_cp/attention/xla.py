@@ -58,7 +58,16 @@ def _probs(q, k, lse, ok, scale):
   return jnp.where(ok & finite, p, 0.0)
 
 
-def forward(q, k, v, seg: Segments, *, mask: str, scale: float):
+def forward(q, k, v, seg: Segments, *, mask: str, scale: float, into=None):
+  out, lse = _forward(q, k, v, seg, mask=mask, scale=scale)
+  if into is None:
+    return out, lse
+  # The contract: `into` holds 0 / -inf on the rows this call covers.
+  return ((into[0].astype(jnp.float32) + out.astype(jnp.float32)).astype(
+      into[0].dtype), jnp.maximum(into[1], lse))
+
+
+def _forward(q, k, v, seg: Segments, *, mask: str, scale: float):
   tq, hq, d = q.shape
   ok, _ = segment_mask(seg, tq, k.shape[0], mask)
   s = jnp.where(ok, _scores(q, k, scale), -jnp.inf)
@@ -77,7 +86,16 @@ def forward(q, k, v, seg: Segments, *, mask: str, scale: float):
 
 
 def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
-             scale: float):
+             scale: float, dq_into=None):
+  dq, dk, dv = _backward(q, k, v, out, lse, dout, seg, mask=mask, scale=scale)
+  if dq_into is not None:   # 0 on the rows this call covers (the contract)
+    dq = (dq_into.astype(jnp.float32) + dq.astype(jnp.float32)).astype(
+        dq_into.dtype)
+  return dq, dk, dv
+
+
+def _backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
+              scale: float):
   tq, hq, d = q.shape
   tkv, hkv, _ = k.shape
   g = hq // hkv

@@ -276,3 +276,69 @@ def test_errors_are_reported_not_crashes():
   run = jax.jit(lambda *a: call(*a, **attrs))
   with pytest.raises(Exception, match="jax_cp_cudnn_sdpa_fwd"):
     jax.block_until_ready(run(q, k, v, lens, lens, offs, offs, offs))
+
+
+@pytest.mark.parametrize("layout_kind,mask", [
+    ("many_short", "causal_top_left"), ("kv_longer", "causal_bottom_right")])
+def test_into_writes_only_its_rows(layout_kind, mask, record_error):
+  """Two calls on disjoint segment sets, the second writing into the
+  first's out/lse (forward) and dq (backward) in place, equal one call on
+  all segments; the rows the second call does not cover come through
+  bit for bit."""
+  layout = make_layout(layout_kind, seed=3)
+  q, k, v, do = random_inputs(layout, 8, 2, 128, jnp.bfloat16, seed=3)
+  s = layout.q_lens.shape[0]
+  pick = np.arange(s) % 2 == 1
+  i32 = lambda x: jnp.asarray(x, jnp.int32)
+
+  def seg_of(sel):
+    z = lambda a: np.where(sel, a, 0)
+    return Segments(i32(z(layout.q_lens)), i32(z(layout.kv_lens)),
+                    i32(layout.q_offs), i32(layout.kv_offs), layout.tq,
+                    layout.tkv, rows_see_keys=True)
+  seg_a, seg_b, seg_all = seg_of(~pick), seg_of(pick), seg_of(pick | ~pick)
+
+  @jax.jit
+  def two_calls(q, k, v, do):
+    o, l = CUDNN.forward(q, k, v, seg_a, mask=mask, scale=0.1)
+    o, l = CUDNN.forward(q, k, v, seg_b, mask=mask, scale=0.1, into=(o, l))
+    dq, dk_a, dv_a = CUDNN.backward(q, k, v, o, l, do, seg_a, mask=mask,
+                                    scale=0.1)
+    dq, dk_b, dv_b = CUDNN.backward(q, k, v, o, l, do, seg_b, mask=mask,
+                                    scale=0.1, dq_into=dq)
+    return o, l, dq, dk_a + dk_b, dv_a + dv_b
+
+  @jax.jit
+  def one_call(q, k, v, do):
+    o, l = CUDNN.forward(q, k, v, seg_all, mask=mask, scale=0.1)
+    return (o, l) + CUDNN.backward(q, k, v, o, l, do, seg_all, mask=mask,
+                                   scale=0.1)
+
+  got = [np.asarray(x, np.float32) for x in two_calls(q, k, v, do)]
+  want = [np.asarray(x, np.float32) for x in one_call(q, k, v, do)]
+  for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+    finite = np.isfinite(w)
+    np.testing.assert_array_equal(np.isfinite(g), finite, err_msg=name)
+    err = rel_err(g[finite], w[finite])
+    record_error(jnp.bfloat16, f"into-{name}", err)
+    # Same kernels on the same rows: equal up to summation order in dk/dv.
+    assert err < (1e-2 if name in ("dk", "dv") else 1e-6), (name, err)
+  # Rows of the first call only are untouched by the second.
+  rows_a = np.zeros(layout.tq, bool)
+  for off, n in zip(layout.q_offs[~pick], layout.q_lens[~pick]):
+    rows_a[off:off + n] = True
+  ref_a = [np.asarray(x, np.float32) for x in jax.jit(
+      lambda q, k, v: CUDNN.forward(q, k, v, seg_a, mask=mask, scale=0.1))(
+          q, k, v)]
+  np.testing.assert_array_equal(got[0][rows_a], ref_a[0][rows_a])
+  np.testing.assert_array_equal(got[1][rows_a], ref_a[1][rows_a])
+
+
+def test_into_needs_rows_see_keys():
+  layout = make_layout("many_short")
+  q, k, v, _ = random_inputs(layout, 8, 2, 64, jnp.bfloat16)
+  seg = layout.segments()
+  out, lse = CUDNN.forward(q, k, v, seg, mask="causal_top_left", scale=0.1)
+  with pytest.raises(ValueError, match="rows_see_keys"):
+    CUDNN.forward(q, k, v, seg, mask="causal_top_left", scale=0.1,
+                  into=(out, lse))

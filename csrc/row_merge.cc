@@ -1,0 +1,232 @@
+// XLA FFI handler `jax_cp_merge_rows`: merge a few rows into a buffer in place
+// (and FillF32Async, see row_merge.h).
+//
+// Operands: dst [B, Td, ...] and src [B, Ts, ...] (same dtype: f32, bf16 or
+// f16; same leading and trailing dims). Result: out, which must be dst's
+// buffer (the Python wrapper aliases operand 0 to result 0). Attributes:
+// row_offset (int64, 0 <= row_offset <= Td - Ts) and op (int64: 0 add,
+// 1 max). Rows [row_offset, row_offset + Ts) of every batch entry become
+// op(dst, src), computed in float32; every other element is left untouched.
+//
+// This replaces "pad the small part to full size and add" (a pass over the
+// whole buffer) and XLA's dynamic-update-slice, which copies a custom call's
+// result before updating it: merging the small straddle outputs of context
+// parallel attention then costs time proportional to their size only.
+//
+// The kernels are compiled to PTX at build time (row_merge.cu), embedded,
+// and loaded once per process with cudaLibraryLoadData through the CUDA
+// runtime JAX loaded (context independent; the driver JIT-compiles the PTX
+// for each device on first use).
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <string>
+
+#include "row_merge.h"
+
+#include "cuda_libs.h"
+#include "cudnn_state.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_cp {
+
+extern const char kRowMergePtx[];  // generated from row_merge.cu
+
+namespace {
+
+constexpr const char* kCall = "jax_cp_merge_rows";
+constexpr int kDtypes = 3;  // f32, bf16, f16
+constexpr int kElementBytes[kDtypes] = {4, 2, 2};
+// [dtype][op][vectorised]
+constexpr const char* kKernelNames[kDtypes][2][2] = {
+    {{"jax_cp_merge_add_f32", "jax_cp_merge_add_f32_vec"},
+     {"jax_cp_merge_max_f32", "jax_cp_merge_max_f32_vec"}},
+    {{"jax_cp_merge_add_bf16", "jax_cp_merge_add_bf16_vec"},
+     {"jax_cp_merge_max_bf16", "jax_cp_merge_max_bf16_vec"}},
+    {{"jax_cp_merge_add_f16", "jax_cp_merge_add_f16_vec"},
+     {"jax_cp_merge_max_f16", "jax_cp_merge_max_f16_vec"}},
+};
+
+struct Kernels {
+  cudaKernel_t fn[kDtypes][2][2] = {};
+  cudaKernel_t fill_f32 = nullptr;
+  std::string error;  // empty on success
+};
+
+const Kernels& LoadKernels(const CudaLibraries& libs) {
+  static Kernels* kernels = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [&libs]() {
+    auto* k = new Kernels;
+    cudaLibrary_t lib = nullptr;
+    cudaError_t st = libs.cudart.LibraryLoadData(
+        &lib, kRowMergePtx, nullptr, nullptr, 0, nullptr, nullptr, 0);
+    if (st != cudaSuccess) {
+      k->error = std::string("cudaLibraryLoadData(row-merge PTX) failed: ") +
+                 libs.cudart.GetErrorString(st);
+    }
+    for (int d = 0; d < kDtypes && k->error.empty(); ++d) {
+      for (int op = 0; op < 2 && k->error.empty(); ++op) {
+        for (int vec = 0; vec < 2 && k->error.empty(); ++vec) {
+          const char* name = kKernelNames[d][op][vec];
+          st = libs.cudart.LibraryGetKernel(&k->fn[d][op][vec], lib, name);
+          if (st != cudaSuccess) {
+            k->error = std::string("cudaLibraryGetKernel(") + name +
+                       ") failed: " + libs.cudart.GetErrorString(st);
+          }
+        }
+      }
+    }
+    if (k->error.empty()) {
+      st = libs.cudart.LibraryGetKernel(&k->fill_f32, lib, "jax_cp_fill_f32");
+      if (st != cudaSuccess) {
+        k->error = std::string("cudaLibraryGetKernel(jax_cp_fill_f32) "
+                               "failed: ") + libs.cudart.GetErrorString(st);
+      }
+    }
+    kernels = k;  // never freed: the library lives as long as the process
+  });
+  return *kernels;
+}
+
+ffi::Error Invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string(kCall) + ": " + what);
+}
+
+int DtypeIndex(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return 0;
+    case ffi::DataType::BF16: return 1;
+    case ffi::DataType::F16: return 2;
+    default: return -1;
+  }
+}
+
+ffi::Error MergeRows(cudaStream_t stream, int32_t device, ffi::AnyBuffer dst,
+                     ffi::AnyBuffer src, ffi::Result<ffi::AnyBuffer> out,
+                     int64_t row_offset, int64_t op) {
+  try {
+    const auto dd = dst.dimensions();
+    const auto sd = src.dimensions();
+    const int dtype = DtypeIndex(dst.element_type());
+    if (dtype < 0 || src.element_type() != dst.element_type() ||
+        out->element_type() != dst.element_type()) {
+      return Invalid("dst, src and out must share one dtype: float32, "
+                     "bfloat16 or float16");
+    }
+    if (dd.size() < 2 || sd.size() != dd.size() || sd[0] != dd[0]) {
+      return Invalid("dst and src must be [B, T, ...] with the same rank and "
+                     "B");
+    }
+    int64_t inner = 1;
+    for (size_t i = 2; i < dd.size(); ++i) {
+      if (sd[i] != dd[i]) return Invalid("dst and src trailing dims differ");
+      inner *= dd[i];
+    }
+    if (row_offset < 0 || row_offset + sd[1] > dd[1]) {
+      return Invalid("need 0 <= row_offset <= Td - Ts; got row_offset=" +
+                     std::to_string(row_offset) + " Td=" +
+                     std::to_string(dd[1]) + " Ts=" + std::to_string(sd[1]));
+    }
+    if (op != 0 && op != 1) {
+      return Invalid("op must be 0 (add) or 1 (max); got " +
+                     std::to_string(op));
+    }
+    if (out->untyped_data() != dst.untyped_data()) {
+      return Invalid("out must alias dst (call it with "
+                     "input_output_aliases={0: 0})");
+    }
+    const long long batch = dd[0];
+    long long dst_batch = dd[1] * inner;
+    long long src_batch = sd[1] * inner;
+    long long offset = row_offset * inner;
+    if (batch * src_batch == 0) return ffi::Error::Success();
+    if (batch > 65535) return Invalid("batch (dim 0) must be <= 65535");
+
+    auto libs_or = GetCudaLibraries();
+    if (!libs_or.has_value()) return libs_or.error();
+    const CudaLibraries& libs = **libs_or;
+    const Kernels& kernels = LoadKernels(libs);
+    if (!kernels.error.empty()) {
+      return ffi::Error::Internal(std::string(kCall) + ": " + kernels.error);
+    }
+    void* dst_ptr = dst.untyped_data();
+    const void* src_ptr = src.untyped_data();
+    void* args[] = {&dst_ptr, &src_ptr, &dst_batch, &src_batch, &offset};
+    // 16 bytes per thread when every per-batch start is 16-byte aligned
+    // (XLA's buffers are).
+    const long long per = 16 / kElementBytes[dtype];
+    const bool vec = src_batch % per == 0 && dst_batch % per == 0 &&
+                     offset % per == 0 &&
+                     reinterpret_cast<uintptr_t>(dst_ptr) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(src_ptr) % 16 == 0;
+    constexpr long long kThreads = 256;
+    constexpr long long kMaxBlocks = 4096;  // per batch entry; grid-stride
+    const long long items = vec ? src_batch / per : src_batch;
+    long long blocks = (items + kThreads - 1) / kThreads;
+    if (blocks > kMaxBlocks) blocks = kMaxBlocks;
+    const void* fn =
+        reinterpret_cast<const void*>(kernels.fn[dtype][op][vec ? 1 : 0]);
+    return WithCudaDevice(libs, device, [&]() -> ffi::Error {
+      cudaError_t st = libs.cudart.LaunchKernel(
+          fn,
+          dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(batch)),
+          dim3(static_cast<unsigned>(kThreads)), args, 0, stream);
+      if (st != cudaSuccess) {
+        return ffi::Error::Internal(std::string(kCall) +
+                                    ": kernel launch failed: " +
+                                    libs.cudart.GetErrorString(st));
+      }
+      return ffi::Error::Success();
+    });
+  } catch (const std::exception& ex) {
+    return ffi::Error::Internal(std::string(kCall) + ": " + ex.what());
+  } catch (...) {
+    return ffi::Error::Internal(std::string(kCall) + ": unknown exception");
+  }
+}
+
+}  // namespace
+
+ffi::Error FillF32Async(const CudaLibraries& libs, int device, float* p,
+                        size_t count, float value, cudaStream_t stream,
+                        const char* what) {
+  if (count == 0) return ffi::Error::Success();
+  const Kernels& kernels = LoadKernels(libs);
+  if (!kernels.error.empty()) {
+    return ffi::Error::Internal(std::string("filling ") + what + ": " +
+                                kernels.error);
+  }
+  long long n = static_cast<long long>(count);
+  void* args[] = {&p, &n, &value};
+  constexpr long long kThreads = 256;
+  long long blocks = (n + kThreads - 1) / kThreads;
+  if (blocks > 4096) blocks = 4096;
+  const void* fn = reinterpret_cast<const void*>(kernels.fill_f32);
+  return WithCudaDevice(libs, device, [&]() -> ffi::Error {
+    cudaError_t st = libs.cudart.LaunchKernel(
+        fn, dim3(static_cast<unsigned>(blocks)),
+        dim3(static_cast<unsigned>(kThreads)), args, 0, stream);
+    if (st != cudaSuccess) {
+      return ffi::Error::Internal(std::string("filling ") + what +
+                                  ": kernel launch failed: " +
+                                  libs.cudart.GetErrorString(st));
+    }
+    return ffi::Error::Success();
+  });
+}
+
+// No CUDA-graph trait: the first call loads the PTX on the host.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpMergeRows, MergeRows,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // dst
+                                  .Arg<ffi::AnyBuffer>()  // src
+                                  .Ret<ffi::AnyBuffer>()  // out (= dst)
+                                  .Attr<int64_t>("row_offset")
+                                  .Attr<int64_t>("op"));
+
+}  // namespace jax_cp
