@@ -25,7 +25,9 @@ nb::capsule HandlerCapsule(Fn* fn) {
 }  // namespace
 
 NB_MODULE(_jax_cp_cuda, m) {
-  m.doc() = "cuDNN SDPA and row-merge handlers (XLA FFI) for jax_cp's 'cudnn' backend.";
+  m.doc() =
+      "cuDNN SDPA and row-merge handlers (XLA FFI) for jax_cp's 'cudnn' "
+      "backend.";
 
   // Must happen before the cuDNN frontend first opens the CUDA runtime.
   jax_cp::PinFrontendCudaRuntime();

@@ -1,9 +1,8 @@
 // XLA FFI handler `jax_cp_cudnn_sdpa_bwd`: packed varlen attention backward.
 //
-// Operands: q, k, v, out, dout, stats, q_lens, kv_lens, q_off, kv_off,
-// stats_off (layouts as in sdpa_fwd.cc; out/dout like q, stats float32
-// [Tq,Hq] from the forward). Results: dq (like q), dk, dv (like k).
-// Attributes as in the forward.
+// Operands: q, k, v, out, dout, stats, meta (layouts as in sdpa_fwd.cc;
+// out/dout like q, stats float32 [Tq,Hq] from the forward). Results: dq
+// (like q), dk, dv (like k). Attributes as in the forward.
 //
 // dq, dk and dv are cleared first: Q rows outside every segment and KV rows
 // no segment reads stay zero. cuDNN writes dK/dV per segment (no
@@ -33,17 +32,17 @@ ffi::Error SdpaBackwardImpl(
     cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
     ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
     ffi::AnyBuffer dout, ffi::AnyBuffer stats, const ffi::AnyBuffer* dq_in,
-    Int32Vector q_lens, Int32Vector kv_lens, Int32Vector q_off,
-    Int32Vector kv_off, Int32Vector stats_off, ffi::Result<ffi::AnyBuffer> dq,
+    SegmentMeta meta, ffi::Result<ffi::AnyBuffer> dq,
     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-    int64_t mask, float scale, int64_t max_seqlen_q, int64_t max_seqlen_kv) {
+    int64_t segments, int64_t mask, float scale, int64_t max_seqlen_q,
+    int64_t max_seqlen_kv) {
   const bool into = dq_in != nullptr;
   const char* call = into ? kInto : kFresh;
   try {
-    const SdpaCommonOperands ops{q,     k,      v,      q_lens,
-                                 kv_lens, q_off, kv_off, stats_off};
+    const SdpaCommonOperands ops{q, k, v, meta};
     auto key_or = MakeSdpaKey(call, SdpaDirection::kBackward, device, ops,
-                              {mask, scale, max_seqlen_q, max_seqlen_kv});
+                              {segments, mask, scale, max_seqlen_q,
+                               max_seqlen_kv});
     if (!key_or.has_value()) return key_or.error();
     const SdpaGraphKey& key = *key_or;
     ffi::Error e = CheckSameAs(call, "out", out, "q", q);
@@ -55,6 +54,7 @@ ffi::Error SdpaBackwardImpl(
     if (e.success() && into) e = CheckAliased(call, "dq", *dq, *dq_in);
     if (e.failure()) return e;
 
+    const SegmentPointers seg = MetaPointers(meta);
     std::unordered_map<int64_t, void*> ptrs = {
         {sdpa_uid::kQ, q.untyped_data()},
         {sdpa_uid::kK, k.untyped_data()},
@@ -65,13 +65,13 @@ ffi::Error SdpaBackwardImpl(
         {sdpa_uid::kDQ, dq->untyped_data()},
         {sdpa_uid::kDK, dk->untyped_data()},
         {sdpa_uid::kDV, dv->untyped_data()},
-        {sdpa_uid::kSeqLenQ, q_lens.untyped_data()},
-        {sdpa_uid::kSeqLenKv, kv_lens.untyped_data()},
-        {sdpa_uid::kOffsetQ, q_off.untyped_data()},
-        {sdpa_uid::kOffsetO, q_off.untyped_data()},
-        {sdpa_uid::kOffsetK, kv_off.untyped_data()},
-        {sdpa_uid::kOffsetV, kv_off.untyped_data()},
-        {sdpa_uid::kOffsetStats, stats_off.untyped_data()},
+        {sdpa_uid::kSeqLenQ, seg.q_lens},
+        {sdpa_uid::kSeqLenKv, seg.kv_lens},
+        {sdpa_uid::kOffsetQ, seg.q_off},
+        {sdpa_uid::kOffsetO, seg.q_off},
+        {sdpa_uid::kOffsetK, seg.kv_off},
+        {sdpa_uid::kOffsetV, seg.kv_off},
+        {sdpa_uid::kOffsetStats, seg.stats_off},
     };
     std::vector<ZeroFill> zero_fills = {
         {dk->untyped_data(), dk->size_bytes(), "dk"},
@@ -89,35 +89,29 @@ ffi::Error SdpaBackwardImpl(
   }
 }
 
-ffi::Error SdpaBackward(cudaStream_t stream, ffi::ScratchAllocator scratch,
-                        int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                        ffi::AnyBuffer v, ffi::AnyBuffer out,
-                        ffi::AnyBuffer dout, ffi::AnyBuffer stats,
-                        Int32Vector q_lens, Int32Vector kv_lens,
-                        Int32Vector q_off, Int32Vector kv_off,
-                        Int32Vector stats_off, ffi::Result<ffi::AnyBuffer> dq,
-                        ffi::Result<ffi::AnyBuffer> dk,
-                        ffi::Result<ffi::AnyBuffer> dv, int64_t mask,
-                        float scale, int64_t max_seqlen_q,
-                        int64_t max_seqlen_kv) {
-  return SdpaBackwardImpl(stream, std::move(scratch), device, q, k, v, out, dout, stats,
-                          nullptr, q_lens, kv_lens, q_off, kv_off, stats_off,
-                          dq, dk, dv, mask, scale, max_seqlen_q,
-                          max_seqlen_kv);
+ffi::Error SdpaBackward(
+    cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
+    ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
+    ffi::AnyBuffer dout, ffi::AnyBuffer stats, SegmentMeta meta,
+    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+    ffi::Result<ffi::AnyBuffer> dv, int64_t segments, int64_t mask,
+    float scale, int64_t max_seqlen_q, int64_t max_seqlen_kv) {
+  return SdpaBackwardImpl(stream, std::move(scratch), device, q, k, v, out,
+                          dout, stats, nullptr, meta, dq, dk, dv, segments,
+                          mask, scale, max_seqlen_q, max_seqlen_kv);
 }
 
 ffi::Error SdpaBackwardInto(
     cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
     ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
     ffi::AnyBuffer dout, ffi::AnyBuffer stats, ffi::AnyBuffer dq_in,
-    Int32Vector q_lens, Int32Vector kv_lens, Int32Vector q_off,
-    Int32Vector kv_off, Int32Vector stats_off, ffi::Result<ffi::AnyBuffer> dq,
+    SegmentMeta meta, ffi::Result<ffi::AnyBuffer> dq,
     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-    int64_t mask, float scale, int64_t max_seqlen_q, int64_t max_seqlen_kv) {
-  return SdpaBackwardImpl(stream, std::move(scratch), device, q, k, v, out, dout, stats,
-                          &dq_in, q_lens, kv_lens, q_off, kv_off, stats_off,
-                          dq, dk, dv, mask, scale, max_seqlen_q,
-                          max_seqlen_kv);
+    int64_t segments, int64_t mask, float scale, int64_t max_seqlen_q,
+    int64_t max_seqlen_kv) {
+  return SdpaBackwardImpl(stream, std::move(scratch), device, q, k, v, out,
+                          dout, stats, &dq_in, meta, dq, dk, dv, segments,
+                          mask, scale, max_seqlen_q, max_seqlen_kv);
 }
 
 }  // namespace
@@ -134,14 +128,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpCudnnSdpaBackward, SdpaBackward,
                                   .Arg<ffi::AnyBuffer>()  // out
                                   .Arg<ffi::AnyBuffer>()  // dout
                                   .Arg<ffi::AnyBuffer>()  // stats
-                                  .Arg<Int32Vector>()     // q_lens
-                                  .Arg<Int32Vector>()     // kv_lens
-                                  .Arg<Int32Vector>()     // q_off
-                                  .Arg<Int32Vector>()     // kv_off
-                                  .Arg<Int32Vector>()     // stats_off
+                                  .Arg<SegmentMeta>()     // meta [5, W]
                                   .Ret<ffi::AnyBuffer>()  // dq
                                   .Ret<ffi::AnyBuffer>()  // dk
                                   .Ret<ffi::AnyBuffer>()  // dv
+                                  .Attr<int64_t>("segments")
                                   .Attr<int64_t>("mask")
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("max_seqlen_q")
@@ -159,14 +150,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpCudnnSdpaBackwardInto, SdpaBackwardInto,
                                   .Arg<ffi::AnyBuffer>()  // dout
                                   .Arg<ffi::AnyBuffer>()  // stats
                                   .Arg<ffi::AnyBuffer>()  // dq_in (aliased)
-                                  .Arg<Int32Vector>()     // q_lens
-                                  .Arg<Int32Vector>()     // kv_lens
-                                  .Arg<Int32Vector>()     // q_off
-                                  .Arg<Int32Vector>()     // kv_off
-                                  .Arg<Int32Vector>()     // stats_off
+                                  .Arg<SegmentMeta>()     // meta [5, W]
                                   .Ret<ffi::AnyBuffer>()  // dq
                                   .Ret<ffi::AnyBuffer>()  // dk
                                   .Ret<ffi::AnyBuffer>()  // dv
+                                  .Attr<int64_t>("segments")
                                   .Attr<int64_t>("mask")
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("max_seqlen_q")

@@ -80,15 +80,14 @@ ffi::ErrorOr<SdpaGraphKey> MakeSdpaKey(const char* call,
                              DimsToString(qd) + " k" + DimsToString(kd));
   }
 
-  key.segments = ops.q_lens.element_count();
-  if (key.segments < 1 ||
-      static_cast<int64_t>(ops.kv_lens.element_count()) != key.segments ||
-      static_cast<int64_t>(ops.q_off.element_count()) != key.segments + 1 ||
-      static_cast<int64_t>(ops.kv_off.element_count()) != key.segments + 1 ||
-      static_cast<int64_t>(ops.stats_off.element_count()) != key.segments + 1) {
-    return Invalid(call, "expected q_lens, kv_lens of length S >= 1 and "
-                         "q_off, kv_off, stats_off of length S + 1; got S=" +
-                             std::to_string(key.segments));
+  key.segments = attrs.segments;
+  const auto md = ops.meta.dimensions();
+  if (key.segments < 1 || md.size() != 2 || md[0] != kMetaRows ||
+      md[1] < key.segments + 1 || md[1] % 4 != 0) {
+    return Invalid(call, "expected segments S >= 1 and metadata int32 [5, W] "
+                         "with W >= S + 1 a multiple of 4; got S=" +
+                             std::to_string(key.segments) + " meta" +
+                             DimsToString(md));
   }
 
   if (attrs.mask < 0 || attrs.mask > 2) {
@@ -112,6 +111,12 @@ ffi::ErrorOr<SdpaGraphKey> MakeSdpaKey(const char* call,
   key.max_seqlen_q = attrs.max_seqlen_q;
   key.max_seqlen_kv = attrs.max_seqlen_kv;
   return key;
+}
+
+SegmentPointers MetaPointers(const SegmentMeta& meta) {
+  int32_t* base = meta.typed_data();
+  const int64_t w = meta.dimensions()[1];
+  return {base, base + w, base + 2 * w, base + 3 * w, base + 4 * w};
 }
 
 ffi::Error CheckSameAs(const char* call, const char* name,

@@ -13,22 +13,35 @@
 
 namespace jax_cp {
 
-using Int32Vector = xla::ffi::Buffer<xla::ffi::S32, 1>;
+// The segment metadata of a call, packed in one int32 operand [5, W] (one
+// small array for XLA to build instead of five): row 0 q_lens [S], row 1
+// kv_lens [S], rows 2-4 the element offsets q_off, kv_off, stats_off
+// [S + 1]; W >= S + 1 is a multiple of 4, so every row starts 16-byte
+// aligned. S is the `segments` attribute.
+using SegmentMeta = xla::ffi::Buffer<xla::ffi::S32, 2>;
+constexpr int64_t kMetaRows = 5;
 
 // The operands every SDPA call has, forward and backward alike.
 struct SdpaCommonOperands {
   const xla::ffi::AnyBuffer& q;
   const xla::ffi::AnyBuffer& k;
   const xla::ffi::AnyBuffer& v;
-  const Int32Vector& q_lens;
-  const Int32Vector& kv_lens;
-  const Int32Vector& q_off;
-  const Int32Vector& kv_off;
-  const Int32Vector& stats_off;
+  const SegmentMeta& meta;
 };
+
+// Device pointers to the rows of a SegmentMeta.
+struct SegmentPointers {
+  void* q_lens;
+  void* kv_lens;
+  void* q_off;
+  void* kv_off;
+  void* stats_off;
+};
+SegmentPointers MetaPointers(const SegmentMeta& meta);
 
 // The attributes of both custom calls.
 struct SdpaAttributes {
+  int64_t segments;
   int64_t mask;
   float scale;
   int64_t max_seqlen_q;

@@ -1,10 +1,11 @@
 // XLA FFI handler `jax_cp_cudnn_sdpa_fwd`: packed varlen attention forward.
 //
-// Operands: q [Tq,Hq,D], k [Tkv,Hkv,D], v [Tkv,Hkv,D] (bf16/f16), q_lens [S],
-// kv_lens [S], q_off [S+1], kv_off [S+1], stats_off [S+1] (int32; offsets in
-// elements). Results: out [Tq,Hq,D] (q dtype), stats [Tq,Hq] float32 (the
-// natural-log LSE of the scaled scores on covered rows). Attributes: mask
-// (int64), scale (f32), max_seqlen_q, max_seqlen_kv (int64).
+// Operands: q [Tq,Hq,D], k [Tkv,Hkv,D], v [Tkv,Hkv,D] (bf16/f16), meta
+// int32 [5, W] (q_lens, kv_lens, and the element offsets q_off, kv_off,
+// stats_off of the S segments; see SegmentMeta). Results: out [Tq,Hq,D]
+// (q dtype), stats [Tq,Hq] float32 (the natural-log LSE of the scaled scores
+// on covered rows). Attributes: segments (S), mask (int64), scale (f32),
+// max_seqlen_q, max_seqlen_kv (int64).
 //
 // out is cleared and stats filled with -inf first: rows outside every
 // segment hold 0 and -inf (the log-sum-exp of no scores).
@@ -38,20 +39,18 @@ constexpr const char* kInto = "jax_cp_cudnn_sdpa_fwd_into";
 ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
                            int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
                            ffi::AnyBuffer v, const ffi::AnyBuffer* out_in,
-                           const ffi::AnyBuffer* stats_in, Int32Vector q_lens,
-                           Int32Vector kv_lens, Int32Vector q_off,
-                           Int32Vector kv_off, Int32Vector stats_off,
+                           const ffi::AnyBuffer* stats_in, SegmentMeta meta,
                            ffi::Result<ffi::AnyBuffer> out,
-                           ffi::Result<ffi::AnyBuffer> stats, int64_t mask,
-                           float scale, int64_t max_seqlen_q,
+                           ffi::Result<ffi::AnyBuffer> stats, int64_t segments,
+                           int64_t mask, float scale, int64_t max_seqlen_q,
                            int64_t max_seqlen_kv) {
   const bool into = out_in != nullptr;
   const char* call = into ? kInto : kFresh;
   try {
-    const SdpaCommonOperands ops{q,     k,      v,      q_lens,
-                                 kv_lens, q_off, kv_off, stats_off};
+    const SdpaCommonOperands ops{q, k, v, meta};
     auto key_or = MakeSdpaKey(call, SdpaDirection::kForward, device, ops,
-                              {mask, scale, max_seqlen_q, max_seqlen_kv});
+                              {segments, mask, scale, max_seqlen_q,
+                               max_seqlen_kv});
     if (!key_or.has_value()) return key_or.error();
     const SdpaGraphKey& key = *key_or;
     ffi::Error e = CheckSameAs(call, "out", *out, "q", q);
@@ -62,19 +61,20 @@ ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
     }
     if (e.failure()) return e;
 
+    const SegmentPointers seg = MetaPointers(meta);
     std::unordered_map<int64_t, void*> ptrs = {
         {sdpa_uid::kQ, q.untyped_data()},
         {sdpa_uid::kK, k.untyped_data()},
         {sdpa_uid::kV, v.untyped_data()},
         {sdpa_uid::kO, out->untyped_data()},
         {sdpa_uid::kStats, stats->untyped_data()},
-        {sdpa_uid::kSeqLenQ, q_lens.untyped_data()},
-        {sdpa_uid::kSeqLenKv, kv_lens.untyped_data()},
-        {sdpa_uid::kOffsetQ, q_off.untyped_data()},
-        {sdpa_uid::kOffsetO, q_off.untyped_data()},
-        {sdpa_uid::kOffsetK, kv_off.untyped_data()},
-        {sdpa_uid::kOffsetV, kv_off.untyped_data()},
-        {sdpa_uid::kOffsetStats, stats_off.untyped_data()},
+        {sdpa_uid::kSeqLenQ, seg.q_lens},
+        {sdpa_uid::kSeqLenKv, seg.kv_lens},
+        {sdpa_uid::kOffsetQ, seg.q_off},
+        {sdpa_uid::kOffsetO, seg.q_off},
+        {sdpa_uid::kOffsetK, seg.kv_off},
+        {sdpa_uid::kOffsetV, seg.kv_off},
+        {sdpa_uid::kOffsetStats, seg.stats_off},
     };
     std::vector<ZeroFill> zero_fills;
     if (!into) {
@@ -99,27 +99,26 @@ ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
 
 ffi::Error SdpaForward(cudaStream_t stream, ffi::ScratchAllocator scratch,
                        int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                       ffi::AnyBuffer v, Int32Vector q_lens, Int32Vector kv_lens,
-                       Int32Vector q_off, Int32Vector kv_off,
-                       Int32Vector stats_off, ffi::Result<ffi::AnyBuffer> out,
-                       ffi::Result<ffi::AnyBuffer> stats, int64_t mask,
-                       float scale, int64_t max_seqlen_q,
+                       ffi::AnyBuffer v, SegmentMeta meta,
+                       ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Result<ffi::AnyBuffer> stats, int64_t segments,
+                       int64_t mask, float scale, int64_t max_seqlen_q,
                        int64_t max_seqlen_kv) {
-  return SdpaForwardImpl(stream, std::move(scratch), device, q, k, v, nullptr, nullptr,
-                         q_lens, kv_lens, q_off, kv_off, stats_off, out, stats,
-                         mask, scale, max_seqlen_q, max_seqlen_kv);
+  return SdpaForwardImpl(stream, std::move(scratch), device, q, k, v, nullptr,
+                         nullptr, meta, out, stats, segments, mask, scale,
+                         max_seqlen_q, max_seqlen_kv);
 }
 
 ffi::Error SdpaForwardInto(
     cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
     ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out_in,
-    ffi::AnyBuffer stats_in, Int32Vector q_lens, Int32Vector kv_lens,
-    Int32Vector q_off, Int32Vector kv_off, Int32Vector stats_off,
+    ffi::AnyBuffer stats_in, SegmentMeta meta,
     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> stats,
-    int64_t mask, float scale, int64_t max_seqlen_q, int64_t max_seqlen_kv) {
-  return SdpaForwardImpl(stream, std::move(scratch), device, q, k, v, &out_in, &stats_in,
-                         q_lens, kv_lens, q_off, kv_off, stats_off, out, stats,
-                         mask, scale, max_seqlen_q, max_seqlen_kv);
+    int64_t segments, int64_t mask, float scale, int64_t max_seqlen_q,
+    int64_t max_seqlen_kv) {
+  return SdpaForwardImpl(stream, std::move(scratch), device, q, k, v, &out_in,
+                         &stats_in, meta, out, stats, segments, mask, scale,
+                         max_seqlen_q, max_seqlen_kv);
 }
 
 }  // namespace
@@ -135,13 +134,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpCudnnSdpaForward, SdpaForward,
                                   .Arg<ffi::AnyBuffer>()  // q
                                   .Arg<ffi::AnyBuffer>()  // k
                                   .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<Int32Vector>()     // q_lens
-                                  .Arg<Int32Vector>()     // kv_lens
-                                  .Arg<Int32Vector>()     // q_off
-                                  .Arg<Int32Vector>()     // kv_off
-                                  .Arg<Int32Vector>()     // stats_off
+                                  .Arg<SegmentMeta>()     // meta [5, W]
                                   .Ret<ffi::AnyBuffer>()  // out
                                   .Ret<ffi::AnyBuffer>()  // stats
+                                  .Attr<int64_t>("segments")
                                   .Attr<int64_t>("mask")
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("max_seqlen_q")
@@ -157,13 +153,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpCudnnSdpaForwardInto, SdpaForwardInto,
                                   .Arg<ffi::AnyBuffer>()  // v
                                   .Arg<ffi::AnyBuffer>()  // out_in (aliased)
                                   .Arg<ffi::AnyBuffer>()  // stats_in (aliased)
-                                  .Arg<Int32Vector>()     // q_lens
-                                  .Arg<Int32Vector>()     // kv_lens
-                                  .Arg<Int32Vector>()     // q_off
-                                  .Arg<Int32Vector>()     // kv_off
-                                  .Arg<Int32Vector>()     // stats_off
+                                  .Arg<SegmentMeta>()     // meta [5, W]
                                   .Ret<ffi::AnyBuffer>()  // out
                                   .Ret<ffi::AnyBuffer>()  // stats
+                                  .Attr<int64_t>("segments")
                                   .Attr<int64_t>("mask")
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("max_seqlen_q")

@@ -74,9 +74,10 @@ def qkv(dtype=jnp.bfloat16, tq=TQ, tkv=TKV, hq=HQ, hkv=HKV, d=D):
 
 
 def expected_operands(dtype, s=3, tq=TQ, tkv=TKV, hq=HQ, hkv=HKV, d=D):
+  """q, k, v types and the packed metadata [5, W] (W = S+1 rounded up to 4)."""
+  w = -(-(s + 1) // 4) * 4
   return ([t((tq, hq, d), dtype), t((tkv, hkv, d), dtype),
-           t((tkv, hkv, d), dtype)],
-          [t((s,), "i32")] * 2 + [t((s + 1,), "i32")] * 3)
+           t((tkv, hkv, d), dtype)], [t((5, w), "i32")])
 
 
 @pytest.mark.parametrize("mask", sorted(MASK_CODES))
@@ -86,7 +87,7 @@ def test_forward_lowers_to_custom_call(mask):
   (attrs, ins, outs), = custom_calls(lower_for_cuda(f, *qkv(), SEG), FWD)
   assert attrs == {"mask": f"{MASK_CODES[mask]} : i64",
                    "max_seqlen_kv": "40 : i64", "max_seqlen_q": "32 : i64",
-                   "scale": "1.250000e-01 : f32"}
+                   "scale": "1.250000e-01 : f32", "segments": "3 : i64"}
   tensors, meta = expected_operands("bf16")
   assert ins == tensors + meta
   assert outs == [t((TQ, HQ, D), "bf16"), t((TQ, HQ), "f32")]
@@ -117,7 +118,8 @@ def test_backward_lowers_to_custom_call():
   text = lower_for_cuda(f, q, k, v, out, lse, out, SEG)
   (attrs, ins, outs), = custom_calls(text, BWD)
   assert attrs == {"mask": "2 : i64", "max_seqlen_kv": "40 : i64",
-                   "max_seqlen_q": "32 : i64", "scale": "5.000000e-01 : f32"}
+                   "max_seqlen_q": "32 : i64", "scale": "5.000000e-01 : f32",
+                   "segments": "3 : i64"}
   tensors, meta = expected_operands("bf16")
   assert ins == tensors + [t((TQ, HQ, D), "bf16")] * 2 + [
       t((TQ, HQ), "f32")] + meta
@@ -144,15 +146,15 @@ def test_grad_through_fused_attention(mask):
   fwd, = custom_calls(text, FWD)
   bwd, = custom_calls(text, BWD)
   code = MASK_CODES["causal_bottom_right" if mask == "causal" else mask]
+  s = b * n  # the batch is flattened into one segment list
   for attrs, _, _ in (fwd, bwd):
     assert attrs == {"mask": f"{code} : i64", "max_seqlen_kv": "16 : i64",
                      "max_seqlen_q": "16 : i64",
-                     "scale": "2.500000e-01 : f32"}
-  s = b * n  # the batch is flattened into one segment list
+                     "scale": "2.500000e-01 : f32", "segments": f"{s} : i64"}
   tensors, meta = expected_operands("bf16", s=s, tq=b * tq, tkv=b * tq, hq=4,
                                     hkv=2)
   assert fwd[1] == tensors + meta
-  assert bwd[1][:3] == tensors and bwd[1][-5:] == meta
+  assert bwd[1][:3] == tensors and bwd[1][-1:] == meta
   assert bwd[2] == tensors
 
 
@@ -249,6 +251,22 @@ def test_element_offsets():
   q_off = cudnn_backend._element_offsets(SEG.q_offsets, TQ, HQ * D)
   np.testing.assert_array_equal(q_off, np.array([0, 10, 24, TQ]) * HQ * D)
   assert q_off.dtype == jnp.int32
+
+
+def test_segment_meta_rows():
+  """The packed operand holds the clipped lengths and the three element
+  offset vectors, zero-padded to a multiple of 4 (16-byte rows)."""
+  meta = np.asarray(cudnn_backend._segment_meta(SEG, (TQ, HQ, D),
+                                                (TKV, HKV, D), 32, 40))
+  assert meta.shape == (5, 4) and meta.dtype == np.int32
+  np.testing.assert_array_equal(meta[0], [10, 0, 30, 0])
+  np.testing.assert_array_equal(meta[1], [20, 0, 40, 0])
+  np.testing.assert_array_equal(meta[2], np.array([0, 10, 24, TQ]) * HQ * D)
+  np.testing.assert_array_equal(meta[3], np.array([0, 20, 40, TKV]) * HKV * D)
+  np.testing.assert_array_equal(meta[4], np.array([0, 10, 24, TQ]) * HQ)
+  big = make_segments([1] * 6, [1] * 6, range(6), range(6), 1, 1)
+  assert cudnn_backend._segment_meta(big, (TQ, HQ, D), (TKV, HKV, D), 1,
+                                     1).shape == (5, 8)
 
 
 @pytest.mark.parametrize("mask", sorted(MASK_CODES))

@@ -223,18 +223,26 @@ def _rows_with_keys(q_lens, kv_lens, q_offsets, tq: int, mask: str):
   return covered & sees
 
 
-def _ffi_operands(seg: Segments, q_shape, k_shape, max_q: int, max_kv: int):
+def _segment_meta(seg: Segments, q_shape, k_shape, max_q: int, max_kv: int):
+  """The packed int32 ``[5, W]`` metadata operand (see csrc/sdpa_ffi_common.h):
+  q_lens, kv_lens (``[S]``) and the element offsets q_off, kv_off, stats_off
+  (``[S+1]``), each row zero-padded to ``W``, the next multiple of 4 of
+  ``S+1``. One small array per call (XLA builds it in one fusion)."""
   tq, hq, d = q_shape
   tkv, hkv, _ = k_shape
+  s = seg.q_lens.shape[0]
+  w = -(-(s + 1) // 4) * 4
   q_lens, kv_lens = _lengths(seg, max_q, max_kv)
-  q_off = _element_offsets(seg.q_offsets, tq, hq * d)
-  kv_off = _element_offsets(seg.kv_offsets, tkv, hkv * d)
-  stats_off = _element_offsets(seg.q_offsets, tq, hq)
-  return q_lens, kv_lens, q_off, kv_off, stats_off
+  rows = (q_lens, kv_lens, _element_offsets(seg.q_offsets, tq, hq * d),
+          _element_offsets(seg.kv_offsets, tkv, hkv * d),
+          _element_offsets(seg.q_offsets, tq, hq))
+  return jnp.stack([jnp.pad(r, (0, w - r.shape[0])) for r in rows])
 
 
-def _attributes(mask: str, scale: np.float32, max_q: int, max_kv: int):
-  return dict(mask=np.int64(MASK_CODES[mask]), scale=scale,
+def _attributes(seg: Segments, mask: str, scale: np.float32, max_q: int,
+                max_kv: int):
+  return dict(segments=np.int64(seg.q_lens.shape[0]),
+              mask=np.int64(MASK_CODES[mask]), scale=scale,
               max_seqlen_q=np.int64(max_q), max_seqlen_kv=np.int64(max_kv))
 
 
@@ -270,23 +278,22 @@ def forward(q, k, v, seg: Segments, *, mask: str, scale: float, into=None):
     if into is not None:
       return into
     return (jnp.zeros_like(q), jnp.full((tq, hq), -jnp.inf, jnp.float32))
-  operands = _ffi_operands(seg, q.shape, k.shape, max_q, max_kv)
+  meta = _segment_meta(seg, q.shape, k.shape, max_q, max_kv)
   result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                   jax.ShapeDtypeStruct((tq, hq), jnp.float32))
-  attrs = _attributes(mask, scale, max_q, max_kv)
+  attrs = _attributes(seg, mask, scale, max_q, max_kv)
   if into is not None:
     return jax.ffi.ffi_call(
         FWD_INTO_TARGET, result_types, input_output_aliases={3: 0, 4: 1},
-        vmap_method="sequential")(q, k, v, into[0], into[1], *operands,
-                                  **attrs)
+        vmap_method="sequential")(q, k, v, into[0], into[1], meta, **attrs)
   out, stats = jax.ffi.ffi_call(FWD_TARGET, result_types,
-                                vmap_method="sequential")(q, k, v, *operands,
+                                vmap_method="sequential")(q, k, v, meta,
                                                           **attrs)
   if seg.rows_see_keys:
     # The handler cleared out and filled stats with -inf; every covered row
     # sees a key, so nothing is left to mask.
     return out, stats
-  q_lens, kv_lens = operands[0], operands[1]
+  q_lens, kv_lens = _lengths(seg, max_q, max_kv)
   live = _rows_with_keys(q_lens, kv_lens, seg.q_offsets, tq, mask)
   out = jnp.where(live[:, None, None], out, jnp.zeros((), out.dtype))
   lse = jnp.where(live[:, None], stats, -jnp.inf)
@@ -312,7 +319,7 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
   if max_q == 0 or max_kv == 0:
     dq = jnp.zeros_like(q) if dq_into is None else dq_into
     return dq, jnp.zeros_like(k), jnp.zeros_like(v)
-  operands = _ffi_operands(seg, q.shape, k.shape, max_q, max_kv)
+  meta = _segment_meta(seg, q.shape, k.shape, max_q, max_kv)
   if seg.rows_see_keys:
     # Covered rows have a finite lse; cuDNN reads no other row.
     stats = lse.astype(jnp.float32)
@@ -324,17 +331,17 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
   result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                   jax.ShapeDtypeStruct(k.shape, k.dtype),
                   jax.ShapeDtypeStruct(v.shape, v.dtype))
-  attrs = _attributes(mask, scale, max_q, max_kv)
+  attrs = _attributes(seg, mask, scale, max_q, max_kv)
   inputs = (q, k, v, out.astype(q.dtype), dout.astype(q.dtype), stats)
   if dq_into is not None:
     return jax.ffi.ffi_call(
         BWD_INTO_TARGET, result_types, input_output_aliases={6: 0},
-        vmap_method="sequential")(*inputs, dq_into, *operands, **attrs)
+        vmap_method="sequential")(*inputs, dq_into, meta, **attrs)
   dq, dk, dv = jax.ffi.ffi_call(BWD_TARGET, result_types,
-                                vmap_method="sequential")(*inputs, *operands,
+                                vmap_method="sequential")(*inputs, meta,
                                                           **attrs)
   if not seg.rows_see_keys:
-    q_lens, kv_lens = operands[0], operands[1]
+    q_lens, kv_lens = _lengths(seg, max_q, max_kv)
     live = _rows_with_keys(q_lens, kv_lens, seg.q_offsets, tq, mask)
     dq = jnp.where(live[:, None, None], dq, jnp.zeros((), dq.dtype))
   return dq, dk, dv

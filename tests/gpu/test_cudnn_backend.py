@@ -264,18 +264,19 @@ def test_errors_are_reported_not_crashes():
   layout = make_layout("tiny_docs")
   q, k, v, _ = random_inputs(layout, 4, 4, 64, jnp.bfloat16)
   # Call the FFI target directly (bypassing the wrapper's checks) with
-  # offsets of length S instead of S + 1: the handler must refuse it.
+  # metadata rows of S entries instead of S + 1 (rounded up to 4): the
+  # handler must refuse it.
   call = jax.ffi.ffi_call(
       cudnn_backend.FWD_TARGET,
       (jax.ShapeDtypeStruct(q.shape, q.dtype),
        jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)))
-  lens = jnp.asarray(layout.q_lens)
-  offs = jnp.zeros(lens.shape, jnp.int32)
-  attrs = dict(mask=np.int64(0), scale=np.float32(1.0),
+  s = layout.q_lens.shape[0]
+  meta = jnp.zeros((5, s), jnp.int32)
+  attrs = dict(segments=np.int64(s), mask=np.int64(0), scale=np.float32(1.0),
                max_seqlen_q=np.int64(2), max_seqlen_kv=np.int64(2))
   run = jax.jit(lambda *a: call(*a, **attrs))
   with pytest.raises(Exception, match="jax_cp_cudnn_sdpa_fwd"):
-    jax.block_until_ready(run(q, k, v, lens, lens, offs, offs, offs))
+    jax.block_until_ready(run(q, k, v, meta))
 
 
 @pytest.mark.parametrize("layout_kind,mask", [
