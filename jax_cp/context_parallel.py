@@ -14,13 +14,17 @@ document needs; see :mod:`jax_cp.kv_exchange`), restore sequence order
 (DUAL_CHUNK_SWAP), and run the varlen attention calls of the strategy on
 per-document metadata: DUAL_CHUNK_SWAP two steps with bottom-right causal
 masks; NO_LOAD_BALANCE one step made of a top-left call on the local chunk
-(documents inside it) and a bottom-right call for the one straddling
-document per row. The calls cover disjoint Q rows, so their outputs add up.
-Backward (``jax.custom_vjp``) keeps only the local q/k/v/out/lse, exchanges
-K/V again, runs the per-call backward with the forward's layout (bottom-right
-blocks split into an unmasked rectangle and a top-left triangle when
-``split_causal_backward``), and returns dK/dV to their owners
-(reduce-scatter, or the reverse halo permutes).
+(documents inside it; it runs while the halo is in flight) and a
+bottom-right call for the one straddling document per row. The calls cover
+disjoint Q rows, so each later call writes its rows into the first call's
+outputs (the backend's ``into=``; in place with cudnn, no merge pass).
+Backward (``jax.custom_vjp``) keeps the local q/k/v/out/lse (plus a small
+received halo, :attr:`KVExchange.keeps_halo`), exchanges K/V again where it
+must, runs the per-call backward in reverse order (bottom-right blocks
+split into an unmasked rectangle and a top-left triangle when the config
+says so), writes dq in place the same way, and returns dK/dV to their
+owners (reduce-scatter, or the reverse halo permutes, merged into the
+owner's rows with the backend's in-place ``merge_rows``).
 """
 
 from __future__ import annotations

@@ -6,8 +6,11 @@
 * ``halo`` (NO_LOAD_BALANCE with a ``max_seqlen`` bound W, DESIGN §5.1):
   rank r needs only physical tokens ``[lo - (W-1), lo)`` from its
   predecessors, ``ceil((W-1)/Tl)`` ``ppermute`` hops. The buffer holds
-  ``[lo - halo, hi)``. Gradients of the halo go back with the reverse
-  permutes and are added to the owners' local gradients.
+  ``[lo - halo, hi)`` (assembled per call, only as many rows as the call
+  reads). A halo of at most half a chunk is kept from the forward for the
+  backward (:attr:`KVExchange.keeps_halo`). Gradients of the halo go back
+  with the reverse permutes and are merged into the owners' rows in place
+  (the backend's ``merge_rows``).
 * ``none``: one rank (cp=1), the local chunk is the row.
 
 K and V travel together (concatenated on the head axis): one collective for

@@ -166,3 +166,28 @@ def test_cudnn_lowering_writes_straddle_parts_in_place(split):
   for line in text.splitlines():
     if "stablehlo.pad" in line or "dynamic_update_slice" in line:
       assert f"{tl}x8x64" not in line and f"{tl}x2x64" not in line, line
+
+
+@pytest.mark.parametrize("w, keeps", [(20, True), (40, False)])
+def test_backward_reuses_a_small_halo(w, keeps):
+  """A halo of at most half a chunk is kept from the forward: the step
+  then has two collective-permutes (the halo, and its gradients back);
+  a larger one is exchanged again in the backward (three)."""
+  cp = 2
+  exch = choose_exchange(True, "cp", cp, T, w)
+  assert exch.kind == "halo" and exch.keeps_halo == keeps
+  rng = np.random.default_rng(5)
+  cu, cuP = layout_with_longest(rng, w, batch=1)
+  q = jnp.asarray(rng.standard_normal((1, T, 4, D)), jnp.float32)
+  k = v = jnp.asarray(rng.standard_normal((1, T, 2, D)), jnp.float32)
+  mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+  def loss(q, k, v):
+    return jnp.sum(jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh,
+                                       load_balancing_strategy=NLB,
+                                       backend="xla", max_seqlen=w))
+
+  text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(
+      q, k, v).as_text()
+  assert text.count("stablehlo.collective_permute") == (2 if keeps else 3)
