@@ -117,47 +117,35 @@ ffi::Error SdpaBackwardInto(
 }  // namespace
 
 // No kCmdBufferCompatible trait (see sdpa_fwd.cc).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpCudnnSdpaBackward, SdpaBackward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // out
-                                  .Arg<ffi::AnyBuffer>()  // dout
-                                  .Arg<ffi::AnyBuffer>()  // stats
-                                  .Arg<SegmentMeta>()     // meta [5, W]
-                                  .Ret<ffi::AnyBuffer>()  // dq
-                                  .Ret<ffi::AnyBuffer>()  // dk
-                                  .Ret<ffi::AnyBuffer>()  // dv
-                                  .Attr<int64_t>("segments")
-                                  .Attr<int64_t>("mask")
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("max_seqlen_q")
-                                  .Attr<int64_t>("max_seqlen_kv"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxCpCudnnSdpaBackward, SdpaBackward,
+    BindSdpaAttributes(BindSdpaContext()
+        .Arg<ffi::AnyBuffer>()  // q
+        .Arg<ffi::AnyBuffer>()  // k
+        .Arg<ffi::AnyBuffer>()  // v
+        .Arg<ffi::AnyBuffer>()  // out
+        .Arg<ffi::AnyBuffer>()  // dout
+        .Arg<ffi::AnyBuffer>()  // stats
+        .Arg<SegmentMeta>()     // meta [5, W]
+        .Ret<ffi::AnyBuffer>()  // dq
+        .Ret<ffi::AnyBuffer>()  // dk
+        .Ret<ffi::AnyBuffer>()  // dv
+    ));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpCudnnSdpaBackwardInto, SdpaBackwardInto,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // out
-                                  .Arg<ffi::AnyBuffer>()  // dout
-                                  .Arg<ffi::AnyBuffer>()  // stats
-                                  .Arg<ffi::AnyBuffer>()  // dq_in (aliased)
-                                  .Arg<SegmentMeta>()     // meta [5, W]
-                                  .Ret<ffi::AnyBuffer>()  // dq
-                                  .Ret<ffi::AnyBuffer>()  // dk
-                                  .Ret<ffi::AnyBuffer>()  // dv
-                                  .Attr<int64_t>("segments")
-                                  .Attr<int64_t>("mask")
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("max_seqlen_q")
-                                  .Attr<int64_t>("max_seqlen_kv"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxCpCudnnSdpaBackwardInto, SdpaBackwardInto,
+    BindSdpaAttributes(BindSdpaContext()
+        .Arg<ffi::AnyBuffer>()  // q
+        .Arg<ffi::AnyBuffer>()  // k
+        .Arg<ffi::AnyBuffer>()  // v
+        .Arg<ffi::AnyBuffer>()  // out
+        .Arg<ffi::AnyBuffer>()  // dout
+        .Arg<ffi::AnyBuffer>()  // stats
+        .Arg<ffi::AnyBuffer>()  // dq_in (aliased)
+        .Arg<SegmentMeta>()     // meta [5, W]
+        .Ret<ffi::AnyBuffer>()  // dq
+        .Ret<ffi::AnyBuffer>()  // dk
+        .Ret<ffi::AnyBuffer>()  // dv
+    ));
 
 }  // namespace jax_cp

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "sdpa_graph.h"
 #include "xla/ffi/api/ffi.h"
@@ -47,6 +48,27 @@ struct SdpaAttributes {
   int64_t max_seqlen_q;
   int64_t max_seqlen_kv;
 };
+
+// The contexts every SDPA handler binds first (stream, scratch allocator,
+// device ordinal); the handler then binds its buffers.
+inline auto BindSdpaContext() {
+  namespace ffi = xla::ffi;
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::ScratchAllocator>()
+      .Ctx<ffi::DeviceOrdinal>();
+}
+
+// Appends the attributes every SDPA handler binds last (SdpaAttributes).
+template <typename Binding>
+auto BindSdpaAttributes(Binding&& binding) {
+  return std::forward<Binding>(binding)
+      .template Attr<int64_t>("segments")
+      .template Attr<int64_t>("mask")
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("max_seqlen_q")
+      .template Attr<int64_t>("max_seqlen_kv");
+}
 
 // Checks q/k/v, lengths, offsets and attributes and returns the graph key.
 xla::ffi::ErrorOr<SdpaGraphKey> MakeSdpaKey(const char* call,

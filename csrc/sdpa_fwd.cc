@@ -126,40 +126,28 @@ ffi::Error SdpaForwardInto(
 // Deliberately without ffi::Traits::kCmdBufferCompatible: the first call for
 // a key builds a cuDNN graph on the host, and the workspace comes from the
 // scratch allocator, neither of which is allowed inside CUDA-graph capture.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpCudnnSdpaForward, SdpaForward,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<SegmentMeta>()     // meta [5, W]
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // stats
-                                  .Attr<int64_t>("segments")
-                                  .Attr<int64_t>("mask")
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("max_seqlen_q")
-                                  .Attr<int64_t>("max_seqlen_kv"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxCpCudnnSdpaForward, SdpaForward,
+    BindSdpaAttributes(BindSdpaContext()
+        .Arg<ffi::AnyBuffer>()  // q
+        .Arg<ffi::AnyBuffer>()  // k
+        .Arg<ffi::AnyBuffer>()  // v
+        .Arg<SegmentMeta>()     // meta [5, W]
+        .Ret<ffi::AnyBuffer>()  // out
+        .Ret<ffi::AnyBuffer>()  // stats
+    ));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpCudnnSdpaForwardInto, SdpaForwardInto,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // out_in (aliased)
-                                  .Arg<ffi::AnyBuffer>()  // stats_in (aliased)
-                                  .Arg<SegmentMeta>()     // meta [5, W]
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // stats
-                                  .Attr<int64_t>("segments")
-                                  .Attr<int64_t>("mask")
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("max_seqlen_q")
-                                  .Attr<int64_t>("max_seqlen_kv"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxCpCudnnSdpaForwardInto, SdpaForwardInto,
+    BindSdpaAttributes(BindSdpaContext()
+        .Arg<ffi::AnyBuffer>()  // q
+        .Arg<ffi::AnyBuffer>()  // k
+        .Arg<ffi::AnyBuffer>()  // v
+        .Arg<ffi::AnyBuffer>()  // out_in (aliased)
+        .Arg<ffi::AnyBuffer>()  // stats_in (aliased)
+        .Arg<SegmentMeta>()     // meta [5, W]
+        .Ret<ffi::AnyBuffer>()  // out
+        .Ret<ffi::AnyBuffer>()  // stats
+    ));
 
 }  // namespace jax_cp
