@@ -41,9 +41,14 @@ def layout_with_longest(rng, w, batch, max_docs=64):
   return np.stack(cus), np.stack(cuPs)
 
 
-def run(q, k, v, w, cu, cuP, cp, max_seqlen, split=False):
-  mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
+def cp_mesh(cp):
+  """A 1-D ("cp",) mesh over the first cp (virtual) devices, Auto axes."""
+  return jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
                        axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def run(q, k, v, w, cu, cuP, cp, max_seqlen, split=False):
+  mesh = cp_mesh(cp)
   attn = functools.partial(jax_cp.cp_attention, mesh=mesh,
                            load_balancing_strategy=NLB, backend="xla",
                            max_seqlen=max_seqlen,
@@ -91,8 +96,7 @@ def test_lowered_hlo_has_permutes_not_gathers():
   cu, cuP = layout_with_longest(rng, w, batch=1)
   q = jnp.asarray(rng.standard_normal((1, T, 4, D)), jnp.float32)
   k = v = jnp.asarray(rng.standard_normal((1, T, 2, D)), jnp.float32)
-  mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
-                       axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = cp_mesh(cp)
 
   def loss(q, k, v, bound):
     return jnp.sum(jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh,
@@ -132,8 +136,7 @@ def test_cudnn_lowering_writes_straddle_parts_in_place(split):
     pytest.skip("jax_cp's cuDNN extension is not built")
   cp, tl, w = 2, 2048, 1600
   cu = jnp.asarray([0, 300, 1000, 2100, 2600, cp * tl], jnp.int32)
-  mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
-                       axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = cp_mesh(cp)
 
   def loss(q, k, v, dout):
     out = jax_cp.cp_attention(q, k, v, cu, cu, mesh=mesh,
@@ -180,8 +183,7 @@ def test_backward_reuses_a_small_halo(w, keeps):
   cu, cuP = layout_with_longest(rng, w, batch=1)
   q = jnp.asarray(rng.standard_normal((1, T, 4, D)), jnp.float32)
   k = v = jnp.asarray(rng.standard_normal((1, T, 2, D)), jnp.float32)
-  mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
-                       axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = cp_mesh(cp)
 
   def loss(q, k, v):
     return jnp.sum(jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh,

@@ -8,12 +8,9 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-if jax.default_backend() != "gpu":
-  pytest.skip("needs a CUDA GPU", allow_module_level=True)
-try:
-  from jax_cp.attention import cudnn as cudnn_backend
-except ImportError:
-  pytest.skip("jax_cp's cuDNN extension is not built", allow_module_level=True)
+from tests.gpu._requires import cudnn_backend_or_skip
+
+cudnn_backend = cudnn_backend_or_skip()
 
 from jax_cp.attention.merge import merge_rows_jnp
 
