@@ -15,8 +15,10 @@ measured and how. In short, per configuration:
   alternating two input sets) of the forward, or of ``jax.value_and_grad``
   of ``sum(out * dout)`` with respect to q, k, v: per call in blocks of
   calls dispatched back to back (``--timing pipelined``, the default: what
-  a training loop sees) and of single calls each waited for (``synced``,
-  adds the dispatch latency); both are recorded;
+  a training loop sees), the slope of a block's time over its length
+  (``steady``: the pipeline's fill and drain cancel) and of single calls
+  each waited for (``synced``, adds the dispatch latency); all three are
+  recorded;
 * FLOPs counted exactly: ``4 * Hq * D * pairs`` forward with ``pairs =
   L(L+1)/2`` per document of ``L`` valid tokens (the issue's ``2*T^2*H*D``
   per document is the ``L^2/2`` approximation of the same), 3.5x that for
@@ -632,17 +634,21 @@ def time_program(compiled, arg_sets, warmup: int, reps: int,
                  pipeline_ms: float = 40.0):
   """Host-clock timings of a compiled program, alternating input sets.
 
-  Returns ``(first_call_s, synced, pipelined, depth)``:
+  Returns ``(first_call_s, synced, pipelined, steady, depth)``:
 
   * ``synced``: seconds of each of ``reps`` single calls, each followed by
     ``block_until_ready`` (includes the host's dispatch latency, which a
     step of a few ms cannot hide);
   * ``pipelined``: seconds per call of ``reps`` blocks of ``depth`` calls
-    dispatched back to back and waited for once (what a training loop sees:
-    JAX dispatches asynchronously, so the next call's host work overlaps
-    this one's GPU work). ``depth`` is chosen so that a block lasts about
-    ``pipeline_ms`` (at most 32; 1 for long programs, whose two numbers
-    then coincide).
+    dispatched back to back and waited for once (JAX dispatches
+    asynchronously, so the next call's host work overlaps this one's GPU
+    work). ``depth`` is chosen so that a block lasts about ``pipeline_ms``
+    (at most 32; 1 for long programs, whose numbers then coincide). Each
+    block still pays one fill and drain of the pipeline;
+  * ``steady``: the slope ``(t(2*depth) - t(depth)) / depth`` of a block's
+    time over its length, each rep from a pair of blocks: the time per call
+    once the pipeline is full, which is what a training step of many layers
+    sees (fill and drain cancel).
   """
   t0 = time.perf_counter()
   jax.block_until_ready(compiled(*arg_sets[0]))
@@ -657,18 +663,28 @@ def time_program(compiled, arg_sets, warmup: int, reps: int,
     jax.block_until_ready(out)
     synced.append(time.perf_counter() - t0)
     del out
-  depth = int(min(32, max(1, round(pipeline_ms * 1e-3
-                                   / statistics.median(synced)))))
-  if depth == 1:
-    return first, synced, list(synced), 1
-  pipelined = []
+  depth = pipeline_depth(statistics.median(synced), pipeline_ms)
+  pipelined, steady = [], []
   for _ in range(reps):
-    t0 = time.perf_counter()
-    outs = [compiled(*arg_sets[j % len(arg_sets)]) for j in range(depth)]
-    jax.block_until_ready(outs)
-    pipelined.append((time.perf_counter() - t0) / depth)
-    del outs
-  return first, synced, pipelined, depth
+    t1 = block_seconds(compiled, arg_sets, depth)
+    t2 = block_seconds(compiled, arg_sets, 2 * depth)
+    pipelined.append(t1 / depth)
+    steady.append((t2 - t1) / depth)
+  return first, synced, pipelined, steady, depth
+
+
+def pipeline_depth(call_s: float, pipeline_ms: float = 40.0) -> int:
+  """Calls per block so that a block lasts about ``pipeline_ms`` (1..32)."""
+  return int(min(32, max(1, round(pipeline_ms * 1e-3 / call_s))))
+
+
+def block_seconds(compiled, arg_sets, n: int) -> float:
+  """Seconds for ``n`` calls dispatched back to back (alternating input
+  sets) and waited for once."""
+  t0 = time.perf_counter()
+  outs = [compiled(*arg_sets[j % len(arg_sets)]) for j in range(n)]
+  jax.block_until_ready(outs)
+  return time.perf_counter() - t0
 
 
 def cudnn_graph_builds() -> Optional[int]:
@@ -833,9 +849,9 @@ def parse_args(argv: Optional[Sequence[str]] = None):
   p.add_argument("--backend", default="cudnn")
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--warmup", type=int, default=2)
-  p.add_argument("--timing", choices=("pipelined", "synced"),
+  p.add_argument("--timing", choices=("pipelined", "steady", "synced"),
                  default="pipelined",
-                 help="which timing is the record's ms_median (both are "
+                 help="which timing is the record's ms_median (all are "
                       "recorded; see benchmarks/README.md)")
   p.add_argument("--exchange", choices=("both", "exposed", "standalone",
                                         "none"), default="both")
@@ -939,9 +955,10 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
                                                               m.row.cuP))
         arg_sets = [tuple(s) + meta[mkey] for s in inputs[ikey]]
         builds0 = cudnn_graph_builds()
-        first, synced, pipelined, depth = time_program(
+        first, synced, pipelined, steady, depth = time_program(
             compiled, arg_sets, args.warmup, args.reps)
-        times = pipelined if args.timing == "pipelined" else synced
+        times = dict(pipelined=pipelined, synced=synced,
+                     steady=steady)[args.timing]
         builds1 = cudnn_graph_builds()
         if builds0 is not None and builds1 is not None:
           r["cudnn_graph_builds"] = builds1 - builds0
@@ -951,6 +968,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
                  first_call_s=first, error=None, timing=args.timing,
                  ms_synced_median=1e3 * statistics.median(synced),
                  ms_pipelined_median=1e3 * statistics.median(pipelined),
+                 ms_steady_median=1e3 * statistics.median(steady),
                  pipeline_depth=depth)
       except Exception as e:  # pylint: disable=broad-except
         r["error"] = _short_error(e)

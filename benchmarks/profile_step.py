@@ -83,6 +83,23 @@ def kernel_table(trace_dir: str, iters: int, device_prefix: str):
   return plane.name, totals, counts
 
 
+def kernel_sequence(trace_dir: str, iters: int, device_prefix: str):
+  """One step's kernels in time order, from the middle of the traced
+  steps: (start offset ms, duration ms, stream, name)."""
+  paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
+                    recursive=True)
+  data = jax.profiler.ProfileData.from_file(paths[0])
+  plane = sorted((p for p in data.planes if p.name.startswith(device_prefix)),
+                 key=lambda p: p.name)[0]
+  events = sorted(((ev.start_ns, ev.duration_ns, line.name, ev.name)
+                   for line in plane.lines
+                   if "stream" in line.name.lower() for ev in line.events))
+  per_step = len(events) // iters
+  chunk = events[per_step * (iters // 2):per_step * (iters // 2 + 1)]
+  t0 = chunk[0][0] if chunk else 0
+  return [((s - t0) / 1e6, d / 1e6, line, name) for s, d, line, name in chunk]
+
+
 def host_table(trace_dir: str):
   """Host-side events (XLA thunks, custom-call handlers, ...) by total
   time: whether the host keeps ahead of the GPU."""
@@ -118,6 +135,8 @@ def main(argv=None):
   p.add_argument("--device-plane", default="/device:GPU:0")
   p.add_argument("--host-top", type=int, default=0,
                  help="also print this many host events by total time")
+  p.add_argument("--sequence", action="store_true",
+                 help="also print one step's kernels in time order")
   p.add_argument("--split", choices=("auto", "on", "off"), default="auto",
                  help="split_causal_backward (auto: the backend's default)")
   args = p.parse_args(argv)
@@ -148,6 +167,11 @@ def main(argv=None):
   for kname, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:args.top]:
     print(f"{ms / args.iters:9.4f} {counts[kname] / args.iters:8.1f}  "
           f"{kname[:110]}")
+  if args.sequence:
+    print(f"one step in time order ({name}): start ms, ms, stream, kernel")
+    for start, dur, line, kname in kernel_sequence(trace_dir, args.iters,
+                                                   args.device_plane):
+      print(f"{start:8.4f} {dur:8.4f}  {line[-12:]:>12}  {kname[:90]}")
   if args.host_top:
     htot, hcnt = host_table(trace_dir)
     print(f"host events (ms/step, count/step), top {args.host_top}:")

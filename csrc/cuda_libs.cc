@@ -73,8 +73,6 @@ LoadResult Load() {
   CudaRuntimeApi& rt = r.libs.cudart;
   if (!Resolve(cudart, rt_name.c_str(), "cudaGetDevice", &rt.GetDevice, &err) ||
       !Resolve(cudart, rt_name.c_str(), "cudaSetDevice", &rt.SetDevice, &err) ||
-      !Resolve(cudart, rt_name.c_str(), "cudaMemsetAsync", &rt.MemsetAsync,
-               &err) ||
       !Resolve(cudart, rt_name.c_str(), "cudaGetErrorString",
                &rt.GetErrorString, &err) ||
       !Resolve(cudart, rt_name.c_str(), "cudaLibraryLoadData",

@@ -22,9 +22,8 @@ namespace jax_cp {
 struct CudaRuntimeApi {
   cudaError_t (*GetDevice)(int*);
   cudaError_t (*SetDevice)(int);
-  cudaError_t (*MemsetAsync)(void*, int, size_t, cudaStream_t);
   const char* (*GetErrorString)(cudaError_t);
-  // Loading and launching the embedded row-merge kernels (row_merge.cc).
+  // Loading and launching the embedded kernels (device_kernels.cc).
   cudaError_t (*LibraryLoadData)(cudaLibrary_t*, const void*, cudaJitOption*,
                                  void**, unsigned int, cudaLibraryOption*,
                                  void**, unsigned int);

@@ -57,16 +57,4 @@ ffi::ErrorOr<DeviceCudnn*> GetDeviceCudnn(const CudaLibraries& libs,
   return raw;
 }
 
-ffi::Error ZeroAsync(const CudaLibraries& libs, void* ptr, size_t bytes,
-                     cudaStream_t stream, const std::string& what) {
-  if (bytes == 0) return ffi::Error::Success();
-  cudaError_t st = libs.cudart.MemsetAsync(ptr, 0, bytes, stream);
-  if (st != cudaSuccess) {
-    return ffi::Error::Internal("cudaMemsetAsync of " + what + " (" +
-                                std::to_string(bytes) + " bytes) failed: " +
-                                libs.cudart.GetErrorString(st));
-  }
-  return ffi::Error::Success();
-}
-
 }  // namespace jax_cp

@@ -36,10 +36,6 @@ xla::ffi::ErrorOr<DeviceCudnn*> GetDeviceCudnn(const CudaLibraries& libs,
 xla::ffi::Error WithCudaDevice(const CudaLibraries& libs, int device,
                                const std::function<xla::ffi::Error()>& fn);
 
-// cudaMemsetAsync(ptr, 0, bytes, stream); `what` names the buffer in errors.
-xla::ffi::Error ZeroAsync(const CudaLibraries& libs, void* ptr, size_t bytes,
-                          cudaStream_t stream, const std::string& what);
-
 }  // namespace jax_cp
 
 #endif  // JAX_CP_CSRC_CUDNN_STATE_H_

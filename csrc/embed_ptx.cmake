@@ -3,7 +3,7 @@
 # the PTX text (a raw string literal; PTX never contains the delimiter).
 file(READ "${PTX}" _ptx)
 file(WRITE "${OUT}"
-  "// Generated from row_merge.cu by csrc/embed_ptx.cmake; do not edit.\n"
+  "// Generated from csrc/kernels.cu by csrc/embed_ptx.cmake; do not edit.\n"
   "namespace jax_cp {\n"
   "extern const char ${SYMBOL}[];\n"
   "const char ${SYMBOL}[] = R\"jaxcpptx(${_ptx})jaxcpptx\";\n"

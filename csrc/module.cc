@@ -14,6 +14,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpCudnnSdpaBackward);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpCudnnSdpaForwardInto);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpCudnnSdpaBackwardInto);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpMergeRows);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpAssembleKv);
 
 namespace {
 
@@ -26,7 +27,7 @@ nb::capsule HandlerCapsule(Fn* fn) {
 
 NB_MODULE(_jax_cp_cuda, m) {
   m.doc() =
-      "cuDNN SDPA and row-merge handlers (XLA FFI) for jax_cp's 'cudnn' "
+      "cuDNN SDPA, row-merge and K/V assembly handlers (XLA FFI) for jax_cp's 'cudnn' "
       "backend.";
 
   // Must happen before the cuDNN frontend first opens the CUDA runtime.
@@ -43,6 +44,7 @@ NB_MODULE(_jax_cp_cuda, m) {
         d["jax_cp_cudnn_sdpa_bwd_into"] =
             HandlerCapsule(JaxCpCudnnSdpaBackwardInto);
         d["jax_cp_merge_rows"] = HandlerCapsule(JaxCpMergeRows);
+        d["jax_cp_assemble_kv"] = HandlerCapsule(JaxCpAssembleKv);
         return d;
       },
       "Returns {FFI target name: handler capsule} (execute stage only).");

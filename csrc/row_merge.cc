@@ -1,5 +1,5 @@
-// XLA FFI handler `jax_cp_merge_rows`: merge a few rows into a buffer in place
-// (and FillF32Async, see row_merge.h).
+// XLA FFI handler `jax_cp_merge_rows`: merge a few rows into a buffer in
+// place.
 //
 // Operands: dst [B, Td, ...] and src [B, Ts, ...] (same dtype: f32, bf16 or
 // f16; same leading and trailing dims). Result: out, which must be dst's
@@ -13,83 +13,25 @@
 // result before updating it: merging the small straddle outputs of context
 // parallel attention then costs time proportional to their size only.
 //
-// The kernels are compiled to PTX at build time (row_merge.cu), embedded,
-// and loaded once per process with cudaLibraryLoadData through the CUDA
-// runtime JAX loaded (context independent; the driver JIT-compiles the PTX
-// for each device on first use).
+// The kernels are in row_merge_kernels.cuh (the kernels.cu PTX module, see
+// device_kernels.h).
 #include <cstdint>
 #include <exception>
-#include <mutex>
 #include <string>
 
-#include "row_merge.h"
 
 #include "cuda_libs.h"
-#include "cudnn_state.h"
+#include "device_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace jax_cp {
 
-extern const char kRowMergePtx[];  // generated from row_merge.cu
-
 namespace {
 
 constexpr const char* kCall = "jax_cp_merge_rows";
-constexpr int kDtypes = 3;  // f32, bf16, f16
-constexpr int kElementBytes[kDtypes] = {4, 2, 2};
-// [dtype][op][vectorised]
-constexpr const char* kKernelNames[kDtypes][2][2] = {
-    {{"jax_cp_merge_add_f32", "jax_cp_merge_add_f32_vec"},
-     {"jax_cp_merge_max_f32", "jax_cp_merge_max_f32_vec"}},
-    {{"jax_cp_merge_add_bf16", "jax_cp_merge_add_bf16_vec"},
-     {"jax_cp_merge_max_bf16", "jax_cp_merge_max_bf16_vec"}},
-    {{"jax_cp_merge_add_f16", "jax_cp_merge_add_f16_vec"},
-     {"jax_cp_merge_max_f16", "jax_cp_merge_max_f16_vec"}},
-};
-
-struct Kernels {
-  cudaKernel_t fn[kDtypes][2][2] = {};
-  cudaKernel_t fill_f32 = nullptr;
-  std::string error;  // empty on success
-};
-
-const Kernels& LoadKernels(const CudaLibraries& libs) {
-  static Kernels* kernels = nullptr;
-  static std::once_flag once;
-  std::call_once(once, [&libs]() {
-    auto* k = new Kernels;
-    cudaLibrary_t lib = nullptr;
-    cudaError_t st = libs.cudart.LibraryLoadData(
-        &lib, kRowMergePtx, nullptr, nullptr, 0, nullptr, nullptr, 0);
-    if (st != cudaSuccess) {
-      k->error = std::string("cudaLibraryLoadData(row-merge PTX) failed: ") +
-                 libs.cudart.GetErrorString(st);
-    }
-    for (int d = 0; d < kDtypes && k->error.empty(); ++d) {
-      for (int op = 0; op < 2 && k->error.empty(); ++op) {
-        for (int vec = 0; vec < 2 && k->error.empty(); ++vec) {
-          const char* name = kKernelNames[d][op][vec];
-          st = libs.cudart.LibraryGetKernel(&k->fn[d][op][vec], lib, name);
-          if (st != cudaSuccess) {
-            k->error = std::string("cudaLibraryGetKernel(") + name +
-                       ") failed: " + libs.cudart.GetErrorString(st);
-          }
-        }
-      }
-    }
-    if (k->error.empty()) {
-      st = libs.cudart.LibraryGetKernel(&k->fill_f32, lib, "jax_cp_fill_f32");
-      if (st != cudaSuccess) {
-        k->error = std::string("cudaLibraryGetKernel(jax_cp_fill_f32) "
-                               "failed: ") + libs.cudart.GetErrorString(st);
-      }
-    }
-    kernels = k;  // never freed: the library lives as long as the process
-  });
-  return *kernels;
-}
+constexpr int kElementBytes[kKernelDtypes] = {4, 2, 2};
 
 ffi::Error Invalid(const std::string& what) {
   return ffi::Error::InvalidArgument(std::string(kCall) + ": " + what);
@@ -148,7 +90,7 @@ ffi::Error MergeRows(cudaStream_t stream, int32_t device, ffi::AnyBuffer dst,
     auto libs_or = GetCudaLibraries();
     if (!libs_or.has_value()) return libs_or.error();
     const CudaLibraries& libs = **libs_or;
-    const Kernels& kernels = LoadKernels(libs);
+    const DeviceKernels& kernels = LoadDeviceKernels(libs);
     if (!kernels.error.empty()) {
       return ffi::Error::Internal(std::string(kCall) + ": " + kernels.error);
     }
@@ -167,20 +109,10 @@ ffi::Error MergeRows(cudaStream_t stream, int32_t device, ffi::AnyBuffer dst,
     const long long items = vec ? src_batch / per : src_batch;
     long long blocks = (items + kThreads - 1) / kThreads;
     if (blocks > kMaxBlocks) blocks = kMaxBlocks;
-    const void* fn =
-        reinterpret_cast<const void*>(kernels.fn[dtype][op][vec ? 1 : 0]);
-    return WithCudaDevice(libs, device, [&]() -> ffi::Error {
-      cudaError_t st = libs.cudart.LaunchKernel(
-          fn,
-          dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(batch)),
-          dim3(static_cast<unsigned>(kThreads)), args, 0, stream);
-      if (st != cudaSuccess) {
-        return ffi::Error::Internal(std::string(kCall) +
-                                    ": kernel launch failed: " +
-                                    libs.cudart.GetErrorString(st));
-      }
-      return ffi::Error::Success();
-    });
+    return LaunchDeviceKernel(
+        libs, device, kernels.merge[dtype][op][vec ? 1 : 0],
+        dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(batch)),
+        dim3(static_cast<unsigned>(kThreads)), args, stream, kCall);
   } catch (const std::exception& ex) {
     return ffi::Error::Internal(std::string(kCall) + ": " + ex.what());
   } catch (...) {
@@ -189,34 +121,6 @@ ffi::Error MergeRows(cudaStream_t stream, int32_t device, ffi::AnyBuffer dst,
 }
 
 }  // namespace
-
-ffi::Error FillF32Async(const CudaLibraries& libs, int device, float* p,
-                        size_t count, float value, cudaStream_t stream,
-                        const char* what) {
-  if (count == 0) return ffi::Error::Success();
-  const Kernels& kernels = LoadKernels(libs);
-  if (!kernels.error.empty()) {
-    return ffi::Error::Internal(std::string("filling ") + what + ": " +
-                                kernels.error);
-  }
-  long long n = static_cast<long long>(count);
-  void* args[] = {&p, &n, &value};
-  constexpr long long kThreads = 256;
-  long long blocks = (n + kThreads - 1) / kThreads;
-  if (blocks > 4096) blocks = 4096;
-  const void* fn = reinterpret_cast<const void*>(kernels.fill_f32);
-  return WithCudaDevice(libs, device, [&]() -> ffi::Error {
-    cudaError_t st = libs.cudart.LaunchKernel(
-        fn, dim3(static_cast<unsigned>(blocks)),
-        dim3(static_cast<unsigned>(kThreads)), args, 0, stream);
-    if (st != cudaSuccess) {
-      return ffi::Error::Internal(std::string("filling ") + what +
-                                  ": kernel launch failed: " +
-                                  libs.cudart.GetErrorString(st));
-    }
-    return ffi::Error::Success();
-  });
-}
 
 // No CUDA-graph trait: the first call loads the PTX on the host.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpMergeRows, MergeRows,

@@ -4,17 +4,19 @@
 // out/dout like q, stats float32 [Tq,Hq] from the forward). Results: dq
 // (like q), dk, dv (like k). Attributes as in the forward.
 //
-// dq, dk and dv are cleared first: Q rows outside every segment and KV rows
-// no segment reads stay zero. cuDNN writes dK/dV per segment (no
-// accumulation across segments), so segments' KV ranges must not overlap.
+// Q rows outside every segment and KV rows no query sees get zero in dq,
+// dk and dv; only those rows are written (FillUncoveredRows). cuDNN writes
+// dK/dV per segment (no accumulation across segments), so segments' KV
+// ranges must not overlap.
 //
 // `jax_cp_cudnn_sdpa_bwd_into` takes one more operand after stats, dq_in,
 // aliased to dq: dq is not cleared, the call writes the Q rows its segments
 // cover and every other row keeps its value (dk, dv are cleared as usual).
 #include <exception>
 #include <utility>
-#include <vector>
 
+#include "clear_rows.h"
+#include "cuda_libs.h"
 #include "sdpa_ffi_common.h"
 #include "sdpa_graph.h"
 #include "xla/ffi/api/ffi.h"
@@ -27,7 +29,8 @@ namespace {
 constexpr const char* kFresh = "jax_cp_cudnn_sdpa_bwd";
 constexpr const char* kInto = "jax_cp_cudnn_sdpa_bwd_into";
 
-// `dq_in`: dq's buffer (aliased), not cleared; null: dq is cleared first.
+// `dq_in`: dq's buffer (aliased), not cleared; null: its uncovered rows are
+// filled with zeros.
 ffi::Error SdpaBackwardImpl(
     cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
     ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
@@ -73,15 +76,33 @@ ffi::Error SdpaBackwardImpl(
         {sdpa_uid::kOffsetV, seg.kv_off},
         {sdpa_uid::kOffsetStats, seg.stats_off},
     };
-    std::vector<ZeroFill> zero_fills = {
-        {dk->untyped_data(), dk->size_bytes(), "dk"},
-        {dv->untyped_data(), dv->size_bytes(), "dv"},
-    };
-    if (!into) {
-      zero_fills.push_back({dq->untyped_data(), dq->size_bytes(), "dq"});
+    auto libs_or = GetCudaLibraries();
+    if (!libs_or.has_value()) return libs_or.error();
+    const CudaLibraries& libs = **libs_or;
+    const int64_t tq = key.tokens_q, tkv = key.tokens_kv;
+    if (!into && tq > 0) {
+      e = FillUncoveredRows(
+          libs, device, stream, tq,
+          {dq->untyped_data(), static_cast<int64_t>(dq->size_bytes()) / tq,
+           0u},
+          {}, {seg.q_lens, seg.kv_lens, seg.q_off, key.segments,
+               key.heads_q * key.head_dim, Coverage::kQueryRows},
+          "dq");
+      if (e.failure()) return e;
     }
-    return RunSdpaGraph(call, key, stream, scratch, std::move(ptrs),
-                        zero_fills);
+    if (tkv > 0) {
+      const int64_t row_bytes = static_cast<int64_t>(dk->size_bytes()) / tkv;
+      e = FillUncoveredRows(
+          libs, device, stream, tkv, {dk->untyped_data(), row_bytes, 0u},
+          {dv->untyped_data(), row_bytes, 0u},
+          {seg.q_lens, seg.kv_lens, seg.kv_off, key.segments,
+           key.heads_kv * key.head_dim,
+           key.mask == SdpaMask::kCausalTopLeft ? Coverage::kSeenKeyRowsTopLeft
+                                                : Coverage::kSeenKeyRows},
+          "dk/dv");
+      if (e.failure()) return e;
+    }
+    return RunSdpaGraph(call, key, stream, scratch, std::move(ptrs));
   } catch (const std::exception& ex) {
     return ffi::Error::Internal(std::string(call) + ": " + ex.what());
   } catch (...) {

@@ -7,8 +7,8 @@
 // on covered rows). Attributes: segments (S), mask (int64), scale (f32),
 // max_seqlen_q, max_seqlen_kv (int64).
 //
-// out is cleared and stats filled with -inf first: rows outside every
-// segment hold 0 and -inf (the log-sum-exp of no scores).
+// Rows outside every segment get 0 in out and -inf (the log-sum-exp of no
+// scores) in stats; only those rows are written (FillUncoveredRows).
 //
 // `jax_cp_cudnn_sdpa_fwd_into` takes two more operands after v, out_in and
 // stats_in, aliased to the results: nothing is cleared, the call writes the
@@ -16,12 +16,10 @@
 // parallel attention writes a second call's rows into the first's outputs
 // this way, with no merge pass and no extra output buffers.
 #include <exception>
-#include <limits>
 #include <utility>
-#include <vector>
 
+#include "clear_rows.h"
 #include "cuda_libs.h"
-#include "row_merge.h"
 #include "sdpa_ffi_common.h"
 #include "sdpa_graph.h"
 #include "xla/ffi/api/ffi.h"
@@ -35,7 +33,7 @@ constexpr const char* kFresh = "jax_cp_cudnn_sdpa_fwd";
 constexpr const char* kInto = "jax_cp_cudnn_sdpa_fwd_into";
 
 // `into`: out_in/stats_in are the results' buffers (aliased); nothing is
-// cleared. Otherwise both are null and the results are cleared first.
+// cleared. Otherwise both are null and the uncovered rows are filled.
 ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
                            int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
                            ffi::AnyBuffer v, const ffi::AnyBuffer* out_in,
@@ -76,20 +74,23 @@ ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
         {sdpa_uid::kOffsetV, seg.kv_off},
         {sdpa_uid::kOffsetStats, seg.stats_off},
     };
-    std::vector<ZeroFill> zero_fills;
-    if (!into) {
-      zero_fills = {{out->untyped_data(), out->size_bytes(), "out"}};
+    if (!into && key.tokens_q > 0) {
       auto libs_or = GetCudaLibraries();
       if (!libs_or.has_value()) return libs_or.error();
-      e = FillF32Async(**libs_or, device,
-                       static_cast<float*>(stats->untyped_data()),
-                       stats->element_count(),
-                       -std::numeric_limits<float>::infinity(), stream,
-                       "stats");
+      constexpr uint32_t kMinusInf = 0xff800000u;  // float32 -inf
+      const int64_t tq = key.tokens_q;
+      e = FillUncoveredRows(
+          **libs_or, device, stream, tq,
+          {out->untyped_data(),
+           static_cast<int64_t>(out->size_bytes()) / tq, 0u},
+          {stats->untyped_data(),
+           static_cast<int64_t>(stats->size_bytes()) / tq, kMinusInf},
+          {seg.q_lens, seg.kv_lens, seg.q_off, key.segments,
+           key.heads_q * key.head_dim, Coverage::kQueryRows},
+          "out/stats");
       if (e.failure()) return e;
     }
-    return RunSdpaGraph(call, key, stream, scratch, std::move(ptrs),
-                        zero_fills);
+    return RunSdpaGraph(call, key, stream, scratch, std::move(ptrs));
   } catch (const std::exception& ex) {
     return ffi::Error::Internal(std::string(call) + ": " + ex.what());
   } catch (...) {

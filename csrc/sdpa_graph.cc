@@ -296,8 +296,7 @@ ffi::ErrorOr<std::shared_ptr<const BuiltGraph>> GetOrBuild(
 
 ffi::Error RunSdpaGraphImpl(const char* call, const SdpaGraphKey& key,
                             cudaStream_t stream, ffi::ScratchAllocator& scratch,
-                            std::unordered_map<int64_t, void*>& uid_to_ptr,
-                            const std::vector<ZeroFill>& zero_fills) {
+                            std::unordered_map<int64_t, void*>& uid_to_ptr) {
   auto libs_or = GetCudaLibraries();
   if (!libs_or.has_value()) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
@@ -314,11 +313,6 @@ ffi::Error RunSdpaGraphImpl(const char* call, const SdpaGraphKey& key,
   if (!graph_or.has_value()) return graph_or.error();
   const BuiltGraph& built = **graph_or;
 
-  // Rows no segment covers are never written by cuDNN: clear them first.
-  for (const ZeroFill& z : zero_fills) {
-    ffi::Error e = ZeroAsync(libs, z.data, z.bytes, stream, z.name);
-    if (e.failure()) return StepError(call, key, "zero fill", e.message());
-  }
   void* workspace = nullptr;
   if (built.workspace_bytes > 0) {
     // XLA's FFI allocator rejects alignments above 16 ("Unsupported
@@ -399,13 +393,11 @@ size_t SdpaGraphKeyHash::operator()(const SdpaGraphKey& k) const {
 
 ffi::Error RunSdpaGraph(const char* call, const SdpaGraphKey& key,
                         cudaStream_t stream, ffi::ScratchAllocator& scratch,
-                        std::unordered_map<int64_t, void*> uid_to_ptr,
-                        const std::vector<ZeroFill>& zero_fills) {
+                        std::unordered_map<int64_t, void*> uid_to_ptr) {
   // Nothing may propagate across the FFI boundary: the frontend throws on
   // some failures (e.g. a missing symbol), the standard library on OOM.
   try {
-    return RunSdpaGraphImpl(call, key, stream, scratch, uid_to_ptr,
-                            zero_fills);
+    return RunSdpaGraphImpl(call, key, stream, scratch, uid_to_ptr);
   } catch (const std::exception& e) {
     return ffi::Error::Internal(CallContext(call, key) +
                                 ": C++ exception: " + e.what());

@@ -83,23 +83,15 @@ constexpr int64_t kOffsetO = 15;  // O and dO
 constexpr int64_t kOffsetStats = 16;
 }  // namespace sdpa_uid
 
-// One device buffer to clear before the kernel runs (rows no segment writes).
-struct ZeroFill {
-  void* data;
-  size_t bytes;
-  const char* name;
-};
-
 // Runs one SDPA call: looks the graph up in the cache (building it on the
-// first call for this key), clears `zero_fills`, allocates the workspace from
+// first call for this key), allocates the workspace from
 // `scratch` and enqueues the graph on `stream`. Builds nothing and reads no
 // device memory when the key is cached. `call` ("jax_cp_cudnn_sdpa_fwd")
 // prefixes every error message, which also names the failing step and key.
 xla::ffi::Error RunSdpaGraph(const char* call, const SdpaGraphKey& key,
                              cudaStream_t stream,
                              xla::ffi::ScratchAllocator& scratch,
-                             std::unordered_map<int64_t, void*> uid_to_ptr,
-                             const std::vector<ZeroFill>& zero_fills);
+                             std::unordered_map<int64_t, void*> uid_to_ptr);
 
 struct GraphCacheStats {
   int64_t builds = 0;

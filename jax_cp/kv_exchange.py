@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_cp import partition
+from jax_cp.attention.assemble import assemble_kv_jnp
 from jax_cp.attention.merge import merge_rows_jnp
 
 
@@ -105,15 +106,16 @@ class KVExchange:
       pieces.append(jax.lax.ppermute(kv[:, tl - size:], self.cp_axis, perm))
     return jnp.concatenate(pieces, axis=1)
 
-  def assemble(self, halo, k, v, rows: Optional[int] = None):
+  def assemble(self, halo, k, v, rows: Optional[int] = None, first=None,
+               count=None, assemble_kv=assemble_kv_jnp):
     """The exchanged buffers ``[B, halo + Tl, Hkv, D]`` from a received
     halo and the local chunk (no communication), or only their first
-    ``rows`` rows (the local chunk is cut before concatenating, so nothing
-    larger is materialised)."""
-    hk = k.shape[2]
-    n = k.shape[1] if rows is None else rows - self.halo_tokens
-    return (jnp.concatenate([halo[:, :, :hk], k[:, :n]], axis=1),
-            jnp.concatenate([halo[:, :, hk:], v[:, :n]], axis=1))
+    ``rows`` rows. With the KV range ``first``/``count`` ``[B]`` of the one
+    call that reads them, a backend's ``assemble_kv`` may fill only those
+    rows (:mod:`jax_cp.attention.assemble`)."""
+    if first is None:
+      return assemble_kv_jnp(halo, k, v, rows)
+    return assemble_kv(halo, k, v, rows, first, count)
 
   @property
   def keeps_halo(self) -> bool:

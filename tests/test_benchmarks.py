@@ -108,3 +108,17 @@ def test_report_markdown_and_plot(bench_json, tmp_path):
     pytest.skip("matplotlib missing: PNG not drawn")
   assert png and os.path.getsize(png) > 1000
   assert glob.glob(str(tmp_path / "speedup.png"))
+
+
+def test_speedup_ab_pairs(tmp_path):
+  from benchmarks import speedup_ab
+  path = speedup_ab.main([
+      "--backend", "xla", "--tokens", str(T), "--hq", str(HQ), "--hkv",
+      str(HKV), "--head-dim", str(D), "--dtype", "float32", "--cp", "2",
+      "--dists", "one_doc", "--passes", "fwd", "--reps", "2",
+      "--out", str(tmp_path)])
+  with open(path) as f:
+    rec, = json.load(f)["records"]
+  assert rec["dist"] == "one_doc" and rec["cp"] == 2 and len(rec["ratios"]) == 2
+  assert rec["speedup_min"] <= rec["speedup_median"] <= rec["speedup_max"]
+  assert rec["ms_base"] > 0 and rec["ms_other"] > 0

@@ -127,9 +127,11 @@ def test_max_seqlen_guard_on_host_helpers():
 def test_cudnn_lowering_writes_straddle_parts_in_place(split):
   """With the cudnn backend (lowered for CUDA here), the straddle call
   writes its output, lse and dq into the local call's buffers (aliased
-  ``*_into`` custom calls), and the halo's dK/dV are merged with aliased
+  ``*_into`` custom calls), the halo's dK/dV are merged with aliased
   ``jax_cp_merge_rows`` calls: no pad or dynamic-update-slice of a
-  full-size buffer, which would cost a pass over (or a copy of) it."""
+  full-size buffer, which would cost a pass over (or a copy of) it; and the
+  straddle call's K/V come from ``jax_cp_assemble_kv`` (only the rows it
+  reads), not from a concatenation of the whole halo and chunk prefix."""
   try:
     import jax_cp.attention.cudnn  # noqa: F401
   except ImportError:
@@ -155,7 +157,17 @@ def test_cudnn_lowering_writes_straddle_parts_in_place(split):
   bwd, bwd_into = calls("jax_cp_cudnn_sdpa_bwd"), calls(
       "jax_cp_cudnn_sdpa_bwd_into")
   merges = calls("jax_cp_merge_rows")
+  assembles = calls("jax_cp_assemble_kv")
   assert len(fwd) == 1 and len(fwd_into) == 1
+  # One assembly in the forward, one in the backward (the halo of 1599 rows
+  # is more than half a chunk, so it is exchanged again), shared by the two
+  # halves of a split block.
+  assert len(assembles) == 2, assembles
+  assert all(f"tensor<1x{w - 1 + w - 1}x2x64xbf16>" in l.split("->")[-1]
+             for l in assembles), assembles
+  assert "stablehlo.concatenate" not in text or all(
+      f"x{w - 1 + w - 1}x2x64" not in l for l in text.splitlines()
+      if "stablehlo.concatenate" in l)
   assert f"tensor<{tl}x8x64xbf16>" in fwd_into[0].split("->")[-1]
   assert len(bwd_into) == 1
   # Unsplit (the default below max_seqlen 8192): the local call and the

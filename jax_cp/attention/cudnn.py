@@ -1,9 +1,10 @@
 """The ``"cudnn"`` attention backend: cuDNN SDPA over packed segments (XLA FFI).
 
 Importing this module loads the compiled extension ``jax_cp._jax_cp_cuda``,
-registers its FFI targets (SDPA forward and backward, and the in-place row
-merge of :mod:`jax_cp.attention.merge`) for the CUDA platform and registers the backend
-with :mod:`jax_cp.attention.registry`. Without the extension it raises
+registers its FFI targets (SDPA forward and backward, the in-place row
+merge of :mod:`jax_cp.attention.merge` and the K/V assembly of
+:mod:`jax_cp.attention.assemble`) for the CUDA platform and registers the
+backend with :mod:`jax_cp.attention.registry`. Without the extension it raises
 ``ImportError`` (the registry then explains how to build it).
 
 The wrapper is thin: it validates shapes and dtypes (``check_*`` functions,
@@ -33,6 +34,7 @@ import jax  # Before the extension: JAX's CUDA plugin loads cuDNN/cudart.
 import jax.numpy as jnp
 import numpy as np
 
+from jax_cp.attention.assemble import check_assemble_kv
 from jax_cp.attention.merge import check_merge_rows, merge_rows_jnp
 from jax_cp.attention.registry import (MASK_TYPES, AttentionBackend, Segments,
                                        register_backend)
@@ -52,6 +54,11 @@ BWD_TARGET = "jax_cp_cudnn_sdpa_bwd"
 FWD_INTO_TARGET = "jax_cp_cudnn_sdpa_fwd_into"
 BWD_INTO_TARGET = "jax_cp_cudnn_sdpa_bwd_into"
 MERGE_TARGET = "jax_cp_merge_rows"
+ASSEMBLE_TARGET = "jax_cp_assemble_kv"
+#: Rows zeroed after each copied K/V range (``assemble_kv``): a fused
+#: attention kernel may load a whole KV tile (128 rows or fewer) past a
+#: segment's end, and a zero probability times a NaN bit pattern is NaN.
+ASSEMBLE_ZERO_TAIL = 256
 #: Values of the merge call's ``op`` attribute, and the dtypes it takes.
 MERGE_OP_CODES = {"add": 0, "max": 1}
 
@@ -364,6 +371,28 @@ def merge_rows(dst, src, row_offset: int, op: str = "add"):
     op=np.int64(MERGE_OP_CODES[op]))
 
 
+def assemble_kv(halo, k, v, rows=None, first=None, count=None):
+  """``assemble_kv`` (see :mod:`jax_cp.attention.assemble`) with one kernel
+  that copies only rows ``[first[b], first[b] + count[b])`` of
+  ``[halo; local]`` and zeroes the next :data:`ASSEMBLE_ZERO_TAIL` rows;
+  every other row is left uninitialised (cuDNN never reads it)."""
+  b = k.shape[0]
+  if first is None:
+    first = count = jnp.zeros((b,), jnp.int32)
+  rows = check_assemble_kv(halo, k, v, rows, first, count)
+  if jnp.dtype(k.dtype) not in SUPPORTED_DTYPES or \
+      (k.shape[2] * k.shape[3] * k.dtype.itemsize) % 16:
+    raise ValueError(f"assemble_kv needs bfloat16/float16 K/V whose rows "
+                     f"(Hkv * D elements) are a multiple of 16 bytes; got "
+                     f"{k.dtype} {k.shape}")
+  shape = jax.ShapeDtypeStruct((b, rows) + k.shape[2:], k.dtype)
+  ranges = jnp.stack([jnp.asarray(first, jnp.int32),
+                      jnp.asarray(count, jnp.int32)])
+  return jax.ffi.ffi_call(ASSEMBLE_TARGET, (shape, shape),
+                          vmap_method="sequential")(
+      halo, k, v, ranges, tail=np.int64(ASSEMBLE_ZERO_TAIL))
+
+
 def _is_available(platform: str) -> bool:
   return platform in ("cuda", "gpu")
 
@@ -372,5 +401,6 @@ for _name, _capsule in _jax_cp_cuda.registrations().items():
   jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
 
 BACKEND = AttentionBackend(name="cudnn", forward=forward, backward=backward,
-                           is_available=_is_available, merge_rows=merge_rows)
+                           is_available=_is_available, merge_rows=merge_rows,
+                           assemble_kv=assemble_kv)
 register_backend(BACKEND)

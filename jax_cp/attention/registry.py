@@ -42,6 +42,14 @@ rows ``[row_offset, row_offset + Ts)`` of axis 1 replaced by
 ``op(those rows, src)`` (``op`` ``"add"`` or ``"max"``, formed in float32),
 everything else unchanged; used to merge small per-call outputs into large
 ones (:mod:`jax_cp.attention.merge`). Defaults to the ``jnp`` version.
+
+``assemble_kv(halo, k, v, rows, first, count) -> (kx, vx)``: the K/V
+buffers ``[B, rows, Hkv, D]`` of a call reading ``[halo; local chunk]``
+(``halo [B, H0, 2*Hkv, D]``, K heads first), correct on rows
+``[first[b], first[b] + count[b])``, the only rows the call's segments read;
+the backend's own attention must tolerate anything elsewhere
+(:mod:`jax_cp.attention.assemble`). Defaults to the ``jnp`` version, which
+fills every row.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from typing import Callable, Dict, Tuple
 
 import jax
 
+from jax_cp.attention.assemble import assemble_kv_jnp
 from jax_cp.attention.merge import merge_rows_jnp
 
 MASK_TYPES = ("no_mask", "causal_top_left", "causal_bottom_right")
@@ -93,6 +102,7 @@ class AttentionBackend:
   backward: Callable[..., Tuple[jax.Array, jax.Array, jax.Array]]
   is_available: Callable[[str], bool]
   merge_rows: Callable[..., jax.Array] = merge_rows_jnp
+  assemble_kv: Callable[..., Tuple[jax.Array, jax.Array]] = assemble_kv_jnp
 
 
 _BACKENDS: Dict[str, AttentionBackend] = {}

@@ -1,5 +1,5 @@
-// Device code of `jax_cp_merge_rows` (compiled to PTX at build time and
-// embedded; see row_merge.cc, which loads and launches it).
+// Device code of `jax_cp_merge_rows` (row_merge.cc). Part of the kernels.cu
+// PTX module.
 //
 // dst [B, Td, X] and src [B, Ts, X] flattened: for every b, t < Ts, x < X,
 //   dst[b, offset + t, x] = op(dst[b, offset + t, x], src[b, t, x])
@@ -8,10 +8,13 @@
 // Batch entry b is blockIdx.y. The `_vec` kernels move 16 bytes per thread
 // and need src_batch, dst_batch and offset to be multiples of 16 bytes'
 // worth of elements (the launcher checks).
+#ifndef JAX_CP_CSRC_ROW_MERGE_KERNELS_CUH_
+#define JAX_CP_CSRC_ROW_MERGE_KERNELS_CUH_
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-namespace {
+namespace jax_cp_merge {
 
 __device__ __forceinline__ float ToFloat(float x) { return x; }
 __device__ __forceinline__ float ToFloat(__nv_bfloat16 x) {
@@ -83,18 +86,20 @@ __device__ __forceinline__ void MergeRowsVec(T* dst, const T* src,
   }
 }
 
-}  // namespace
+}  // namespace jax_cp_merge
 
 #define JAX_CP_MERGE_KERNEL(NAME, T, IS_MAX)                                 \
   extern "C" __global__ void NAME(T* dst, const T* src, long long dst_batch, \
                                   long long src_batch, long long offset) {   \
-    MergeRows<T, IS_MAX>(dst, src, dst_batch, src_batch, offset);           \
+    jax_cp_merge::MergeRows<T, IS_MAX>(dst, src, dst_batch, src_batch,      \
+                                       offset);                             \
   }                                                                          \
   extern "C" __global__ void NAME##_vec(T* dst, const T* src,               \
                                         long long dst_batch,                 \
                                         long long src_batch,                 \
                                         long long offset) {                  \
-    MergeRowsVec<T, IS_MAX>(dst, src, dst_batch, src_batch, offset);        \
+    jax_cp_merge::MergeRowsVec<T, IS_MAX>(dst, src, dst_batch, src_batch,   \
+                                          offset);                          \
   }
 
 JAX_CP_MERGE_KERNEL(jax_cp_merge_add_f32, float, false)
@@ -104,14 +109,4 @@ JAX_CP_MERGE_KERNEL(jax_cp_merge_max_bf16, __nv_bfloat16, true)
 JAX_CP_MERGE_KERNEL(jax_cp_merge_add_f16, __half, false)
 JAX_CP_MERGE_KERNEL(jax_cp_merge_max_f16, __half, true)
 
-// p[i] = value for i < n (a 32-bit fill cudaMemsetAsync cannot do, e.g.
-// -inf for the log-sum-exp of rows no segment covers).
-extern "C" __global__ void jax_cp_fill_f32(float* p, long long n,
-                                           float value) {
-  const long long step = static_cast<long long>(gridDim.x) * blockDim.x;
-  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x +
-                     threadIdx.x;
-       i < n; i += step) {
-    p[i] = value;
-  }
-}
+#endif  // JAX_CP_CSRC_ROW_MERGE_KERNELS_CUH_

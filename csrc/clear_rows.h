@@ -1,0 +1,53 @@
+// Filling the rows of an SDPA output that no ragged segment covers (the
+// rows cuDNN leaves unwritten), instead of clearing the whole buffer first.
+#ifndef JAX_CP_CSRC_CLEAR_ROWS_H_
+#define JAX_CP_CSRC_CLEAR_ROWS_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "cuda_libs.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_cp {
+
+// Which rows a segment covers (see clear_rows_kernels.cuh).
+enum class Coverage : int {
+  kQueryRows = 0,         // [q_off, q_off + q_len)
+  kSeenKeyRows = 1,       // the KV range, if the segment has a query
+  kSeenKeyRowsTopLeft = 2,  // its first min(kv_len, q_len) rows, likewise
+};
+
+// A buffer of `rows` rows of `row_bytes` bytes (a multiple of 4), whose
+// uncovered rows get the 32-bit pattern `fill`.
+struct RowFill {
+  void* data = nullptr;
+  int64_t row_bytes = 0;
+  uint32_t fill = 0;
+};
+
+// The segments: device int32 arrays of `segments` entries (q_lens, kv_lens,
+// and element offsets `offsets`, which divided by `offset_divisor` give the
+// first row).
+struct CoveringSegments {
+  const void* q_lens;
+  const void* kv_lens;
+  const void* offsets;
+  int64_t segments;
+  int64_t offset_divisor;
+  Coverage coverage;
+};
+
+// Enqueues on `stream` (device `device`): every row of `a` and `b` (b may
+// have null data) that no segment covers gets its buffer's fill. `what`
+// names the buffers in errors.
+xla::ffi::Error FillUncoveredRows(const CudaLibraries& libs, int device,
+                                  cudaStream_t stream, int64_t rows,
+                                  const RowFill& a, const RowFill& b,
+                                  const CoveringSegments& segments,
+                                  const char* what);
+
+}  // namespace jax_cp
+
+#endif  // JAX_CP_CSRC_CLEAR_ROWS_H_
