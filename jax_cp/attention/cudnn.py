@@ -12,8 +12,10 @@ The wrapper is thin: it validates shapes and dtypes (``check_*`` functions,
 per-segment lengths and *element* offsets cuDNN's ragged (THD) layout needs,
 calls the custom call, and masks the rows cuDNN leaves undefined:
 
-* Q rows no segment covers: the handler zero-fills ``out``/``dq`` and fills
-  ``lse`` with ``-inf``.
+* Q rows no segment covers (and KV rows no query sees, in dK/dV): the
+  handler fills only those rows, with 0 (``out``, ``dq``, ``dk``, ``dv``) and
+  ``-inf`` (``lse``), by a kernel that reads the segment list; no pass over
+  the whole buffer.
 * Q rows that see no key (``kv_len == 0``, or ``j < q_len - kv_len`` with the
   bottom-right causal mask): ``out``/``dq`` are set to 0 and ``lse`` to
   ``-inf`` here, whatever cuDNN wrote; a pass skipped when the segments
