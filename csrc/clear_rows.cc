@@ -10,11 +10,12 @@ namespace ffi = xla::ffi;
 namespace jax_cp {
 
 ffi::Error FillUncoveredRows(const CudaLibraries& libs, int device,
-                             cudaStream_t stream, int64_t rows,
+                             cudaStream_t stream, int64_t row_begin,
+                             int64_t row_end,
                              const RowFill& a, const RowFill& b,
                              const CoveringSegments& segments,
                              const char* what) {
-  if (rows == 0) return ffi::Error::Success();
+  if (row_end <= row_begin) return ffi::Error::Success();
   if (a.row_bytes % 4 != 0 || b.row_bytes % 4 != 0 ||
       segments.offset_divisor <= 0) {
     return ffi::Error::Internal(std::string("filling uncovered rows of ") +
@@ -29,17 +30,17 @@ ffi::Error FillUncoveredRows(const CudaLibraries& libs, int device,
   void* b_ptr = b.data;
   long long a_words = a.row_bytes / 4, b_words = b.row_bytes / 4;
   unsigned a_fill = a.fill, b_fill = b.fill;
-  long long n_rows = rows, n_seg = segments.segments,
+  long long first = row_begin, n_rows = row_end, n_seg = segments.segments,
             divisor = segments.offset_divisor;
   const void* q_lens = segments.q_lens;
   const void* kv_lens = segments.kv_lens;
   const void* offsets = segments.offsets;
   int mode = static_cast<int>(segments.coverage);
-  void* args[] = {&a_ptr,  &a_words, &a_fill,  &b_ptr,   &b_words,
-                  &b_fill, &n_rows,  &q_lens,  &kv_lens, &offsets,
-                  &n_seg,  &divisor, &mode};
+  void* args[] = {&a_ptr,   &a_words, &a_fill, &b_ptr,   &b_words,
+                  &b_fill,  &first,   &n_rows, &q_lens,  &kv_lens,
+                  &offsets, &n_seg,   &divisor, &mode};
   constexpr long long kTile = 128;  // rows per block, as in the kernel
-  const long long blocks = (rows + kTile - 1) / kTile;
+  const long long blocks = (row_end - row_begin + kTile - 1) / kTile;
   if (blocks > 0x7fffffffLL) {
     return ffi::Error::Internal(std::string("filling uncovered rows of ") +
                                 what + ": too many rows");

@@ -39,11 +39,12 @@ struct CoveringSegments {
   Coverage coverage;
 };
 
-// Enqueues on `stream` (device `device`): every row of `a` and `b` (b may
-// have null data) that no segment covers gets its buffer's fill. `what`
-// names the buffers in errors.
+// Enqueues on `stream` (device `device`): every row in [row_begin, row_end)
+// of `a` and `b` (b may have null data) that no segment covers gets its
+// buffer's fill. `what` names the buffers in errors.
 xla::ffi::Error FillUncoveredRows(const CudaLibraries& libs, int device,
-                                  cudaStream_t stream, int64_t rows,
+                                  cudaStream_t stream, int64_t row_begin,
+                                  int64_t row_end,
                                   const RowFill& a, const RowFill& b,
                                   const CoveringSegments& segments,
                                   const char* what);

@@ -8,7 +8,9 @@
 // (0.12 ms for a 64k-token bf16 output with 32 heads of 128 on H200); this
 // kernel writes only the rows no segment covers, usually none.
 //
-// One block per tile of 128 rows. The block marks the rows of its tile that
+// Only rows [first_row, rows) are considered (a call may leave the others to
+// a later call). One block per tile of 128 rows. The block marks the rows of
+// its tile that
 // a segment covers in a shared bitmap (every thread tests a stride of the S
 // segments), then one warp per uncovered row fills it. Up to two buffers of
 // the same rows are filled at once (out and stats), each with its own
@@ -27,12 +29,13 @@
 
 extern "C" __global__ void jax_cp_clear_uncovered_rows(
     unsigned* a, long long a_row_words, unsigned a_fill, unsigned* b,
-    long long b_row_words, unsigned b_fill, long long rows,
+    long long b_row_words, unsigned b_fill, long long first_row,
+    long long rows,
     const int* q_lens, const int* kv_lens, const int* offs,
     long long segments, long long off_div, int mode) {
   constexpr int kTile = 128;
   __shared__ unsigned covered[kTile / 32];
-  const long long t0 = static_cast<long long>(blockIdx.x) * kTile;
+  const long long t0 = first_row + static_cast<long long>(blockIdx.x) * kTile;
   if (threadIdx.x < kTile / 32) covered[threadIdx.x] = 0u;
   __syncthreads();
   for (long long s = threadIdx.x; s < segments; s += blockDim.x) {

@@ -10,8 +10,15 @@
 // ranges must not overlap.
 //
 // `jax_cp_cudnn_sdpa_bwd_into` takes one more operand after stats, dq_in,
-// aliased to dq: dq is not cleared, the call writes the Q rows its segments
-// cover and every other row keeps its value (dk, dv are cleared as usual).
+// aliased to dq: the call writes the Q rows its segments cover and every
+// other row keeps its value (dk, dv are filled as usual).
+//
+// Both take two more attributes, dq_fill_lo and dq_fill_hi: only uncovered
+// dq rows in [dq_fill_lo, dq_fill_hi) are set to zero (the Python wrapper
+// passes [0, Tq) for a fresh dq and nothing for dq_in by default). Context
+// parallel attention splits the rows between two calls this way: the first
+// call fills [0, n), the second, writing into the first's dq, fills
+// [n, Tq), so neither touches rows it need not.
 #include <exception>
 #include <utility>
 
@@ -29,8 +36,8 @@ namespace {
 constexpr const char* kFresh = "jax_cp_cudnn_sdpa_bwd";
 constexpr const char* kInto = "jax_cp_cudnn_sdpa_bwd_into";
 
-// `dq_in`: dq's buffer (aliased), not cleared; null: its uncovered rows are
-// filled with zeros.
+// `dq_in`: dq's buffer (aliased), or null for a fresh dq. Uncovered dq rows
+// in [dq_fill_lo, dq_fill_hi) are set to zero either way.
 ffi::Error SdpaBackwardImpl(
     cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
     ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
@@ -38,7 +45,7 @@ ffi::Error SdpaBackwardImpl(
     SegmentMeta meta, ffi::Result<ffi::AnyBuffer> dq,
     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
     int64_t segments, int64_t mask, float scale, int64_t max_seqlen_q,
-    int64_t max_seqlen_kv) {
+    int64_t max_seqlen_kv, int64_t dq_fill_lo, int64_t dq_fill_hi) {
   const bool into = dq_in != nullptr;
   const char* call = into ? kInto : kFresh;
   try {
@@ -55,6 +62,14 @@ ffi::Error SdpaBackwardImpl(
     if (e.success()) e = CheckSameAs(call, "dk", *dk, "k", k);
     if (e.success()) e = CheckSameAs(call, "dv", *dv, "v", v);
     if (e.success() && into) e = CheckAliased(call, "dq", *dq, *dq_in);
+    if (e.success() && !(0 <= dq_fill_lo && dq_fill_lo <= dq_fill_hi &&
+                         dq_fill_hi <= key.tokens_q)) {
+      e = ffi::Error::InvalidArgument(
+          std::string(call) + ": need 0 <= dq_fill_lo <= dq_fill_hi <= Tq; "
+          "got " + std::to_string(dq_fill_lo) + ", " +
+          std::to_string(dq_fill_hi) + ", Tq=" +
+          std::to_string(key.tokens_q));
+    }
     if (e.failure()) return e;
 
     const SegmentPointers seg = MetaPointers(meta);
@@ -80,9 +95,9 @@ ffi::Error SdpaBackwardImpl(
     if (!libs_or.has_value()) return libs_or.error();
     const CudaLibraries& libs = **libs_or;
     const int64_t tq = key.tokens_q, tkv = key.tokens_kv;
-    if (!into && tq > 0) {
+    if (dq_fill_hi > dq_fill_lo) {
       e = FillUncoveredRows(
-          libs, device, stream, tq,
+          libs, device, stream, dq_fill_lo, dq_fill_hi,
           {dq->untyped_data(), static_cast<int64_t>(dq->size_bytes()) / tq,
            0u},
           {}, {seg.q_lens, seg.kv_lens, seg.q_off, key.segments,
@@ -93,7 +108,7 @@ ffi::Error SdpaBackwardImpl(
     if (tkv > 0) {
       const int64_t row_bytes = static_cast<int64_t>(dk->size_bytes()) / tkv;
       e = FillUncoveredRows(
-          libs, device, stream, tkv, {dk->untyped_data(), row_bytes, 0u},
+          libs, device, stream, 0, tkv, {dk->untyped_data(), row_bytes, 0u},
           {dv->untyped_data(), row_bytes, 0u},
           {seg.q_lens, seg.kv_lens, seg.kv_off, key.segments,
            key.heads_kv * key.head_dim,
@@ -116,10 +131,12 @@ ffi::Error SdpaBackward(
     ffi::AnyBuffer dout, ffi::AnyBuffer stats, SegmentMeta meta,
     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
     ffi::Result<ffi::AnyBuffer> dv, int64_t segments, int64_t mask,
-    float scale, int64_t max_seqlen_q, int64_t max_seqlen_kv) {
+    float scale, int64_t max_seqlen_q, int64_t max_seqlen_kv,
+    int64_t dq_fill_lo, int64_t dq_fill_hi) {
   return SdpaBackwardImpl(stream, std::move(scratch), device, q, k, v, out,
                           dout, stats, nullptr, meta, dq, dk, dv, segments,
-                          mask, scale, max_seqlen_q, max_seqlen_kv);
+                          mask, scale, max_seqlen_q, max_seqlen_kv,
+                          dq_fill_lo, dq_fill_hi);
 }
 
 ffi::Error SdpaBackwardInto(
@@ -129,10 +146,11 @@ ffi::Error SdpaBackwardInto(
     SegmentMeta meta, ffi::Result<ffi::AnyBuffer> dq,
     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
     int64_t segments, int64_t mask, float scale, int64_t max_seqlen_q,
-    int64_t max_seqlen_kv) {
+    int64_t max_seqlen_kv, int64_t dq_fill_lo, int64_t dq_fill_hi) {
   return SdpaBackwardImpl(stream, std::move(scratch), device, q, k, v, out,
                           dout, stats, &dq_in, meta, dq, dk, dv, segments,
-                          mask, scale, max_seqlen_q, max_seqlen_kv);
+                          mask, scale, max_seqlen_q, max_seqlen_kv,
+                          dq_fill_lo, dq_fill_hi);
 }
 
 }  // namespace
@@ -151,7 +169,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::AnyBuffer>()  // dq
         .Ret<ffi::AnyBuffer>()  // dk
         .Ret<ffi::AnyBuffer>()  // dv
-    ));
+    ).Attr<int64_t>("dq_fill_lo").Attr<int64_t>("dq_fill_hi"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxCpCudnnSdpaBackwardInto, SdpaBackwardInto,
@@ -167,6 +185,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::AnyBuffer>()  // dq
         .Ret<ffi::AnyBuffer>()  // dk
         .Ret<ffi::AnyBuffer>()  // dv
-    ));
+    ).Attr<int64_t>("dq_fill_lo").Attr<int64_t>("dq_fill_hi"));
 
 }  // namespace jax_cp

@@ -80,7 +80,7 @@ ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
       constexpr uint32_t kMinusInf = 0xff800000u;  // float32 -inf
       const int64_t tq = key.tokens_q;
       e = FillUncoveredRows(
-          **libs_or, device, stream, tq,
+          **libs_or, device, stream, 0, tq,
           {out->untyped_data(),
            static_cast<int64_t>(out->size_bytes()) / tq, 0u},
           {stats->untyped_data(),

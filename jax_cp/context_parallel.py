@@ -187,8 +187,8 @@ def _segments(call: _Call, tq: int, tkv: int) -> Segments:
   Segment order does not change the result. Fused kernels start their
   thread blocks roughly in segment order, so putting the most work (causal
   pairs ``q * (2 * kv - q)``) first leaves short blocks for the end of the
-  grid instead of one long document's (measured on H200: 2-3 % per call
-  on the benchmark rows)."""
+  grid instead of one long document's (longest-first measured 2-3 % faster
+  per call on the benchmark rows, H200)."""
   m = call.meta
   rows = jnp.arange(m.q_lens.shape[0], dtype=jnp.int32)[:, None]
   flat = lambda x: x.reshape(-1).astype(jnp.int32)
@@ -279,6 +279,14 @@ def _flat(x):
   return x.reshape((-1,) + x.shape[2:])
 
 
+def _flat_rows(rows, batch: int, tl: int):
+  """A row range of every batch entry -> the range over flattened rows,
+  exact only for B = 1 (None otherwise: the backend's default)."""
+  if rows is None or batch != 1:
+    return None
+  return rows
+
+
 def _cp_forward(q, k, v, cu, cuP, cfg: CPConfig):
   """(out, lse, halo): halo is the received K|V halo when the exchange
   keeps it for the backward (else None)."""
@@ -334,6 +342,7 @@ def _cp_attention_bwd(cfg: CPConfig, res, dout):
   dout = dout.astype(out.dtype)
   dq, dk, dv, dkx, dvx = _Sum(), _Sum(), _Sum(), _Sum(), _Sum()
   assembled = {}
+  rest = None    # rows of dq the first call left to the next one
   for call in _backward_calls(cfg, cu, cuP, _rank(cfg)):
     kr = call.kv_rows
     kcc, vcc = _call_kv(cfg, backend, call, k, v, kx, vx, halo, assembled)
@@ -342,12 +351,20 @@ def _cp_attention_bwd(cfg: CPConfig, res, dout):
     # split block's triangle reads its prefix rows and is summed (_Sum).
     into = dq.full is not None and not call.overlaps_previous
     r = call.q_rows if call.overlaps_previous else None
+    # A first call whose rows lie in the first q_rows (the straddle call)
+    # zeroes only those; the next call zeroes its uncovered rows after them.
+    fill = None
+    if not into and not call.overlaps_previous and call.q_rows is not None:
+      fill, rest = (0, call.q_rows), (call.q_rows, q.shape[1])
+    elif into and rest is not None:
+      fill, rest = rest, None
     qc = _prefix(q, r)
     dq_i, dk_i, dv_i = backend.backward(
         _flat(qc), _flat(kcc), _flat(vcc), _flat(_prefix(out, r)),
         _prefix(lse, r).reshape(-1, q.shape[2]), _flat(_prefix(dout, r)),
         _segments(call, qc.shape[1], kcc.shape[1]), mask=call.mask,
-        scale=cfg.scale, dq_into=_flat(dq.full) if into else None)
+        scale=cfg.scale, dq_into=_flat(dq.full) if into else None,
+        dq_fill=_flat_rows(fill, q.shape[0], q.shape[1]))
     if into:
       dq.full = dq_i.reshape(q.shape)
     else:

@@ -178,6 +178,13 @@ def test_cudnn_lowering_writes_straddle_parts_in_place(split):
   assert len(merges) == (4 if split is None else 5), merges
   assert all("output_operand_aliases" in l
              for l in fwd_into + bwd_into + merges)
+  # The straddle call (first in the backward) zeroes uncovered dq rows only
+  # in its first W-1 rows, the local call (into) after them.
+  first_bwd = (bwd if split is None else bwd[:1])[0]
+  assert "dq_fill_lo = 0 : i64" in first_bwd, first_bwd
+  assert f"dq_fill_hi = {w - 1} : i64" in first_bwd, first_bwd
+  assert f"dq_fill_lo = {w - 1} : i64" in bwd_into[0], bwd_into[0]
+  assert f"dq_fill_hi = {tl} : i64" in bwd_into[0], bwd_into[0]
   for line in text.splitlines():
     if "stablehlo.pad" in line or "dynamic_update_slice" in line:
       assert f"{tl}x8x64" not in line and f"{tl}x2x64" not in line, line

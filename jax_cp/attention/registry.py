@@ -33,6 +33,13 @@ CP layer above is backend-neutral):
     Gradients of ``sum(out * dout)``; ``out``/``lse`` are the forward's.
     dq is 0 on uncovered rows, dk/dv are 0 on KV rows no segment reads.
     ``dq_into`` (optional): like ``into`` for dq (0 on the covered rows).
+    ``dq_fill=(lo, hi)`` (optional, static): the rows this call owns. A
+    fresh dq is defined only there (uncovered rows 0) and unspecified
+    outside; with ``dq_into`` those rows are overwritten with this call's
+    dq (0 where it covers none), whatever ``dq_into`` held, and the rest is
+    as without it. Default: all rows for a fresh dq, none with
+    ``dq_into``. Two calls on disjoint rows pass complementary ranges, so
+    each zeroes only its own uncovered rows.
 
 ``is_available(platform) -> bool``: whether the backend can run on a JAX
 platform name (``"cpu"``, ``"cuda"``, ...).

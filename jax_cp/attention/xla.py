@@ -86,11 +86,17 @@ def _forward(q, k, v, seg: Segments, *, mask: str, scale: float):
 
 
 def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
-             scale: float, dq_into=None):
+             scale: float, dq_into=None, dq_fill=None):
   dq, dk, dv = _backward(q, k, v, out, lse, dout, seg, mask=mask, scale=scale)
   if dq_into is not None:   # 0 on the rows this call covers (the contract)
-    dq = (dq_into.astype(jnp.float32) + dq.astype(jnp.float32)).astype(
-        dq_into.dtype)
+    acc = dq_into.astype(jnp.float32)
+    if dq_fill is not None and dq_fill[1] > dq_fill[0]:
+      # Rows in the range are this call's alone (0 where it covers none),
+      # whatever dq_into holds there.
+      rows = jnp.arange(q.shape[0])
+      mine = (rows >= dq_fill[0]) & (rows < dq_fill[1])
+      acc = jnp.where(mine[:, None, None], 0.0, acc)
+    dq = (acc + dq.astype(jnp.float32)).astype(dq_into.dtype)
   return dq, dk, dv
 
 

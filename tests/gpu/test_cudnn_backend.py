@@ -340,3 +340,50 @@ def test_into_needs_rows_see_keys():
   with pytest.raises(ValueError, match="rows_see_keys"):
     CUDNN.forward(q, k, v, seg, mask="causal_top_left", scale=0.1,
                   into=(out, lse))
+
+
+def test_dq_fill_splits_the_zeroing_between_two_calls(record_error):
+  """The first backward call owns rows [0, R) (dq_fill), the second writes
+  into its dq and owns [R, T): the rows the first leaves unspecified (here
+  poisoned with NaN) end up as one call on all segments gives them, and the
+  gaps between documents are exact zeros."""
+  layout = make_layout("many_short", seed=5)
+  q, k, v, do = random_inputs(layout, 8, 2, 128, jnp.bfloat16, seed=5)
+  live = layout.q_lens > 0
+  cut = int(np.flatnonzero(live)[live.sum() // 2])
+  r = int(layout.q_offs[cut])                       # a document's first row
+  ends = layout.q_offs + layout.q_lens
+  before = live & (ends <= r)
+  i32 = lambda x: jnp.asarray(x, jnp.int32)
+
+  def seg_of(sel):
+    z = lambda a: np.where(sel, a, 0)
+    return Segments(i32(z(layout.q_lens)), i32(z(layout.kv_lens)),
+                    i32(layout.q_offs), i32(layout.kv_offs), layout.tq,
+                    layout.tkv, rows_see_keys=True)
+  seg_a, seg_b, seg_all = seg_of(before), seg_of(live & ~before), seg_of(live)
+  mask, tq = "causal_top_left", layout.tq
+
+  @jax.jit
+  def two_calls(q, k, v, do):
+    o, l = CUDNN.forward(q, k, v, seg_all, mask=mask, scale=0.1)
+    dq, _, _ = CUDNN.backward(q, k, v, o, l, do, seg_a, mask=mask, scale=0.1,
+                              dq_fill=(0, r))
+    rows = jnp.arange(tq)[:, None, None]
+    dq = jnp.where(rows >= r, jnp.nan, dq).astype(dq.dtype)
+    return CUDNN.backward(q, k, v, o, l, do, seg_b, mask=mask, scale=0.1,
+                          dq_into=dq, dq_fill=(r, tq))[0]
+
+  @jax.jit
+  def one_call(q, k, v, do):
+    o, l = CUDNN.forward(q, k, v, seg_all, mask=mask, scale=0.1)
+    return CUDNN.backward(q, k, v, o, l, do, seg_all, mask=mask,
+                          scale=0.1)[0]
+
+  got = np.asarray(two_calls(q, k, v, do), np.float32)
+  want = np.asarray(one_call(q, k, v, do), np.float32)
+  assert np.isfinite(got).all()
+  err = rel_err(got, want)
+  record_error(jnp.bfloat16, "dq_fill-dq", err)
+  assert err < 1e-6, err
+  np.testing.assert_array_equal(got[~layout.covered_q_rows()], 0.0)
