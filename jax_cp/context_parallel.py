@@ -279,7 +279,7 @@ def _flat(x):
   return x.reshape((-1,) + x.shape[2:])
 
 
-def _flat_rows(rows, batch: int, tl: int):
+def _flat_rows(rows, batch: int):
   """A row range of every batch entry -> the range over flattened rows,
   exact only for B = 1 (None otherwise: the backend's default)."""
   if rows is None or batch != 1:
@@ -364,7 +364,7 @@ def _cp_attention_bwd(cfg: CPConfig, res, dout):
         _prefix(lse, r).reshape(-1, q.shape[2]), _flat(_prefix(dout, r)),
         _segments(call, qc.shape[1], kcc.shape[1]), mask=call.mask,
         scale=cfg.scale, dq_into=_flat(dq.full) if into else None,
-        dq_fill=_flat_rows(fill, q.shape[0], q.shape[1]))
+        dq_fill=_flat_rows(fill, q.shape[0]))
     if into:
       dq.full = dq_i.reshape(q.shape)
     else:

@@ -63,3 +63,14 @@ def test_check_assemble_kv_names_the_argument(change, match):
     args[name] = fix(args[name]) if callable(fix) else fix
   with pytest.raises(ValueError, match=match):
     check_assemble_kv(**args)
+
+
+def test_cudnn_assemble_kv_needs_the_range():
+  try:
+    from jax_cp.attention import cudnn
+  except ImportError:
+    pytest.skip("jax_cp's cuDNN extension is not built")
+  halo, k, v = _inputs()
+  with pytest.raises(ValueError, match="needs the row range first/count"):
+    cudnn.assemble_kv(halo.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
+                      v.astype(jnp.bfloat16), 9)

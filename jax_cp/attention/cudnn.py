@@ -395,9 +395,10 @@ def assemble_kv(halo, k, v, rows=None, first=None, count=None):
   that copies only rows ``[first[b], first[b] + count[b])`` of
   ``[halo; local]`` and zeroes the next :data:`ASSEMBLE_ZERO_TAIL` rows;
   every other row is left uninitialised (cuDNN never reads it)."""
+  if first is None or count is None:
+    raise ValueError("assemble_kv with backend 'cudnn' needs the row range "
+                     "first/count ([B] each): it copies nothing else")
   b = k.shape[0]
-  if first is None:
-    first = count = jnp.zeros((b,), jnp.int32)
   rows = check_assemble_kv(halo, k, v, rows, first, count)
   if jnp.dtype(k.dtype) not in SUPPORTED_DTYPES or \
       (k.shape[2] * k.shape[3] * k.dtype.itemsize) % 16:

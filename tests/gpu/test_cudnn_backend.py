@@ -44,6 +44,14 @@ class Layout:
     return Segments(i32(self.q_lens), i32(self.kv_lens), i32(self.q_offs),
                     i32(self.kv_offs), max_q, max_kv)
 
+  def subset(self, sel) -> Segments:
+    """The segments where ``sel`` holds (the others get length 0), bounds
+    Tq/Tkv, with ``rows_see_keys`` (for calls writing in place)."""
+    z = lambda a: jnp.asarray(np.where(sel, a, 0), jnp.int32)
+    i32 = lambda x: jnp.asarray(x, jnp.int32)
+    return Segments(z(self.q_lens), z(self.kv_lens), i32(self.q_offs),
+                    i32(self.kv_offs), self.tq, self.tkv, rows_see_keys=True)
+
   def covered_q_rows(self) -> np.ndarray:
     rows = np.zeros(self.tq, bool)
     for off, n in zip(self.q_offs, self.q_lens):
@@ -287,14 +295,8 @@ def test_into_writes_only_its_rows(layout_kind, mask, record_error):
   q, k, v, do = random_inputs(layout, 8, 2, 128, jnp.bfloat16, seed=3)
   s = layout.q_lens.shape[0]
   pick = np.arange(s) % 2 == 1
-  i32 = lambda x: jnp.asarray(x, jnp.int32)
-
-  def seg_of(sel):
-    z = lambda a: np.where(sel, a, 0)
-    return Segments(i32(z(layout.q_lens)), i32(z(layout.kv_lens)),
-                    i32(layout.q_offs), i32(layout.kv_offs), layout.tq,
-                    layout.tkv, rows_see_keys=True)
-  seg_a, seg_b, seg_all = seg_of(~pick), seg_of(pick), seg_of(pick | ~pick)
+  seg_a, seg_b, seg_all = (layout.subset(~pick), layout.subset(pick),
+                           layout.subset(pick | ~pick))
 
   @jax.jit
   def two_calls(q, k, v, do):
@@ -354,14 +356,8 @@ def test_dq_fill_splits_the_zeroing_between_two_calls(record_error):
   r = int(layout.q_offs[cut])                       # a document's first row
   ends = layout.q_offs + layout.q_lens
   before = live & (ends <= r)
-  i32 = lambda x: jnp.asarray(x, jnp.int32)
-
-  def seg_of(sel):
-    z = lambda a: np.where(sel, a, 0)
-    return Segments(i32(z(layout.q_lens)), i32(z(layout.kv_lens)),
-                    i32(layout.q_offs), i32(layout.kv_offs), layout.tq,
-                    layout.tkv, rows_see_keys=True)
-  seg_a, seg_b, seg_all = seg_of(before), seg_of(live & ~before), seg_of(live)
+  seg_a, seg_b, seg_all = (layout.subset(before),
+                           layout.subset(live & ~before), layout.subset(live))
   mask, tq = "causal_top_left", layout.tq
 
   @jax.jit
