@@ -154,6 +154,9 @@ def check_attention_config(strategy: CPLoadBalancingStrategy,
       raise ValueError(
           f"load_balancing_strategy=no_load_balance needs causal attention, "
           f"got attn_mask_type={attn_mask_type!r}")
+  if not jax.numpy.issubdtype(np.dtype(dtype), jax.numpy.floating):
+    raise ValueError(f"q must have a floating dtype (bfloat16, float16 or "
+                     f"float32), got q.dtype={np.dtype(dtype).name}")
   if "float8" in np.dtype(dtype).name:
     raise ValueError(f"FP8 inputs (dtype={np.dtype(dtype).name}) are not "
                      f"supported by CP attention")
@@ -186,6 +189,73 @@ def check_qkv_shapes(q_shape, k_shape, v_shape, *, allow_cross: bool = False
     raise ValueError(
         f"CP attention is self-attention: q has {q_shape[-3]} tokens but k/v "
         f"have {k_shape[-3]} (cross-attention is not supported)")
+
+
+def check_qkv_dtypes(q_dtype, k_dtype, v_dtype) -> None:
+  """q, k and v share one floating dtype (not FP8)."""
+  dtypes = {"q": np.dtype(q_dtype), "k": np.dtype(k_dtype),
+            "v": np.dtype(v_dtype)}
+  for name, dt in dtypes.items():
+    if not jax.numpy.issubdtype(dt, jax.numpy.floating):
+      raise ValueError(
+          f"{name} must have a floating dtype (bfloat16, float16 or float32), "
+          f"got {name}.dtype={dt.name}")
+    if "float8" in dt.name:
+      raise ValueError(f"FP8 inputs ({name}.dtype={dt.name}) are not "
+                       f"supported")
+  if len(set(dtypes.values())) > 1:
+    raise ValueError(
+        "q, k and v must have one dtype, got "
+        + ", ".join(f"{n}.dtype={d.name}" for n, d in dtypes.items()))
+
+
+def check_segments(q_seqlens: Any, kv_seqlens: Any, q_offsets: Any,
+                   kv_offsets: Any, q_tokens: int, kv_tokens: int) -> None:
+  """Rules of ragged segment metadata (``fused_attention``), checked when
+  the values are concrete: lengths and offsets are non-negative, every
+  segment lies inside its buffer (``offset + length <= tokens``), and the
+  Q rows of different segments of a row never overlap (every Q row is
+  written by at most one segment). K/V rows may be shared: they are only
+  read."""
+  named = {"q_seqlens": q_seqlens, "kv_seqlens": kv_seqlens,
+           "q_offsets": q_offsets, "kv_offsets": kv_offsets}
+  values = {n: concrete(a) for n, a in named.items()}
+  for name, arr in values.items():
+    if arr is not None and not np.issubdtype(arr.dtype, np.integer):
+      raise ValueError(f"{name} must be an integer array, got dtype "
+                       f"{arr.dtype}")
+    if arr is not None and arr.size and arr.min() < 0:
+      i = np.unravel_index(int(np.argmin(arr)), arr.shape)
+      raise ValueError(f"{name} must be >= 0, but {name}"
+                       f"{[int(j) for j in i]} = {int(arr[i])}")
+  for side, tokens in (("q", q_tokens), ("kv", kv_tokens)):
+    lens, offs = values[f"{side}_seqlens"], values[f"{side}_offsets"]
+    if lens is None or offs is None:
+      continue
+    end = offs.astype(np.int64) + lens
+    bad = np.argwhere((lens > 0) & (end > tokens))
+    if bad.size:
+      i = tuple(int(j) for j in bad[0])
+      raise ValueError(
+          f"segment {list(i)} runs past the end of the buffer: "
+          f"{side}_offsets={int(offs[i])} + {side}_seqlens={int(lens[i])} = "
+          f"{int(end[i])} > {tokens} {side} tokens")
+  lens, offs = values["q_seqlens"], values["q_offsets"]
+  if lens is None or offs is None:
+    return
+  lens2, offs2 = lens.reshape(-1, lens.shape[-1]), offs.reshape(-1,
+                                                                offs.shape[-1])
+  for row, (ln, of) in enumerate(zip(lens2, offs2)):
+    live = np.nonzero(ln > 0)[0]
+    order = live[np.argsort(of[live], kind="stable")]
+    for a, b in zip(order[:-1], order[1:]):
+      if of[a] + ln[a] > of[b]:
+        where = f" (row {row})" if len(lens2) > 1 else ""
+        raise ValueError(
+            f"the Q rows of segments {int(a)} and {int(b)}{where} overlap: "
+            f"[{int(of[a])}, {int(of[a] + ln[a])}) and "
+            f"[{int(of[b])}, {int(of[b] + ln[b])}) (q_offsets/q_seqlens); "
+            f"every Q row may belong to one segment only")
 
 
 def check_mesh_axis(mesh: Any, axis: Optional[str], argname: str) -> None:

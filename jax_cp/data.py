@@ -276,6 +276,7 @@ def make_global_batch(
     seq_dim: int = 1,
     max_seqlen: Optional[int] = None,
     global_batch_size: Optional[int] = None,
+    cu_seqlens=None,
 ) -> GlobalBatch:
   """Global CP-sharded arrays from this process's packed rows.
 
@@ -306,6 +307,12 @@ def make_global_batch(
     global_batch_size: optional ``B``; when given the number of local rows is
       checked against it (without it ``B`` is inferred from ``B_local``, which
       cannot catch a process passing the rows of other processes too).
+    cu_seqlens: optional int ``[B_local, N+1]``, the valid-length metadata of
+      the same rows; checked here against ``cu_seqlens_padded`` (same shape,
+      starts at 0, no document longer than its padded slot). In
+      multi-process runs ``cp_attention`` sees only the global, sharded
+      metadata and cannot check the values, so pass it here. Make the global
+      array with :func:`make_global_metadata`.
 
   Returns:
     :class:`GlobalBatch` ``(tensors, cu_seqlens_padded)``: the arrays
@@ -319,7 +326,8 @@ def make_global_batch(
     ValueError: the row count is not what this process's devices hold, a
       token length differs from ``cu_seqlens_padded[..., -1]``, the layout
       breaks the strategy's rules (``T % cp``, DUAL_CHUNK_SWAP's ``2*cp``
-      divisibility), ``max_seqlen`` is exceeded, or an axis is unknown.
+      divisibility), ``max_seqlen`` is exceeded, ``cu_seqlens`` disagrees
+      with ``cu_seqlens_padded``, or an axis is unknown.
   """
   strategy = as_strategy(load_balancing_strategy)
   checks.check_mesh_axis(mesh, cp_axis, "cp_axis")
@@ -338,6 +346,8 @@ def make_global_batch(
                      f"[B_local, T, ...] with cu_seqlens_padded [B_local, N+1]")
   total = _check_tokens(items, cuP, seq_dim, batched)
   checks.check_divisible_tokens(total, cp)
+  if cu_seqlens is not None:
+    checks.check_cu_seqlens(np.asarray(cu_seqlens), cuP)
   if max_seqlen is not None:
     check_max_seqlen_bound(cuP, max_seqlen)
   local_tokens = total // cp

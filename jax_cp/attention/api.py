@@ -60,6 +60,13 @@ def _rows_see_keys(q_lens, kv_lens, mask: str) -> bool:
   return bool(np.all((ql == 0) | (kl > 0)))
 
 
+def _clamp(offsets, lens, tokens: int, bound: int):
+  """Offsets into ``[0, tokens]``, lengths into ``[0, min(bound, tokens -
+  offset)]``."""
+  offsets = jnp.clip(offsets, 0, tokens)
+  return offsets, jnp.clip(lens, 0, jnp.minimum(bound, tokens - offsets))
+
+
 def _flatten_segments(q_lens, kv_lens, q_offs, kv_offs, tq, tkv, max_q, max_kv,
                       rows_see_keys=False):
   """``[B, N]`` metadata over ``[B, T]`` rows -> one segment list over the
@@ -67,6 +74,11 @@ def _flatten_segments(q_lens, kv_lens, q_offs, kv_offs, tq, tkv, max_q, max_kv,
   as32 = lambda x: jnp.asarray(x, jnp.int32)
   q_lens, kv_lens, q_offs, kv_offs = map(as32, (q_lens, kv_lens, q_offs,
                                                 kv_offs))
+  # Concrete metadata was checked already; traced metadata cannot be, so it
+  # is clamped: every segment then lies inside its buffer and within its
+  # bound, and no kernel reads or writes outside the buffers.
+  q_offs, q_lens = _clamp(q_offs, q_lens, tq, max_q)
+  kv_offs, kv_lens = _clamp(kv_offs, kv_lens, tkv, max_kv)
   if q_lens.ndim == 2:
     rows = jnp.arange(q_lens.shape[0], dtype=jnp.int32)[:, None]
     q_offs = q_offs + rows * tq
@@ -136,6 +148,7 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets, kv_offsets, *,
     Softmax runs in float32 whatever the input dtype.
   """
   checks.check_qkv_shapes(q.shape, k.shape, v.shape, allow_cross=True)
+  checks.check_qkv_dtypes(q.dtype, k.dtype, v.dtype)
   mask = check_mask_type(attn_mask_type)
   scale = default_scale(q.shape[-1], softmax_scale)
   batch = q.shape[0] if q.ndim == 4 else None
@@ -147,6 +160,7 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets, kv_offsets, *,
   for name, value in (("max_seqlen_q", max_q), ("max_seqlen_kv", max_kv)):
     if value < 1:
       raise ValueError(f"{name} must be >= 1, got {value}")
+  checks.check_segments(q_seqlens, kv_seqlens, q_offsets, kv_offsets, tq, tkv)
   for name, lens, bound in (("q_seqlens", q_seqlens, max_q),
                             ("kv_seqlens", kv_seqlens, max_kv)):
     arr = checks.concrete(lens)

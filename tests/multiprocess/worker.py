@@ -165,7 +165,8 @@ def load(mesh, strategy, full, cu, cuP, expect_rows):
   assert all(x.shape[0] == len(rows) for x in local.values())
   batch, cuP_g = jax_cp.make_global_batch(
       local, cuP[rows], mesh, cp_axis="cp", batch_axis="data",
-      load_balancing_strategy=strategy, global_batch_size=batch_size)
+      load_balancing_strategy=strategy, global_batch_size=batch_size,
+      cu_seqlens=cu[rows])
   cu_g = jax_cp.make_global_metadata(cu[rows], mesh, batch_axis="data",
                                      global_batch_size=batch_size)
   errors = {}
