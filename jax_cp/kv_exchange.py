@@ -197,6 +197,8 @@ def choose_exchange(strategy_is_nlb: bool, cp_axis, cp_size: int,
   tl = total_tokens // cp_size
   if strategy_is_nlb and max_seqlen is not None:
     halo = max(int(max_seqlen) - 1, 0)
+    if halo == 0:       # documents of at most one token: nothing to receive
+      return KVExchange("none", cp_axis, cp_size, total_tokens)
     if halo < (cp_size - 1) * tl:
       return KVExchange("halo", cp_axis, cp_size, total_tokens,
                         halo_tokens=halo)

@@ -128,3 +128,59 @@ def test_make_global_batch_checks_cu_seqlens():
   with pytest.raises(ValueError, match="same shape"):
     jax_cp.make_global_batch(ids, cuP, mesh, batch_axis="data",
                              cu_seqlens=good[:, :2])
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4, 8])
+@pytest.mark.parametrize("strategy", ["no_load_balance", "dual_chunk_swap"])
+@pytest.mark.parametrize("docs", ["zero_or_one_token", "all_empty"])
+def test_rows_of_tiny_documents(cp, strategy, docs):
+  """Rows of 0/1-token documents: NO_LOAD_BALANCE's max_seqlen is 1 (no
+  halo); all-empty rows give exact zeros and finite gradients."""
+  rng = np.random.default_rng(cp)
+  if strategy == "no_load_balance":
+    n = t = 4 * cp
+    plens = np.ones(n, np.int32)
+  else:
+    n = 3
+    plens = np.full(n, 2 * cp, np.int32)
+    t = int(plens.sum())
+  lens = (rng.integers(0, 2, n) if docs == "zero_or_one_token"
+          else np.zeros(n, np.int64))
+  if docs == "zero_or_one_token":
+    lens[0] = 1
+  cuP = np.concatenate([[0], np.cumsum(plens)]).astype(np.int32)
+  cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+  bound = jax_cp.longest_padded_document(cuP)
+  assert bound == (1 if strategy == "no_load_balance" else 2 * cp)
+  q = jnp.asarray(rng.standard_normal((t, HQ, D)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((t, HKV, D)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((t, HKV, D)), jnp.float32)
+  mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+  def f(q, k, v):
+    q, k, v = (jax_cp.reorder_for_cp(x, cuP, cp, strategy) for x in (q, k, v))
+    out = jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh, backend="xla",
+                              load_balancing_strategy=strategy,
+                              max_seqlen=bound)
+    return jax_cp.restore_from_cp(out, cuP, cp, strategy)
+
+  def want_out(q, k, v):
+    return reference.attention(q, k, v, cu, cuP)
+
+  w = jnp.asarray(rng.standard_normal((t, HQ, D)), jnp.float32)
+  out, grads = jax.jit(jax.value_and_grad(
+      lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2)))(q, k, v)
+  want, want_grads = jax.value_and_grad(
+      lambda *a: jnp.sum(reference.attention(*a, cu, cuP) * w),
+      argnums=(0, 1, 2))(q, k, v)
+  np.testing.assert_allclose(out, want, atol=1e-4, rtol=1e-5)
+  assert abs(float(want)) > 0 or docs == "all_empty"
+  for g, gw in zip(grads, want_grads):
+    assert np.isfinite(np.asarray(g)).all()
+    np.testing.assert_allclose(g, gw, atol=1e-5, rtol=1e-5)
+  if docs == "all_empty":
+    assert not np.asarray(jax.jit(f)(q, k, v)).any()
+  if cp == 2:     # op-by-op dispatch too (no zero-sized exchange buffers)
+    np.testing.assert_allclose(f(q, k, v), want_out(q, k, v),
+                               atol=1e-5, rtol=1e-5)
