@@ -1,7 +1,7 @@
 """Speed of the cuDNN varlen primitive (no CP) on one GPU, side by side with
 JAX's own cuDNN attention, in one run.
 
-    python3 benchmarks/bench_fused.py [--tokens 32768] [--out DIR]
+    python -m benchmarks.bench_fused [--tokens 32768] [--out DIR]
 
 Per (document mix, Hkv), forward and forward+backward, bf16, Hq=32, D=128:
 
@@ -17,8 +17,9 @@ Per (document mix, Hkv), forward and forward+backward, bf16, Hq=32, D=128:
   ``MaskType.PADDING_CAUSAL``).
 
 FLOPs: ``4 * Hq * D * pairs`` forward with ``pairs = L(L+1)/2`` per document,
-3.5x that for forward+backward. Median of ``--reps`` host-clock timings after
-warm-up, two alternating input sets.
+3.5x that for forward+backward. Median of ``--reps`` synced host-clock
+timings after warm-up, two alternating input sets
+(:func:`benchmarks.timing.synced`).
 """
 
 from __future__ import annotations
@@ -28,31 +29,15 @@ import datetime
 import json
 import os
 import statistics
-import sys
-import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax._src.cudnn import fused_attention_stablehlo as fas
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _REPO)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-import jax_cp  # noqa: E402
-from bench_cp import pack_row  # noqa: E402
-
-
-def timeit(fn, arg_sets, warmup=3, reps=10):
-  for i in range(warmup):
-    jax.block_until_ready(fn(*arg_sets[i % 2]))
-  times = []
-  for i in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*arg_sets[i % 2]))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+import jax_cp
+from benchmarks import timing
+from benchmarks.workload import FWD_BWD_FLOP_FACTOR, pack_row
 
 
 def fwd_and_bwd(attn):
@@ -75,7 +60,6 @@ def main(argv=None):
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
-  from jax._src.cudnn import fused_attention_stablehlo as fas  # noqa
   t, hq, d = args.tokens, args.hq, args.head_dim
   scale = 1.0 / np.sqrt(d)
   results = []
@@ -109,23 +93,22 @@ def main(argv=None):
         variants["jax_dense"] = lambda q, k, v: jax.nn.dot_product_attention(
             q[None], k[None], v[None], is_causal=True,
             implementation="cudnn")[0]
-      m = len(lens)
       q_seq = jnp.asarray(lens[None])
       q_off = jnp.asarray(np.append(offs, t)[None].astype(np.int32))
       variants["jax_packed"] = lambda q, k, v: fas.dot_product_attention(
           q[None], k[None], v[None], q_seqlen=q_seq, kv_seqlen=q_seq,
           q_offsets=q_off, kv_offsets=q_off, scale=scale,
           mask_type=fas.MaskType.PADDING_CAUSAL)[0]
-      del m
       for name, attn in variants.items():
         fwd, bwd = fwd_and_bwd(attn)
         for pass_name, fn, args_of, fl in (
             ("fwd", fwd, lambda s: s[:3], flops),
-            ("fwd+bwd", bwd, lambda s: s, 3.5 * flops)):
+            ("fwd+bwd", bwd, lambda s: s, FWD_BWD_FLOP_FACTOR * flops)):
           rec = dict(dist=dist, hkv=hkv, variant=name, pass_=pass_name,
-                     docs=int(len(lens)), longest=longest)
+                     docs=len(lens), longest=longest)
           try:
-            ms = 1e3 * timeit(fn, [args_of(s) for s in sets], reps=args.reps)
+            ms = 1e3 * statistics.median(timing.synced(
+                fn, [args_of(s) for s in sets], reps=args.reps, warmup=3))
             rec.update(ms=ms, tflops=fl / ms / 1e9)
           except Exception as e:  # pylint: disable=broad-except
             rec.update(error=f"{type(e).__name__}: {str(e)[:300]}")

@@ -1,7 +1,7 @@
 """Where the time of one CP attention step goes: a per-kernel breakdown
 from the JAX profiler, for one configuration.
 
-    python3 benchmarks/profile_step.py --strategy no_load_balance \\
+    python -m benchmarks.profile_step --strategy no_load_balance \\
         --dist short_128_1k --tokens 65536 --cp 2 --pass fwd_bwd
 
 Runs the jitted step a few times under ``jax.profiler.trace``, reads the
@@ -16,30 +16,22 @@ import argparse
 import collections
 import glob
 import os
-import sys
 import tempfile
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))
-sys.path.insert(0, _HERE)
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_cp  # noqa: E402
-from bench_cp import make_row  # noqa: E402
+import jax_cp
+from benchmarks.workload import make_mesh, make_row
 
 
 def build_step(args):
   row = make_row(args.dist, args.tokens, args.strategy, args.cp, "auto", 0)
-  devices = jax.devices()[:args.cp]
-  mesh = jax.make_mesh((args.cp,), ("cp",), devices=devices,
-                       axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = make_mesh(args.cp)
   shard = NamedSharding(mesh, P(None, "cp"))
   rng = np.random.default_rng(0)
   mk = lambda h: jax.device_put(jnp.asarray(
@@ -91,9 +83,9 @@ def kernel_sequence(trace_dir: str, iters: int, device_prefix: str):
   data = jax.profiler.ProfileData.from_file(paths[0])
   plane = sorted((p for p in data.planes if p.name.startswith(device_prefix)),
                  key=lambda p: p.name)[0]
-  events = sorted(((ev.start_ns, ev.duration_ns, line.name, ev.name)
+  events = sorted((ev.start_ns, ev.duration_ns, line.name, ev.name)
                    for line in plane.lines
-                   if "stream" in line.name.lower() for ev in line.events))
+                   if "stream" in line.name.lower() for ev in line.events)
   per_step = len(events) // iters
   chunk = events[per_step * (iters // 2):per_step * (iters // 2 + 1)]
   t0 = chunk[0][0] if chunk else 0

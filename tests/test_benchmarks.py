@@ -1,4 +1,5 @@
-"""CPU smoke test of benchmarks/bench_cp.py and benchmarks/report.py."""
+"""CPU smoke tests of the benchmarks package: rows, timing, and each
+command-line script's main path with tiny sizes."""
 
 from __future__ import annotations
 
@@ -10,28 +11,28 @@ import os
 import numpy as np
 import pytest
 
-from benchmarks import bench_cp, report
+from benchmarks import bench_cp, report, timing, workload
 
 HQ, HKV, D, T = 4, 2, 16, 256
 
 
 def test_pack_row_layouts():
-  for dist in bench_cp.DISTS:
+  for dist in workload.DISTS:
     for mult in (1, 4, 16):
-      cu, cuP = bench_cp.pack_row(dist, 4096, mult, seed=3)
+      cu, cuP = workload.pack_row(dist, 4096, mult, seed=3)
       lens, plens = np.diff(cu), np.diff(cuP)
       assert cuP[-1] == 4096 and (plens % mult == 0).all()
       assert (lens <= plens).all() and (lens > 0).all()
       assert (plens[:-1] - lens[:-1] < mult).all()   # only rounding padding
   # Same documents whatever the padding (up to the trimmed tail).
-  a, _ = bench_cp.pack_row("short_128_1k", 8192, 1)
-  b, _ = bench_cp.pack_row("short_128_1k", 8192, 8)
+  a, _ = workload.pack_row("short_128_1k", 8192, 1)
+  b, _ = workload.pack_row("short_128_1k", 8192, 8)
   n = min(len(a), len(b)) - 2
   assert np.array_equal(np.diff(a)[:n], np.diff(b)[:n])
-  lens = np.diff(bench_cp.pack_row("uniform_1k_8k", 65536, 1)[0])
+  lens = np.diff(workload.pack_row("uniform_1k_8k", 65536, 1)[0])
   assert lens[:-1].min() >= 1024 and lens.max() <= 8192
-  assert len(bench_cp.STDLIB_PY_SIZES) == 683
-  assert bench_cp.pack_row("one_doc", 512, 8)[0].tolist() == [0, 512]
+  assert len(workload.STDLIB_PY_SIZES) == 683
+  assert workload.pack_row("one_doc", 512, 8)[0].tolist() == [0, 512]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def test_bench_json_fields(bench_json):
     assert r["tflops_per_gpu"] > 0
     assert r["speedup"] > 0
     assert r["efficiency"] == pytest.approx(r["speedup"] / r["cp"])
-    lens = np.diff(np.asarray(bench_cp.pack_row(
+    lens = np.diff(np.asarray(workload.pack_row(
         r["dist"], T, 4 if r["layout"] == "pad4" else 1)[0], np.int64))
     assert r["flops"] == pytest.approx(
         3.5 * 4 * HQ * D * float((lens * (lens + 1) // 2).sum()))
@@ -79,7 +80,7 @@ def test_bench_json_fields(bench_json):
       assert "overhead_vs_primitive" in r and r["primitive_ms"] > 0
       assert r["speedup"] == 1.0
     else:
-      assert r["strategy"] in bench_cp.STRATEGIES
+      assert r["strategy"] in workload.STRATEGIES
       assert "exposed_exchange_fraction" in r
       assert 0 < r["standalone_exchange_fraction"]
   one = {(r["strategy"], r["cp"]): r for r in cpa if r["dist"] == "one_doc"}
