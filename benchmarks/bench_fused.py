@@ -29,6 +29,8 @@ import datetime
 import json
 import os
 import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +51,36 @@ def fwd_and_bwd(attn):
   return fwd, bwd
 
 
-def main(argv=None):
+def variants(dist: str, tokens: int, head_dim: int, backend: str,
+             lens: np.ndarray, offs: np.ndarray) -> dict[str, Callable]:
+  """The attention functions ``(q, k, v) -> out`` compared on one row."""
+  longest = int(lens.max())
+
+  def ours(mask: str, bound: int) -> Callable:
+    return lambda q, k, v: jax_cp.fused_attention(
+        q, k, v, lens, lens, offs, offs, attn_mask_type=mask,
+        backend=backend, max_seqlen_q=bound, max_seqlen_kv=bound)
+
+  out = {"ours": ours("causal_top_left", longest),
+         "ours_br": ours("causal_bottom_right", longest)}
+  if dist != "one_doc":
+    out["ours_rowbound"] = ours("causal_top_left", tokens)
+  if dist == "one_doc":
+    out["jax_dense"] = lambda q, k, v: jax.nn.dot_product_attention(
+        q[None], k[None], v[None], is_causal=True, implementation="cudnn")[0]
+  q_seq = jnp.asarray(lens[None])
+  q_off = jnp.asarray(np.append(offs, tokens)[None].astype(np.int32))
+  scale = 1.0 / np.sqrt(head_dim)
+  out["jax_packed"] = lambda q, k, v: fas.dot_product_attention(
+      q[None], k[None], v[None], q_seqlen=q_seq, kv_seqlen=q_seq,
+      q_offsets=q_off, kv_offsets=q_off, scale=scale,
+      mask_type=fas.MaskType.PADDING_CAUSAL)[0]
+  return out
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+  """Runs every variant; returns the records (also printed, and written
+  to ``--out``)."""
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--tokens", type=int, default=32768)
   p.add_argument("--hq", type=int, default=32)
@@ -58,12 +89,21 @@ def main(argv=None):
   p.add_argument("--dists", nargs="+",
                  default=["one_doc", "uniform_1k_8k", "short_128_1k"])
   p.add_argument("--reps", type=int, default=10)
+  p.add_argument("--backend", default="cudnn",
+                 help="jax_cp backend of the ours* variants")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   t, hq, d = args.tokens, args.hq, args.head_dim
-  scale = 1.0 / np.sqrt(d)
   results = []
   rng = np.random.default_rng(0)
+
+  def inputs(hkv: int) -> tuple:
+    q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.float32)
+    return q, k, v, w
+
   for dist in args.dists:
     cu, cuP = pack_row(dist, t, 1, seed=0)
     lens = np.diff(cu).astype(np.int32)
@@ -72,45 +112,20 @@ def main(argv=None):
     pairs = int((lens.astype(np.int64) * (lens + 1) // 2).sum())
     flops = 4.0 * hq * d * pairs
     for hkv in args.hkv:
-      def inputs():
-        q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.bfloat16)
-        k = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.bfloat16)
-        v = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.bfloat16)
-        w = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.float32)
-        return q, k, v, w
-      sets = [inputs(), inputs()]
-      variants = {}
-
-      def ours(mask, bound):
-        return lambda q, k, v: jax_cp.fused_attention(
-            q, k, v, lens, lens, offs, offs, attn_mask_type=mask,
-            backend="cudnn", max_seqlen_q=bound, max_seqlen_kv=bound)
-      variants["ours"] = ours("causal_top_left", longest)
-      variants["ours_br"] = ours("causal_bottom_right", longest)
-      if dist != "one_doc":
-        variants["ours_rowbound"] = ours("causal_top_left", t)
-      if dist == "one_doc":
-        variants["jax_dense"] = lambda q, k, v: jax.nn.dot_product_attention(
-            q[None], k[None], v[None], is_causal=True,
-            implementation="cudnn")[0]
-      q_seq = jnp.asarray(lens[None])
-      q_off = jnp.asarray(np.append(offs, t)[None].astype(np.int32))
-      variants["jax_packed"] = lambda q, k, v: fas.dot_product_attention(
-          q[None], k[None], v[None], q_seqlen=q_seq, kv_seqlen=q_seq,
-          q_offsets=q_off, kv_offsets=q_off, scale=scale,
-          mask_type=fas.MaskType.PADDING_CAUSAL)[0]
-      for name, attn in variants.items():
+      sets = [inputs(hkv), inputs(hkv)]
+      for name, attn in variants(dist, t, d, args.backend, lens,
+                                 offs).items():
         fwd, bwd = fwd_and_bwd(attn)
-        for pass_name, fn, args_of, fl in (
-            ("fwd", fwd, lambda s: s[:3], flops),
-            ("fwd+bwd", bwd, lambda s: s, FWD_BWD_FLOP_FACTOR * flops)):
-          rec = dict(dist=dist, hkv=hkv, variant=name, pass_=pass_name,
-                     docs=len(lens), longest=longest)
+        for pass_name, fn, arg_sets, fl in (
+            ("fwd", fwd, [s[:3] for s in sets], flops),
+            ("fwd+bwd", bwd, sets, FWD_BWD_FLOP_FACTOR * flops)):
+          rec = {"dist": dist, "hkv": hkv, "variant": name,
+                 "pass_": pass_name, "docs": len(lens), "longest": longest}
           try:
             ms = 1e3 * statistics.median(timing.synced(
-                fn, [args_of(s) for s in sets], reps=args.reps, warmup=3))
+                fn, arg_sets, reps=args.reps, warmup=3))
             rec.update(ms=ms, tflops=fl / ms / 1e9)
-          except Exception as e:  # pylint: disable=broad-except
+          except Exception as e:  # noqa: BLE001  (recorded; the run goes on)
             rec.update(error=f"{type(e).__name__}: {str(e)[:300]}")
           results.append(rec)
           print(json.dumps(rec), flush=True)
@@ -142,6 +157,7 @@ def main(argv=None):
                      tokens=t, hq=hq, head_dim=d, results=results), f,
                 indent=1)
     print("wrote", path)
+  return results
 
 
 if __name__ == "__main__":

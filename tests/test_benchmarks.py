@@ -123,3 +123,60 @@ def test_speedup_ab_pairs(tmp_path):
   assert rec["dist"] == "one_doc" and rec["cp"] == 2 and len(rec["ratios"]) == 2
   assert rec["speedup_min"] <= rec["speedup_median"] <= rec["speedup_max"]
   assert rec["ms_base"] > 0 and rec["ms_other"] > 0
+
+
+def test_no_communication_variant_has_no_collectives(bench_json):
+  """The exposed-exchange baseline (cp_comm_type="local_copies") lowers
+  without any collective: nothing is left to leak into "exposed"."""
+  _, data = bench_json
+  nocomm = [r for r in data["records"] if r["kind"] == "cp_attention_nocomm"]
+  assert nocomm and not [r["note"] for r in nocomm if r.get("note")]
+  assert {r["strategy"] for r in nocomm} == set(workload.STRATEGIES)
+
+
+def test_timing_api():
+  import jax
+  import jax.numpy as jnp
+  fast = jax.jit(lambda x: x + 1.0)
+  slow = jax.jit(lambda x: jnp.sin(x @ x.T).sum())
+  sets = [(jnp.ones((64, 64)),), (jnp.full((64, 64), 2.0),)]
+  assert timing.pipeline_depth(1.0) == 1 and timing.pipeline_depth(1e-6) == 32
+  assert timing.steady(fast, sets) == pytest.approx(
+      timing.steady(fast, sets, depth=4), abs=1.0)
+  t = timing.measure(fast, sets, warmup=2, reps=3)
+  assert len(t.synced) == len(t.pipelined) == len(t.steady) == 3
+  assert t.first_s > 0 and 1 <= t.depth <= 32
+  assert len(timing.synced(fast, sets, reps=2, warmup=1)) == 2
+  r = timing.paired(slow, sets, fast, sets, reps=3)
+  assert len(r.ratios) == 3 and len(r.seconds_a) == len(r.seconds_b) == 6
+  assert r.ratio_min <= r.ratio_q1 <= r.ratio_median <= r.ratio_q3 \
+      <= r.ratio_max
+  assert r.ms_a > 0 and r.ms_b > 0
+  with pytest.raises(ValueError, match="reps"):
+    timing.paired(slow, sets, fast, sets, reps=0)
+
+
+def test_bench_fused_main(tmp_path):
+  from benchmarks import bench_fused
+  recs = bench_fused.main([
+      "--backend", "xla", "--tokens", str(T), "--hq", str(HQ), "--hkv",
+      str(HKV), "--head-dim", str(D), "--dists", "one_doc", "--reps", "1",
+      "--out", str(tmp_path)])
+  ours = {(r["variant"], r["pass_"]): r for r in recs
+          if r["variant"].startswith("ours")}
+  assert set(ours) == {(v, p) for v in ("ours", "ours_br")
+                       for p in ("fwd", "fwd+bwd")}
+  assert all(r["ms"] > 0 for r in ours.values())
+  assert glob.glob(str(tmp_path / "fused_*.json"))
+
+
+def test_profile_step_main(capsys):
+  from benchmarks import profile_step
+  profile_step.main([
+      "--backend", "xla", "--tokens", str(T), "--hq", str(HQ), "--hkv",
+      str(HKV), "--head-dim", str(D), "--cp", "2", "--dist", "one_doc",
+      "--iters", "2", "--device-plane", "/host:CPU", "--line-filter",
+      "xla", "--sequence", "--host-top", "2", "--top", "3"])
+  out = capsys.readouterr().out
+  assert "ms/step" in out and "launches/step" in out
+  assert "one step in time order" in out and "host events" in out
