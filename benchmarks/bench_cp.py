@@ -302,7 +302,7 @@ def lower_and_compile(programs: dict[tuple, Program], plan, args, log):
         left = sorted(set(_COLLECTIVE_RE.findall(prog.lowered.as_text())))
         prog.note = ("collectives left in the no-exchange variant: "
                      + ", ".join(left)) if left else None
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:  # noqa: BLE001  (recorded; the run goes on)
       prog.error = "lowering: " + _short_error(e)
       if args.verbose:
         traceback.print_exc()
@@ -315,7 +315,7 @@ def lower_and_compile(programs: dict[tuple, Program], plan, args, log):
       prog.future = concurrent.futures.Future()
       try:
         prog.future.set_result(_timed_compile(prog.lowered))
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception as e:  # noqa: BLE001  (recorded; the run goes on)
         prog.future.set_exception(e)
   else:
     with concurrent.futures.ThreadPoolExecutor(args.compile_workers) as pool:
@@ -498,7 +498,7 @@ def main(argv: Sequence[str] | None = None) -> str:
                  ms_pipelined_median=1e3 * statistics.median(t.pipelined),
                  ms_steady_median=1e3 * statistics.median(t.steady),
                  pipeline_depth=t.depth)
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception as e:  # noqa: BLE001  (recorded; the run goes on)
         r["error"] = _short_error(e)
         if args.verbose:
           traceback.print_exc()

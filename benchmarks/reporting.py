@@ -80,12 +80,12 @@ def paired_rows(paired) -> list[str]:
   if not paired:
     return []
   out = ["## Paired speed-ups (`speedup_ab.py`)", "",
-         "cp=N and cp=1 on the same row timed in alternation (A B B A per "
-         "rep, steady per-call times: pipeline fill and clock drift "
-         "cancel); median of the per-rep ratios and their interquartile "
-         "range.", "",
-         "| row | pass | strategy | cp | cp=1 ms | cp=N ms | speed-up | IQR "
-         "| reps | file |", "|---|---|---|---|---|---|---|---|---|---|"]
+         ("cp=N and cp=1 on the same row timed in alternation (A B B A per "
+          "rep, steady per-call times: pipeline fill and clock drift "
+          "cancel); median of the per-rep ratios and their interquartile "
+          "range."), "",
+         ("| row | pass | strategy | cp | cp=1 ms | cp=N ms | speed-up | IQR "
+          "| reps | file |"), "|---|---|---|---|---|---|---|---|---|---|"]
   order = {d: i for i, d in enumerate(DIST_ORDER)}
   for r in sorted(paired, key=lambda r: (r["tokens"], order.get(r["dist"], 9),
                                          r["pass_name"] != "fwd", r["cp"])):
@@ -181,10 +181,10 @@ def target_rows(records, paired=()) -> list[tuple[str, str, str]]:
     ok = None if sp is None else (sp >= 1.85 and faster is not False)
     bound = n and n.get("max_seqlen")
     rows.append((
-        f"cp=2, 128–1k docs, T=64k, NLB (max_seqlen={bound}), "
-        f"{PASS_LABEL[pass_name]}: speed-up ≥ 1.85× and faster than DCS",
-        f"{_f(sp, '.2f', '×')}; NLB {_f(n and n['ms_median'], '.3f')} ms vs "
-        f"DCS {_f(d and d['ms_median'], '.3f')} ms", _verdict(ok)))
+        (f"cp=2, 128–1k docs, T=64k, NLB (max_seqlen={bound}), "
+         f"{PASS_LABEL[pass_name]}: speed-up ≥ 1.85× and faster than DCS"),
+        (f"{_f(sp, '.2f', '×')}; NLB {_f(n and n['ms_median'], '.3f')} ms vs "
+         f"DCS {_f(d and d['ms_median'], '.3f')} ms"), _verdict(ok)))
   # 2b. NLB with the bounded (halo) exchange, cp=2 vs cp=1 >= 1.8x. The
   # verdict follows the paired measurement when there is one (it cancels
   # drift).
@@ -210,9 +210,9 @@ def target_rows(records, paired=()) -> list[tuple[str, str, str]]:
         text += (f"; paired {best:.3f}× (IQR {pr[0]['speedup_q1']:.3f}–"
                  f"{pr[0]['speedup_q3']:.3f})")
       rows.append((
-          f"cp=2, {DIST_LABEL[dist]}, T=64k, NLB with max_seqlen "
-          f"{n and n.get('max_seqlen')} (halo exchange), "
-          f"{PASS_LABEL[pass_name]}: speed-up ≥ 1.8× vs cp=1", text,
+          (f"cp=2, {DIST_LABEL[dist]}, T=64k, NLB with max_seqlen "
+           f"{n and n.get('max_seqlen')} (halo exchange), "
+           f"{PASS_LABEL[pass_name]}: speed-up ≥ 1.8× vs cp=1"), text,
           _verdict(None if best is None else best >= 1.8)))
   # 3. exposed exchange <= 10 % at T=64k, Hkv=8.
   for dist in DIST_ORDER:
@@ -224,13 +224,13 @@ def target_rows(records, paired=()) -> list[tuple[str, str, str]]:
     stand = [r.get("standalone_exchange_fraction") for r in cands
              if r.get("standalone_exchange_fraction") is not None]
     rows.append((
-        f"exposed all-gather (+reorder) ≤ 10 % of the step, T=64k, "
-        f"Hkv={hkv}, {DIST_LABEL.get(dist, dist)} (worst of cp × strategy × "
-        f"pass)",
-        f"exposed {_pct(worst['exposed_exchange_fraction'])} "
-        f"({SHORT[worst['strategy']]} cp={worst['cp']} "
-        f"{worst['pass_name']}); standalone gather+reorder up to "
-        f"{_pct(max(stand) if stand else None)}",
+        (f"exposed all-gather (+reorder) ≤ 10 % of the step, T=64k, "
+         f"Hkv={hkv}, {DIST_LABEL.get(dist, dist)} (worst of cp × strategy × "
+         f"pass)"),
+        (f"exposed {_pct(worst['exposed_exchange_fraction'])} "
+         f"({SHORT[worst['strategy']]} cp={worst['cp']} "
+         f"{worst['pass_name']}); standalone gather+reorder up to "
+         f"{_pct(max(stand) if stand else None)}"),
         _verdict(worst["exposed_exchange_fraction"] <= 0.10)))
   # 4. cp=1 within 5 % of the primitive.
   for pass_name in ("fwd_bwd", "fwd"):
@@ -241,11 +241,11 @@ def target_rows(records, paired=()) -> list[tuple[str, str, str]]:
       continue
     worst = max(cands, key=lambda r: r["overhead_vs_primitive"])
     rows.append((
-        f"cp=1 cp_attention within 5 % of fused_attention, T=64k, "
-        f"{PASS_LABEL[pass_name]} (worst distribution)",
-        f"{100 * worst['overhead_vs_primitive']:+.1f} % "
-        f"({DIST_LABEL.get(worst['dist'], worst['dist'])}: "
-        f"{worst['ms_median']:.3f} vs {worst['primitive_ms']:.3f} ms)",
+        (f"cp=1 cp_attention within 5 % of fused_attention, T=64k, "
+         f"{PASS_LABEL[pass_name]} (worst distribution)"),
+        (f"{100 * worst['overhead_vs_primitive']:+.1f} % "
+         f"({DIST_LABEL.get(worst['dist'], worst['dist'])}: "
+         f"{worst['ms_median']:.3f} vs {worst['primitive_ms']:.3f} ms)"),
         _verdict(worst["overhead_vs_primitive"] <= 0.05)))
   # 5./6. follow-up: cp=4 efficiencies.
   for dist, strategy, t in (("one_doc", "dual_chunk_swap", 131072),
@@ -257,8 +257,8 @@ def target_rows(records, paired=()) -> list[tuple[str, str, str]]:
         continue
       eff = r and r.get("efficiency")
       rows.append((
-          f"cp=4, {DIST_LABEL[dist]}, T={tokens // 1024}k, "
-          f"{SHORT[strategy]}, fwd+bwd: efficiency ≥ 85 %",
+          (f"cp=4, {DIST_LABEL[dist]}, T={tokens // 1024}k, "
+           f"{SHORT[strategy]}, fwd+bwd: efficiency ≥ 85 %"),
           _f(eff and 100 * eff, ".1f", " %"),
           _verdict(None if eff is None else eff >= 0.85)))
   return rows
@@ -373,17 +373,17 @@ def render_markdown(records, envs, paired=()) -> str:
         f"{_f(s.get('wall_s'), '.0f')} s; timing "
         f"{env.get('args', {}).get('timing', DEFAULT_TIMING)}")
   out += ["",
-          "Times are medians of host-clock timings (see "
-          "`benchmarks/README.md`): *pipelined* = per call of a block of "
-          "calls dispatched back to back, *synced* = one call waited for "
-          "(each file's timing is listed above; where files overlap, the "
-          "newest wins); files with *steady* timings (the per-call time "
-          "with the pipeline's fill and drain cancelled) also give the "
-          "steady speed-ups of the targets. FLOPs are exact causal pairs "
-          "(`4·Hq·D·L(L+1)/2` per document forward, ×3.5 forward+backward). "
-          "Speed-up is against cp=1 on the same row (same strategy's "
-          "padding); efficiency = speed-up / cp; *imb* is the cost model's "
-          "predicted max/mean per-rank work.", ""]
+          ("Times are medians of host-clock timings (see "
+           "`benchmarks/README.md`): *pipelined* = per call of a block of "
+           "calls dispatched back to back, *synced* = one call waited for "
+           "(each file's timing is listed above; where files overlap, the "
+           "newest wins); files with *steady* timings (the per-call time "
+           "with the pipeline's fill and drain cancelled) also give the "
+           "steady speed-ups of the targets. FLOPs are exact causal pairs "
+           "(`4·Hq·D·L(L+1)/2` per document forward, ×3.5 forward+backward). "
+           "Speed-up is against cp=1 on the same row (same strategy's "
+           "padding); efficiency = speed-up / cp; *imb* is the cost model's "
+           "predicted max/mean per-rank work."), ""]
 
   out += ["## Targets", "", "| target | measured | verdict |",
           "|---|---|---|"]
@@ -398,8 +398,10 @@ def render_markdown(records, envs, paired=()) -> str:
     cps = sorted({r["cp"] for r in grp})
     hq = grp[0]["hq"]
     out += [f"## T={tokens}, Hq={hq}, Hkv={hkv}, {PASS_LABEL[pass_name]}",
-            "", "Cells: speed-up · efficiency · median ms · TFLOP/s per GPU · "
-            "predicted imbalance.", ""]
+            "",
+            ("Cells: speed-up · efficiency · median ms · TFLOP/s per GPU · "
+             "predicted imbalance."),
+            ""]
     for dist in DIST_ORDER + tuple(sorted({r["dist"] for r in grp}
                                           - set(DIST_ORDER))):
       drows = select(grp, dist=dist)
@@ -407,10 +409,10 @@ def render_markdown(records, envs, paired=()) -> str:
         continue
       any_r = drows[0]
       ndocs = any_r["num_docs"]
-      out += [f"### {DIST_LABEL.get(dist, dist)} ({ndocs} "
-              f"document{'s' if ndocs != 1 else ''}, longest padded "
-              f"{any_r['longest_padded_doc']}, "
-              f"max_seqlen {any_r['max_seqlen']})", "",
+      out += [(f"### {DIST_LABEL.get(dist, dist)} ({ndocs} "
+               f"document{'s' if ndocs != 1 else ''}, longest padded "
+               f"{any_r['longest_padded_doc']}, "
+               f"max_seqlen {any_r['max_seqlen']})"), "",
               "| strategy | " + " | ".join(f"cp={c}" for c in cps) + " |",
               "|---|" + "---|" * len(cps)]
       for strategy in STRATEGIES:
@@ -468,11 +470,12 @@ def render_markdown(records, envs, paired=()) -> str:
   if imb:
     out += ["## Where NO_LOAD_BALANCE's imbalance shows up (one document)",
             "",
-            "With one document, contiguous chunks give the last rank "
-            "(2cp−1)/cp times the mean work, so the speed-up is bounded by "
-            "cp²/(2cp−1) (1.33× at cp=2, 2.29× at cp=4, 4.27× at cp=8).", "",
-            "| T | Hkv | pass | cp | (2cp−1)/cp | predicted imb | bound | "
-            "measured speed-up | of bound |",
+            ("With one document, contiguous chunks give the last rank "
+             "(2cp−1)/cp times the mean work, so the speed-up is bounded by "
+             "cp²/(2cp−1) (1.33× at cp=2, 2.29× at cp=4, 4.27× at cp=8)."),
+            "",
+            ("| T | Hkv | pass | cp | (2cp−1)/cp | predicted imb | bound | "
+             "measured speed-up | of bound |"),
             "|---|---|---|---|---|---|---|---|---|"] + imb + [""]
 
   out += ["## Which strategy should I pick?", "",
@@ -552,7 +555,7 @@ def environment() -> dict[str, Any]:
     if cuda_versions is not None:
       env["cudnn"] = int(cuda_versions.cudnn_get_version())
       env["cuda_runtime"] = int(cuda_versions.cuda_runtime_get_version())
-  except Exception:  # pylint: disable=broad-except  (no CUDA in this jaxlib)
+  except Exception:  # noqa: BLE001, S110  (no CUDA in this jaxlib)
     pass
   return env
 
@@ -634,7 +637,7 @@ def print_table(records, out=sys.stdout) -> None:
             f"{r['pass_name']:<8}{r['strategy']!s:<16}{r['cp']:>3}  "
             f"ERROR {str(r.get('error'))[:60]}", file=out)
       continue
-    pct = lambda k: f(100 * r[k], ".1f") if k in r else "-"
+    pct = lambda k, r=r: f(100 * r[k], ".1f") if k in r else "-"
     print(f"{r['dist']:<14}{r['tokens']:>7}{r['hkv']:>4} {r['pass_name']:<8}"
           f"{r['strategy'] or '(cp=1)'!s:<16}{r['cp']:>3}"
           f"{f(r['ms_median'], '.3f'):>10}"
