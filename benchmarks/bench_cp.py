@@ -82,11 +82,11 @@ from jax_cp.kv_exchange import choose_exchange
 _RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 _DIST_PRIORITY = ("one_doc", "short_128_1k", "uniform_1k_8k", "stdlib_mix")
 
-FULL = dict(cp=[1, 2, 4], strategies=list(STRATEGIES), hkv=[8, 32],
-            tokens=[16384, 32768, 65536, 131072], dists=list(DISTS),
-            passes=list(PASSES))
-QUICK = dict(cp=[1, 2, 4], strategies=list(STRATEGIES), hkv=[8],
-             tokens=[65536], dists=list(DISTS), passes=list(PASSES))
+FULL = {"cp": [1, 2, 4], "strategies": list(STRATEGIES), "hkv": [8, 32],
+        "tokens": [16384, 32768, 65536, 131072], "dists": list(DISTS),
+        "passes": list(PASSES)}
+QUICK = {"cp": [1, 2, 4], "strategies": list(STRATEGIES), "hkv": [8],
+         "tokens": [65536], "dists": list(DISTS), "passes": list(PASSES)}
 
 
 # ----------------------------------------------------------------- programs
@@ -184,17 +184,18 @@ def build_plan(args) -> tuple[dict[tuple, Program], list[Measurement]]:
     seen.add(ident)
     if key not in programs:
       programs[key] = Program(key, build, cp, row.num_docs, no_collectives)
-    plan.append(Measurement(dict(
-        kind=kind, dist=row.dist, tokens=row.tokens, hq=hq, hkv=hkv,
-        head_dim=d, dtype=dtype.name, strategy=strategy, cp=cp,
-        pass_name=pass_name, layout=row.layout, row_id=row.row_id,
-        max_seqlen=row.max_seqlen, bound=args.max_seqlen_bound,
-        num_docs=row.num_docs, valid_tokens=row.valid_tokens,
-        longest_padded_doc=row.longest_padded_doc,
-        flops=flops(row, hq, d, pass_name), backend=args.backend,
-        exchange=(exchange_name(strategy, cp, row.tokens, row.max_seqlen)
-                  if cp > 1 else None)),
-        programs[key], row))
+    record = {
+        "kind": kind, "dist": row.dist, "tokens": row.tokens, "hq": hq,
+        "hkv": hkv, "head_dim": d, "dtype": dtype.name, "strategy": strategy,
+        "cp": cp, "pass_name": pass_name, "layout": row.layout,
+        "row_id": row.row_id, "max_seqlen": row.max_seqlen,
+        "bound": args.max_seqlen_bound, "num_docs": row.num_docs,
+        "valid_tokens": row.valid_tokens,
+        "longest_padded_doc": row.longest_padded_doc,
+        "flops": flops(row, hq, d, pass_name), "backend": args.backend,
+        "exchange": (exchange_name(strategy, cp, row.tokens, row.max_seqlen)
+                     if cp > 1 else None)}
+    plan.append(Measurement(record, programs[key], row))
 
   # Run order = priority under --budget-s: the speed targets first
   # (fwd+bwd; one document, short documents), stdlib_mix last.
@@ -350,12 +351,12 @@ def _predict(m: Measurement, dtype_bytes: int) -> dict[str, Any]:
         dtype_bytes=dtype_bytes, max_seqlen=m.row.max_seqlen)
   except ValueError as e:
     return {"prediction_error": str(e)}
-  return dict(
-      predicted_imbalance=est.imbalance,
-      predicted_ms=1e3 * est.predicted_time_s(
+  return {
+      "predicted_imbalance": est.imbalance,
+      "predicted_ms": 1e3 * est.predicted_time_s(
           include_backward=r["pass_name"] == "fwd_bwd"),
-      allgather_bytes_per_rank=est.allgather_bytes,
-      halo_bytes_per_rank=est.halo_bytes)
+      "allgather_bytes_per_rank": est.allgather_bytes,
+      "halo_bytes_per_rank": est.halo_bytes}
 
 
 # ----------------------------------------------------------------- main
@@ -444,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> str:
   gpu = re.sub(r"[^A-Za-z0-9]+", "_", env["device_kind"]).strip("_")
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   path = os.path.join(args.out, f"results_{stamp}_{gpu}.json")
-  payload = dict(env=env, args=vars(args), records=[], summary={})
+  payload = {"env": env, "args": vars(args), "records": [], "summary": {}}
 
   lower_and_compile(programs, plan, args, log)
   compile_wall = time.perf_counter() - start
@@ -485,8 +486,8 @@ def main(argv: Sequence[str] | None = None) -> str:
         arg_sets = [tuple(s) + meta[mkey] for s in inputs[ikey]]
         builds0 = cudnn_graph_builds()
         t = timing.measure(compiled, arg_sets, args.warmup, args.reps)
-        times = dict(pipelined=t.pipelined, synced=t.synced,
-                     steady=t.steady)[args.timing]
+        times = {"pipelined": t.pipelined, "synced": t.synced,
+                 "steady": t.steady}[args.timing]
         builds1 = cudnn_graph_builds()
         if builds0 is not None and builds1 is not None:
           r["cudnn_graph_builds"] = builds1 - builds0
@@ -510,15 +511,16 @@ def main(argv: Sequence[str] | None = None) -> str:
         f"Hkv={r['hkv']} {r['pass_name']} {r['strategy']} cp={r['cp']}: "
         f"{status}")
     reporting.derive(payload["records"])
-    payload["summary"] = dict(
-        wall_s=time.perf_counter() - start, compile_phase_s=compile_wall,
-        programs=len(programs), measurements=len(plan),
-        xla_compiles=_COMPILES["count"] - compiles0["count"],
-        xla_compile_s=_COMPILES["seconds"] - compiles0["seconds"],
-        first_calls_s=sum(x.get("first_call_s") or 0.0
-                          for x in payload["records"]),
-        cudnn_graph_builds=sum(x.get("cudnn_graph_builds") or 0
-                               for x in payload["records"]))
+    payload["summary"] = {
+        "wall_s": time.perf_counter() - start,
+        "compile_phase_s": compile_wall,
+        "programs": len(programs), "measurements": len(plan),
+        "xla_compiles": _COMPILES["count"] - compiles0["count"],
+        "xla_compile_s": _COMPILES["seconds"] - compiles0["seconds"],
+        "first_calls_s": sum(x.get("first_call_s") or 0.0
+                             for x in payload["records"]),
+        "cudnn_graph_builds": sum(x.get("cudnn_graph_builds") or 0
+                                  for x in payload["records"])}
     reporting.write_json(path, payload)
   inputs.clear()
   reporting.print_table(payload["records"])

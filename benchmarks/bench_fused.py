@@ -153,9 +153,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     path = os.path.join(args.out, "fused_" + datetime.date.today().isoformat()
                         + ".json")
     with open(path, "w") as f:
-      json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                     tokens=t, hq=hq, head_dim=d, results=results), f,
-                indent=1)
+      json.dump({"device": jax.devices()[0].device_kind,
+                 "jax": jax.__version__, "tokens": t, "hq": hq,
+                 "head_dim": d, "results": results}, f, indent=1)
     print("wrote", path)
   return results
 

@@ -43,7 +43,8 @@ def build_step(args: argparse.Namespace):
   cu, cuP = row.cu[None], row.cuP[None]
 
   def attn(q, k, v):
-    return jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh, backend=args.backend,
+    return jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh,
+                               backend=args.backend,
                                load_balancing_strategy=args.strategy,
                                max_seqlen=row.max_seqlen,
                                split_causal_backward=args.split)

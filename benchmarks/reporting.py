@@ -543,13 +543,12 @@ def environment() -> dict[str, Any]:
   import jaxlib  # pylint: disable=import-outside-toplevel
 
   import jax_cp  # pylint: disable=import-outside-toplevel
-  env = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
-             jax=jax.__version__, jaxlib=jaxlib.__version__,
-             jax_cp=jax_cp.__version__,
-             python=sys.version.split()[0],
-             platform=jax.default_backend(),
-             device_kind=jax.devices()[0].device_kind,
-             device_count=jax.device_count(), cudnn=None)
+  env = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+         "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+         "jax_cp": jax_cp.__version__, "python": sys.version.split()[0],
+         "platform": jax.default_backend(),
+         "device_kind": jax.devices()[0].device_kind,
+         "device_count": jax.device_count(), "cudnn": None}
   try:
     from jax._src.lib import cuda_versions  # pylint: disable=import-outside-toplevel
     if cuda_versions is not None:
@@ -561,9 +560,8 @@ def environment() -> dict[str, Any]:
 
 
 def _key(r, **override):
-  k = dict(dist=r["dist"], tokens=r["tokens"], hq=r["hq"], hkv=r["hkv"],
-           head_dim=r["head_dim"], dtype=r["dtype"], pass_name=r["pass_name"],
-           bound=r["bound"])
+  k = {name: r[name] for name in ("dist", "tokens", "hq", "hkv", "head_dim",
+                                  "dtype", "pass_name", "bound")}
   k.update(override)
   return tuple(sorted(k.items()))
 

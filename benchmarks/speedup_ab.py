@@ -51,11 +51,11 @@ def program(cp: int, row: Row, strategy: str, backend: str, pass_name: str):
 
 def pair_record(r: timing.PairedResult) -> dict[str, Any]:
   """The JSON fields of a cp=1 (A) / cp=N (B) pair."""
-  return dict(ms_base=r.ms_a, ms_other=r.ms_b,
-              speedup_median=r.ratio_median, speedup_q1=r.ratio_q1,
-              speedup_q3=r.ratio_q3, speedup_min=r.ratio_min,
-              speedup_max=r.ratio_max, ratios=r.ratios, depth_base=r.depth_a,
-              depth_other=r.depth_b)
+  return {"ms_base": r.ms_a, "ms_other": r.ms_b,
+          "speedup_median": r.ratio_median, "speedup_q1": r.ratio_q1,
+          "speedup_q3": r.ratio_q3, "speedup_min": r.ratio_min,
+          "speedup_max": r.ratio_max, "ratios": r.ratios,
+          "depth_base": r.depth_a, "depth_other": r.depth_b}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -120,11 +120,10 @@ def main(argv: Sequence[str] | None = None) -> str:
   kind = jax.devices()[0].device_kind.replace(" ", "_")
   path = os.path.join(args.out, f"speedup_ab_{stamp}_{kind}.json")
   with open(path, "w") as f:
-    json.dump(dict(env=dict(date=stamp,
-                            device_kind=jax.devices()[0].device_kind,
-                            device_count=jax.device_count(),
-                            jax=jax.__version__, args=vars(args)),
-                   records=records), f, indent=1)
+    env = {"date": stamp, "device_kind": jax.devices()[0].device_kind,
+           "device_count": jax.device_count(), "jax": jax.__version__,
+           "args": vars(args)}
+    json.dump({"env": env, "records": records}, f, indent=1)
   print(path)
   return path
 

@@ -99,7 +99,8 @@ def test_bench_json_fields(bench_json):
 def test_report_markdown_and_plot(bench_json, tmp_path):
   path, _ = bench_json
   md, png = report.main([path, "--out", str(tmp_path)])
-  text = open(md).read()
+  with open(md) as f:
+    text = f.read()
   assert "## Targets" in text and "## Which strategy should I pick?" in text
   assert f"## T={T}, Hq={HQ}, Hkv={HKV}, forward+backward" in text
   assert "| DCS |" in text and "| NLB |" in text
