@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -51,7 +52,7 @@ import re
 import statistics
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -116,9 +117,8 @@ def exchange_program(mesh, strategy: str, tokens: int, pass_name: str,
 
   Uses the core's own exchange (``jax_cp.kv_exchange``: all-gather +
   DUAL_CHUNK_SWAP restore, or NO_LOAD_BALANCE's bounded halo). fwd+bwd adds
-  the gradient
-  path (un-restore + reduce-scatter, or the reverse halo permutes) on a
-  buffer-sized dK|dV. XLA merges the backward's identical re-gather with the
+  the gradient path (un-restore + reduce-scatter, or the reverse halo
+  permutes) on a buffer-sized dK|dV. XLA merges the backward's identical re-gather with the
   forward's, so it is not repeated here.
   """
   cp = mesh.shape["cp"]
@@ -248,21 +248,28 @@ def build_plan(args) -> tuple[dict[tuple, Program], list[Measurement]]:
 # ----------------------------------------------------------------- running
 
 
-_COMPILES = {"count": 0, "seconds": 0.0}
-_LISTENING = False
+@dataclasses.dataclass
+class CompileCount:
+  """XLA backend compiles seen while :func:`counting_compiles` is active."""
+
+  count: int = 0
+  seconds: float = 0.0
 
 
-def _count_compiles():
-  global _LISTENING
-  if _LISTENING:
-    return
+@contextlib.contextmanager
+def counting_compiles() -> Iterator[CompileCount]:
+  """Counts XLA backend compiles (and their seconds) inside the block."""
+  counter = CompileCount()
 
   def listener(event, duration, **_):
     if event == "/jax/core/compile/backend_compile_duration":
-      _COMPILES["count"] += 1
-      _COMPILES["seconds"] += duration
+      counter.count += 1
+      counter.seconds += duration
   jax.monitoring.register_event_duration_secs_listener(listener)
-  _LISTENING = True
+  try:
+    yield counter
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def _short_error(e: BaseException) -> str:
@@ -280,7 +287,7 @@ def lower_and_compile(programs: dict[tuple, Program], plan, args, log):
   """Lowers every program on the main thread, then compiles them.
 
   Lowering (tracing, MLIR) must not run while another thread compiles: the
-  two share MLIR state, and overlapping them crashed the process on CPU.
+  two share MLIR state and must not overlap.
   Compiles of already-lowered programs run in a pool of
   ``--compile-workers`` threads (1: sequentially on the main thread).
   """
@@ -419,13 +426,18 @@ def parse_args(argv: Sequence[str] | None = None):
 
 
 def main(argv: Sequence[str] | None = None) -> str:
-  """Runs the benchmark; returns the path of the JSON written."""
+  """Runs the benchmark; returns the path of the JSON written ("" for
+  ``--dry-run``)."""
   args = parse_args(argv)
+  with counting_compiles() as compiles:
+    return run(args, compiles)
+
+
+def run(args: argparse.Namespace, compiles: CompileCount) -> str:
+  """Plans, compiles and measures; returns the path of the JSON written."""
   start = time.perf_counter()
   log = lambda msg: print(f"[{time.perf_counter() - start:7.1f}s] {msg}",
                           flush=True)
-  _count_compiles()
-  compiles0 = dict(_COMPILES)
   programs, plan = build_plan(args)
   log(f"plan: {len(programs)} programs, {len(plan)} measurements")
   if args.dry_run:
@@ -515,8 +527,8 @@ def main(argv: Sequence[str] | None = None) -> str:
         "wall_s": time.perf_counter() - start,
         "compile_phase_s": compile_wall,
         "programs": len(programs), "measurements": len(plan),
-        "xla_compiles": _COMPILES["count"] - compiles0["count"],
-        "xla_compile_s": _COMPILES["seconds"] - compiles0["seconds"],
+        "xla_compiles": compiles.count,
+        "xla_compile_s": compiles.seconds,
         "first_calls_s": sum(x.get("first_call_s") or 0.0
                              for x in payload["records"]),
         "cudnn_graph_builds": sum(x.get("cudnn_graph_builds") or 0
