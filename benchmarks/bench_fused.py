@@ -1,7 +1,7 @@
 """Speed of the cuDNN varlen primitive (no CP) on one GPU, side by side with
 JAX's own cuDNN attention, in one run.
 
-    python3 benchmarks/bench_fused.py [--tokens 32768] [--out DIR]
+    python -m benchmarks.bench_fused [--tokens 32768] [--out DIR]
 
 Per (document mix, Hkv), forward and forward+backward, bf16, Hq=32, D=128:
 
@@ -17,8 +17,9 @@ Per (document mix, Hkv), forward and forward+backward, bf16, Hq=32, D=128:
   ``MaskType.PADDING_CAUSAL``).
 
 FLOPs: ``4 * Hq * D * pairs`` forward with ``pairs = L(L+1)/2`` per document,
-3.5x that for forward+backward. Median of ``--reps`` host-clock timings after
-warm-up, two alternating input sets.
+3.5x that for forward+backward. Median of ``--reps`` synced host-clock
+timings after warm-up, two alternating input sets
+(:func:`benchmarks.timing.synced`).
 """
 
 from __future__ import annotations
@@ -28,31 +29,17 @@ import datetime
 import json
 import os
 import statistics
-import sys
-import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax._src.cudnn import fused_attention_stablehlo as fas
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, _REPO)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-import jax_cp  # noqa: E402
-from bench_cp import pack_row  # noqa: E402
-
-
-def timeit(fn, arg_sets, warmup=3, reps=10):
-  for i in range(warmup):
-    jax.block_until_ready(fn(*arg_sets[i % 2]))
-  times = []
-  for i in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*arg_sets[i % 2]))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+import jax_cp
+from benchmarks import timing
+from benchmarks.workload import FWD_BWD_FLOP_FACTOR, pack_row
 
 
 def fwd_and_bwd(attn):
@@ -64,7 +51,36 @@ def fwd_and_bwd(attn):
   return fwd, bwd
 
 
-def main(argv=None):
+def variants(dist: str, tokens: int, head_dim: int, backend: str,
+             lens: np.ndarray, offs: np.ndarray) -> dict[str, Callable]:
+  """The attention functions ``(q, k, v) -> out`` compared on one row."""
+  longest = int(lens.max())
+
+  def ours(mask: str, bound: int) -> Callable:
+    return lambda q, k, v: jax_cp.fused_attention(
+        q, k, v, lens, lens, offs, offs, attn_mask_type=mask,
+        backend=backend, max_seqlen_q=bound, max_seqlen_kv=bound)
+
+  out = {"ours": ours("causal_top_left", longest),
+         "ours_br": ours("causal_bottom_right", longest)}
+  if dist != "one_doc":
+    out["ours_rowbound"] = ours("causal_top_left", tokens)
+  if dist == "one_doc":
+    out["jax_dense"] = lambda q, k, v: jax.nn.dot_product_attention(
+        q[None], k[None], v[None], is_causal=True, implementation="cudnn")[0]
+  q_seq = jnp.asarray(lens[None])
+  q_off = jnp.asarray(np.append(offs, tokens)[None].astype(np.int32))
+  scale = 1.0 / np.sqrt(head_dim)
+  out["jax_packed"] = lambda q, k, v: fas.dot_product_attention(
+      q[None], k[None], v[None], q_seqlen=q_seq, kv_seqlen=q_seq,
+      q_offsets=q_off, kv_offsets=q_off, scale=scale,
+      mask_type=fas.MaskType.PADDING_CAUSAL)[0]
+  return out
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+  """Runs every variant; returns the records (also printed, and written
+  to ``--out``)."""
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--tokens", type=int, default=32768)
   p.add_argument("--hq", type=int, default=32)
@@ -73,13 +89,21 @@ def main(argv=None):
   p.add_argument("--dists", nargs="+",
                  default=["one_doc", "uniform_1k_8k", "short_128_1k"])
   p.add_argument("--reps", type=int, default=10)
+  p.add_argument("--backend", default="cudnn",
+                 help="jax_cp backend of the ours* variants")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
-  from jax._src.cudnn import fused_attention_stablehlo as fas  # noqa
   t, hq, d = args.tokens, args.hq, args.head_dim
-  scale = 1.0 / np.sqrt(d)
   results = []
   rng = np.random.default_rng(0)
+
+  def inputs(hkv: int) -> tuple:
+    q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.float32)
+    return q, k, v, w
+
   for dist in args.dists:
     cu, cuP = pack_row(dist, t, 1, seed=0)
     lens = np.diff(cu).astype(np.int32)
@@ -88,46 +112,20 @@ def main(argv=None):
     pairs = int((lens.astype(np.int64) * (lens + 1) // 2).sum())
     flops = 4.0 * hq * d * pairs
     for hkv in args.hkv:
-      def inputs():
-        q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.bfloat16)
-        k = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.bfloat16)
-        v = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.bfloat16)
-        w = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.float32)
-        return q, k, v, w
-      sets = [inputs(), inputs()]
-      variants = {}
-
-      def ours(mask, bound):
-        return lambda q, k, v: jax_cp.fused_attention(
-            q, k, v, lens, lens, offs, offs, attn_mask_type=mask,
-            backend="cudnn", max_seqlen_q=bound, max_seqlen_kv=bound)
-      variants["ours"] = ours("causal_top_left", longest)
-      variants["ours_br"] = ours("causal_bottom_right", longest)
-      if dist != "one_doc":
-        variants["ours_rowbound"] = ours("causal_top_left", t)
-      if dist == "one_doc":
-        variants["jax_dense"] = lambda q, k, v: jax.nn.dot_product_attention(
-            q[None], k[None], v[None], is_causal=True,
-            implementation="cudnn")[0]
-      m = len(lens)
-      q_seq = jnp.asarray(lens[None])
-      q_off = jnp.asarray(np.append(offs, t)[None].astype(np.int32))
-      variants["jax_packed"] = lambda q, k, v: fas.dot_product_attention(
-          q[None], k[None], v[None], q_seqlen=q_seq, kv_seqlen=q_seq,
-          q_offsets=q_off, kv_offsets=q_off, scale=scale,
-          mask_type=fas.MaskType.PADDING_CAUSAL)[0]
-      del m
-      for name, attn in variants.items():
+      sets = [inputs(hkv), inputs(hkv)]
+      for name, attn in variants(dist, t, d, args.backend, lens,
+                                 offs).items():
         fwd, bwd = fwd_and_bwd(attn)
-        for pass_name, fn, args_of, fl in (
-            ("fwd", fwd, lambda s: s[:3], flops),
-            ("fwd+bwd", bwd, lambda s: s, 3.5 * flops)):
-          rec = dict(dist=dist, hkv=hkv, variant=name, pass_=pass_name,
-                     docs=int(len(lens)), longest=longest)
+        for pass_name, fn, arg_sets, fl in (
+            ("fwd", fwd, [s[:3] for s in sets], flops),
+            ("fwd+bwd", bwd, sets, FWD_BWD_FLOP_FACTOR * flops)):
+          rec = {"dist": dist, "hkv": hkv, "variant": name,
+                 "pass_": pass_name, "docs": len(lens), "longest": longest}
           try:
-            ms = 1e3 * timeit(fn, [args_of(s) for s in sets], reps=args.reps)
+            ms = 1e3 * statistics.median(timing.synced(
+                fn, arg_sets, reps=args.reps, warmup=3))
             rec.update(ms=ms, tflops=fl / ms / 1e9)
-          except Exception as e:  # pylint: disable=broad-except
+          except Exception as e:  # noqa: BLE001  (recorded; the run goes on)
             rec.update(error=f"{type(e).__name__}: {str(e)[:300]}")
           results.append(rec)
           print(json.dumps(rec), flush=True)
@@ -155,10 +153,11 @@ def main(argv=None):
     path = os.path.join(args.out, "fused_" + datetime.date.today().isoformat()
                         + ".json")
     with open(path, "w") as f:
-      json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                     tokens=t, hq=hq, head_dim=d, results=results), f,
-                indent=1)
+      json.dump({"device": jax.devices()[0].device_kind,
+                 "jax": jax.__version__, "tokens": t, "hq": hq,
+                 "head_dim": d, "results": results}, f, indent=1)
     print("wrote", path)
+  return results
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Where the time of one CP attention step goes: a per-kernel breakdown
 from the JAX profiler, for one configuration.
 
-    python3 benchmarks/profile_step.py --strategy no_load_balance \\
+    python -m benchmarks.profile_step --strategy no_load_balance \\
         --dist short_128_1k --tokens 65536 --cp 2 --pass fwd_bwd
 
 Runs the jitted step a few times under ``jax.profiler.trace``, reads the
@@ -16,30 +16,24 @@ import argparse
 import collections
 import glob
 import os
-import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))
-sys.path.insert(0, _HERE)
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jax_cp  # noqa: E402
-from bench_cp import make_row  # noqa: E402
+import jax_cp
+from benchmarks.workload import make_mesh, make_row
 
 
-def build_step(args):
+def build_step(args: argparse.Namespace):
+  """The jitted step of the configuration and its inputs."""
   row = make_row(args.dist, args.tokens, args.strategy, args.cp, "auto", 0)
-  devices = jax.devices()[:args.cp]
-  mesh = jax.make_mesh((args.cp,), ("cp",), devices=devices,
-                       axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = make_mesh(args.cp)
   shard = NamedSharding(mesh, P(None, "cp"))
   rng = np.random.default_rng(0)
   mk = lambda h: jax.device_put(jnp.asarray(
@@ -49,7 +43,8 @@ def build_step(args):
   cu, cuP = row.cu[None], row.cuP[None]
 
   def attn(q, k, v):
-    return jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh, backend=args.backend,
+    return jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh,
+                               backend=args.backend,
                                load_balancing_strategy=args.strategy,
                                max_seqlen=row.max_seqlen,
                                split_causal_backward=args.split)
@@ -59,53 +54,58 @@ def build_step(args):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (q, k, v, w)
 
 
-def kernel_table(trace_dir: str, iters: int, device_prefix: str):
+def load_profile(trace_dir: str):
+  """The ``jax.profiler.ProfileData`` of a trace directory."""
   paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
                     recursive=True)
   if not paths:
     raise SystemExit(f"no .xplane.pb under {trace_dir}")
-  data = jax.profiler.ProfileData.from_file(paths[0])
-  totals = collections.defaultdict(float)
-  counts = collections.Counter()
+  return jax.profiler.ProfileData.from_file(paths[0])
+
+
+def device_plane(data, device_prefix: str):
+  """The first plane (by name) whose name starts with ``device_prefix``."""
   planes = [p for p in data.planes if p.name.startswith(device_prefix)]
   if not planes:
     raise SystemExit("planes: " + ", ".join(p.name for p in data.planes))
-  plane = sorted(planes, key=lambda p: p.name)[0]
+  return min(planes, key=lambda p: p.name)
+
+
+def kernel_table(data, device_prefix: str, line_filter: str = "stream"):
+  """``(plane name, ms per kernel name, launches per kernel name)`` summed
+  over the plane's lines whose name contains ``line_filter``."""
+  totals = collections.defaultdict(float)
+  counts = collections.Counter()
+  plane = device_plane(data, device_prefix)
   for line in plane.lines:
-    if "stream" not in line.name.lower():
+    if line_filter not in line.name.lower():
       continue
     for ev in line.events:
       totals[ev.name] += ev.duration_ns / 1e6
       counts[ev.name] += 1
   if not totals:
-    raise SystemExit(f"no stream lines in {plane.name}; lines: "
+    raise SystemExit(f"no {line_filter!r} lines in {plane.name}; lines: "
                      + ", ".join(line.name for line in plane.lines))
   return plane.name, totals, counts
 
 
-def kernel_sequence(trace_dir: str, iters: int, device_prefix: str):
+def kernel_sequence(data, iters: int, device_prefix: str,
+                    line_filter: str = "stream"):
   """One step's kernels in time order, from the middle of the traced
   steps: (start offset ms, duration ms, stream, name)."""
-  paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
-                    recursive=True)
-  data = jax.profiler.ProfileData.from_file(paths[0])
-  plane = sorted((p for p in data.planes if p.name.startswith(device_prefix)),
-                 key=lambda p: p.name)[0]
-  events = sorted(((ev.start_ns, ev.duration_ns, line.name, ev.name)
-                   for line in plane.lines
-                   if "stream" in line.name.lower() for ev in line.events))
+  plane = device_plane(data, device_prefix)
+  events = sorted((ev.start_ns, ev.duration_ns, line.name, ev.name)
+                  for line in plane.lines
+                  if line_filter in line.name.lower() for ev in line.events)
   per_step = len(events) // iters
   chunk = events[per_step * (iters // 2):per_step * (iters // 2 + 1)]
   t0 = chunk[0][0] if chunk else 0
   return [((s - t0) / 1e6, d / 1e6, line, name) for s, d, line, name in chunk]
 
 
-def host_table(trace_dir: str):
+def host_table(data):
   """Host-side events (XLA thunks, custom-call handlers, ...) by total
   time: whether the host keeps ahead of the GPU."""
-  paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
-                    recursive=True)
-  data = jax.profiler.ProfileData.from_file(paths[0])
   totals = collections.defaultdict(float)
   counts = collections.Counter()
   for plane in data.planes:
@@ -118,7 +118,8 @@ def host_table(trace_dir: str):
   return totals, counts
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> None:
+  """Profiles one step and prints the tables."""
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--strategy", default="no_load_balance")
   p.add_argument("--dist", default="short_128_1k")
@@ -133,6 +134,9 @@ def main(argv=None):
   p.add_argument("--iters", type=int, default=5)
   p.add_argument("--top", type=int, default=30)
   p.add_argument("--device-plane", default="/device:GPU:0")
+  p.add_argument("--line-filter", default="stream",
+                 help="count the plane's lines whose name contains this "
+                      "(lower case)")
   p.add_argument("--host-top", type=int, default=0,
                  help="also print this many host events by total time")
   p.add_argument("--sequence", action="store_true",
@@ -155,8 +159,9 @@ def main(argv=None):
   with jax.profiler.trace(trace_dir):
     for _ in range(args.iters):
       jax.block_until_ready(step(*inputs))
-  name, totals, counts = kernel_table(trace_dir, args.iters,
-                                      args.device_plane)
+  data = load_profile(trace_dir)
+  name, totals, counts = kernel_table(data, args.device_plane,
+                                      args.line_filter)
   busy = sum(totals.values()) / args.iters
   print(f"{args.strategy} {args.dist} T={args.tokens} cp={args.cp} "
         f"{args.pass_name}: wall {wall:.3f} ms/step (pipelined "
@@ -169,11 +174,11 @@ def main(argv=None):
           f"{kname[:110]}")
   if args.sequence:
     print(f"one step in time order ({name}): start ms, ms, stream, kernel")
-    for start, dur, line, kname in kernel_sequence(trace_dir, args.iters,
-                                                   args.device_plane):
+    for start, dur, line, kname in kernel_sequence(
+        data, args.iters, args.device_plane, args.line_filter):
       print(f"{start:8.4f} {dur:8.4f}  {line[-12:]:>12}  {kname[:90]}")
   if args.host_top:
-    htot, hcnt = host_table(trace_dir)
+    htot, hcnt = host_table(data)
     print(f"host events (ms/step, count/step), top {args.host_top}:")
     for hname, ms in sorted(htot.items(), key=lambda kv: -kv[1])[
         :args.host_top]:

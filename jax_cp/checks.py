@@ -16,6 +16,9 @@ import numpy as np
 from jax_cp.strategy import CPLoadBalancingStrategy
 
 CP_COMM_TYPES = ("all_gather",)
+# Accepted besides CP_COMM_TYPES: the exchange without communication
+# (KVExchange.communicate), for timing a step's exchange.
+CP_COMM_LOCAL_COPIES = "local_copies"
 CP_MASK_TYPES = ("causal", "no_mask")
 
 
@@ -138,7 +141,7 @@ def check_attention_config(strategy: CPLoadBalancingStrategy,
                            attn_mask_type: str, cp_comm_type: str,
                            window_size: Any, dtype: Any) -> None:
   """Configuration rules of DESIGN section 5 (seed constraints)."""
-  if cp_comm_type not in CP_COMM_TYPES:
+  if cp_comm_type not in CP_COMM_TYPES + (CP_COMM_LOCAL_COPIES,):
     raise ValueError(f"cp_comm_type={cp_comm_type!r} is not supported; jax_cp "
                      f"implements {list(CP_COMM_TYPES)}")
   if attn_mask_type not in CP_MASK_TYPES:

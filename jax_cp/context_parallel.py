@@ -424,8 +424,9 @@ def _config(q, k, v, cu_seqlens, cu_seqlens_padded, *, cp_size, cp_axis,
     split_straddle = split_causal_backward and w > _SPLIT_STRADDLE_ABOVE
   else:
     split_straddle = bool(split_causal_backward)
-  exchange = choose_exchange(strategy is _NLB, cp_axis, cp_size,
-                             total_tokens, w)
+  exchange = choose_exchange(
+      strategy is _NLB, cp_axis, cp_size, total_tokens, w,
+      communicate=cp_comm_type != checks.CP_COMM_LOCAL_COPIES)
   return CPConfig(strategy=strategy, cp_axis=cp_axis, cp_size=cp_size,
                   causal=attn_mask_type == "causal",
                   scale=default_scale(q.shape[-1], softmax_scale),
@@ -473,7 +474,10 @@ def cp_attention_local(q, k, v, cu_seqlens, cu_seqlens_padded, *,
       ``[B, N+1]`` (replicated over the cp axis; may be traced).
     cp_axis: the mesh axis the row is split over (``None``: no CP).
     load_balancing_strategy: :class:`CPLoadBalancingStrategy` or its string.
-    cp_comm_type: ``"all_gather"`` (the only exchange implemented).
+    cp_comm_type: ``"all_gather"`` (the only exchange implemented), or
+      ``"local_copies"``: the same exchange with every collective replaced
+      by a local copy of the same shape (no communication; wrong results
+      for cp > 1), to time a step without its communication.
     attn_mask_type: ``"causal"`` or ``"no_mask"`` (DUAL_CHUNK_SWAP only).
     softmax_scale: defaults to ``1/sqrt(D)``.
     backend: ``"auto"``, ``"cudnn"`` or ``"xla"``.

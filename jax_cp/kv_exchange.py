@@ -13,6 +13,12 @@
   (the backend's ``merge_rows``).
 * ``none``: one rank (cp=1), the local chunk is the row.
 
+With ``communicate=False`` (``cp_comm_type="local_copies"``) every collective
+of the exchange is replaced by a local copy of the same shape: the step keeps
+its shapes and calls but moves nothing between ranks, so its results are
+wrong for cp > 1. It exists to time a step without its communication
+(``benchmarks/bench_cp.py``).
+
 K and V travel together (concatenated on the head axis): one collective for
 both.
 """
@@ -42,6 +48,10 @@ class KVExchange:
     restore_dual_chunk: all-gathered buffer is in DUAL_CHUNK_SWAP layout and
       must be put back into sequence order.
     halo_tokens: tokens received from predecessors (``kind == "halo"``).
+    communicate: False replaces each collective by a local copy of the same
+      shape (all-gather: the local chunk repeated; reduce-scatter: this
+      rank's slice; permute: identity). Wrong results for cp > 1; for
+      timing a step without communication.
   """
 
   kind: str
@@ -50,6 +60,7 @@ class KVExchange:
   total_tokens: int
   restore_dual_chunk: bool = False
   halo_tokens: int = 0
+  communicate: bool = True
 
   @property
   def local_tokens(self) -> int:
@@ -77,6 +88,24 @@ class KVExchange:
     n = -(-h // tl)
     return [(j, tl if j < n else h - (n - 1) * tl) for j in range(n, 0, -1)]
 
+  def _all_gather(self, x):
+    """Tiled all-gather over the cp axis on the token axis (1)."""
+    if self.communicate:
+      return jax.lax.all_gather(x, self.cp_axis, axis=1, tiled=True)
+    return jnp.concatenate([x] * self.cp_size, axis=1)
+
+  def _reduce_scatter(self, x):
+    """Tiled sum-scatter over the cp axis on the token axis (1)."""
+    if self.communicate:
+      return jax.lax.psum_scatter(x, self.cp_axis, scatter_dimension=1,
+                                  tiled=True)
+    tl = x.shape[1] // self.cp_size
+    rank = jax.lax.axis_index(self.cp_axis)
+    return jax.lax.dynamic_slice_in_dim(x, rank * tl, tl, axis=1)
+
+  def _permute(self, x, perm):
+    return jax.lax.ppermute(x, self.cp_axis, perm) if self.communicate else x
+
   # ----------------------------------------------------------------- forward
 
   def gather(self, k, v, cu_seqlens_padded):
@@ -87,7 +116,7 @@ class KVExchange:
       return k, v
     hk = k.shape[2]
     kv = jnp.concatenate([k, v], axis=2)
-    kv = jax.lax.all_gather(kv, self.cp_axis, axis=1, tiled=True)
+    kv = self._all_gather(kv)
     if self.restore_dual_chunk:
       idx = partition.gathered_to_sequence_index(
           cu_seqlens_padded, self.cp_size, self.total_tokens)
@@ -103,7 +132,7 @@ class KVExchange:
     pieces = []
     for hop, size in self._hops():
       perm = [(i, i + hop) for i in range(self.cp_size - hop)]
-      pieces.append(jax.lax.ppermute(kv[:, tl - size:], self.cp_axis, perm))
+      pieces.append(self._permute(kv[:, tl - size:], perm))
     return jnp.concatenate(pieces, axis=1)
 
   def assemble(self, halo, k, v, rows: Optional[int] = None, first=None,
@@ -153,8 +182,7 @@ class KVExchange:
         pos = partition.sequence_to_gathered_index(
             cu_seqlens_padded, self.cp_size, self.total_tokens)
         dkv = jnp.take_along_axis(dkv, pos[:, :, None, None], axis=1)
-      dkv = jax.lax.psum_scatter(dkv, self.cp_axis, scatter_dimension=1,
-                                 tiled=True)
+      dkv = self._reduce_scatter(dkv)
       back_k, back_v = dkv[:, :, :hk], dkv[:, :, hk:]
       return (back_k if into_k is None else _add(into_k, back_k),
               back_v if into_v is None else _add(into_v, back_v))
@@ -171,7 +199,7 @@ class KVExchange:
                                dv[:, start:start + size]], axis=2)
       start += size
       perm = [(i + hop, i) for i in range(self.cp_size - hop)]
-      back = jax.lax.ppermute(piece, self.cp_axis, perm)
+      back = self._permute(piece, perm)
       # The last `size` rows of this rank's chunk, read by a successor.
       out_k = merge_rows(out_k, back[:, :, :hk], tl - size, "add")
       out_v = merge_rows(out_v, back[:, :, hk:], tl - size, "add")
@@ -184,13 +212,14 @@ def _add(a, b):
 
 
 def choose_exchange(strategy_is_nlb: bool, cp_axis, cp_size: int,
-                    total_tokens: int, max_seqlen: Optional[int]
-                    ) -> KVExchange:
+                    total_tokens: int, max_seqlen: Optional[int],
+                    communicate: bool = True) -> KVExchange:
   """The cheapest correct exchange for the layout, chosen statically.
 
   NO_LOAD_BALANCE with a bound W moves ``W-1`` tokens per rank through
   ``ceil((W-1)/Tl)`` hops instead of ``(cp-1)*Tl``; when that reaches rank 0
-  anyway (``W-1 >= (cp-1)*Tl``) the all-gather is used.
+  anyway (``W-1 >= (cp-1)*Tl``) the all-gather is used. ``communicate``
+  is :attr:`KVExchange.communicate`.
   """
   if cp_size == 1:
     return KVExchange("none", cp_axis, 1, total_tokens)
@@ -201,6 +230,7 @@ def choose_exchange(strategy_is_nlb: bool, cp_axis, cp_size: int,
       return KVExchange("none", cp_axis, cp_size, total_tokens)
     if halo < (cp_size - 1) * tl:
       return KVExchange("halo", cp_axis, cp_size, total_tokens,
-                        halo_tokens=halo)
+                        halo_tokens=halo, communicate=communicate)
   return KVExchange("all_gather", cp_axis, cp_size, total_tokens,
-                    restore_dual_chunk=not strategy_is_nlb)
+                    restore_dual_chunk=not strategy_is_nlb,
+                    communicate=communicate)
