@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from jax_cp import partition
 from jax_cp.attention.assemble import assemble_kv_jnp
+from jax_cp.attention.merge import add
 from jax_cp.attention.merge import merge_rows_jnp
 
 
@@ -144,8 +145,8 @@ class KVExchange:
     """
     into_k, into_v = into
     if self.kind == "none":
-      return (dk if into_k is None else _add(into_k, dk),
-              dv if into_v is None else _add(into_v, dv))
+      return (dk if into_k is None else add(into_k, dk),
+              dv if into_v is None else add(into_v, dv))
     hk = dk.shape[2]
     if self.kind == "all_gather":
       dkv = jnp.concatenate([dk, dv], axis=2)
@@ -156,8 +157,8 @@ class KVExchange:
       dkv = jax.lax.psum_scatter(dkv, self.cp_axis, scatter_dimension=1,
                                  tiled=True)
       back_k, back_v = dkv[:, :, :hk], dkv[:, :, hk:]
-      return (back_k if into_k is None else _add(into_k, back_k),
-              back_v if into_v is None else _add(into_v, back_v))
+      return (back_k if into_k is None else add(into_k, back_k),
+              back_v if into_v is None else add(into_v, back_v))
     tl, halo = self.local_tokens, self.halo_tokens
     shape = dk.shape[:1] + (tl,) + dk.shape[2:]
     out_k = jnp.zeros(shape, dk.dtype) if into_k is None else into_k
@@ -176,11 +177,6 @@ class KVExchange:
       out_k = merge_rows(out_k, back[:, :, :hk], tl - size, "add")
       out_v = merge_rows(out_v, back[:, :, hk:], tl - size, "add")
     return out_k, out_v
-
-
-def _add(a, b):
-  """a + b, summed in float32, in a's dtype."""
-  return (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(a.dtype)
 
 
 def choose_exchange(strategy_is_nlb: bool, cp_axis, cp_size: int,
