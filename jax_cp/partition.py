@@ -278,13 +278,11 @@ def longest_padded_document(cu_seqlens_padded) -> int:
 def check_max_seqlen_bound(cu_seqlens_padded, max_seqlen) -> None:
   """Raises if a concrete row holds a padded document longer than
   ``max_seqlen`` (a no-op for traced metadata)."""
-  if checks.concrete(cu_seqlens_padded) is None:
+  cuP = checks.concrete(cu_seqlens_padded)
+  if cuP is None:
     return
-  longest = longest_padded_document(cu_seqlens_padded)
-  if longest > int(max_seqlen):
-    raise ValueError(
-        f"max_seqlen={max_seqlen} is smaller than the longest padded "
-        f"document ({longest} tokens) in cu_seqlens_padded")
+  checks.check_cu_seqlens_padded(cuP)
+  checks.check_max_seqlen_bound(cuP, max_seqlen)
 
 
 def get_position_ids(cu_seqlens_padded, total_tokens: Optional[int] = None):
