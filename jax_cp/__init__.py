@@ -1,6 +1,6 @@
 """jax_cp: context-parallel attention over packed variable-length sequences.
 
-Public API (DESIGN section 7)::
+Public API::
 
     from jax_cp import CPLoadBalancingStrategy
     jax_cp.get_partition_indices / get_batch_on_this_cp_rank

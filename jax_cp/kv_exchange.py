@@ -3,7 +3,8 @@
 * ``all_gather``: every rank gets the whole row ``[T]``; DUAL_CHUNK_SWAP
   buffers are put back into sequence order with a gather. Gradients go back
   with the inverse gather and a reduce-scatter (``psum_scatter``).
-* ``halo`` (NO_LOAD_BALANCE with a ``max_seqlen`` bound W, DESIGN §5.1):
+* ``halo`` (NO_LOAD_BALANCE with a ``max_seqlen`` bound W; docs/design.md,
+  Exchange):
   rank r needs only physical tokens ``[lo - (W-1), lo)`` from its
   predecessors, ``ceil((W-1)/Tl)`` ``ppermute`` hops. The buffer holds
   ``[lo - halo, hi)`` (assembled per call, only as many rows as the call

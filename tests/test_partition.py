@@ -17,7 +17,7 @@ KINDS = ("one_long", "many_short", "mixed")
 
 
 def brute_indices(cuP, cp, r, strategy):
-  """Independent per-rank indices, written from the DESIGN text."""
+  """Independent per-rank indices, written from the layout definitions."""
   t = int(cuP[-1])
   if strategy == S.NO_LOAD_BALANCE:
     return list(range(r * t // cp, (r + 1) * t // cp))
@@ -38,7 +38,7 @@ def test_published_cases():
                                    S.NO_LOAD_BALANCE), [6, 7, 8])
   m = metadata.no_load_balance_step(jnp.array([0, 6, 10]),
                                     jnp.array([0, 8, 12]), 2, 1, 12)
-  # TransformerEngine reports cumulative forms.
+  # The same metadata in cumulative form.
   np.testing.assert_array_equal(np.concatenate([[0], np.cumsum(m.q_lens)]),
                                 [0, 0, 4])
   np.testing.assert_array_equal(np.append(m.q_offsets, 6), [0, 2, 6])
