@@ -75,8 +75,8 @@ def _ceil_div(a: int, b: int) -> int:
 def forward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
                   ) -> List[Call]:
   """The varlen attention calls of this rank's forward, in order."""
-  # w: the bound on a padded document, cp: ranks, tl: local tokens.
-  w, cp, tl = cfg.max_seqlen, cfg.cp_size, cfg.local_tokens
+  # w: the bound on a padded document, cp: the number of ranks.
+  w, cp = cfg.max_seqlen, cfg.cp_size
   cu, cuP = cu_seqlens, cu_seqlens_padded
   if cp == 1:
     m = metadata.no_load_balance_step(cu, cuP, 1, 0, cfg.total_tokens)

@@ -196,7 +196,8 @@ def _place(x, mesh, spec):
   meshes with Explicit axes (it checks types), a sharding constraint on
   Auto ones (a no-op when already so)."""
   sharding = NamedSharding(mesh, spec) if isinstance(mesh, Mesh) else spec
-  explicit = any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+  explicit = any(t == AxisType.Explicit
+                 for t in getattr(mesh, "axis_types", ()))
   if explicit:
     return jax.reshard(x, sharding)
   return jax.lax.with_sharding_constraint(x, sharding)

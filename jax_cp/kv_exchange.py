@@ -28,8 +28,7 @@ import jax.numpy as jnp
 
 from jax_cp import partition
 from jax_cp.attention.assemble import assemble_kv_jnp
-from jax_cp.attention.merge import add
-from jax_cp.attention.merge import merge_rows_jnp
+from jax_cp.attention.merge import add, merge_rows_jnp
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,8 +7,8 @@ import pytest
 
 from jax_cp import call_plan, checks
 from jax_cp.attention.registry import resolve_backend
-from jax_cp.kv_exchange import choose_exchange
 from jax_cp.cp_config import CPConfig
+from jax_cp.kv_exchange import choose_exchange
 from jax_cp.strategy import CPLoadBalancingStrategy as S
 
 CP, T = 4, 64

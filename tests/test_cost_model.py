@@ -3,6 +3,8 @@ docs/design.md, Strategies."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -236,7 +238,7 @@ def test_bad_model_parameters_raise():
 def test_estimate_is_frozen_and_exported():
   est = jax_cp.estimate_cp_imbalance([0, 8], [0, 8], 2, S.NO_LOAD_BALANCE)
   assert isinstance(est, jax_cp.CPCostEstimate)
-  with pytest.raises(Exception):
+  with pytest.raises(dataclasses.FrozenInstanceError):
     est.imbalance = 2.0  # type: ignore[misc]
   assert "estimate_cp_imbalance" in jax_cp.__all__
   assert "recommend_strategy" in jax_cp.__all__

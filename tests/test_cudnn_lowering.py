@@ -27,7 +27,8 @@ BWD = "jax_cp_cudnn_sdpa_bwd"
 MASK_CODES = {"no_mask": 0, "causal_top_left": 1, "causal_bottom_right": 2}
 
 _CALL_RE = re.compile(
-    r"stablehlo\.custom_call @(?P<name>\w+)\((?P<args>[^)]*)\)\s*\{(?P<attrs>.*)\}"
+    r"stablehlo\.custom_call @(?P<name>\w+)\((?P<args>[^)]*)\)\s*"
+    r"\{(?P<attrs>.*)\}"
     r"\s*:\s*\((?P<in>[^)]*)\)\s*->\s*(?P<out>.+)$")
 
 

@@ -41,7 +41,7 @@ def check_metadata_shapes(batch: Optional[int], **arrays) -> int:
   shapes = {name: np.shape(a) for name, a in arrays.items()}
   first = next(iter(shapes.values()))
   want_ndim = 1 if batch is None else 2
-  for name, shape in shapes.items():
+  for shape in shapes.values():
     if shape != first or len(shape) != want_ndim or (
         batch is not None and shape[0] != batch):
       raise ValueError(

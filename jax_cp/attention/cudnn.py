@@ -69,7 +69,7 @@ _INT32_LIMIT = 2**31
 
 
 def graph_cache_stats() -> Dict[str, int]:
-  """``dict(builds=, hits=, entries=)`` of the process-wide cuDNN graph cache."""
+  """``dict(builds=, hits=, entries=)`` of the process-wide graph cache."""
   return dict(_jax_cp_cuda.graph_cache_stats())
 
 

@@ -198,7 +198,7 @@ class MultiHeadAttention(nn.Module):
 
   def __post_init__(self):
     settings.validate_fields(self)
-    self.kv_heads  # pylint: disable=pointless-statement  (validates)
+    self.kv_heads  # noqa: B018  (reading the property validates the heads)
     super().__post_init__()
 
   @property
