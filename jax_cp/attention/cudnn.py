@@ -13,7 +13,7 @@ The backend supports in-place writes (``into=``, ``dq_into=``, ``dq_fill=``;
 its rows into aliased buffers of an earlier call.
 
 The wrapper is thin: it validates shapes and dtypes (``check_*`` functions,
-``ValueError``), turns :class:`~jax_cp.attention.registry.Segments` into the
+``ValueError``), turns :class:`~jax_cp.attention.backend.Segments` into the
 per-segment lengths and *element* offsets cuDNN's ragged (THD) layout needs,
 calls the custom call, and masks the rows cuDNN leaves undefined:
 
