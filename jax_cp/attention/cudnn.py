@@ -41,7 +41,7 @@ import jax  # Before the extension: JAX's CUDA plugin loads cuDNN/cudart.
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cp import _jax_cp_cuda
+import jax_cp._jax_cp_cuda as _jax_cp_cuda  # ModuleNotFoundError when absent
 from jax_cp.attention.assemble import check_assemble_kv
 from jax_cp.attention.backend import MASK_TYPES, Backend, Segments
 from jax_cp.attention.merge import check_merge_rows, merge_rows_jnp
