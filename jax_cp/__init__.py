@@ -1,24 +1,38 @@
 """jax_cp: context-parallel attention over packed variable-length sequences.
 
-Public API (DESIGN section 7)::
+Public API::
 
     from jax_cp import CPLoadBalancingStrategy
     jax_cp.get_partition_indices / get_batch_on_this_cp_rank
     jax_cp.reorder_for_cp / restore_from_cp / get_position_ids
     jax_cp.cp_attention (global view) / cp_attention_local (inside shard_map)
     jax_cp.fused_attention (the varlen primitive, no CP)
-    from jax_cp.flax import DotProductAttention, MultiHeadAttention, TransformerLayer
+    from jax_cp.flax import (DotProductAttention, MultiHeadAttention,
+                             TransformerLayer)
 """
 
 from jax_cp.attention.api import fused_attention
 from jax_cp.context_parallel import cp_attention, cp_attention_local
-from jax_cp.cost_model import (CPCostEstimate, StrategyRecommendation,
-                               estimate_cp_imbalance, recommend_strategy)
-from jax_cp.data import (GlobalBatch, make_global_batch, make_global_metadata,
-                          process_batch_rows)
-from jax_cp.partition import (get_batch_on_this_cp_rank, get_partition_indices,
-                              get_position_ids, longest_padded_document,
-                              reorder_for_cp, restore_from_cp)
+from jax_cp.cost_model import (
+                               CPCostEstimate,
+                               StrategyRecommendation,
+                               estimate_cp_imbalance,
+                               recommend_strategy,
+)
+from jax_cp.data import (
+                               GlobalBatch,
+                               make_global_batch,
+                               make_global_metadata,
+                               process_batch_rows,
+)
+from jax_cp.partition import (
+                               get_batch_on_this_cp_rank,
+                               get_partition_indices,
+                               get_position_ids,
+                               longest_padded_document,
+                               reorder_for_cp,
+                               restore_from_cp,
+)
 from jax_cp.strategy import CPLoadBalancingStrategy
 
 __version__ = "0.1.0"

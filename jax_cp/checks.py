@@ -140,7 +140,10 @@ def check_seq_len_matches(n_tokens: int, cu_seqlens_padded: Any,
 def check_attention_config(strategy: CPLoadBalancingStrategy,
                            attn_mask_type: str, cp_comm_type: str,
                            window_size: Any, dtype: Any) -> None:
-  """Configuration rules of DESIGN section 5 (seed constraints)."""
+  """The supported configurations of CP attention: the all-gather
+  exchange (or the benchmarks' local copies), causal or unmasked attention,
+  no sliding window, causal only with NO_LOAD_BALANCE, floating q, no
+  FP8."""
   if cp_comm_type not in CP_COMM_TYPES + (CP_COMM_LOCAL_COPIES,):
     raise ValueError(f"cp_comm_type={cp_comm_type!r} is not supported; jax_cp "
                      f"implements {list(CP_COMM_TYPES)}")
@@ -268,3 +271,60 @@ def check_mesh_axis(mesh: Any, axis: Optional[str], argname: str) -> None:
   if axis not in names:
     raise ValueError(f"{argname}={axis!r} is not an axis of the mesh; its "
                      f"axes are {names}")
+
+
+def check_cu_seqlens_rank(q_shape, **metadata: Any) -> None:
+  """Row metadata is ``[N+1]`` for q ``[T, H, D]`` and ``[B, N+1]`` for q
+  ``[B, T, H, D]``, of an integer dtype."""
+  batched = len(q_shape) == 4
+  for name, x in metadata.items():
+    if np.ndim(x) != (2 if batched else 1) or (
+        batched and np.shape(x)[0] != q_shape[0]):
+      raise ValueError(
+          f"{name} must be [N+1] for q [T, H, D] or [B, N+1] for q "
+          f"[B, T, H, D]; got {name} {np.shape(x)} with q {tuple(q_shape)}")
+    dtype = jax.numpy.result_type(x)
+    if not jax.numpy.issubdtype(dtype, jax.numpy.integer):
+      raise ValueError(f"{name} must hold integers, got {dtype}")
+
+
+def check_max_seqlen(max_seqlen: Any, cu_seqlens_padded: Any,
+                     total_tokens: int) -> int:
+  """``max_seqlen`` as an int bound in ``[1, T]`` (None = T); when the
+  metadata is concrete, raises if a padded document is longer."""
+  if max_seqlen is None:
+    return total_tokens
+  if isinstance(max_seqlen, jax.core.Tracer) or int(max_seqlen) < 1:
+    raise ValueError(f"max_seqlen must be a static positive int, got "
+                     f"{max_seqlen!r}")
+  check_max_seqlen_bound(cu_seqlens_padded, max_seqlen)
+  return min(int(max_seqlen), total_tokens)
+
+
+def check_max_seqlen_bound(cu_seqlens_padded: Any, max_seqlen: Any) -> None:
+  """Raises if a concrete row holds a padded document longer than
+  ``max_seqlen`` (a no-op for traced metadata)."""
+  cuP = concrete(cu_seqlens_padded)
+  if cuP is None or not cuP.size:
+    return
+  longest = int(np.diff(cuP.reshape(-1, cuP.shape[-1]), axis=-1).max(
+      initial=0))
+  if longest > int(max_seqlen):
+    raise ValueError(
+        f"max_seqlen={max_seqlen} is smaller than the longest padded "
+        f"document ({longest} tokens) in cu_seqlens_padded")
+
+
+def check_batch_axis_rank(batch_axis: Any, q_shape) -> None:
+  """A batch (data-parallel) axis needs inputs ``[B, T, H, D]``."""
+  if batch_axis and len(q_shape) != 4:
+    raise ValueError(f"batch_axis={batch_axis!r} needs inputs [B, T, H, D], "
+                     f"got q {tuple(q_shape)}")
+
+
+def check_head_axis_divides(head_axis: Optional[str], size: int,
+                            q_shape, k_shape) -> None:
+  """A head (tensor-parallel) axis must divide ``Hq`` and ``Hkv``."""
+  if head_axis is not None and (k_shape[-2] % size or q_shape[-2] % size):
+    raise ValueError(f"head_axis={head_axis!r} of size {size} must divide "
+                     f"Hq={q_shape[-2]} and Hkv={k_shape[-2]}")

@@ -1,4 +1,4 @@
-"""Host-side cost model of all-gather CP attention (DESIGN section 5, item 3).
+"""Host-side cost model of CP attention (docs/design.md, Strategies).
 
 Given a batch's metadata, :func:`estimate_cp_imbalance` predicts what each
 context-parallel rank does in the forward of causal self-attention under a

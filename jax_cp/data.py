@@ -30,11 +30,11 @@ from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_cp import checks
-from jax_cp.partition import (check_max_seqlen_bound,
-                              get_batch_on_this_cp_rank)
+from jax_cp.partition import check_max_seqlen_bound, get_batch_on_this_cp_rank
 from jax_cp.strategy import CPLoadBalancingStrategy, as_strategy
 
 AxisNames = Union[None, str, Sequence[str]]

@@ -3,7 +3,8 @@
 * ``all_gather``: every rank gets the whole row ``[T]``; DUAL_CHUNK_SWAP
   buffers are put back into sequence order with a gather. Gradients go back
   with the inverse gather and a reduce-scatter (``psum_scatter``).
-* ``halo`` (NO_LOAD_BALANCE with a ``max_seqlen`` bound W, DESIGN §5.1):
+* ``halo`` (NO_LOAD_BALANCE with a ``max_seqlen`` bound W; docs/design.md,
+  Exchange):
   rank r needs only physical tokens ``[lo - (W-1), lo)`` from its
   predecessors, ``ceil((W-1)/Tl)`` ``ppermute`` hops. The buffer holds
   ``[lo - halo, hi)`` (assembled per call, only as many rows as the call
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 
 from jax_cp import partition
 from jax_cp.attention.assemble import assemble_kv_jnp
-from jax_cp.attention.merge import merge_rows_jnp
+from jax_cp.attention.merge import add, merge_rows_jnp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,8 +174,8 @@ class KVExchange:
     """
     into_k, into_v = into
     if self.kind == "none":
-      return (dk if into_k is None else _add(into_k, dk),
-              dv if into_v is None else _add(into_v, dv))
+      return (dk if into_k is None else add(into_k, dk),
+              dv if into_v is None else add(into_v, dv))
     hk = dk.shape[2]
     if self.kind == "all_gather":
       dkv = jnp.concatenate([dk, dv], axis=2)
@@ -184,8 +185,8 @@ class KVExchange:
         dkv = jnp.take_along_axis(dkv, pos[:, :, None, None], axis=1)
       dkv = self._reduce_scatter(dkv)
       back_k, back_v = dkv[:, :, :hk], dkv[:, :, hk:]
-      return (back_k if into_k is None else _add(into_k, back_k),
-              back_v if into_v is None else _add(into_v, back_v))
+      return (back_k if into_k is None else add(into_k, back_k),
+              back_v if into_v is None else add(into_v, back_v))
     tl, halo = self.local_tokens, self.halo_tokens
     shape = dk.shape[:1] + (tl,) + dk.shape[2:]
     out_k = jnp.zeros(shape, dk.dtype) if into_k is None else into_k
@@ -204,11 +205,6 @@ class KVExchange:
       out_k = merge_rows(out_k, back[:, :, :hk], tl - size, "add")
       out_v = merge_rows(out_v, back[:, :, hk:], tl - size, "add")
     return out_k, out_v
-
-
-def _add(a, b):
-  """a + b, summed in float32, in a's dtype."""
-  return (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(a.dtype)
 
 
 def choose_exchange(strategy_is_nlb: bool, cp_axis, cp_size: int,

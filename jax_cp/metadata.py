@@ -1,4 +1,4 @@
-"""Per-step attention metadata of all-gather CP (DESIGN section 3).
+"""Per-step attention metadata of CP (docs/design.md, Call plans).
 
 Pure ``jnp`` functions of (``cu_seqlens``, ``cu_seqlens_padded``, ``cp_size``,
 traced ``rank``). Every result is per document, int32 ``[..., N]``:

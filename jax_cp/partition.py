@@ -10,7 +10,7 @@ Every function here has two paths with the same results:
   with the number of documents (``max_docs``) static. Trailing empty
   documents (repeated last ``cu_seqlens_padded`` value) are allowed.
 
-The layouts (DESIGN section 2):
+The layouts (docs/design.md, Strategies):
 
 * ``DUAL_CHUNK_SWAP``: document ``b`` of padded length ``P_b`` is cut into
   ``2*cp`` chunks of ``c_b = P_b / (2*cp)`` tokens; rank ``r`` holds chunks
@@ -278,13 +278,11 @@ def longest_padded_document(cu_seqlens_padded) -> int:
 def check_max_seqlen_bound(cu_seqlens_padded, max_seqlen) -> None:
   """Raises if a concrete row holds a padded document longer than
   ``max_seqlen`` (a no-op for traced metadata)."""
-  if checks.concrete(cu_seqlens_padded) is None:
+  cuP = checks.concrete(cu_seqlens_padded)
+  if cuP is None:
     return
-  longest = longest_padded_document(cu_seqlens_padded)
-  if longest > int(max_seqlen):
-    raise ValueError(
-        f"max_seqlen={max_seqlen} is smaller than the longest padded "
-        f"document ({longest} tokens) in cu_seqlens_padded")
+  checks.check_cu_seqlens_padded(cuP)
+  checks.check_max_seqlen_bound(cuP, max_seqlen)
 
 
 def get_position_ids(cu_seqlens_padded, total_tokens: Optional[int] = None):
@@ -349,8 +347,8 @@ def gathered_to_sequence_index(cu_seqlens_padded, cp_size: int,
 def sequence_to_gathered_index(cu_seqlens_padded, cp_size: int,
                                total_tokens: int):
   """DUAL_CHUNK_SWAP, jnp: for each gathered index ``g`` (rank ``g // Tl``,
-  local token ``g % Tl``), its physical position in the row (DESIGN
-  section 3, step 2). ``[T]`` or ``[B, T]`` int32."""
+  local token ``g % Tl``), its physical position in the row (docs/design.md,
+  Exchange). ``[T]`` or ``[B, T]`` int32."""
   local = total_tokens // cp_size
 
   def one_row(cuP):

@@ -68,7 +68,7 @@ def test_check_assemble_kv_names_the_argument(change, match):
 def test_cudnn_assemble_kv_needs_the_range():
   try:
     from jax_cp.attention import cudnn
-  except ImportError:
+  except ModuleNotFoundError:  # a present but broken extension fails
     pytest.skip("jax_cp's cuDNN extension is not built")
   halo, k, v = _inputs()
   with pytest.raises(ValueError, match="needs the row range first/count"):

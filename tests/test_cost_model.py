@@ -1,6 +1,9 @@
-"""Tests of jax_cp.cost_model against brute force and DESIGN's facts."""
+"""Tests of jax_cp.cost_model against brute force and the formulas of
+docs/design.md, Strategies."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -90,7 +93,7 @@ def test_batched_rows_sum_per_rank(strategy):
 
 @pytest.mark.parametrize("cp", [2, 4, 8])
 def test_one_document_no_load_balance(cp):
-  """DESIGN: rank r does (2r+1)/cp^2 of the work, imbalance (2cp-1)/cp.
+  """One document: rank r does (2r+1)/cp^2 of the work, imbalance (2cp-1)/cp.
   Exactly, rank r has Tl^2 (2r+1)/2 + Tl/2 pairs (the diagonal adds Tl/2),
   so the ratios hold up to O(1/Tl)."""
   t = 4096 * cp
@@ -114,9 +117,9 @@ def test_one_document_dual_chunk_swap_is_exactly_balanced(cp):
   assert est.calls_per_rank == (1 if cp == 1 else 2)
 
 
-def test_design_example_three_quarters_and_quarter():
-  """DESIGN section 2 says per-document chunking "can even be worse" with
-  cp=2 and documents of 3S/4 and S/4. In causal work it is not: DCS
+def test_three_quarters_and_quarter():
+  """Per-document chunking against contiguous chunks with cp=2 and
+  documents of 3S/4 and S/4. In causal work DCS
   balances each document exactly (imbalance 1), contiguous chunks give
   rank 1 the last quarter of the long document plus the short one
   (6/32 S^2 vs 4/32 S^2: imbalance 1.2)."""
@@ -235,7 +238,7 @@ def test_bad_model_parameters_raise():
 def test_estimate_is_frozen_and_exported():
   est = jax_cp.estimate_cp_imbalance([0, 8], [0, 8], 2, S.NO_LOAD_BALANCE)
   assert isinstance(est, jax_cp.CPCostEstimate)
-  with pytest.raises(Exception):
+  with pytest.raises(dataclasses.FrozenInstanceError):
     est.imbalance = 2.0  # type: ignore[misc]
   assert "estimate_cp_imbalance" in jax_cp.__all__
   assert "recommend_strategy" in jax_cp.__all__

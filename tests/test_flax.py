@@ -16,8 +16,13 @@ from jax.sharding import PartitionSpec as P
 import jax_cp
 from jax_cp import CPLoadBalancingStrategy as S
 from jax_cp import context_parallel
-from jax_cp.flax import (CP_FIELDS, DotProductAttention, MultiHeadAttention,
-                         TransformerLayer, strategy_from_code)
+from jax_cp.flax import (
+  CP_FIELDS,
+  DotProductAttention,
+  MultiHeadAttention,
+  TransformerLayer,
+  strategy_from_code,
+)
 from jax_cp.flax.attention import default_position_ids
 from tests import reference as ref
 

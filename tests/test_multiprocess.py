@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jax_cp
 from jax_cp import CPLoadBalancingStrategy as S
@@ -304,7 +305,7 @@ def test_two_processes_cp_attention_matches_reference(tmp_path):
       assert not bad, f"worker {i} {case}: {bad}"
       assert res["rows"] == rows[case.split("/")[0]](i), (i, case)
     for case in want_cases:
-      if case.startswith(("cp8", "dp2_cp4/")):   # attention was checked
+      if case.startswith(("cp8", "dp2_cp4/")):   # cases that check attention
         assert {"out", "dq", "dk", "dv"} <= set(rep["results"][case]["errors"])
 
 

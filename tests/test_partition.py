@@ -17,7 +17,7 @@ KINDS = ("one_long", "many_short", "mixed")
 
 
 def brute_indices(cuP, cp, r, strategy):
-  """Independent per-rank indices, written from the DESIGN text."""
+  """Independent per-rank indices, written from the layout definitions."""
   t = int(cuP[-1])
   if strategy == S.NO_LOAD_BALANCE:
     return list(range(r * t // cp, (r + 1) * t // cp))
@@ -38,7 +38,7 @@ def test_published_cases():
                                    S.NO_LOAD_BALANCE), [6, 7, 8])
   m = metadata.no_load_balance_step(jnp.array([0, 6, 10]),
                                     jnp.array([0, 8, 12]), 2, 1, 12)
-  # TransformerEngine reports cumulative forms.
+  # The same metadata in cumulative form.
   np.testing.assert_array_equal(np.concatenate([[0], np.cumsum(m.q_lens)]),
                                 [0, 0, 4])
   np.testing.assert_array_equal(np.append(m.q_offsets, 6), [0, 2, 6])
@@ -79,7 +79,7 @@ def test_partition_properties(cp, strategy, kind):
                                   np.arange(total))
     # The jnp path, traced rank and traced metadata, gives the same.
     f = jax.jit(lambda c, r: jax_cp.get_partition_indices(
-        c, cp, r, strategy, total_tokens=total))
+        c, cp, r, strategy, total_tokens=total))  # noqa: B023  (called in this iteration)
     for r in range(cp):
       np.testing.assert_array_equal(f(jnp.asarray(cuP), jnp.int32(r)),
                                     parts[r])
@@ -92,7 +92,7 @@ def test_partition_properties(cp, strategy, kind):
     np.testing.assert_array_equal(
         jax_cp.restore_from_cp(xr, cuP, cp, strategy), x)
     xj = jax.jit(lambda a: jax_cp.restore_from_cp(
-        jax_cp.reorder_for_cp(a, cuP, cp, strategy), cuP, cp, strategy))(x)
+        jax_cp.reorder_for_cp(a, cuP, cp, strategy), cuP, cp, strategy))(x)  # noqa: B023  (called in this iteration)
     np.testing.assert_array_equal(xj, x)
 
 
@@ -117,7 +117,7 @@ def test_get_batch_on_this_cp_rank_and_position_ids():
       # The jnp path with a traced rank.
       got_j = jax.jit(lambda t, r_: jax_cp.get_batch_on_this_cp_rank(
           jnp.asarray(cuP), t, cp_size=cp, cp_rank=r_,
-          load_balancing_strategy=strategy))(jnp.asarray(tokens),
+          load_balancing_strategy=strategy))(jnp.asarray(tokens),  # noqa: B023  (called in this iteration)
                                              jnp.int32(r))
       np.testing.assert_array_equal(got_j[0], tokens[idx])
   np.testing.assert_array_equal(

@@ -1,9 +1,28 @@
-"""Varlen (THD) attention: the ``fused_attention`` primitive and its backends."""
+"""Varlen (THD) attention: the ``fused_attention`` primitive and its backends.
+
+* :mod:`~jax_cp.attention.backend`: the backend contract (``Protocol``) and
+  :class:`Segments`.
+* :mod:`~jax_cp.attention.registry`: the table of backends, and choosing one.
+* :mod:`~jax_cp.attention.xla`, :mod:`~jax_cp.attention.cudnn`: the backends.
+* :mod:`~jax_cp.attention.merge`, :mod:`~jax_cp.attention.assemble`: row
+  merges and halo K/V assembly, portable versions.
+* :mod:`~jax_cp.attention.api`: ``fused_attention``.
+"""
 
 from jax_cp.attention.api import fused_attention
-from jax_cp.attention.registry import (AttentionBackend, MASK_TYPES, Segments,
-                                       register_backend, registered_backends,
-                                       resolve_backend)
+from jax_cp.attention.backend import (
+    MASK_TYPES,
+    AttentionBackend,
+    Backend,
+    InPlaceAttentionBackend,
+    Segments,
+)
+from jax_cp.attention.registry import (
+    register_backend,
+    registered_backends,
+    resolve_backend,
+)
 
-__all__ = ["fused_attention", "AttentionBackend", "MASK_TYPES", "Segments",
+__all__ = ["fused_attention", "AttentionBackend", "Backend",
+           "InPlaceAttentionBackend", "MASK_TYPES", "Segments",
            "register_backend", "registered_backends", "resolve_backend"]

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_cp import checks
-from jax_cp.attention.registry import MASK_TYPES, Segments, resolve_backend
+from jax_cp.attention.backend import MASK_TYPES, Segments
+from jax_cp.attention.registry import resolve_backend
 
 _MASK_ALIASES = {"causal": "causal_bottom_right",
                  "padding_causal": "causal_bottom_right",
@@ -41,7 +42,7 @@ def check_metadata_shapes(batch: Optional[int], **arrays) -> int:
   shapes = {name: np.shape(a) for name, a in arrays.items()}
   first = next(iter(shapes.values()))
   want_ndim = 1 if batch is None else 2
-  for name, shape in shapes.items():
+  for shape in shapes.values():
     if shape != first or len(shape) != want_ndim or (
         batch is not None and shape[0] != batch):
       raise ValueError(
@@ -89,21 +90,20 @@ def _flatten_segments(q_lens, kv_lens, q_offs, kv_offs, tq, tkv, max_q, max_kv,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attention(q, k, v, seg, backend_name, mask, scale):
-  """(out, lse); callers stop the gradient of lse (its cotangent is dropped)."""
-  return resolve_backend(backend_name).forward(q, k, v, seg, mask=mask,
-                                               scale=scale)
+def _attention(q, k, v, seg, backend, mask, scale):
+  """(out, lse); callers stop the gradient of lse (its cotangent is dropped).
+  ``backend`` is the resolved (hashable) backend."""
+  return backend.forward(q, k, v, seg, mask=mask, scale=scale)
 
 
-def _attention_fwd(q, k, v, seg, backend_name, mask, scale):
-  out, lse = _attention(q, k, v, seg, backend_name, mask, scale)
+def _attention_fwd(q, k, v, seg, backend, mask, scale):
+  out, lse = _attention(q, k, v, seg, backend, mask, scale)
   return (out, lse), (q, k, v, seg, out, lse)
 
 
-def _attention_bwd(backend_name, mask, scale, res, cotangents):
+def _attention_bwd(backend, mask, scale, res, cotangents):
   dout, _ = cotangents       # lse is under stop_gradient: its cotangent is 0
   q, k, v, seg, out, lse = res
-  backend = resolve_backend(backend_name)
   dq, dk, dv = backend.backward(q, k, v, out, lse, dout.astype(out.dtype),
                                 seg, mask=mask, scale=scale)
   return dq, dk, dv, None
@@ -170,9 +170,9 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets, kv_offsets, *,
   seg = _flatten_segments(q_seqlens, kv_seqlens, q_offsets, kv_offsets,
                           tq, tkv, max_q, max_kv,
                           _rows_see_keys(q_seqlens, kv_seqlens, mask))
-  name = resolve_backend(backend).name
+  resolved = resolve_backend(backend)
   flat = lambda x: x.reshape((-1,) + x.shape[-2:])
-  out, lse = _attention(flat(q), flat(k), flat(v), seg, name, mask, scale)
+  out, lse = _attention(flat(q), flat(k), flat(v), seg, resolved, mask, scale)
   out = out.reshape(q.shape)
   if not return_lse:
     return out

@@ -1,14 +1,19 @@
 """The ``"cudnn"`` attention backend: cuDNN SDPA over packed segments (XLA FFI).
 
-Importing this module loads the compiled extension ``jax_cp._jax_cp_cuda``,
-registers its FFI targets (SDPA forward and backward, the in-place row
+Importing this module loads the compiled extension ``jax_cp._jax_cp_cuda``
+and registers its FFI targets (SDPA forward and backward, the in-place row
 merge of :mod:`jax_cp.attention.merge` and the K/V assembly of
-:mod:`jax_cp.attention.assemble`) for the CUDA platform and registers the
-backend with :mod:`jax_cp.attention.registry`. Without the extension it raises
-``ImportError`` (the registry then explains how to build it).
+:mod:`jax_cp.attention.assemble`) for the CUDA platform; :data:`BACKEND` is
+the backend :mod:`jax_cp.attention.registry` lists. Without the extension
+the import fails (the registry checks that it exists before importing this
+module, and explains how to build it).
+
+The backend supports in-place writes (``into=``, ``dq_into=``, ``dq_fill=``;
+:class:`~jax_cp.attention.backend.InPlaceAttentionBackend`): a call writes
+its rows into aliased buffers of an earlier call.
 
 The wrapper is thin: it validates shapes and dtypes (``check_*`` functions,
-``ValueError``), turns :class:`~jax_cp.attention.registry.Segments` into the
+``ValueError``), turns :class:`~jax_cp.attention.backend.Segments` into the
 per-segment lengths and *element* offsets cuDNN's ragged (THD) layout needs,
 calls the custom call, and masks the rows cuDNN leaves undefined:
 
@@ -36,19 +41,10 @@ import jax  # Before the extension: JAX's CUDA plugin loads cuDNN/cudart.
 import jax.numpy as jnp
 import numpy as np
 
+import jax_cp._jax_cp_cuda as _jax_cp_cuda  # ModuleNotFoundError when absent
 from jax_cp.attention.assemble import check_assemble_kv
+from jax_cp.attention.backend import MASK_TYPES, Backend, Segments
 from jax_cp.attention.merge import check_merge_rows, merge_rows_jnp
-from jax_cp.attention.registry import (MASK_TYPES, AttentionBackend, Segments,
-                                       register_backend)
-
-try:
-  from jax_cp import _jax_cp_cuda
-except ImportError as e:  # pragma: no cover - depends on the build
-  raise ImportError(
-      "jax_cp's cuDNN extension (jax_cp._jax_cp_cuda) is not built. On a "
-      "machine with the CUDA toolkit, cuDNN and the cuDNN frontend headers, "
-      "reinstall with `JAX_CP_BUILD_CUDA=1 pip install --no-build-isolation "
-      "-e .`.") from e
 
 FWD_TARGET = "jax_cp_cudnn_sdpa_fwd"
 BWD_TARGET = "jax_cp_cudnn_sdpa_bwd"
@@ -73,7 +69,7 @@ _INT32_LIMIT = 2**31
 
 
 def graph_cache_stats() -> Dict[str, int]:
-  """``dict(builds=, hits=, entries=)`` of the process-wide cuDNN graph cache."""
+  """``dict(builds=, hits=, entries=)`` of the process-wide graph cache."""
   return dict(_jax_cp_cuda.graph_cache_stats())
 
 
@@ -283,7 +279,7 @@ def check_into(seg: Segments, name: str, x, shape, dtype) -> None:
 
 
 def forward(q, k, v, seg: Segments, *, mask: str, scale: float, into=None):
-  """Varlen attention forward (see :mod:`jax_cp.attention.registry`).
+  """Varlen attention forward (see :mod:`jax_cp.attention.backend`).
 
   Returns ``(out [Tq,Hq,D] in q's dtype, lse [Tq,Hq] float32)``. With
   ``into=(out, lse)`` the custom call writes the covered rows of those
@@ -329,7 +325,7 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
   With ``dq_into`` the custom call writes the covered rows of that buffer
   in place (aliased) instead of a fresh dq. ``dq_fill=(lo, hi)``: the rows
   whose uncovered dq rows the call sets to 0 (default: all for a fresh dq,
-  none with ``dq_into``; see :mod:`jax_cp.attention.registry`).
+  none with ``dq_into``; see :mod:`jax_cp.attention.backend`).
   """
   _check_call(q, k, v, seg, mask)
   check_like("out", out, q.shape)
@@ -420,7 +416,6 @@ def _is_available(platform: str) -> bool:
 for _name, _capsule in _jax_cp_cuda.registrations().items():
   jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
 
-BACKEND = AttentionBackend(name="cudnn", forward=forward, backward=backward,
-                           is_available=_is_available, merge_rows=merge_rows,
-                           assemble_kv=assemble_kv)
-register_backend(BACKEND)
+BACKEND = Backend(name="cudnn", forward=forward, backward=backward,
+                  is_available=_is_available, merge_rows=merge_rows,
+                  assemble_kv=assemble_kv, supports_in_place=True)

@@ -1,5 +1,5 @@
-"""Merging a few rows into a large buffer: ``dst[:, o:o+n] = op(dst[:, o:o+n],
-src)``.
+"""Merging partial results: ``dst[:, o:o+n] = op(dst[:, o:o+n], src)``, and
+the running sum of a gradient over several attention calls.
 
 Context-parallel attention produces small outputs (the straddling document's
 rows, the halo's dK/dV) that belong to a few rows of a large per-rank buffer.
@@ -8,9 +8,16 @@ XLA:GPU copies a custom call's result before a dynamic-update-slice into it.
 Backends therefore provide ``merge_rows``; the ``cudnn`` backend runs an
 in-place kernel on an aliased buffer, this module holds the contract's checks
 and the portable ``jnp`` version.
+
+:class:`GradSum` accumulates one gradient over the calls of a CP step: full
+buffers are added with :func:`combine`, prefix-sized parts (the straddling
+document's rows) are summed among themselves and merged once with a
+backend's ``merge_rows``.
 """
 
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -45,10 +52,15 @@ def combine(a, b, op: str):
   return (a32 + b32 if op == "add" else jnp.maximum(a32, b32)).astype(a.dtype)
 
 
+def add(a, b):
+  """``a + b`` formed in float32 (at least), in ``a``'s dtype."""
+  return combine(a, b, "add")
+
+
 def merge_rows_jnp(dst, src, row_offset: int, op: str = "add"):
   """Portable ``merge_rows``: a slice, the op and a dynamic-update-slice
-  (``.at[].add`` lowers to a scatter, which crashed XLA:CPU's compiler next
-  to collectives in jaxlib 0.11.2)."""
+  (a dynamic-update-slice rather than ``.at[].add``, whose scatter XLA:CPU
+  fails to compile next to collectives)."""
   check_merge_rows(dst, src, row_offset, op)
   if src.shape[1] == 0:
     return dst
@@ -56,3 +68,44 @@ def merge_rows_jnp(dst, src, row_offset: int, op: str = "add"):
                               axis=1)
   return jax.lax.dynamic_update_slice_in_dim(dst, combine(head, src, op),
                                              row_offset, axis=1)
+
+
+MergeRows = Callable[..., jax.Array]
+
+
+class GradSum:
+  """The running sum of one gradient over the attention calls of a step.
+
+  Full-size parts are added as they come (:func:`add`, one fused pass
+  each). Parts that cover only a prefix of the rows (the straddling
+  document's calls) are summed among themselves in float32, which is cheap,
+  and merged into the full sum once with a backend's ``merge_rows`` (in
+  place with cudnn: no pass over the full buffer and no copy of it).
+
+  Attributes:
+    full: the sum of the full-size parts (None until one comes).
+    prefix: the float32 sum of the prefix parts (None until one comes).
+  """
+
+  def __init__(self):
+    self.full: Optional[jax.Array] = None
+    self.prefix: Optional[jax.Array] = None
+
+  def add(self, part, rows: Optional[int]) -> None:
+    """Adds ``part``: full-size when ``rows`` is None, else the first
+    ``rows`` rows of axis 1."""
+    if rows is None:
+      self.full = part if self.full is None else add(self.full, part)
+    else:
+      wide = part.astype(jnp.promote_types(part.dtype, jnp.float32))
+      self.prefix = wide if self.prefix is None else self.prefix + wide
+
+  def total(self, merge_rows: MergeRows, dtype):
+    """The full sum with the prefix merged in; the prefix alone (in
+    ``dtype``) if no full part came; None if nothing came."""
+    prefix = None if self.prefix is None else self.prefix.astype(dtype)
+    if self.full is None:
+      return prefix
+    if prefix is None:
+      return self.full
+    return merge_rows(self.full, prefix.astype(self.full.dtype), 0, "add")

@@ -4,6 +4,9 @@ It materialises the dense ``[Tq, Tkv]`` score matrix per head with the
 segment mask applied, in float32 whatever the input dtype, so it is the
 reference the cuDNN backend is checked against and the CPU/CI path. Memory
 grows with ``Tq * Tkv * Hq``: keep it for moderate sizes.
+
+It has no in-place writes (``supports_in_place`` is False): every call
+returns fresh buffers and the CP layer merges them.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_cp.attention.registry import AttentionBackend, Segments, register_backend
+from jax_cp.attention.backend import Backend, Segments
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -58,16 +61,8 @@ def _probs(q, k, lse, ok, scale):
   return jnp.where(ok & finite, p, 0.0)
 
 
-def forward(q, k, v, seg: Segments, *, mask: str, scale: float, into=None):
-  out, lse = _forward(q, k, v, seg, mask=mask, scale=scale)
-  if into is None:
-    return out, lse
-  # The contract: `into` holds 0 / -inf on the rows this call covers.
-  return ((into[0].astype(jnp.float32) + out.astype(jnp.float32)).astype(
-      into[0].dtype), jnp.maximum(into[1], lse))
-
-
-def _forward(q, k, v, seg: Segments, *, mask: str, scale: float):
+def forward(q, k, v, seg: Segments, *, mask: str, scale: float):
+  """``(out, lse)`` of the contract (:mod:`jax_cp.attention.backend`)."""
   tq, hq, d = q.shape
   ok, _ = segment_mask(seg, tq, k.shape[0], mask)
   s = jnp.where(ok, _scores(q, k, scale), -jnp.inf)
@@ -86,22 +81,8 @@ def _forward(q, k, v, seg: Segments, *, mask: str, scale: float):
 
 
 def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
-             scale: float, dq_into=None, dq_fill=None):
-  dq, dk, dv = _backward(q, k, v, out, lse, dout, seg, mask=mask, scale=scale)
-  if dq_into is not None:   # 0 on the rows this call covers (the contract)
-    acc = dq_into.astype(jnp.float32)
-    if dq_fill is not None and dq_fill[1] > dq_fill[0]:
-      # Rows in the range are this call's alone (0 where it covers none),
-      # whatever dq_into holds there.
-      rows = jnp.arange(q.shape[0])
-      mine = (rows >= dq_fill[0]) & (rows < dq_fill[1])
-      acc = jnp.where(mine[:, None, None], 0.0, acc)
-    dq = (acc + dq.astype(jnp.float32)).astype(dq_into.dtype)
-  return dq, dk, dv
-
-
-def _backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
-              scale: float):
+             scale: float):
+  """``(dq, dk, dv)`` of the contract (:mod:`jax_cp.attention.backend`)."""
   tq, hq, d = q.shape
   tkv, hkv, _ = k.shape
   g = hq // hkv
@@ -122,6 +103,11 @@ def _backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-register_backend(AttentionBackend(
-    name="xla", forward=forward, backward=backward,
-    is_available=lambda platform: True))
+def is_available(platform: str) -> bool:
+  """Runs on every platform."""
+  del platform
+  return True
+
+
+BACKEND = Backend(name="xla", forward=forward, backward=backward,
+                  is_available=is_available)

@@ -110,7 +110,6 @@ class DotProductAttention(nn.Module):
                   attn_mask_type=self.attn_mask_type,
                   softmax_scale=self.softmax_scale,
                   backend=self.attn_backend, max_seqlen=self.max_seqlen)
-    # Called through the module object so tests can spy on these functions.
     if self.cp_axis is None or self.local_view:
       return _cp.cp_attention_local(query, key, value, cu_seqlens,
                                     cu_seqlens_padded, cp_axis=self.cp_axis,
@@ -199,7 +198,7 @@ class MultiHeadAttention(nn.Module):
 
   def __post_init__(self):
     settings.validate_fields(self)
-    self.kv_heads  # pylint: disable=pointless-statement  (validates)
+    self.kv_heads  # noqa: B018  (reading the property validates the heads)
     super().__post_init__()
 
   @property

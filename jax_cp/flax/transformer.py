@@ -8,8 +8,12 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jax_cp.flax import settings
-from jax_cp.flax.attention import (Dtype, Initializer, MeshLike,
-                                   MultiHeadAttention)
+from jax_cp.flax.attention import (
+  Dtype,
+  Initializer,
+  MeshLike,
+  MultiHeadAttention,
+)
 from jax_cp.strategy import DEFAULT_STRATEGY, CPLoadBalancingStrategy
 
 _ACTIVATIONS = {"gelu": nn.gelu, "relu": nn.relu, "silu": nn.silu}

@@ -151,8 +151,10 @@ def rel_err(a, b) -> float:
 def random_inputs(layout, hq, hkv, d, dtype, seed=0):
   keys = jax.random.split(jax.random.PRNGKey(seed), 4)
   q = jax.random.normal(keys[0], (layout.tq, hq, d), jnp.float32).astype(dtype)
-  k = jax.random.normal(keys[1], (layout.tkv, hkv, d), jnp.float32).astype(dtype)
-  v = jax.random.normal(keys[2], (layout.tkv, hkv, d), jnp.float32).astype(dtype)
+  k = jax.random.normal(keys[1], (layout.tkv, hkv, d),
+                        jnp.float32).astype(dtype)
+  v = jax.random.normal(keys[2], (layout.tkv, hkv, d),
+                        jnp.float32).astype(dtype)
   do = jax.random.normal(keys[3], (layout.tq, hq, d), jnp.float32).astype(dtype)
   return q, k, v, do
 

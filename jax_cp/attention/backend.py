@@ -1,0 +1,174 @@
+"""The varlen attention backend contract, as :class:`typing.Protocol` types.
+
+A backend computes causal or non-causal attention over *ragged segments* of
+a packed token buffer. The CP layer above talks to backends only through
+this contract (docs/design.md, Backend contract), so it is backend-neutral:
+
+``forward(q, k, v, seg, *, mask, scale) -> (out, lse)``
+    q: ``[Tq, Hq, D]``; k, v: ``[Tkv, Hkv, D]`` (``Hq % Hkv == 0``).
+    seg: a :class:`Segments` (per-segment lengths and *token* offsets, int32
+    ``[S]``, plus static bounds ``max_seqlen_q``/``max_seqlen_kv``).
+    Segment i attends Q rows ``[q_offsets[i], q_offsets[i]+q_lens[i])`` to KV
+    rows ``[kv_offsets[i], kv_offsets[i]+kv_lens[i])``. Segments with a zero
+    length contribute nothing. Q row ranges of different segments never
+    overlap.
+    mask: one of :data:`MASK_TYPES`. ``"causal_bottom_right"``: Q row j of a
+    segment sees KV rows ``<= j + kv_len - q_len``; ``"causal_top_left"``: KV
+    rows ``<= j``; ``"no_mask"``: all ``kv_len`` rows.
+    scale: python float, multiplies ``q @ k^T``.
+    Returns out ``[Tq, Hq, D]`` in q's dtype, exactly 0 on rows no segment
+    covers (and on rows that see no key), and lse ``[Tq, Hq]`` float32, the
+    natural-log log-sum-exp of the scaled scores of each row; ``-inf`` on rows
+    that see no key.
+
+``backward(q, k, v, out, lse, dout, seg, *, mask, scale) -> (dq, dk, dv)``
+    Gradients of ``sum(out * dout)``; ``out``/``lse`` are the forward's.
+    dq is 0 on uncovered rows, dk/dv are 0 on KV rows no segment reads.
+
+``is_available(platform) -> bool``: whether the backend can run on a JAX
+platform name (``"cpu"``, ``"cuda"``, ...).
+
+``merge_rows(dst, src, row_offset, op) -> dst'``: ``dst [B, Td, ...]`` with
+rows ``[row_offset, row_offset + Ts)`` of axis 1 replaced by
+``op(those rows, src)`` (``op`` ``"add"`` or ``"max"``, formed in float32),
+everything else unchanged (:mod:`jax_cp.attention.merge` has the portable
+version).
+
+``assemble_kv(halo, k, v, rows, first, count) -> (kx, vx)``: the K/V
+buffers ``[B, rows, Hkv, D]`` of a call reading ``[halo; local chunk]``
+(``halo [B, H0, 2*Hkv, D]``, K heads first), correct on rows
+``[first[b], first[b] + count[b])``, the only rows the call's segments read;
+the backend's own attention must tolerate anything elsewhere
+(:mod:`jax_cp.attention.assemble` has the portable version).
+
+In-place writes are an optional capability (``supports_in_place``, the
+:class:`InPlaceAttentionBackend` protocol). Such a backend also takes:
+
+``forward(..., into=(out0, lse0))``: buffers shaped like the results that
+    already hold 0 / ``-inf`` on every row this call covers; the results are
+    ``out0`` / ``lse0`` with this call's rows written in (in place: no
+    clearing, no extra buffers). Needs ``seg.rows_see_keys``.
+``backward(..., dq_into=dq0, dq_fill=(lo, hi))``: ``dq_into`` like ``into``
+    for dq. ``dq_fill`` (static) names the rows this call owns: a fresh dq
+    is defined only there (uncovered rows 0) and unspecified outside; with
+    ``dq_into`` those rows are overwritten with this call's dq (0 where it
+    covers none), whatever ``dq_into`` held, and the rest is as without it.
+    Default: all rows for a fresh dq, none with ``dq_into``. Two calls on
+    disjoint rows pass complementary ranges, so each zeroes only its own
+    uncovered rows.
+
+For a backend without the capability the CP planner merges the calls'
+results itself (the rows are disjoint: out adds, lse takes the maximum,
+dq adds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Protocol, Tuple
+
+import jax
+
+from jax_cp.attention.assemble import assemble_kv_jnp
+from jax_cp.attention.merge import merge_rows_jnp
+
+MASK_TYPES = ("no_mask", "causal_top_left", "causal_bottom_right")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Segments:
+  """Ragged segment metadata for one attention call (a pytree).
+
+  Attributes:
+    q_lens: int32 ``[S]`` valid Q rows per segment.
+    kv_lens: int32 ``[S]`` valid KV rows per segment.
+    q_offsets: int32 ``[S]`` first Q row (token index) of each segment.
+    kv_offsets: int32 ``[S]`` first KV row (token index) of each segment.
+    max_seqlen_q: static bound on ``q_lens`` (kernels size grids by it).
+    max_seqlen_kv: static bound on ``kv_lens``.
+    rows_see_keys: static promise that every covered Q row sees at least
+      one key (``kv_len > 0`` where ``q_len > 0``, and ``kv_len >= q_len``
+      for the bottom-right mask); backends may then skip zeroing rows that
+      see none, and in-place writes need it. The CP layer's calls always
+      satisfy it.
+  """
+
+  q_lens: jax.Array
+  kv_lens: jax.Array
+  q_offsets: jax.Array
+  kv_offsets: jax.Array
+  max_seqlen_q: int = dataclasses.field(metadata=dict(static=True))
+  max_seqlen_kv: int = dataclasses.field(metadata=dict(static=True))
+  rows_see_keys: bool = dataclasses.field(default=False,
+                                          metadata=dict(static=True))
+
+
+Pair = Tuple[jax.Array, jax.Array]
+Triple = Tuple[jax.Array, jax.Array, jax.Array]
+
+
+class AttentionBackend(Protocol):
+  """A named implementation of the varlen attention contract (see the
+  module docstring)."""
+
+  @property
+  def name(self) -> str: ...
+
+  @property
+  def supports_in_place(self) -> bool: ...
+
+  def is_available(self, platform: str) -> bool: ...
+
+  def forward(self, q: jax.Array, k: jax.Array, v: jax.Array,
+              seg: Segments, *, mask: str, scale: float) -> Pair: ...
+
+  def backward(self, q: jax.Array, k: jax.Array, v: jax.Array,
+               out: jax.Array, lse: jax.Array, dout: jax.Array,
+               seg: Segments, *, mask: str, scale: float) -> Triple: ...
+
+  def merge_rows(self, dst: jax.Array, src: jax.Array, row_offset: int,
+                 op: str = "add") -> jax.Array: ...
+
+  def assemble_kv(self, halo: jax.Array, k: jax.Array, v: jax.Array,
+                  rows: Optional[int], first: Any, count: Any) -> Pair: ...
+
+
+class InPlaceAttentionBackend(AttentionBackend, Protocol):
+  """A backend with ``supports_in_place``: its calls write their rows into
+  the buffers of earlier calls (``into``, ``dq_into``, ``dq_fill``)."""
+
+  def forward(self, q: jax.Array, k: jax.Array, v: jax.Array,
+              seg: Segments, *, mask: str, scale: float,
+              into: Optional[Pair] = None) -> Pair: ...
+
+  def backward(self, q: jax.Array, k: jax.Array, v: jax.Array,
+               out: jax.Array, lse: jax.Array, dout: jax.Array,
+               seg: Segments, *, mask: str, scale: float,
+               dq_into: Optional[jax.Array] = None,
+               dq_fill: Optional[Tuple[int, int]] = None) -> Triple: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+  """An :class:`AttentionBackend` made of plain functions (hashable, so a
+  CP config can hold it as static data).
+
+  Attributes:
+    name: the name users pass as ``backend=``.
+    forward, backward: the attention calls.
+    is_available: whether it runs on a JAX platform name.
+    merge_rows: row merge; defaults to the portable ``jnp`` version.
+    assemble_kv: halo K/V assembly; defaults to the ``jnp`` version, which
+      fills every row.
+    supports_in_place: ``forward``/``backward`` take ``into``/``dq_into``/
+      ``dq_fill`` (see :class:`InPlaceAttentionBackend`).
+  """
+
+  name: str
+  forward: Callable[..., Pair]
+  backward: Callable[..., Triple]
+  is_available: Callable[[str], bool]
+  merge_rows: Callable[..., jax.Array] = merge_rows_jnp
+  assemble_kv: Callable[..., Pair] = assemble_kv_jnp
+  supports_in_place: bool = False

@@ -1,0 +1,226 @@
+"""The call plan of CP attention: which varlen attention calls a rank runs.
+
+Pure functions of the static config and the row metadata, with no
+communication and no backend: the forward's calls per strategy
+(:func:`forward_calls`), the backward's (:func:`backward_calls`), how each
+backward call produces its dq (:func:`dq_writes`), and a call's metadata
+as the backend's flat segment list (:func:`segments`). docs/design.md,
+Call plans, describes the plans this module builds.
+
+Names at the function boundaries: ``cu_seqlens``/``cu_seqlens_padded`` are
+the row metadata ``[B, N+1]`` (valid and padded document boundaries),
+``rank`` this rank's int32 index on the cp axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Tuple
+
+import jax.numpy as jnp
+
+from jax_cp import metadata
+from jax_cp.attention.backend import Segments
+from jax_cp.cp_config import CPConfig
+from jax_cp.strategy import CPLoadBalancingStrategy
+
+_NLB = CPLoadBalancingStrategy.NO_LOAD_BALANCE
+
+RowRange = Tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """One varlen attention call.
+
+  Attributes:
+    meta: per-segment lengths/offsets ``[B, n]``.
+    mask: backend mask type.
+    max_q, max_kv: static bounds on the segment lengths.
+    exchanged: KV come from the exchanged buffer (else the local chunk).
+    q_rows: the call's segments lie in the first ``q_rows`` local Q rows of
+      each row (static); None = anywhere. The straddle call and its split
+      halves have it; only a split block's triangle also *reads* just that
+      prefix of Q/out/dO (:attr:`DqWrite.q_rows`).
+    kv_rows: the call reads only the first ``kv_rows`` rows of its KV
+      buffer; None = all.
+    overlaps_previous: its Q rows are those of the previous call (the
+      triangle of a split bottom-right block); every other call's rows are
+      disjoint from all others'.
+    kv_range: ``(first, count)`` int32 ``[B]``, the rows of the exchanged
+      buffer the call reads (the straddle call with a halo exchange): the
+      backend's ``assemble_kv`` fills only those.
+
+  The calls of a step cover disjoint Q rows, so their outputs merge
+  without log-sum-exp rescaling: a later call writes its rows into the
+  buffers of the calls before it (in place when the backend
+  ``supports_in_place``), or the planner adds them.
+  """
+
+  meta: metadata.StepMetadata
+  mask: str
+  max_q: int
+  max_kv: int
+  exchanged: bool
+  q_rows: Optional[int] = None
+  kv_rows: Optional[int] = None
+  overlaps_previous: bool = False
+  kv_range: Optional[tuple] = None
+
+
+def _ceil_div(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def forward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
+                  ) -> List[Call]:
+  """The varlen attention calls of this rank's forward, in order."""
+  # w: the bound on a padded document, cp: the number of ranks.
+  w, cp = cfg.max_seqlen, cfg.cp_size
+  cu, cuP = cu_seqlens, cu_seqlens_padded
+  if cp == 1:
+    m = metadata.no_load_balance_step(cu, cuP, 1, 0, cfg.total_tokens)
+    # Q and KV lengths agree per document: top-left == bottom-right, and
+    # top-left is the faster cuDNN backward.
+    return [Call(m, "causal_top_left" if cfg.causal else "no_mask", w, w,
+                 False)]
+  if cfg.strategy is _NLB:
+    return _no_load_balance_calls(cfg, cu, cuP, rank)
+  # DUAL_CHUNK_SWAP: each Q chunk holds c = W / 2cp tokens of a document.
+  c = max(_ceil_div(w, 2 * cp), 1)
+  calls = []
+  for step in (0, 1):
+    m = metadata.dual_chunk_swap_step(cu, cuP, cp, rank, step, cfg.causal)
+    if cfg.causal:
+      # Step 0 sees at most chunks 0..r <= cp-1, step 1 the whole document.
+      calls.append(Call(m, "causal_bottom_right", c,
+                        min(w, cp * c) if step == 0 else w, True))
+    else:
+      calls.append(Call(m, "no_mask", c, w, True))
+  return calls
+
+
+def _no_load_balance_calls(cfg: CPConfig, cu, cuP, rank) -> List[Call]:
+  """Documents inside the chunk need only local K/V (and can run while the
+  exchange is in flight): one top-left call. The one straddling document
+  per row needs the exchanged buffer: one bottom-right call. It reaches at
+  most W-1 tokens into the chunk, so it only needs the first W-1 Q rows
+  and, with the halo exchange, the first halo + W-1 KV rows: small buffers
+  for short documents."""
+  w, tl = cfg.max_seqlen, cfg.local_tokens
+  local, straddle = metadata.no_load_balance_split(
+      cu, cuP, cfg.cp_size, rank, cfg.total_tokens,
+      cfg.exchange.buffer_start(rank))
+  bound = min(w, tl)
+  q_rows = min(max(w - 1, 1), tl)
+  kv_rows = (cfg.exchange.halo_tokens + q_rows
+             if cfg.exchange.kind == "halo" else None)
+  # A split block's rectangle and triangle keep the straddle call's range.
+  kv_range = (straddle.kv_offsets[:, 0], straddle.kv_lens[:, 0])
+  return [Call(local, "causal_top_left", bound, bound, False),
+          Call(straddle, "causal_bottom_right", q_rows, w, True,
+               q_rows=q_rows if q_rows < tl else None, kv_rows=kv_rows,
+               kv_range=kv_range if kv_rows is not None else None)]
+
+
+def backward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
+                   ) -> List[Call]:
+  """The forward's calls in reverse order (NO_LOAD_BALANCE's straddle call
+  first, so the halo's gradients travel back while the local call runs),
+  bottom-right blocks split into an unmasked rectangle followed by a
+  top-left triangle where the config says so (the triangle
+  ``overlaps_previous``)."""
+  out = []
+  for call in reversed(forward_calls(cfg, cu_seqlens, cu_seqlens_padded,
+                                     rank)):
+    straddle = cfg.strategy is _NLB and call.exchanged
+    split = cfg.split_straddle if straddle else cfg.split_causal_backward
+    if call.mask != "causal_bottom_right" or not split:
+      out.append(call)
+      continue
+    rect, diag = metadata.split_bottom_right(call.meta)
+    out.append(dataclasses.replace(call, meta=rect, mask="no_mask"))
+    out.append(dataclasses.replace(call, meta=diag, mask="causal_top_left",
+                                   max_kv=call.max_q, overlaps_previous=True))
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class DqWrite:
+  """How one backward call produces its dq.
+
+  Attributes:
+    into: the call writes its rows into the dq of the calls before it (the
+      backend's ``dq_into``, in place) instead of making a fresh one.
+    q_rows: the call reads only the first ``q_rows`` rows of Q/out/dO/lse
+      and its dq covers only those (a split block's triangle; its dq is
+      summed into the others'); None: full local rows.
+    fill: the ``dq_fill`` row range handed to the backend (None: its
+      default). The first full-size call of NO_LOAD_BALANCE, the straddle
+      call, zeroes only rows ``[0, q_rows)``; the next call writing into
+      its dq zeroes the rest, ``[q_rows, Tl)``.
+  """
+
+  into: bool = False
+  q_rows: Optional[int] = None
+  fill: Optional[RowRange] = None
+
+
+def dq_writes(calls: List[Call], local_tokens: int, in_place: bool
+              ) -> List[DqWrite]:
+  """One :class:`DqWrite` per backward call.
+
+  The first non-triangle call makes the full-size dq; with an in-place
+  backend every later non-triangle call writes into it (its rows are
+  disjoint from the others'), without one each returns a fresh dq that the
+  planner adds. A triangle reads only its prefix rows and is summed either
+  way.
+  """
+  writes = []
+  have_dq = False
+  rest: Optional[RowRange] = None  # rows the first call left to the next
+  for call in calls:
+    if call.overlaps_previous:
+      writes.append(DqWrite(q_rows=call.q_rows))
+      continue
+    if not in_place:
+      writes.append(DqWrite())
+    elif not have_dq:
+      fill = None
+      if call.q_rows is not None:
+        fill, rest = (0, call.q_rows), (call.q_rows, local_tokens)
+      writes.append(DqWrite(fill=fill))
+    else:
+      writes.append(DqWrite(into=True, fill=rest))
+      rest = None
+    have_dq = True
+  return writes
+
+
+def segments(call: Call, q_tokens: int, kv_tokens: int) -> Segments:
+  """A call's ``[B, n]`` metadata over B rows of ``q_tokens`` Q and
+  ``kv_tokens`` KV rows -> one segment list over the flattened rows,
+  heaviest segment first.
+
+  Every CP call satisfies ``kv_len >= q_len`` with ``kv_len > 0`` whenever
+  ``q_len > 0``, so every covered row sees a key (``rows_see_keys``).
+
+  Segment order does not change the result. Fused kernels start their
+  thread blocks roughly in segment order, so putting the most work (causal
+  pairs ``q * (2 * kv - q)``) first leaves short blocks for the end of the
+  grid instead of one long document's (docs/design.md, Measurements).
+  """
+  m = call.meta
+  rows = jnp.arange(m.q_lens.shape[0], dtype=jnp.int32)[:, None]
+
+  def flat(x):
+    return x.reshape(-1).astype(jnp.int32)
+
+  seg = [flat(m.q_lens), flat(m.kv_lens), flat(m.q_offsets + rows * q_tokens),
+         flat(m.kv_offsets + rows * kv_tokens)]
+  if seg[0].shape[0] > 1:
+    q, kv = seg[0].astype(jnp.float32), seg[1].astype(jnp.float32)
+    order = jnp.argsort(-(q * (2 * kv - q)), stable=True)
+    seg = [x[order] for x in seg]
+  return Segments(*seg, max(min(call.max_q, q_tokens), 1),
+                  max(min(call.max_kv, kv_tokens), 1), rows_see_keys=True)

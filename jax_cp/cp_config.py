@@ -1,0 +1,110 @@
+"""The validated, static configuration of one CP attention call.
+
+:func:`make_config` checks every argument that can be checked before
+tracing (:mod:`jax_cp.checks`), resolves the backend and chooses the K/V
+exchange, once per call; the resulting :class:`CPConfig` is hashable and
+travels into the ``shard_map`` and the ``custom_vjp`` as static data, so
+forward and backward read the same instance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from jax_cp import checks
+from jax_cp.attention.api import default_scale
+from jax_cp.attention.backend import AttentionBackend
+from jax_cp.attention.registry import resolve_backend
+from jax_cp.kv_exchange import KVExchange, choose_exchange
+from jax_cp.strategy import CPLoadBalancingStrategy, as_strategy
+
+_DCS = CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
+_NLB = CPLoadBalancingStrategy.NO_LOAD_BALANCE
+#: With ``split_causal_backward`` left to the backend, NO_LOAD_BALANCE splits
+#: its straddle call's backward only when ``max_seqlen`` exceeds this
+#: (docs/design.md, Measurements).
+SPLIT_STRADDLE_ABOVE = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class CPConfig:
+  """Static (hashable) layout of one CP attention call.
+
+  Attributes:
+    strategy: the load-balancing strategy.
+    cp_axis: the mesh axis the row is split over (None: no CP).
+    cp_size: its size.
+    causal: causal (else unmasked) attention.
+    scale: the softmax scale.
+    backend: the resolved attention backend.
+    total_tokens: T, the tokens of the whole row.
+    max_seqlen: W, the bound on any padded document length (``<= T``).
+    split_causal_backward: run the backward of bottom-right blocks as an
+      unmasked rectangle plus a top-left triangle.
+    exchange: how K/V travel between ranks.
+    split_straddle: the same split for NO_LOAD_BALANCE's straddle call.
+  """
+
+  strategy: CPLoadBalancingStrategy
+  cp_axis: Optional[str]
+  cp_size: int
+  causal: bool
+  scale: float
+  backend: AttentionBackend
+  total_tokens: int
+  max_seqlen: int
+  split_causal_backward: bool
+  exchange: KVExchange
+  split_straddle: bool = False
+
+  @property
+  def local_tokens(self) -> int:
+    """Tl = T / cp, the tokens of one rank's chunk."""
+    return self.total_tokens // self.cp_size
+
+
+def make_config(q_shape, k_shape, v_shape, dtype, cu_seqlens,
+                cu_seqlens_padded, *, cp_size: int, cp_axis: Optional[str],
+                load_balancing_strategy: Any, cp_comm_type: str,
+                attn_mask_type: str, softmax_scale: Optional[float],
+                backend: str, max_seqlen: Optional[int], window_size: Any,
+                split_causal_backward: Optional[bool], total_tokens: int,
+                platform: Optional[str] = None) -> CPConfig:
+  """Validates everything that can be checked now and builds the config.
+
+  Shapes are the global ``[.., T, H, D]`` ones (or the local ones with
+  ``total_tokens = Tl * cp``); ``cu_seqlens``/``cu_seqlens_padded`` the row
+  metadata, checked by value when concrete.
+  """
+  strategy = as_strategy(load_balancing_strategy)
+  checks.check_qkv_shapes(q_shape, k_shape, v_shape)
+  checks.check_attention_config(strategy, attn_mask_type, cp_comm_type,
+                                window_size, dtype)
+  checks.check_cu_seqlens_rank(q_shape, cu_seqlens=cu_seqlens,
+                               cu_seqlens_padded=cu_seqlens_padded)
+  checks.check_divisible_tokens(total_tokens, cp_size)
+  checks.check_cu_seqlens_padded(cu_seqlens_padded, total_tokens)
+  checks.check_cu_seqlens(cu_seqlens, cu_seqlens_padded)
+  if strategy is _DCS and cp_size > 1:
+    checks.check_dual_chunk_divisible(cu_seqlens_padded, cp_size)
+  bound = checks.check_max_seqlen(max_seqlen, cu_seqlens_padded, total_tokens)
+  resolved = resolve_backend(backend, platform)
+  if split_causal_backward is None:
+    split_causal_backward = resolved.name == "cudnn"
+    # NO_LOAD_BALANCE's straddle block is at most W-1 rows: below the
+    # threshold the extra call of a split costs more than the slower
+    # bottom-right backward saves.
+    split_straddle = split_causal_backward and bound > SPLIT_STRADDLE_ABOVE
+  else:
+    split_straddle = bool(split_causal_backward)
+  exchange = choose_exchange(
+      strategy is _NLB, cp_axis, cp_size, total_tokens, bound,
+      communicate=cp_comm_type != checks.CP_COMM_LOCAL_COPIES)
+  return CPConfig(strategy=strategy, cp_axis=cp_axis, cp_size=cp_size,
+                  causal=attn_mask_type == "causal",
+                  scale=default_scale(q_shape[-1], softmax_scale),
+                  backend=resolved, total_tokens=total_tokens,
+                  max_seqlen=bound,
+                  split_causal_backward=bool(split_causal_backward),
+                  exchange=exchange, split_straddle=split_straddle)

@@ -1,0 +1,180 @@
+"""The differentiable per-rank CP attention: forward and backward of one
+rank's chunk under ``jax.custom_vjp``, run inside a ``shard_map``.
+
+Forward: exchange K/V (:mod:`jax_cp.kv_exchange`), then run the calls of
+:func:`jax_cp.call_plan.forward_calls`; their Q rows are disjoint, so each
+later call writes its rows into the first call's outputs (in place with a
+backend that ``supports_in_place``; otherwise its fresh outputs are added,
+``lse`` by maximum). Backward: keep only local residuals (plus a small
+received halo, :attr:`KVExchange.keeps_halo`), exchange K/V again where it
+must, run :func:`jax_cp.call_plan.backward_calls` with dq written as
+:func:`jax_cp.call_plan.dq_writes` says, and return dK/dV to their owners
+(reduce-scatter, or reverse halo permutes merged with the backend's
+``merge_rows``). docs/design.md, Call plans and Exchange.
+
+Inputs are batched: q ``[B, Tl, Hq, D]``, k/v ``[B, Tl, Hkv, D]``, row
+metadata ``[B, N+1]`` int32.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jax_cp import call_plan
+from jax_cp.attention.merge import GradSum, add
+from jax_cp.cp_config import CPConfig
+
+
+def _prefix(x, rows: Optional[int]):
+  """The first ``rows`` rows of axis 1 (all when None)."""
+  return x if rows is None else x[:, :rows]
+
+
+def _flat(x):
+  """``[B, T, ...]`` -> ``[B*T, ...]``: the backend's packed layout."""
+  return x.reshape((-1,) + x.shape[2:])
+
+
+def _flat_row_range(rows, batch: int):
+  """A row range of every batch entry -> the range over flattened rows,
+  exact only for B = 1 (None otherwise: the backend's default)."""
+  if rows is None or batch != 1:
+    return None
+  return rows
+
+
+def _rank(cfg: CPConfig):
+  if cfg.cp_size == 1:
+    return jnp.int32(0)
+  return jax.lax.axis_index(cfg.cp_axis).astype(jnp.int32)
+
+
+def _call_kv(cfg: CPConfig, call: call_plan.Call, k, v, k_exchanged,
+             v_exchanged, halo, cache=None):
+  """The K/V a call reads: the local chunk, or the first ``kv_rows`` rows of
+  the exchanged buffer (assembled from the halo when there is one, by the
+  backend's ``assemble_kv`` on the call's ``kv_range``). ``cache`` (a dict)
+  lets the two halves of a split block share one assembly."""
+  if not call.exchanged:
+    return _prefix(k, call.kv_rows), _prefix(v, call.kv_rows)
+  if halo is None:
+    return (_prefix(k_exchanged, call.kv_rows),
+            _prefix(v_exchanged, call.kv_rows))
+  key = (call.kv_rows, None if call.kv_range is None else
+         tuple(id(x) for x in call.kv_range))
+  if cache is not None and key in cache:
+    return cache[key]
+  first, count = call.kv_range or (None, None)
+  kv = cfg.exchange.assemble(halo, k, v, call.kv_rows, first, count,
+                             assemble_kv=cfg.backend.assemble_kv)
+  if cache is not None:
+    cache[key] = kv
+  return kv
+
+
+def _exchange(cfg: CPConfig, k, v, cu_seqlens_padded):
+  """(k_exchanged, v_exchanged, halo): the all-gathered buffers, or the
+  received halo (None for what the exchange kind does not use)."""
+  if cfg.exchange.kind == "halo":
+    return None, None, cfg.exchange.receive_halo(k, v)
+  kx, vx = cfg.exchange.gather(k, v, cu_seqlens_padded)
+  return kx, vx, None
+
+
+def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
+  """(out, lse, halo): halo is the received K|V halo when the exchange
+  keeps it for the backward (else None)."""
+  backend = cfg.backend
+  kx, vx, halo = _exchange(cfg, k, v, cu_seqlens_padded)
+  out = lse = None
+  for call in call_plan.forward_calls(cfg, cu_seqlens, cu_seqlens_padded,
+                                      _rank(cfg)):
+    assert not call.overlaps_previous, call
+    if call.exchanged and halo is not None and out is not None:
+      # The assembly waits for the halo: keep it after the earlier calls,
+      # which then hide the exchange (XLA may otherwise schedule it first).
+      halo, out, lse = jax.lax.optimization_barrier((halo, out, lse))
+    kc, vc = _call_kv(cfg, call, k, v, kx, vx, halo)
+    seg = call_plan.segments(call, q.shape[1], kc.shape[1])
+    in_place = out is not None and backend.supports_in_place
+    # The first call's outputs hold 0 / -inf on the other calls' rows.
+    extra = dict(into=(_flat(out), _flat(lse))) if in_place else {}
+    o, l = backend.forward(_flat(q), _flat(kc), _flat(vc), seg,
+                           mask=call.mask, scale=cfg.scale, **extra)
+    o, l = o.reshape(q.shape), l.reshape(q.shape[:3])
+    if out is None or in_place:
+      out, lse = o, l
+    else:
+      out, lse = add(out, o), jnp.maximum(lse, l)
+  return out.astype(q.dtype), lse, (halo if cfg.exchange.keeps_halo else
+                                    None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def cp_attention_vjp(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
+  """This rank's attention output ``[B, Tl, Hq, D]``, differentiable in
+  q, k, v."""
+  return _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg)[0]
+
+
+def _vjp_forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
+  out, lse, halo = _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg)
+  # Residuals are local, plus a small received halo (KVExchange.keeps_halo):
+  # all-gathered K/V are rebuilt in the backward.
+  return out, (q, k, v, cu_seqlens, cu_seqlens_padded, out, lse, halo)
+
+
+def _vjp_backward(cfg: CPConfig, residuals, dout):
+  q, k, v, cu_seqlens, cu_seqlens_padded, out, lse, halo = residuals
+  backend = cfg.backend
+  kx = vx = None
+  if halo is None:
+    # The barrier keeps XLA from merging this re-gather with the forward's
+    # (which would keep the exchanged K/V alive from forward to backward).
+    k, v = jax.lax.optimization_barrier((k, v))
+    kx, vx, halo = _exchange(cfg, k, v, cu_seqlens_padded)
+  dout = dout.astype(out.dtype)
+  dq, dk, dv, dkx, dvx = GradSum(), GradSum(), GradSum(), GradSum(), GradSum()
+  assembled = {}
+  calls = call_plan.backward_calls(cfg, cu_seqlens, cu_seqlens_padded,
+                                   _rank(cfg))
+  writes = call_plan.dq_writes(calls, q.shape[1], backend.supports_in_place)
+  for call, write in zip(calls, writes):
+    kc, vc = _call_kv(cfg, call, k, v, kx, vx, halo, assembled)
+    rows = write.q_rows
+    qc = _prefix(q, rows)
+    extra = {}
+    if backend.supports_in_place:
+      extra = dict(dq_into=_flat(dq.full) if write.into else None,
+                   dq_fill=_flat_row_range(write.fill, q.shape[0]))
+    dq_i, dk_i, dv_i = backend.backward(
+        _flat(qc), _flat(kc), _flat(vc), _flat(_prefix(out, rows)),
+        _prefix(lse, rows).reshape(-1, q.shape[2]),
+        _flat(_prefix(dout, rows)),
+        call_plan.segments(call, qc.shape[1], kc.shape[1]), mask=call.mask,
+        scale=cfg.scale, **extra)
+    if write.into:
+      dq.full = dq_i.reshape(q.shape)
+    else:
+      dq.add(dq_i.reshape(qc.shape), rows)
+    (dkx if call.exchanged else dk).add(dk_i.reshape(kc.shape), call.kv_rows)
+    (dvx if call.exchanged else dv).add(dv_i.reshape(vc.shape), call.kv_rows)
+  merge = backend.merge_rows
+  dq = dq.total(merge, q.dtype)
+  dk, dv = dk.total(merge, k.dtype), dv.total(merge, v.dtype)
+  dkx, dvx = dkx.total(merge, k.dtype), dvx.total(merge, v.dtype)
+  if dkx is not None:
+    # Gradients of the exchanged K/V go back to their owners and are merged
+    # into the local ones (dk/dv may be None: DUAL_CHUNK_SWAP has no local
+    # call).
+    dk, dv = cfg.exchange.scatter(dkx, dvx, cu_seqlens_padded, into=(dk, dv),
+                                  merge_rows=merge)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None,
+          None)
+
+
+cp_attention_vjp.defvjp(_vjp_forward, _vjp_backward)

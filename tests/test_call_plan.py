@@ -1,0 +1,115 @@
+"""The call plan on its own (jax_cp.call_plan): which calls a rank runs,
+how the backward's dq is written, and the flat segment lists. No
+communication, no backend: metadata on host arrays, rank as an int."""
+
+import numpy as np
+import pytest
+
+from jax_cp import call_plan, checks
+from jax_cp.attention.registry import resolve_backend
+from jax_cp.cp_config import CPConfig
+from jax_cp.kv_exchange import choose_exchange
+from jax_cp.strategy import CPLoadBalancingStrategy as S
+
+CP, T = 4, 64
+TL = T // CP
+# Three documents with padding; the second one straddles ranks 0..2.
+CU = np.array([[0, 10, 34, 58]], np.int32)
+CU_P = np.array([[0, 16, 40, 64]], np.int32)
+
+
+def test_metadata_is_valid():
+  checks.check_cu_seqlens_padded(CU_P, T)
+  checks.check_cu_seqlens(CU, CU_P)
+
+
+def config(strategy, w, split=False, cp=CP):
+  return CPConfig(strategy=strategy, cp_axis="cp", cp_size=cp, causal=True,
+                  scale=0.1, backend=resolve_backend("xla"),
+                  total_tokens=T, max_seqlen=w, split_causal_backward=split,
+                  exchange=choose_exchange(strategy is S.NO_LOAD_BALANCE,
+                                           "cp", cp, T, w),
+                  split_straddle=split)
+
+
+def test_no_load_balance_plan():
+  cfg = config(S.NO_LOAD_BALANCE, w=24)
+  calls = call_plan.forward_calls(cfg, CU, CU_P, 2)
+  assert [c.mask for c in calls] == ["causal_top_left", "causal_bottom_right"]
+  assert [c.exchanged for c in calls] == [False, True]
+  straddle = calls[1]
+  # The straddling document reaches at most W-1 = 23 rows, above Tl = 16.
+  assert straddle.q_rows is None and straddle.max_q == TL
+  assert cfg.exchange.kind == "halo" and cfg.exchange.halo_tokens == 23
+  # Rank 2 holds tokens [32, 48); document 1 (padded [16, 40), 24 valid
+  # tokens) straddles into it: its 8 rows [32, 40) see its 24 keys.
+  assert int(np.asarray(straddle.meta.q_lens)[0, 0]) == 8
+  assert int(np.asarray(straddle.meta.kv_lens)[0, 0]) == 24
+  # The local call holds document 2 (padded [40, 64)): rows [8, 16) of the
+  # chunk, 8 valid tokens, 8 keys.
+  local = calls[0].meta
+  assert 8 in np.asarray(local.q_lens)[0].tolist()
+
+
+def test_dual_chunk_swap_plan_and_backward_split():
+  cfg = config(S.DUAL_CHUNK_SWAP, w=24, split=True)
+  fwd = call_plan.forward_calls(cfg, CU, CU_P, 0)
+  assert [c.mask for c in fwd] == ["causal_bottom_right"] * 2
+  assert all(c.exchanged for c in fwd)
+  bwd = call_plan.backward_calls(cfg, CU, CU_P, 0)
+  # Reverse order, each bottom-right block as rectangle + triangle.
+  assert [(c.mask, c.overlaps_previous) for c in bwd] == [
+      ("no_mask", False), ("causal_top_left", True)] * 2
+  unsplit = call_plan.backward_calls(config(S.DUAL_CHUNK_SWAP, w=24), CU,
+                                     CU_P, 0)
+  assert [c.mask for c in unsplit] == ["causal_bottom_right"] * 2
+  # The step-1 call comes first in the backward.
+  np.testing.assert_array_equal(np.asarray(unsplit[0].meta.q_offsets),
+                                np.asarray(fwd[1].meta.q_offsets))
+
+
+def _call(q_rows=None, overlaps=False):
+  return call_plan.Call(meta=None, mask="no_mask", max_q=1, max_kv=1,
+                        exchanged=True, q_rows=q_rows,
+                        overlaps_previous=overlaps)
+
+
+def test_dq_writes_in_place_split_the_fill():
+  # NO_LOAD_BALANCE backward with a split straddle: rectangle, triangle,
+  # then the local call.
+  calls = [_call(q_rows=7), _call(q_rows=7, overlaps=True), _call()]
+  W = call_plan.DqWrite
+  assert call_plan.dq_writes(calls, 16, in_place=True) == [
+      W(fill=(0, 7)), W(q_rows=7), W(into=True, fill=(7, 16))]
+  # Without in-place writes every call returns a fresh dq, summed.
+  assert call_plan.dq_writes(calls, 16, in_place=False) == [
+      W(), W(q_rows=7), W()]
+  # DUAL_CHUNK_SWAP: full-row calls, the first fills all its rows (the
+  # backend default), the later ones write into it.
+  assert call_plan.dq_writes([_call(), _call()], 16, in_place=True) == [
+      W(), W(into=True)]
+
+
+def test_segments_heaviest_first_and_flat_offsets():
+  cfg = config(S.NO_LOAD_BALANCE, w=24)
+  cu = np.concatenate([CU, np.array([[0, 4, 12, 58]], np.int32)])
+  cuP = np.concatenate([CU_P, np.array([[0, 8, 16, 64]], np.int32)])
+  call = call_plan.forward_calls(cfg, cu, cuP, 0)[0]
+  seg = call_plan.segments(call, TL, TL)
+  q, kv = np.asarray(seg.q_lens), np.asarray(seg.kv_lens)
+  work = q * (2 * kv - q)
+  assert list(work) == sorted(work, reverse=True)
+  assert seg.rows_see_keys
+  # Row b's segments are offset by b * Tl in the flat buffer.
+  m = call.meta
+  want = sorted(zip(np.asarray(m.q_offsets + np.arange(2)[:, None] * TL)
+                    .reshape(-1).tolist(),
+                    np.asarray(m.q_lens).reshape(-1).tolist()))
+  assert sorted(zip(np.asarray(seg.q_offsets).tolist(), q.tolist())) == want
+
+
+@pytest.mark.parametrize("cp", [1])
+def test_single_rank_is_one_top_left_call(cp):
+  cfg = config(S.NO_LOAD_BALANCE, w=T, cp=cp)
+  (call,) = call_plan.forward_calls(cfg, CU, CU_P, 0)
+  assert call.mask == "causal_top_left" and not call.exchanged
