@@ -32,9 +32,15 @@ from scikit_build_core import build as _skbuild
 _CUDA_KEY = "cuda"
 _CUDA_VERSIONS = ("13",)
 _ENV = "JAX_CP_BUILD_CUDA"
-# Written by get_requires_for_build_* (which frontends call only to fill an
-# isolated build environment); build_* reads it back in the same environment.
+# Written by get_requires_for_build_* (which frontends call to fill an
+# isolated build environment); build_* reads it back when it runs in the same
+# environment for the same frontend process.
 _ISOLATED_MARKER = Path("build") / "jax_cp_isolated_cuda_build.json"
+
+
+def _environment_id():
+  """The build frontend's process and the environment it made for us."""
+  return [os.getppid(), sys.prefix, os.environ.get("PYTHONPATH", "")]
 
 
 def _cuda_requested(config_settings) -> bool:
@@ -83,7 +89,7 @@ def _requires(config_settings, hook) -> list[str]:
     _check_compiler()
     requires += cuda13_build_requires()
     _ISOLATED_MARKER.parent.mkdir(exist_ok=True)
-    _ISOLATED_MARKER.write_text(json.dumps(sys.path))
+    _ISOLATED_MARKER.write_text(json.dumps(_environment_id()))
   return requires
 
 
@@ -94,11 +100,13 @@ def _settings(config_settings):
     _define(settings, "JAX_CP_BUILD_CUDA", "ON")
     isolated = False
     if _ISOLATED_MARKER.exists():
-      isolated = json.loads(_ISOLATED_MARKER.read_text()) == sys.path
+      isolated = json.loads(_ISOLATED_MARKER.read_text()) == _environment_id()
       _ISOLATED_MARKER.unlink()
     # An isolated environment has the build wheels but not JAX's CUDA plugin
     # (the cuda13 extra installs it next to the built package).
-    _define(settings, "JAX_CP_ISOLATED_CUDA_BUILD", "ON" if isolated else "OFF")
+    plugin_check = "cmake.define.JAX_CP_REQUIRE_JAX_CUDA_PLUGIN"
+    if isolated and plugin_check not in settings:
+      settings[plugin_check] = "OFF"
   return settings
 
 

@@ -15,11 +15,12 @@
 // every row: 2 * (H0 + W-1) rows per buffer where the straddling document
 // needs at most W, and nothing on rank 0.
 #include <cstdint>
-#include <exception>
 #include <string>
 
 #include "cuda_libs.h"
 #include "device_kernels.h"
+#include "ffi_errors.h"
+#include "ffi_targets.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -27,11 +28,7 @@ namespace ffi = xla::ffi;
 namespace jax_cp {
 namespace {
 
-constexpr const char* kCall = "jax_cp_assemble_kv";
-
-ffi::Error Invalid(const std::string& what) {
-  return ffi::Error::InvalidArgument(std::string(kCall) + ": " + what);
-}
+constexpr const char* kCall = kAssembleKvTarget;
 
 std::string Dims(ffi::Span<const int64_t> d) {
   std::string s = "[";
@@ -46,50 +43,53 @@ ffi::Error AssembleKv(cudaStream_t stream, int32_t device, ffi::AnyBuffer halo,
                       ffi::Buffer<ffi::S32> ranges,
                       ffi::Result<ffi::AnyBuffer> kx,
                       ffi::Result<ffi::AnyBuffer> vx, int64_t tail) {
-  try {
+  return GuardFfi(kCall, [&]() -> ffi::Error {
     const auto hd = halo.dimensions();
     const auto kd = k.dimensions();
     const auto xd = kx->dimensions();
     const ffi::DataType t = k.element_type();
     if (halo.element_type() != t || v.element_type() != t ||
         kx->element_type() != t || vx->element_type() != t) {
-      return Invalid("halo, k, v, kx and vx must share one dtype");
+      return Invalid(kCall, "halo, k, v, kx and vx must share one dtype");
     }
     if (hd.size() != 4 || kd.size() != 4 || xd.size() != 4) {
-      return Invalid("halo, k and kx must be rank 4 [B, T, H, D]; got halo " +
-                     Dims(hd) + " k " + Dims(kd) + " kx " + Dims(xd));
+      return Invalid(kCall, "halo, k and kx must be rank 4 [B, T, H, D]; got "
+                            "halo " + Dims(hd) + " k " + Dims(kd) + " kx " +
+                                Dims(xd));
     }
     if (Dims(v.dimensions()) != Dims(kd) ||
         Dims(vx->dimensions()) != Dims(xd)) {
-      return Invalid("v must be shaped like k and vx like kx");
+      return Invalid(kCall, "v must be shaped like k and vx like kx");
     }
     const int64_t batch = kd[0], halo_rows = hd[1], local_rows = kd[1],
                   rows = xd[1];
     if (hd[0] != batch || xd[0] != batch || hd[2] != 2 * kd[2] ||
         hd[3] != kd[3] || xd[2] != kd[2] || xd[3] != kd[3]) {
-      return Invalid("need halo [B, H0, 2*Hkv, D], k [B, Tl, Hkv, D], kx "
-                     "[B, R, Hkv, D]; got halo " + Dims(hd) + " k " +
-                     Dims(kd) + " kx " + Dims(xd));
+      return Invalid(kCall, "need halo [B, H0, 2*Hkv, D], k [B, Tl, Hkv, D], "
+                            "kx [B, R, Hkv, D]; got halo " + Dims(hd) +
+                                " k " + Dims(kd) + " kx " + Dims(xd));
     }
     if (rows > halo_rows + local_rows) {
-      return Invalid("kx has " + std::to_string(rows) + " rows, more than "
-                     "halo + local = " +
-                     std::to_string(halo_rows + local_rows));
+      return Invalid(kCall, "kx has " + std::to_string(rows) +
+                                " rows, more than halo + local = " +
+                                std::to_string(halo_rows + local_rows));
     }
     const auto rd = ranges.dimensions();
     if (rd.size() != 2 || rd[0] != 2 || rd[1] != batch) {
-      return Invalid("ranges must be int32 [2, B] = [2, " +
-                     std::to_string(batch) + "]; got " + Dims(rd));
+      return Invalid(kCall, "ranges must be int32 [2, B] = [2, " +
+                                std::to_string(batch) + "]; got " + Dims(rd));
     }
-    if (tail < 0) return Invalid("tail must be >= 0");
+    if (tail < 0) return Invalid(kCall, "tail must be >= 0");
     const int64_t row_bytes = kx->size_bytes() / (batch * rows > 0
                                                       ? batch * rows : 1);
     if (batch * rows == 0) return ffi::Error::Success();
     if (row_bytes % 16 != 0) {
-      return Invalid("a row (Hkv * D elements) must be a multiple of 16 "
-                     "bytes; got " + std::to_string(row_bytes));
+      return Invalid(kCall, "a row (Hkv * D elements) must be a multiple of "
+                            "16 bytes; got " + std::to_string(row_bytes));
     }
-    if (batch > 65535) return Invalid("batch (dim 0) must be <= 65535");
+    if (batch > 65535) {
+      return Invalid(kCall, "batch (dim 0) must be <= 65535");
+    }
 
     auto libs_or = GetCudaLibraries();
     if (!libs_or.has_value()) return libs_or.error();
@@ -119,17 +119,14 @@ ffi::Error AssembleKv(cudaStream_t stream, int32_t device, ffi::AnyBuffer halo,
         libs, device, kernels.assemble_kv,
         dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(batch), 2),
         dim3(static_cast<unsigned>(kThreads)), args, stream, kCall);
-  } catch (const std::exception& ex) {
-    return ffi::Error::Internal(std::string(kCall) + ": " + ex.what());
-  } catch (...) {
-    return ffi::Error::Internal(std::string(kCall) + ": unknown exception");
-  }
+  });
 }
 
 }  // namespace
+}  // namespace jax_cp
 
 // No CUDA-graph trait: the first call loads the PTX on the host.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpAssembleKv, AssembleKv,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpAssembleKv, jax_cp::AssembleKv,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
@@ -140,5 +137,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpAssembleKv, AssembleKv,
                                   .Ret<ffi::AnyBuffer>()      // kx
                                   .Ret<ffi::AnyBuffer>()      // vx
                                   .Attr<int64_t>("tail"));
-
-}  // namespace jax_cp

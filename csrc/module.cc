@@ -1,50 +1,79 @@
-// nanobind module `jax_cp._jax_cp_cuda`: the FFI handler capsules and the
-// graph-cache counters. Importing it loads no CUDA library (they are opened
-// on the first custom call), so it imports on machines without a GPU.
+// nanobind module `jax_cp._jax_cp_cuda`: the FFI handler capsules, the
+// contract constants Python reads (ffi_targets.h) and the graph-cache
+// counters. Importing it loads no CUDA library (they are opened on the first
+// custom call), so it imports on machines without a GPU. Its Python
+// signatures are in jax_cp/_jax_cp_cuda.pyi.
 #include <nanobind/nanobind.h>
 
+#include <cstdint>
+
 #include "cuda_libs.h"
+#include "ffi_targets.h"
 #include "sdpa_graph.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
 
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpCudnnSdpaForward);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpCudnnSdpaBackward);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpCudnnSdpaForwardInto);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpCudnnSdpaBackwardInto);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpMergeRows);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpAssembleKv);
-
 namespace {
 
-template <typename Fn>
-nb::capsule HandlerCapsule(Fn* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
+struct Target {
+  const char* role;  // key of FFI_TARGETS
+  const char* name;  // FFI target name
+  XLA_FFI_Handler* handler;
+};
+
+const Target kTargets[] = {
+    {"sdpa_fwd", jax_cp::kSdpaForwardTarget, JaxCpCudnnSdpaForward},
+    {"sdpa_fwd_into", jax_cp::kSdpaForwardIntoTarget,
+     JaxCpCudnnSdpaForwardInto},
+    {"sdpa_bwd", jax_cp::kSdpaBackwardTarget, JaxCpCudnnSdpaBackward},
+    {"sdpa_bwd_into", jax_cp::kSdpaBackwardIntoTarget,
+     JaxCpCudnnSdpaBackwardInto},
+    {"merge_rows", jax_cp::kMergeRowsTarget, JaxCpMergeRows},
+    {"assemble_kv", jax_cp::kAssembleKvTarget, JaxCpAssembleKv},
+};
+
+template <typename Enum>
+int64_t Code(Enum value) {
+  return static_cast<int64_t>(value);
 }
 
 }  // namespace
 
 NB_MODULE(_jax_cp_cuda, m) {
   m.doc() =
-      "cuDNN SDPA, row-merge and K/V assembly handlers (XLA FFI) for jax_cp's 'cudnn' "
-      "backend.";
+      "cuDNN SDPA, row-merge and K/V assembly handlers (XLA FFI) for "
+      "jax_cp's 'cudnn' backend.";
 
   // Must happen before the cuDNN frontend first opens the CUDA runtime.
   jax_cp::PinFrontendCudaRuntime();
+
+  nb::dict targets;
+  for (const Target& t : kTargets) targets[t.role] = t.name;
+  m.attr("FFI_TARGETS") = targets;
+
+  nb::dict masks;
+  masks["no_mask"] = Code(jax_cp::SdpaMask::kNoMask);
+  masks["causal_top_left"] = Code(jax_cp::SdpaMask::kCausalTopLeft);
+  masks["causal_bottom_right"] = Code(jax_cp::SdpaMask::kCausalBottomRight);
+  m.attr("MASK_CODES") = masks;
+
+  nb::dict merge_ops;
+  merge_ops["add"] = Code(jax_cp::MergeOp::kAdd);
+  merge_ops["max"] = Code(jax_cp::MergeOp::kMax);
+  m.attr("MERGE_OP_CODES") = merge_ops;
+
+  m.attr("MAX_HEAD_DIM") = jax_cp::kMaxHeadDim;
+  m.attr("SEGMENT_META_ROWS") = jax_cp::kSegmentMetaRows;
+  m.attr("SEGMENT_META_WIDTH_MULTIPLE") = jax_cp::kSegmentMetaWidthMultiple;
 
   m.def(
       "registrations",
       []() {
         nb::dict d;
-        d["jax_cp_cudnn_sdpa_fwd"] = HandlerCapsule(JaxCpCudnnSdpaForward);
-        d["jax_cp_cudnn_sdpa_bwd"] = HandlerCapsule(JaxCpCudnnSdpaBackward);
-        d["jax_cp_cudnn_sdpa_fwd_into"] =
-            HandlerCapsule(JaxCpCudnnSdpaForwardInto);
-        d["jax_cp_cudnn_sdpa_bwd_into"] =
-            HandlerCapsule(JaxCpCudnnSdpaBackwardInto);
-        d["jax_cp_merge_rows"] = HandlerCapsule(JaxCpMergeRows);
-        d["jax_cp_assemble_kv"] = HandlerCapsule(JaxCpAssembleKv);
+        for (const Target& t : kTargets) {
+          d[t.name] = nb::capsule(reinterpret_cast<void*>(t.handler));
+        }
         return d;
       },
       "Returns {FFI target name: handler capsule} (execute stage only).");

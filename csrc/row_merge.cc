@@ -16,12 +16,13 @@
 // The kernels are in row_merge_kernels.cuh (the kernels.cu PTX module, see
 // device_kernels.h).
 #include <cstdint>
-#include <exception>
 #include <string>
 
 
 #include "cuda_libs.h"
 #include "device_kernels.h"
+#include "ffi_errors.h"
+#include "ffi_targets.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -30,12 +31,8 @@ namespace jax_cp {
 
 namespace {
 
-constexpr const char* kCall = "jax_cp_merge_rows";
+constexpr const char* kCall = kMergeRowsTarget;
 constexpr int kElementBytes[kKernelDtypes] = {4, 2, 2};
-
-ffi::Error Invalid(const std::string& what) {
-  return ffi::Error::InvalidArgument(std::string(kCall) + ": " + what);
-}
 
 int DtypeIndex(ffi::DataType t) {
   switch (t) {
@@ -49,43 +46,49 @@ int DtypeIndex(ffi::DataType t) {
 ffi::Error MergeRows(cudaStream_t stream, int32_t device, ffi::AnyBuffer dst,
                      ffi::AnyBuffer src, ffi::Result<ffi::AnyBuffer> out,
                      int64_t row_offset, int64_t op) {
-  try {
+  return GuardFfi(kCall, [&]() -> ffi::Error {
     const auto dd = dst.dimensions();
     const auto sd = src.dimensions();
     const int dtype = DtypeIndex(dst.element_type());
     if (dtype < 0 || src.element_type() != dst.element_type() ||
         out->element_type() != dst.element_type()) {
-      return Invalid("dst, src and out must share one dtype: float32, "
-                     "bfloat16 or float16");
+      return Invalid(kCall, "dst, src and out must share one dtype: "
+                            "float32, bfloat16 or float16");
     }
     if (dd.size() < 2 || sd.size() != dd.size() || sd[0] != dd[0]) {
-      return Invalid("dst and src must be [B, T, ...] with the same rank and "
-                     "B");
+      return Invalid(kCall, "dst and src must be [B, T, ...] with the same "
+                            "rank and B");
     }
     int64_t inner = 1;
     for (size_t i = 2; i < dd.size(); ++i) {
-      if (sd[i] != dd[i]) return Invalid("dst and src trailing dims differ");
+      if (sd[i] != dd[i]) {
+        return Invalid(kCall, "dst and src trailing dims differ");
+      }
       inner *= dd[i];
     }
     if (row_offset < 0 || row_offset + sd[1] > dd[1]) {
-      return Invalid("need 0 <= row_offset <= Td - Ts; got row_offset=" +
-                     std::to_string(row_offset) + " Td=" +
-                     std::to_string(dd[1]) + " Ts=" + std::to_string(sd[1]));
+      return Invalid(kCall, "need 0 <= row_offset <= Td - Ts; got "
+                            "row_offset=" + std::to_string(row_offset) +
+                                " Td=" + std::to_string(dd[1]) +
+                                " Ts=" + std::to_string(sd[1]));
     }
-    if (op != 0 && op != 1) {
-      return Invalid("op must be 0 (add) or 1 (max); got " +
-                     std::to_string(op));
+    if (op != static_cast<int64_t>(MergeOp::kAdd) &&
+        op != static_cast<int64_t>(MergeOp::kMax)) {
+      return Invalid(kCall, "op must be 0 (add) or 1 (max); got " +
+                                std::to_string(op));
     }
     if (out->untyped_data() != dst.untyped_data()) {
-      return Invalid("out must alias dst (call it with "
-                     "input_output_aliases={0: 0})");
+      return Invalid(kCall, "out must alias dst (call it with "
+                            "input_output_aliases={0: 0})");
     }
     const long long batch = dd[0];
     long long dst_batch = dd[1] * inner;
     long long src_batch = sd[1] * inner;
     long long offset = row_offset * inner;
     if (batch * src_batch == 0) return ffi::Error::Success();
-    if (batch > 65535) return Invalid("batch (dim 0) must be <= 65535");
+    if (batch > 65535) {
+      return Invalid(kCall, "batch (dim 0) must be <= 65535");
+    }
 
     auto libs_or = GetCudaLibraries();
     if (!libs_or.has_value()) return libs_or.error();
@@ -113,17 +116,14 @@ ffi::Error MergeRows(cudaStream_t stream, int32_t device, ffi::AnyBuffer dst,
         libs, device, kernels.merge[dtype][op][vec ? 1 : 0],
         dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(batch)),
         dim3(static_cast<unsigned>(kThreads)), args, stream, kCall);
-  } catch (const std::exception& ex) {
-    return ffi::Error::Internal(std::string(kCall) + ": " + ex.what());
-  } catch (...) {
-    return ffi::Error::Internal(std::string(kCall) + ": unknown exception");
-  }
+  });
 }
 
 }  // namespace
+}  // namespace jax_cp
 
 // No CUDA-graph trait: the first call loads the PTX on the host.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpMergeRows, MergeRows,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpMergeRows, jax_cp::MergeRows,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
@@ -132,5 +132,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxCpMergeRows, MergeRows,
                                   .Ret<ffi::AnyBuffer>()  // out (= dst)
                                   .Attr<int64_t>("row_offset")
                                   .Attr<int64_t>("op"));
-
-}  // namespace jax_cp

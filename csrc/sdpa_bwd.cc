@@ -19,11 +19,13 @@
 // parallel attention splits the rows between two calls this way: the first
 // call fills [0, n), the second, writing into the first's dq, fills
 // [n, Tq), so neither touches rows it need not.
-#include <exception>
+#include <string>
 #include <utility>
 
 #include "clear_rows.h"
 #include "cuda_libs.h"
+#include "ffi_errors.h"
+#include "ffi_targets.h"
 #include "sdpa_ffi_common.h"
 #include "sdpa_graph.h"
 #include "xla/ffi/api/ffi.h"
@@ -32,9 +34,6 @@ namespace ffi = xla::ffi;
 
 namespace jax_cp {
 namespace {
-
-constexpr const char* kFresh = "jax_cp_cudnn_sdpa_bwd";
-constexpr const char* kInto = "jax_cp_cudnn_sdpa_bwd_into";
 
 // `dq_in`: dq's buffer (aliased), or null for a fresh dq. Uncovered dq rows
 // in [dq_fill_lo, dq_fill_hi) are set to zero either way.
@@ -47,8 +46,8 @@ ffi::Error SdpaBackwardImpl(
     int64_t segments, int64_t mask, float scale, int64_t max_seqlen_q,
     int64_t max_seqlen_kv, int64_t dq_fill_lo, int64_t dq_fill_hi) {
   const bool into = dq_in != nullptr;
-  const char* call = into ? kInto : kFresh;
-  try {
+  const char* call = into ? kSdpaBackwardIntoTarget : kSdpaBackwardTarget;
+  return GuardFfi(call, [&]() -> ffi::Error {
     const SdpaCommonOperands ops{q, k, v, meta};
     auto key_or = MakeSdpaKey(call, SdpaDirection::kBackward, device, ops,
                               {segments, mask, scale, max_seqlen_q,
@@ -64,11 +63,10 @@ ffi::Error SdpaBackwardImpl(
     if (e.success() && into) e = CheckAliased(call, "dq", *dq, *dq_in);
     if (e.success() && !(0 <= dq_fill_lo && dq_fill_lo <= dq_fill_hi &&
                          dq_fill_hi <= key.tokens_q)) {
-      e = ffi::Error::InvalidArgument(
-          std::string(call) + ": need 0 <= dq_fill_lo <= dq_fill_hi <= Tq; "
-          "got " + std::to_string(dq_fill_lo) + ", " +
-          std::to_string(dq_fill_hi) + ", Tq=" +
-          std::to_string(key.tokens_q));
+      e = Invalid(call, "need 0 <= dq_fill_lo <= dq_fill_hi <= Tq; got " +
+                            std::to_string(dq_fill_lo) + ", " +
+                            std::to_string(dq_fill_hi) +
+                            ", Tq=" + std::to_string(key.tokens_q));
     }
     if (e.failure()) return e;
 
@@ -118,11 +116,7 @@ ffi::Error SdpaBackwardImpl(
       if (e.failure()) return e;
     }
     return RunSdpaGraph(call, key, stream, scratch, std::move(ptrs));
-  } catch (const std::exception& ex) {
-    return ffi::Error::Internal(std::string(call) + ": " + ex.what());
-  } catch (...) {
-    return ffi::Error::Internal(std::string(call) + ": unknown exception");
-  }
+  });
 }
 
 ffi::Error SdpaBackward(
@@ -154,26 +148,27 @@ ffi::Error SdpaBackwardInto(
 }
 
 }  // namespace
+}  // namespace jax_cp
 
 // No kCmdBufferCompatible trait (see sdpa_fwd.cc).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxCpCudnnSdpaBackward, SdpaBackward,
-    BindSdpaAttributes(BindSdpaContext()
+    JaxCpCudnnSdpaBackward, jax_cp::SdpaBackward,
+    jax_cp::BindSdpaAttributes(jax_cp::BindSdpaContext()
         .Arg<ffi::AnyBuffer>()  // q
         .Arg<ffi::AnyBuffer>()  // k
         .Arg<ffi::AnyBuffer>()  // v
         .Arg<ffi::AnyBuffer>()  // out
         .Arg<ffi::AnyBuffer>()  // dout
         .Arg<ffi::AnyBuffer>()  // stats
-        .Arg<SegmentMeta>()     // meta [5, W]
+        .Arg<jax_cp::SegmentMeta>()// meta [5, W]
         .Ret<ffi::AnyBuffer>()  // dq
         .Ret<ffi::AnyBuffer>()  // dk
         .Ret<ffi::AnyBuffer>()  // dv
     ).Attr<int64_t>("dq_fill_lo").Attr<int64_t>("dq_fill_hi"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxCpCudnnSdpaBackwardInto, SdpaBackwardInto,
-    BindSdpaAttributes(BindSdpaContext()
+    JaxCpCudnnSdpaBackwardInto, jax_cp::SdpaBackwardInto,
+    jax_cp::BindSdpaAttributes(jax_cp::BindSdpaContext()
         .Arg<ffi::AnyBuffer>()  // q
         .Arg<ffi::AnyBuffer>()  // k
         .Arg<ffi::AnyBuffer>()  // v
@@ -181,10 +176,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()  // dout
         .Arg<ffi::AnyBuffer>()  // stats
         .Arg<ffi::AnyBuffer>()  // dq_in (aliased)
-        .Arg<SegmentMeta>()     // meta [5, W]
+        .Arg<jax_cp::SegmentMeta>()// meta [5, W]
         .Ret<ffi::AnyBuffer>()  // dq
         .Ret<ffi::AnyBuffer>()  // dk
         .Ret<ffi::AnyBuffer>()  // dv
     ).Attr<int64_t>("dq_fill_lo").Attr<int64_t>("dq_fill_hi"));
-
-}  // namespace jax_cp

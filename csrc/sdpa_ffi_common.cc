@@ -3,6 +3,8 @@
 #include <cstring>
 #include <sstream>
 
+#include "ffi_errors.h"
+
 namespace ffi = xla::ffi;
 
 namespace jax_cp {
@@ -14,10 +16,6 @@ std::string DimsToString(ffi::AnyBuffer::Dimensions dims) {
   for (size_t i = 0; i < dims.size(); ++i) os << (i ? "," : "") << dims[i];
   os << "]";
   return os.str();
-}
-
-ffi::Error Invalid(const char* call, const std::string& what) {
-  return ffi::Error::InvalidArgument(std::string(call) + ": " + what);
 }
 
 bool SameDims(ffi::AnyBuffer::Dimensions a, ffi::AnyBuffer::Dimensions b) {
@@ -70,9 +68,11 @@ ffi::ErrorOr<SdpaGraphKey> MakeSdpaKey(const char* call,
                              std::to_string(key.heads_q) +
                              " Hkv=" + std::to_string(key.heads_kv));
   }
-  if (key.head_dim % 8 != 0 || key.head_dim <= 0 || key.head_dim > 256) {
-    return Invalid(call, "head dim must be a positive multiple of 8, <= 256; "
-                         "got " + std::to_string(key.head_dim));
+  if (key.head_dim % 8 != 0 || key.head_dim <= 0 ||
+      key.head_dim > kMaxHeadDim) {
+    return Invalid(call, "head dim must be a positive multiple of 8, <= " +
+                             std::to_string(kMaxHeadDim) + "; got " +
+                             std::to_string(key.head_dim));
   }
   if (key.tokens_q * key.heads_q * key.head_dim >= kInt32Limit ||
       key.tokens_kv * key.heads_kv * key.head_dim >= kInt32Limit) {
@@ -82,15 +82,16 @@ ffi::ErrorOr<SdpaGraphKey> MakeSdpaKey(const char* call,
 
   key.segments = attrs.segments;
   const auto md = ops.meta.dimensions();
-  if (key.segments < 1 || md.size() != 2 || md[0] != kMetaRows ||
-      md[1] < key.segments + 1 || md[1] % 4 != 0) {
+  if (key.segments < 1 || md.size() != 2 || md[0] != kSegmentMetaRows ||
+      md[1] < key.segments + 1 || md[1] % kSegmentMetaWidthMultiple != 0) {
     return Invalid(call, "expected segments S >= 1 and metadata int32 [5, W] "
                          "with W >= S + 1 a multiple of 4; got S=" +
                              std::to_string(key.segments) + " meta" +
                              DimsToString(md));
   }
 
-  if (attrs.mask < 0 || attrs.mask > 2) {
+  if (attrs.mask < static_cast<int64_t>(SdpaMask::kNoMask) ||
+      attrs.mask > static_cast<int64_t>(SdpaMask::kCausalBottomRight)) {
     return Invalid(call, "mask must be 0 (no_mask), 1 (causal_top_left) or 2 "
                          "(causal_bottom_right); got " +
                              std::to_string(attrs.mask));

@@ -9,6 +9,7 @@
 #include <string>
 #include <utility>
 
+#include "ffi_targets.h"
 #include "sdpa_graph.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -17,10 +18,10 @@ namespace jax_cp {
 // The segment metadata of a call, packed in one int32 operand [5, W] (one
 // small array for XLA to build instead of five): row 0 q_lens [S], row 1
 // kv_lens [S], rows 2-4 the element offsets q_off, kv_off, stats_off
-// [S + 1]; W >= S + 1 is a multiple of 4, so every row starts 16-byte
-// aligned. S is the `segments` attribute.
+// [S + 1]; W >= S + 1 is a multiple of 4 (kSegmentMetaWidthMultiple), so
+// every row starts 16-byte aligned. S is the `segments` attribute.
 using SegmentMeta = xla::ffi::Buffer<xla::ffi::S32, 2>;
-constexpr int64_t kMetaRows = 5;
+static_assert(kSegmentMetaRows == 5, "SegmentPointers names five rows");
 
 // The operands every SDPA call has, forward and backward alike.
 struct SdpaCommonOperands {

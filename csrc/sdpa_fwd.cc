@@ -15,11 +15,12 @@
 // rows its segments cover and every other row keeps its value. Context
 // parallel attention writes a second call's rows into the first's outputs
 // this way, with no merge pass and no extra output buffers.
-#include <exception>
 #include <utility>
 
 #include "clear_rows.h"
 #include "cuda_libs.h"
+#include "ffi_errors.h"
+#include "ffi_targets.h"
 #include "sdpa_ffi_common.h"
 #include "sdpa_graph.h"
 #include "xla/ffi/api/ffi.h"
@@ -28,9 +29,6 @@ namespace ffi = xla::ffi;
 
 namespace jax_cp {
 namespace {
-
-constexpr const char* kFresh = "jax_cp_cudnn_sdpa_fwd";
-constexpr const char* kInto = "jax_cp_cudnn_sdpa_fwd_into";
 
 // `into`: out_in/stats_in are the results' buffers (aliased); nothing is
 // cleared. Otherwise both are null and the uncovered rows are filled.
@@ -43,8 +41,8 @@ ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
                            int64_t mask, float scale, int64_t max_seqlen_q,
                            int64_t max_seqlen_kv) {
   const bool into = out_in != nullptr;
-  const char* call = into ? kInto : kFresh;
-  try {
+  const char* call = into ? kSdpaForwardIntoTarget : kSdpaForwardTarget;
+  return GuardFfi(call, [&]() -> ffi::Error {
     const SdpaCommonOperands ops{q, k, v, meta};
     auto key_or = MakeSdpaKey(call, SdpaDirection::kForward, device, ops,
                               {segments, mask, scale, max_seqlen_q,
@@ -91,11 +89,7 @@ ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
       if (e.failure()) return e;
     }
     return RunSdpaGraph(call, key, stream, scratch, std::move(ptrs));
-  } catch (const std::exception& ex) {
-    return ffi::Error::Internal(std::string(call) + ": " + ex.what());
-  } catch (...) {
-    return ffi::Error::Internal(std::string(call) + ": unknown exception");
-  }
+  });
 }
 
 ffi::Error SdpaForward(cudaStream_t stream, ffi::ScratchAllocator scratch,
@@ -123,32 +117,31 @@ ffi::Error SdpaForwardInto(
 }
 
 }  // namespace
+}  // namespace jax_cp
 
 // Deliberately without ffi::Traits::kCmdBufferCompatible: the first call for
 // a key builds a cuDNN graph on the host, and the workspace comes from the
 // scratch allocator, neither of which is allowed inside CUDA-graph capture.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxCpCudnnSdpaForward, SdpaForward,
-    BindSdpaAttributes(BindSdpaContext()
+    JaxCpCudnnSdpaForward, jax_cp::SdpaForward,
+    jax_cp::BindSdpaAttributes(jax_cp::BindSdpaContext()
         .Arg<ffi::AnyBuffer>()  // q
         .Arg<ffi::AnyBuffer>()  // k
         .Arg<ffi::AnyBuffer>()  // v
-        .Arg<SegmentMeta>()     // meta [5, W]
+        .Arg<jax_cp::SegmentMeta>()// meta [5, W]
         .Ret<ffi::AnyBuffer>()  // out
         .Ret<ffi::AnyBuffer>()  // stats
     ));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxCpCudnnSdpaForwardInto, SdpaForwardInto,
-    BindSdpaAttributes(BindSdpaContext()
+    JaxCpCudnnSdpaForwardInto, jax_cp::SdpaForwardInto,
+    jax_cp::BindSdpaAttributes(jax_cp::BindSdpaContext()
         .Arg<ffi::AnyBuffer>()  // q
         .Arg<ffi::AnyBuffer>()  // k
         .Arg<ffi::AnyBuffer>()  // v
         .Arg<ffi::AnyBuffer>()  // out_in (aliased)
         .Arg<ffi::AnyBuffer>()  // stats_in (aliased)
-        .Arg<SegmentMeta>()     // meta [5, W]
+        .Arg<jax_cp::SegmentMeta>()// meta [5, W]
         .Ret<ffi::AnyBuffer>()  // out
         .Ret<ffi::AnyBuffer>()  // stats
     ));
-
-}  // namespace jax_cp

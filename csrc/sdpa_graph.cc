@@ -4,8 +4,9 @@
 
 #include <cstdio>
 #include <cstring>
-#include <exception>
 #include <mutex>
+
+#include "ffi_errors.h"
 
 namespace ffi = xla::ffi;
 namespace fe = cudnn_frontend;
@@ -394,17 +395,12 @@ size_t SdpaGraphKeyHash::operator()(const SdpaGraphKey& k) const {
 ffi::Error RunSdpaGraph(const char* call, const SdpaGraphKey& key,
                         cudaStream_t stream, ffi::ScratchAllocator& scratch,
                         std::unordered_map<int64_t, void*> uid_to_ptr) {
-  // Nothing may propagate across the FFI boundary: the frontend throws on
-  // some failures (e.g. a missing symbol), the standard library on OOM.
-  try {
-    return RunSdpaGraphImpl(call, key, stream, scratch, uid_to_ptr);
-  } catch (const std::exception& e) {
-    return ffi::Error::Internal(CallContext(call, key) +
-                                ": C++ exception: " + e.what());
-  } catch (...) {
-    return ffi::Error::Internal(CallContext(call, key) +
-                                ": unknown C++ exception");
-  }
+  // The handlers guard too; this one names the graph key in the message.
+  return GuardFfi([&]() { return CallContext(call, key); },
+                  [&]() {
+                    return RunSdpaGraphImpl(call, key, stream, scratch,
+                                            uid_to_ptr);
+                  });
 }
 
 GraphCacheStats GetGraphCacheStats() {

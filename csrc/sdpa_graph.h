@@ -21,18 +21,12 @@
 #include <vector>
 
 #include "cudnn_state.h"
+#include "ffi_targets.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_cp {
 
 enum class SdpaDirection { kForward, kBackward };
-
-// Values of the `mask` attribute (the Python wrapper uses the same codes).
-enum class SdpaMask : int64_t {
-  kNoMask = 0,
-  kCausalTopLeft = 1,
-  kCausalBottomRight = 2,
-};
 
 enum class SdpaIoType { kBFloat16, kFloat16 };
 

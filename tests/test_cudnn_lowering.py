@@ -22,9 +22,11 @@ import jax_cp
 from jax_cp.attention import registry
 from jax_cp.attention.registry import Segments
 
-FWD = "jax_cp_cudnn_sdpa_fwd"
-BWD = "jax_cp_cudnn_sdpa_bwd"
-MASK_CODES = {"no_mask": 0, "causal_top_left": 1, "causal_bottom_right": 2}
+# The names and codes the extension exports (tests/test_cuda_contract.py
+# checks them against what it registers).
+FWD = cudnn_backend.FWD_TARGET
+BWD = cudnn_backend.BWD_TARGET
+MASK_CODES = cudnn_backend.MASK_CODES
 
 _CALL_RE = re.compile(
     r"stablehlo\.custom_call @(?P<name>\w+)\((?P<args>[^)]*)\)\s*"

@@ -46,24 +46,31 @@ from jax_cp.attention.assemble import check_assemble_kv
 from jax_cp.attention.backend import MASK_TYPES, Backend, Segments
 from jax_cp.attention.merge import check_merge_rows, merge_rows_jnp
 
-FWD_TARGET = "jax_cp_cudnn_sdpa_fwd"
-BWD_TARGET = "jax_cp_cudnn_sdpa_bwd"
+# The C++/Python contract comes from the extension (csrc/ffi_targets.h).
+#: FFI target names by role, as the extension registers them.
+FFI_TARGETS: Dict[str, str] = dict(_jax_cp_cuda.FFI_TARGETS)
+FWD_TARGET = FFI_TARGETS["sdpa_fwd"]
+BWD_TARGET = FFI_TARGETS["sdpa_bwd"]
 # The same calls writing into aliased buffers (``into=`` / ``dq_into=``).
-FWD_INTO_TARGET = "jax_cp_cudnn_sdpa_fwd_into"
-BWD_INTO_TARGET = "jax_cp_cudnn_sdpa_bwd_into"
-MERGE_TARGET = "jax_cp_merge_rows"
-ASSEMBLE_TARGET = "jax_cp_assemble_kv"
+FWD_INTO_TARGET = FFI_TARGETS["sdpa_fwd_into"]
+BWD_INTO_TARGET = FFI_TARGETS["sdpa_bwd_into"]
+MERGE_TARGET = FFI_TARGETS["merge_rows"]
+ASSEMBLE_TARGET = FFI_TARGETS["assemble_kv"]
 #: Rows zeroed after each copied K/V range (``assemble_kv``): a fused
 #: attention kernel may load a whole KV tile (128 rows or fewer) past a
 #: segment's end, and a zero probability times a NaN bit pattern is NaN.
 ASSEMBLE_ZERO_TAIL = 256
 #: Values of the merge call's ``op`` attribute, and the dtypes it takes.
-MERGE_OP_CODES = {"add": 0, "max": 1}
+MERGE_OP_CODES: Dict[str, int] = dict(_jax_cp_cuda.MERGE_OP_CODES)
 
 #: Values of the custom calls' ``mask`` attribute.
-MASK_CODES = {"no_mask": 0, "causal_top_left": 1, "causal_bottom_right": 2}
+MASK_CODES: Dict[str, int] = dict(_jax_cp_cuda.MASK_CODES)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM: int = _jax_cp_cuda.MAX_HEAD_DIM
+#: The segment metadata operand: int32 [rows, W], W >= S + 1 a multiple of
+#: the width multiple.
+SEGMENT_META_ROWS: int = _jax_cp_cuda.SEGMENT_META_ROWS
+SEGMENT_META_WIDTH_MULTIPLE: int = _jax_cp_cuda.SEGMENT_META_WIDTH_MULTIPLE
 MERGE_DTYPES = (jnp.dtype(jnp.float32),) + SUPPORTED_DTYPES
 _INT32_LIMIT = 2**31
 
@@ -231,12 +238,14 @@ def _rows_with_keys(q_lens, kv_lens, q_offsets, tq: int, mask: str):
 def _segment_meta(seg: Segments, q_shape, k_shape, max_q: int, max_kv: int):
   """The packed int32 ``[5, W]`` metadata operand (see csrc/sdpa_ffi_common.h):
   q_lens, kv_lens (``[S]``) and the element offsets q_off, kv_off, stats_off
-  (``[S+1]``), each row zero-padded to ``W``, the next multiple of 4 of
-  ``S+1``. One small array per call (XLA builds it in one fusion)."""
+  (``[S+1]``), each row zero-padded to ``W``, the next multiple of
+  :data:`SEGMENT_META_WIDTH_MULTIPLE` (4) of ``S+1``. One small array per
+  call (XLA builds it in one fusion)."""
   tq, hq, d = q_shape
   tkv, hkv, _ = k_shape
   s = seg.q_lens.shape[0]
-  w = -(-(s + 1) // 4) * 4
+  m = SEGMENT_META_WIDTH_MULTIPLE
+  w = -(-(s + 1) // m) * m
   q_lens, kv_lens = _lengths(seg, max_q, max_kv)
   rows = (q_lens, kv_lens, _element_offsets(seg.q_offsets, tq, hq * d),
           _element_offsets(seg.kv_offsets, tkv, hkv * d),

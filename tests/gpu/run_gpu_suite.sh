@@ -1,62 +1,82 @@
 #!/usr/bin/env bash
-# Builds jax_cp's cuDNN extension and runs the GPU tests, on an offline CUDA
-# machine (python3 with jax + CUDA plugin, nanobind, scikit-build-core, cmake,
-# ninja, nvcc, the nvidia-cudnn wheel; the cuDNN frontend wheel is carried in
-# .whl/).
+# Builds jax_cp's cuDNN extension the README's pip-only way, from a folder of
+# carried wheels with the CUDA toolkit hidden, and runs the GPU tests, on an
+# offline CUDA machine (python3 with jax[cuda13] 0.11.2, nvidia-cudnn-cu13,
+# nvidia-cuda-runtime, nvidia-cuda-nvrtc, nanobind, scikit-build-core, cmake,
+# ninja; the wheels it lacks, e.g. nvidia-cudnn-frontend, nvidia-cuda-crt
+# and nvidia-cuda-cccl, carried in .whl/).
 #
 #   tests/gpu/run_gpu_suite.sh [extra pytest args, e.g. -k one_long -x]
 #
 # Environment: PYTHON (default python3), OUT (folder for the logs; a temporary
-# one otherwise), CUDNN_FRONTEND_INCLUDE (skip the carried wheel),
-# JAX_CP_PIP_ARGS (extra pip arguments, e.g. --user).
+# one otherwise), WHEELS (default .whl), JAX_CP_PIP_ARGS (extra pip
+# arguments, e.g. --user), JAX_CP_USE_TOOLKIT=1 (build with the toolkit's
+# nvcc instead, for comparison).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-PY="${PYTHON:-python3}"
+PY=$(command -v "${PYTHON:-python3}")
+WHEELS="${WHEELS:-.whl}"
 LOG_DIR="${OUT:-$(mktemp -d /tmp/jax_cp_gpu_logs.XXXXXX)}"
 mkdir -p "$LOG_DIR"
 echo "jax_cp GPU suite: logs in $LOG_DIR"
+pip_offline=("$PY" -m pip install --no-index --find-links "$WHEELS"
+             ${JAX_CP_PIP_ARGS:-})
 
-# 1. cuDNN frontend headers from the carried wheel (no network here).
-if [[ -z "${CUDNN_FRONTEND_INCLUDE:-}" ]]; then
-  shopt -s nullglob
-  wheels=(.whl/nvidia_cudnn_frontend-*.whl)
-  shopt -u nullglob
-  if (( ${#wheels[@]} > 0 )); then
-    FE_DIR=/tmp/jax_cp_cudnn_frontend
-    rm -rf "$FE_DIR"
-    "$PY" -m pip install --no-deps --no-index --target "$FE_DIR" \
-      "${wheels[0]}" > "$LOG_DIR/frontend_install.log" 2>&1
-    export CUDNN_FRONTEND_INCLUDE="$FE_DIR/include"
-  else
-    echo "no .whl/nvidia_cudnn_frontend-*.whl; relying on an installed" \
-         "nvidia-cudnn-frontend" >&2
-  fi
+# 1. Build wheels of the cuda13 extra that are not installed yet (header-only
+#    ones; --no-deps: the frontend's Python dependencies are not needed).
+if ! "${pip_offline[@]}" --no-deps nvidia-cudnn-frontend nvidia-cuda-crt \
+    nvidia-cuda-cccl > "$LOG_DIR/wheels_install.log" 2>&1; then
+  cat "$LOG_DIR/wheels_install.log"
+  echo "missing wheels: carry them in $WHEELS/" >&2
+  exit 1
 fi
-echo "CUDNN_FRONTEND_INCLUDE=${CUDNN_FRONTEND_INCLUDE:-<from the installed wheel>}"
 
-# 2. Build and install (editable) the extension; fail loudly if it cannot.
-if ! JAX_CP_BUILD_CUDA=1 "$PY" -m pip install --no-build-isolation --no-deps \
-    -v ${JAX_CP_PIP_ARGS:-} -e . > "$LOG_DIR/build.log" 2>&1; then
+# 2. Build and install (editable) the extension: -C cuda=13 makes any missing
+#    piece an error. The toolkit is hidden (.ci/hide_cuda_toolkit: no nvcc
+#    on PATH, CUDA_HOME/CUDA_PATH unset) and CMake told not to look for it.
+build_env=()
+build_args=(-C cuda=13)
+if [[ "${JAX_CP_USE_TOOLKIT:-0}" != 1 ]]; then
+  build_env=(.ci/hide_cuda_toolkit)
+  build_args+=(-C cmake.define.JAX_CP_USE_CUDA_TOOLKIT=OFF)
+fi
+if ! ${build_env[@]+"${build_env[@]}"} "${pip_offline[@]}" --no-build-isolation --no-deps \
+    -v "${build_args[@]}" -e . > "$LOG_DIR/build.log" 2>&1; then
   tail -n 60 "$LOG_DIR/build.log"
   echo "build failed; full log: $LOG_DIR/build.log" >&2
   exit 1
 fi
-grep -E "jax_cp:|Linking" "$LOG_DIR/build.log" || true
+grep -E -- "-- jax_cp:|Linking" "$LOG_DIR/build.log" || true
+if [[ "${JAX_CP_USE_TOOLKIT:-0}" != 1 ]]; then
+  grep -q -- "kernels.cu: NVRTC" "$LOG_DIR/build.log" ||
+    { echo "kernels.cu was not compiled with NVRTC" >&2; exit 1; }
+  if grep -E -- "-- jax_cp: (building|include directories)" \
+      "$LOG_DIR/build.log" | grep -qi "/cuda[-/0-9.]*include"; then
+    echo "the build used a CUDA toolkit's headers" >&2; exit 1
+  fi
+  echo "pip-only build: wheel headers, kernels.cu compiled with NVRTC"
+fi
 
 # 3. What we run on.
-"$PY" - <<'EOF' 2>&1 | tee "$LOG_DIR/environment.log"
+"$PY" - <<'PYEOF' 2>&1 | tee "$LOG_DIR/environment.log"
 import jax
 print("jax", jax.__version__, jax.devices())
 import jax_cp.attention.cudnn as c
 print("extension", c._jax_cp_cuda.__file__)
 print("build_info", c.build_info())
-EOF
+PYEOF
 
-# 4. The GPU tests (marker gpu) plus whatever the caller passed.
+# 4. The GPU tests (marker gpu), the C++/Python contract and CUDA lowering
+#    tests, plus whatever the caller passed.
 set +e
+"$PY" -m pytest -v -rs tests/test_cuda_contract.py \
+  tests/test_cudnn_lowering.py 2>&1 | tee "$LOG_DIR/pytest_contract.log"
+contract=${PIPESTATUS[0]}
 "$PY" -m pytest -m gpu -v -rs "$@" 2>&1 | tee "$LOG_DIR/pytest_gpu.log"
 status=${PIPESTATUS[0]}
 set -e
+echo "contract/lowering tests exit status: $contract"
 echo "pytest exit status: $status (logs in $LOG_DIR)"
+if (( status == 0 )); then status=$contract; fi
 exit "$status"

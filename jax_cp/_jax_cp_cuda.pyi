@@ -1,0 +1,32 @@
+"""cuDNN SDPA, row-merge and K/V assembly handlers (XLA FFI) for jax_cp's
+'cudnn' backend (built from csrc/, see csrc/module.cc)."""
+
+from typing import Any
+
+#: FFI target names by role: sdpa_fwd, sdpa_fwd_into, sdpa_bwd,
+#: sdpa_bwd_into, merge_rows, assemble_kv.
+FFI_TARGETS: dict[str, str]
+#: Values of the SDPA calls' ``mask`` attribute by mask type.
+MASK_CODES: dict[str, int]
+#: Values of the merge call's ``op`` attribute ("add", "max").
+MERGE_OP_CODES: dict[str, int]
+#: The largest head dim the SDPA handlers take.
+MAX_HEAD_DIM: int
+#: The SDPA segment metadata operand is int32 [SEGMENT_META_ROWS, W] with
+#: W >= S + 1 a multiple of SEGMENT_META_WIDTH_MULTIPLE.
+SEGMENT_META_ROWS: int
+SEGMENT_META_WIDTH_MULTIPLE: int
+
+def registrations() -> dict[str, Any]:
+  """Returns {FFI target name: handler capsule} (execute stage only)."""
+
+def graph_cache_stats() -> dict[str, int]:
+  """Returns dict(builds=, hits=, entries=) of the process-wide cuDNN graph
+  cache."""
+
+def reset_graph_cache_stats() -> None:
+  """Zeroes the builds/hits counters (cached graphs are kept)."""
+
+def build_info() -> dict[str, int | str]:
+  """Compile-time versions of the cuDNN frontend, cuDNN and CUDA headers, and
+  the CUDA runtime soname."""
