@@ -18,6 +18,7 @@ Everything else is scikit-build-core's, unchanged.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -76,6 +77,20 @@ def _check_compiler() -> None:
                      "CXX)")
 
 
+def _check_jax_cuda_plugin() -> None:
+  """The JAX the build runs with (a --no-build-isolation build) must have its
+  CUDA 13 plugin; CMake checks again for builds that bypass this backend."""
+  try:
+    found = importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+  except ImportError:
+    found = False
+  if not found:
+    raise SystemExit("jax_cp: the cuDNN extension needs JAX's CUDA 13 plugin, "
+                     "which this environment's JAX lacks (pip install "
+                     "\"jax[cuda13]==0.11.2\", or pip install -e "
+                     "\".[cuda13]\" -C cuda=13)")
+
+
 def cuda13_build_requires() -> list[str]:
   """The ``cuda13`` extra of pyproject.toml, with ``jax[cuda13]`` as ``jax``."""
   with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
@@ -107,6 +122,9 @@ def _settings(config_settings):
     plugin_check = "cmake.define.JAX_CP_REQUIRE_JAX_CUDA_PLUGIN"
     if isolated and plugin_check not in settings:
       settings[plugin_check] = "OFF"
+    if str(settings.get(plugin_check, "ON")).upper() not in ("OFF", "0",
+                                                            "FALSE", "NO"):
+      _check_jax_cuda_plugin()
   return settings
 
 

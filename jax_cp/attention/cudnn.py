@@ -48,7 +48,7 @@ from jax_cp.attention.merge import check_merge_rows, merge_rows_jnp
 
 # The C++/Python contract comes from the extension (csrc/ffi_targets.h).
 #: FFI target names by role, as the extension registers them.
-FFI_TARGETS: Dict[str, str] = dict(_jax_cp_cuda.FFI_TARGETS)
+FFI_TARGETS: dict[str, str] = dict(_jax_cp_cuda.FFI_TARGETS)
 FWD_TARGET = FFI_TARGETS["sdpa_fwd"]
 BWD_TARGET = FFI_TARGETS["sdpa_bwd"]
 # The same calls writing into aliased buffers (``into=`` / ``dq_into=``).
@@ -61,10 +61,10 @@ ASSEMBLE_TARGET = FFI_TARGETS["assemble_kv"]
 #: segment's end, and a zero probability times a NaN bit pattern is NaN.
 ASSEMBLE_ZERO_TAIL = 256
 #: Values of the merge call's ``op`` attribute, and the dtypes it takes.
-MERGE_OP_CODES: Dict[str, int] = dict(_jax_cp_cuda.MERGE_OP_CODES)
+MERGE_OP_CODES: dict[str, int] = dict(_jax_cp_cuda.MERGE_OP_CODES)
 
 #: Values of the custom calls' ``mask`` attribute.
-MASK_CODES: Dict[str, int] = dict(_jax_cp_cuda.MASK_CODES)
+MASK_CODES: dict[str, int] = dict(_jax_cp_cuda.MASK_CODES)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_HEAD_DIM: int = _jax_cp_cuda.MAX_HEAD_DIM
 #: The segment metadata operand: int32 [rows, W], W >= S + 1 a multiple of

@@ -39,7 +39,8 @@ build_env=()
 build_args=(-C cuda=13)
 if [[ "${JAX_CP_USE_TOOLKIT:-0}" != 1 ]]; then
   build_env=(.ci/hide_cuda_toolkit)
-  build_args+=(-C cmake.define.JAX_CP_USE_CUDA_TOOLKIT=OFF)
+  build_args+=(-C cmake.define.JAX_CP_USE_CUDA_TOOLKIT=OFF
+              -C "build-dir=build/pip-only-{wheel_tag}")
 fi
 if ! ${build_env[@]+"${build_env[@]}"} "${pip_offline[@]}" --no-build-isolation --no-deps \
     -v "${build_args[@]}" -e . > "$LOG_DIR/build.log" 2>&1; then
