@@ -160,7 +160,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()  // out
         .Arg<ffi::AnyBuffer>()  // dout
         .Arg<ffi::AnyBuffer>()  // stats
-        .Arg<jax_cp::SegmentMeta>()// meta [5, W]
+        .Arg<jax_cp::SegmentMeta>()  // meta [5, W]
         .Ret<ffi::AnyBuffer>()  // dq
         .Ret<ffi::AnyBuffer>()  // dk
         .Ret<ffi::AnyBuffer>()  // dv
@@ -176,7 +176,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()  // dout
         .Arg<ffi::AnyBuffer>()  // stats
         .Arg<ffi::AnyBuffer>()  // dq_in (aliased)
-        .Arg<jax_cp::SegmentMeta>()// meta [5, W]
+        .Arg<jax_cp::SegmentMeta>()  // meta [5, W]
         .Ret<ffi::AnyBuffer>()  // dq
         .Ret<ffi::AnyBuffer>()  // dk
         .Ret<ffi::AnyBuffer>()  // dv

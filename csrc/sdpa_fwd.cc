@@ -128,7 +128,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()  // q
         .Arg<ffi::AnyBuffer>()  // k
         .Arg<ffi::AnyBuffer>()  // v
-        .Arg<jax_cp::SegmentMeta>()// meta [5, W]
+        .Arg<jax_cp::SegmentMeta>()  // meta [5, W]
         .Ret<ffi::AnyBuffer>()  // out
         .Ret<ffi::AnyBuffer>()  // stats
     ));
@@ -141,7 +141,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()  // v
         .Arg<ffi::AnyBuffer>()  // out_in (aliased)
         .Arg<ffi::AnyBuffer>()  // stats_in (aliased)
-        .Arg<jax_cp::SegmentMeta>()// meta [5, W]
+        .Arg<jax_cp::SegmentMeta>()  // meta [5, W]
         .Ret<ffi::AnyBuffer>()  // out
         .Ret<ffi::AnyBuffer>()  // stats
     ));
