@@ -37,8 +37,9 @@ BUILTIN_BACKENDS: Dict[str, Tuple[str, Optional[str]]] = {
 }
 
 #: How to build the cuDNN extension (named in errors and warnings).
-BUILD_HINT = ('on a machine with the CUDA 13 toolkit and cuDNN, install '
-              'jax_cp with its extension: pip install -e ".[cuda13]" '
+BUILD_HINT = ('on a GPU machine with a C++ compiler (no CUDA toolkit '
+              'needed), install jax_cp with its extension: '
+              'pip install -e ".[cuda13]" -C cuda=13 '
               '(README: Building the cuDNN extension)')
 
 # Backends loaded so far or registered by users, and the warnings given.
