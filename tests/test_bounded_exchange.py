@@ -152,12 +152,11 @@ def test_cudnn_lowering_writes_straddle_parts_in_place(split):
                                                    jnp.float32)).lower(
           lowering_platforms=("cuda",)).as_text()
   calls = lambda name: [l for l in text.splitlines() if f"@{name}(" in l]
-  fwd, fwd_into = calls("jax_cp_cudnn_sdpa_fwd"), calls(
-      "jax_cp_cudnn_sdpa_fwd_into")
-  bwd, bwd_into = calls("jax_cp_cudnn_sdpa_bwd"), calls(
-      "jax_cp_cudnn_sdpa_bwd_into")
-  merges = calls("jax_cp_merge_rows")
-  assembles = calls("jax_cp_assemble_kv")
+  c = jax_cp.attention.cudnn
+  fwd, fwd_into = calls(c.FWD_TARGET), calls(c.FWD_INTO_TARGET)
+  bwd, bwd_into = calls(c.BWD_TARGET), calls(c.BWD_INTO_TARGET)
+  merges = calls(c.MERGE_TARGET)
+  assembles = calls(c.ASSEMBLE_TARGET)
   assert len(fwd) == 1 and len(fwd_into) == 1
   # One assembly in the forward, one in the backward (the halo of 1599 rows
   # is more than half a chunk, so it is exchanged again), shared by the two

@@ -55,8 +55,8 @@ def test_cudnn_lowering_carries_the_fill_range(cudnn):
 
   text = jax.jit(bwd).trace(sds, sds, sds, sds, lse, sds).lower(
       lowering_platforms=("cuda",)).as_text()
-  fresh = [l for l in text.splitlines() if "@jax_cp_cudnn_sdpa_bwd(" in l]
-  into = [l for l in text.splitlines() if "@jax_cp_cudnn_sdpa_bwd_into(" in l]
+  calls = lambda name: [l for l in text.splitlines() if f"@{name}(" in l]
+  fresh, into = calls(cudnn.BWD_TARGET), calls(cudnn.BWD_INTO_TARGET)
   assert len(fresh) == len(into) == 1
   assert "dq_fill_lo = 0 : i64" in fresh[0] and \
       f"dq_fill_hi = {R} : i64" in fresh[0]

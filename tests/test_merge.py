@@ -57,7 +57,8 @@ def test_cudnn_merge_rows_lowers_to_aliased_custom_call():
       jax.ShapeDtypeStruct((2, 10, 4, 8), jnp.bfloat16),
       jax.ShapeDtypeStruct((2, 5, 4, 8), jnp.bfloat16)).lower(
           lowering_platforms=("cuda",)).as_text()
-  calls = [l for l in text.splitlines() if "@jax_cp_merge_rows" in l]
+  calls = [l for l in text.splitlines()
+           if f"@{cudnn_backend.MERGE_TARGET}(" in l]
   assert len(calls) == 1
   call = calls[0]
   assert "op = 1 : i64" in call and "row_offset = 3 : i64" in call
