@@ -35,18 +35,47 @@ Run (CPU, 8 virtual devices, dp=2 x cp=4; a couple of minutes on 2 cores)::
 On CPU (unless ``--device gpu``), a single process asks XLA for
 ``max(8, dp*cp)`` virtual devices before importing jax (unless ``XLA_FLAGS``
 already sets ``--xla_force_host_platform_device_count``); with N processes
-each gets ``dp*cp/N`` (``jax_num_cpu_devices``).
+each gets ``dp*cp/N`` (``jax_num_cpu_devices``). With ``--device gpu`` the
+flags of ``xla_flags.py`` are added, and ``dp x cp`` defaults to ``1 x``
+(all GPUs present).
+
+The training step is what pretraining jobs use:
+
+* parameters and optimizer state sharded over the whole ``(data, cp)`` mesh
+  (FSDP / ZeRO, :func:`state_shardings`): each weight is all-gathered where
+  it is used and its gradient reduce-scattered back to its shard, so the
+  optimizer update runs once per shard, not on every device
+  (``--param-sharding replicated`` keeps one full copy per device);
+* the byte embedding is a one-hot matmul (:class:`ByteEmbed`);
+* the next batches are built on a host thread while the device runs the
+  current step (:func:`prefetched`), and the host waits for the device only
+  every ``--log-every`` steps;
+* AdamW with warmup, cosine decay and gradient clipping
+  (:func:`make_optimizer`); the progress line shows the model FLOP
+  utilisation (:func:`model_flops`).
+
+The pieces (:func:`build_model`, :func:`make_optimizer`,
+:func:`state_shardings`, :func:`init_state`, :func:`make_train_step`,
+:func:`place_batch`) are importable; ``benchmarks/bench_step.py`` times the
+same step.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import concurrent.futures
 import json
+import math
 import os
 import pathlib
 import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import (Callable, Dict, Iterable, Iterator, List, Optional,
+                    Sequence, Tuple)
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import xla_flags  # noqa: E402  (no jax import)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,10 +91,29 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--kv-heads", type=int, default=2)
   p.add_argument("--seq-len", type=int, default=512, help="tokens per row")
   p.add_argument("--batch", type=int, default=2, help="rows per step")
-  p.add_argument("--dp", type=int, default=2, help="data-parallel size")
-  p.add_argument("--cp", type=int, default=4, help="context-parallel size")
+  p.add_argument("--dp", type=int, default=None,
+                 help="data-parallel size (default: 2 on CPU; on GPU, "
+                 "devices / cp, else 1)")
+  p.add_argument("--cp", type=int, default=None,
+                 help="context-parallel size (default: 4 on CPU; on GPU, "
+                 "the devices present / dp)")
   p.add_argument("--steps", type=int, default=100)
-  p.add_argument("--lr", type=float, default=3e-3)
+  p.add_argument("--lr", type=float, default=None,
+                 help="peak learning rate (default: min(3e-3, 0.6/d_model))")
+  p.add_argument("--warmup", type=int, default=None,
+                 help="linear warmup steps (default: 10%% of --steps, at "
+                 "most 100)")
+  p.add_argument("--param-sharding", choices=("fsdp", "replicated"),
+                 default="fsdp", help="parameters and optimizer state: "
+                 "sharded over data x cp, or one copy per device")
+  p.add_argument("--prefetch", type=int, default=2,
+                 help="batches built ahead on a host thread (0: none)")
+  p.add_argument("--log-every", type=int, default=10,
+                 help="the host waits for the device (loss, progress line) "
+                 "every this many steps")
+  p.add_argument("--peak-tflops", type=float, default=None,
+                 help="device peak TFLOP/s for the MFU (default: the bf16 "
+                 "dense peak of known GPUs)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--strategy", choices=("dual_chunk_swap", "no_load_balance"),
                  default="dual_chunk_swap")
@@ -109,19 +157,42 @@ def _num_processes(args) -> int:
     return 1
 
 
+CPU_DP, CPU_CP = 2, 4   # the CPU default mesh (8 virtual devices)
+
+
 def _configure_platform(argv: Sequence[str]) -> None:
-  """Before jax is imported: CPU runs get virtual devices for the mesh."""
+  """Before jax is imported: GPU runs get the flags of ``xla_flags.py``,
+  CPU runs virtual devices for the mesh."""
   args, _ = build_parser().parse_known_args(argv)
   if args.device == "gpu":
+    xla_flags.add_gpu_flags()
     return
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   flags = os.environ.get("XLA_FLAGS", "")
   # Several processes: main() sets jax_num_cpu_devices (dp*cp/N) instead.
   if (_num_processes(args) <= 1
       and "xla_force_host_platform_device_count" not in flags):
-    n = max(8, args.dp * args.cp)
+    dp, cp = choose_mesh_shape(args.dp, args.cp, "cpu", None)
+    n = max(8, dp * cp)
     os.environ["XLA_FLAGS"] = (
         f"{flags} --xla_force_host_platform_device_count={n}".strip())
+
+
+def choose_mesh_shape(dp: Optional[int], cp: Optional[int], device: str,
+                      num_devices: Optional[int]) -> Tuple[int, int]:
+  """``(dp, cp)``: the values given, the rest chosen. On CPU ``2 x 4``; on
+  GPU (``num_devices`` present) ``cp`` = all of them with ``dp`` = 1 (one
+  long row per step gains most from context parallelism), or the other
+  factor when one is given."""
+  if device == "cpu" or num_devices is None:
+    return (dp or CPU_DP, cp or CPU_CP)
+  if dp is None and cp is None:
+    return 1, num_devices
+  if dp is None:
+    return max(num_devices // cp, 1), cp
+  if cp is None:
+    return dp, max(num_devices // dp, 1)
+  return dp, cp
 
 
 if __name__ == "__main__":
@@ -144,15 +215,51 @@ except ImportError:  # running from a checkout without installing
 from jax_cp.flax import TransformerLayer  # noqa: E402
 from jax_cp.flax.settings import cp_settings  # noqa: E402
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import multihost  # noqa: E402
 import packed_data  # noqa: E402
 
 DATA, CP = "data", "cp"
 
 
+class ByteEmbed(nn.Module):
+  """Embedding of a small vocabulary as a one-hot matmul.
+
+  ``tokens [..] -> [.., features]`` as ``one_hot(tokens) @ embedding``. A
+  gather (``nn.Embed``) has a scatter-add as its backward: every token's
+  gradient row is added into one of only 256 table rows, so the adds
+  collide and serialise; for a row of 32k tokens that single scatter took
+  29 % of a training step on an H200. As a matmul, the backward is
+  ``one_hot^T @ dx``, a ``[256, T] x [T, features]`` GEMM, and the forward
+  costs ``2 * T * 256 * features`` FLOPs, a small fraction of one layer's.
+
+  Attributes:
+    num_embeddings: vocabulary size.
+    features: embedding width.
+    dtype: computation dtype.
+    param_dtype: dtype of the table.
+  """
+
+  num_embeddings: int
+  features: int
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, tokens):
+    table = self.param("embedding", nn.initializers.normal(stddev=1.0),
+                       (self.num_embeddings, self.features), self.param_dtype)
+    one_hot = jax.nn.one_hot(tokens, self.num_embeddings, dtype=self.dtype)
+    return one_hot @ table.astype(self.dtype)
+
+
 class PackedLM(nn.Module):
   """Byte embedding, ``num_layers`` CP transformer layers, RMSNorm, logits.
+
+  In the global view (``mesh`` set, ``local_view=False``), the activations
+  between layers are pinned to the batch's sharding, ``P(batch_axis,
+  cp_axis)``: every device keeps its own tokens from layer to layer, and
+  sharded weights are gathered to the tokens rather than tokens to the
+  weights.
 
   Attributes:
     num_layers: transformer layers.
@@ -180,18 +287,40 @@ class PackedLM(nn.Module):
   batch_axis: Optional[str] = None
   local_view: bool = False
 
+  def _pin(self, x):
+    if self.mesh is None or self.local_view or self.cp_axis is None:
+      return x
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(self.mesh, P(self.batch_axis, self.cp_axis)))
+
   @nn.compact
   def __call__(self, tokens, cu_seqlens, cu_seqlens_padded, position_ids):
-    x = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype,
-                 name="embed")(tokens)
+    x = self._pin(ByteEmbed(self.vocab_size, self.d_model, dtype=self.dtype,
+                            name="embed")(tokens))
     for i in range(self.num_layers):
-      x = TransformerLayer(num_heads=self.num_heads,
-                           num_kv_heads=self.num_kv_heads, dtype=self.dtype,
-                           **cp_settings(self), name=f"layer_{i}")(
-                               x, cu_seqlens, cu_seqlens_padded, position_ids)
+      x = self._pin(TransformerLayer(
+          num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+          dtype=self.dtype, **cp_settings(self), name=f"layer_{i}")(
+              x, cu_seqlens, cu_seqlens_padded, position_ids))
     x = nn.RMSNorm(dtype=self.dtype, name="final_norm")(x)
-    return nn.Dense(self.vocab_size, dtype=self.dtype, name="logits")(
-        x).astype(jnp.float32)
+    return self._pin(nn.Dense(self.vocab_size, dtype=self.dtype,
+                              name="logits")(x).astype(jnp.float32))
+
+
+def build_model(args, *, mesh=None, max_seqlen: Optional[int] = None,
+                cp_axis: Optional[str] = CP) -> PackedLM:
+  """The model of ``args`` (``layers``, ``d_model``, ``heads``,
+  ``kv_heads``, ``dtype``, ``backend``, ``strategy``): context parallel over
+  ``cp_axis`` of ``mesh`` (batch over ``data``), or with ``cp_axis=None``
+  the plain model on one device. The one place where the model is made."""
+  common = dict(num_layers=args.layers, d_model=args.d_model,
+                num_heads=args.heads, num_kv_heads=args.kv_heads,
+                dtype=jnp.dtype(args.dtype), attn_backend=args.backend,
+                max_seqlen=max_seqlen)
+  if cp_axis is None:
+    return PackedLM(cp_axis=None, **common)
+  return PackedLM(cp_axis=cp_axis, cp_strategy=args.strategy, mesh=mesh,
+                  batch_axis=DATA, **common)
 
 
 def loss_fn(model: PackedLM, params, batch: Dict[str, jax.Array]):
@@ -202,6 +331,165 @@ def loss_fn(model: PackedLM, params, batch: Dict[str, jax.Array]):
                                                        batch["labels"])
   mask = batch["loss_mask"]
   return jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def default_lr(d_model: int) -> float:
+  """Peak learning rate ``min(3e-3, 0.6 / d_model)``: wider models take
+  smaller steps (about 6e-4 at d_model 1024, 1.5e-4 at 4096, in line with
+  the usual GPT-style settings), small CPU models keep 3e-3."""
+  return min(3e-3, 0.6 / d_model)
+
+
+def default_warmup(steps: int) -> int:
+  """Linear warmup over 10 % of the run, at most 100 steps."""
+  return max(1, min(100, steps // 10))
+
+
+def make_optimizer(lr: float, warmup: int, steps: int
+                   ) -> optax.GradientTransformation:
+  """AdamW (``b2=0.95``, weight decay 0.01) after clipping the global
+  gradient norm at 1.0; the learning rate rises linearly from 0 to ``lr``
+  over ``warmup`` steps, then follows a cosine to ``lr / 10`` at ``steps``.
+
+  Why: Adam's first steps divide by second-moment estimates built from a
+  handful of gradients, so a large step size at step 1 throws the loss up
+  (lr 3e-3 with 3 warmup steps took the 44 M-parameter model from 5.8 to
+  14.4 by step 6); the warmup lets the estimates settle, the clipping
+  bounds any single step, and ``b2=0.95`` lets the estimates follow the
+  gradients' fast changes early in training."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, lr, warmup, max(steps, warmup + 1), lr * 0.1)
+  return optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(schedule, b2=0.95, weight_decay=0.01))
+
+
+def fsdp_spec(shape: Sequence[int], mesh) -> P:
+  """The FSDP spec of one array: its largest dimension divisible by the
+  mesh size sharded over ``(data, cp)`` (MaxText's convention); arrays
+  with no such dimension (scalars, tiny vectors) are replicated."""
+  n = mesh.shape[DATA] * mesh.shape[CP]
+  if n == 1:
+    return P()
+  dims = [i for i, d in enumerate(shape) if d % n == 0]
+  if not dims:
+    return P()
+  best = max(dims, key=lambda i: shape[i])
+  spec = [None] * len(shape)
+  spec[best] = (DATA, CP)
+  return P(*spec)
+
+
+def state_shardings(abstract, mesh, mode: str = "fsdp"):
+  """Shardings of a state tree (parameters, optimizer state, step) of
+  ``jax.ShapeDtypeStruct`` leaves: :func:`fsdp_spec` per leaf for
+  ``"fsdp"`` (Adam's moments are sharded like their parameter), one copy per
+  device for ``"replicated"``."""
+  if mode not in ("fsdp", "replicated"):
+    raise ValueError(f"param sharding mode={mode!r} is not one of "
+                     "['fsdp', 'replicated']")
+  if mode == "replicated":
+    return jax.tree.map(lambda _: NamedSharding(mesh, P()), abstract)
+  return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(x.shape, mesh)),
+                      abstract)
+
+
+def init_state(model: PackedLM, tx, batch, seed: int, mesh,
+               mode: str = "fsdp"):
+  """``({step, params, opt_state}, shardings)``: the state initialised
+  directly in its shardings (no full copy on one device first)."""
+  def init(batch):
+    params = model.init(jax.random.key(seed), batch["tokens"],
+                        batch["cu_seqlens"], batch["cu_seqlens_padded"],
+                        batch["position_ids"])
+    return {"step": jnp.int32(0), "params": params,
+            "opt_state": tx.init(params)}
+  shardings = state_shardings(jax.eval_shape(init, batch), mesh, mode)
+  with jax.set_mesh(mesh):
+    state = jax.jit(init, out_shardings=shardings)(batch)
+  return state, shardings
+
+
+def make_train_step(model: PackedLM, tx, shardings, mesh) -> Callable:
+  """The jitted step ``(state, batch) -> (state, loss)``; the state is
+  donated and keeps ``shardings``. The gradients are constrained to the
+  parameters' shardings, so with FSDP each is reduce-scattered to its
+  shard rather than all-reduced whole."""
+  grad_shardings = shardings["params"]
+
+  def train_step(state, batch):
+    loss, grads = jax.value_and_grad(
+        lambda p: loss_fn(model, p, batch))(state["params"])
+    grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    return {"step": state["step"] + 1,
+            "params": optax.apply_updates(state["params"], updates),
+            "opt_state": opt_state}, loss
+
+  return jax.jit(train_step, donate_argnums=0,
+                 out_shardings=(shardings, NamedSharding(mesh, P())))
+
+
+def matmul_params(params) -> int:
+  """Parameters that take part in matmuls: all but the embedding table
+  (whose one-hot product is counted as a lookup, as usual)."""
+  total = sum(x.size for x in jax.tree.leaves(params))
+  embed = sum(x.size for x in jax.tree.leaves(params["params"]["embed"]))
+  return total - embed
+
+
+def model_flops(cu_seqlens, *, tokens: int, n_params: int, num_layers: int,
+                num_heads: int, head_dim: int) -> float:
+  """Model FLOPs of one training step (forward + backward), without
+  recomputation:
+
+  * matmuls: ``6 * n_params * tokens`` (2 per multiply-add, forward 1x and
+    backward 2x), ``tokens`` all the positions of the batch, padding
+    included (the projections run on it);
+  * attention, per layer, per document of valid length ``L`` (each row of
+    ``cu_seqlens``), causal: ``pairs = L (L + 1) / 2`` query-key pairs;
+    forward ``2 * 2 * pairs * num_heads * head_dim`` (``Q K^T`` and ``P V``),
+    backward twice that, so ``12 * pairs * num_heads * head_dim``.
+
+  ``cu_seqlens``: ``[B, N+1]`` cumulative valid lengths (host array)."""
+  lens = np.diff(np.asarray(cu_seqlens, np.int64), axis=-1)
+  pairs = float(np.sum(lens * (lens + 1) // 2))
+  attn = 12.0 * pairs * num_heads * head_dim * num_layers
+  return 6.0 * n_params * tokens + attn
+
+
+# bf16 dense peak TFLOP/s per device, by device kind (vendor spec sheets).
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0,
+                    "B200": 2250.0}
+
+
+def peak_tflops(device) -> Optional[float]:
+  """The bf16 dense peak of ``device``'s kind, or ``None`` if unknown."""
+  kind = getattr(device, "device_kind", "")
+  for name, tflops in PEAK_BF16_TFLOPS.items():
+    if name in kind:
+      return tflops
+  return None
+
+
+def prefetched(make: Callable[[int], Dict], steps: Iterable[int],
+               depth: int) -> Iterator[Dict]:
+  """``make(step)`` for each of ``steps``, in order, with up to ``depth``
+  of them built ahead on a host thread (``depth=0``: built in the loop).
+  The batches are the same either way; only when they are built changes."""
+  if depth <= 0:
+    for step in steps:
+      yield make(step)
+    return
+  it = iter(steps)
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    ahead = collections.deque(pool.submit(make, s)
+                              for _, s in zip(range(depth), it))
+    while ahead:
+      batch = ahead.popleft().result()
+      nxt = next(it, None)
+      if nxt is not None:
+        ahead.append(pool.submit(make, nxt))
+      yield batch
 
 
 def make_mesh(dp: int, cp: int, device: str):
@@ -325,29 +613,28 @@ class Checkpointer:
     self.manager.close()
 
 
-def _progress(step: int, total: int, loss: float, tok_s: float) -> str:
+def _progress(step: int, total: int, loss: float, tok_s: float,
+              mfu: Optional[float]) -> str:
   width = 30
   done = int(width * step / max(total, 1))
+  util = f" MFU {mfu:.1%}" if mfu is not None else ""
   return (f"\r[{'#' * done}{'.' * (width - done)}] step {step}/{total} "
-          f"loss {loss:.4f} {tok_s:,.0f} tok/s")
+          f"loss {loss:.4f} {tok_s:,.0f} tok/s{util}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
   """Trains and returns ``{"losses": [...], "start_step", "eval_loss_cp",
-  "eval_loss_nocp", "tokens_per_s", "local_rows", ...}`` (losses of the
-  steps run here; ``eval_loss_nocp`` on process 0 only; ``local_rows``: the
-  rows of each global batch that this process loads)."""
+  "eval_loss_nocp", "tokens_per_s", "mfu", "local_rows", ...}`` (losses of
+  the steps run here; ``eval_loss_nocp`` on process 0 only; ``local_rows``:
+  the rows of each global batch that this process loads)."""
   args = build_parser().parse_args(argv)
-  dtype = jnp.dtype(args.dtype)
-  if args.batch % args.dp:
-    raise SystemExit(f"--batch {args.batch} must be divisible by --dp "
-                     f"{args.dp}")
   if args.max_doc_len is None:
     args.max_doc_len = args.seq_len // 2
   # Several processes: jax.distributed first, before any device query.
   n_proc = _num_processes(args)
   cpu_devices = None
   if n_proc > 1 and args.device == "cpu":
+    args.dp, args.cp = choose_mesh_shape(args.dp, args.cp, "cpu", None)
     cpu_devices = args.dp * args.cp // n_proc
     if cpu_devices * n_proc != args.dp * args.cp:
       raise SystemExit(f"dp*cp = {args.dp * args.cp} CPU devices cannot be "
@@ -358,8 +645,21 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                                  args.process_id, cpu_devices=cpu_devices)
     except ValueError as e:
       raise SystemExit(f"several processes: {e}") from None
+  chosen = (args.dp is None, args.cp is None)
+  args.dp, args.cp = choose_mesh_shape(args.dp, args.cp, args.device,
+                                       jax.device_count())
+  if args.batch % args.dp:
+    raise SystemExit(f"--batch {args.batch} must be divisible by --dp "
+                     f"{args.dp}")
+  lr = args.lr if args.lr is not None else default_lr(args.d_model)
+  warmup = (args.warmup if args.warmup is not None
+            else default_warmup(args.steps))
   is_main = jax.process_index() == 0
   log = print if is_main and not args.quiet else (lambda *a, **k: None)
+  if any(chosen):
+    log(f"mesh: dp={args.dp} x cp={args.cp} chosen for the "
+        f"{jax.device_count()} {args.device.upper()} devices present "
+        "(set --dp/--cp to choose)")
   mesh = make_mesh(args.dp, args.cp, args.device)
   # The rows of every global batch that this process loads: those of the
   # data shards its devices hold (all of them when dp == 1).
@@ -382,30 +682,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
       f"from the stdlib, max_seqlen={max_seqlen}, "
       f"{rows.loss_mask.mean():.1%} real targets")
 
-  common = dict(num_layers=args.layers, d_model=args.d_model,
-                num_heads=args.heads, num_kv_heads=args.kv_heads, dtype=dtype,
-                attn_backend=args.backend, max_seqlen=max_seqlen)
-  model = PackedLM(cp_axis=CP, cp_strategy=args.strategy, mesh=mesh,
-                   batch_axis=DATA, **common)
-  warmup = min(20, args.steps // 4)
-  tx = optax.adamw(optax.warmup_cosine_decay_schedule(
-      0.0, args.lr, warmup, max(args.steps, warmup + 1), args.lr * 0.1),
-                   weight_decay=0.01)
-
-  def init(batch):
-    params = model.init(jax.random.key(args.seed), batch["tokens"],
-                        batch["cu_seqlens"], batch["cu_seqlens_padded"],
-                        batch["position_ids"])
-    return {"step": jnp.int32(0), "params": params,
-            "opt_state": tx.init(params)}
-
-  def train_step(state, batch):
-    loss, grads = jax.value_and_grad(
-        lambda p: loss_fn(model, p, batch))(state["params"])
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    return {"step": state["step"] + 1,
-            "params": optax.apply_updates(state["params"], updates),
-            "opt_state": opt_state}, loss
+  model = build_model(args, mesh=mesh, max_seqlen=max_seqlen)
+  tx = make_optimizer(lr, warmup, args.steps)
 
   def batch_at(step: int):
     # The metadata are global arrays too: arguments of the jitted step (a
@@ -416,56 +694,81 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   ckpt = (Checkpointer(args.checkpoint_dir, args, args.checkpoint_every)
           if args.checkpoint_dir else None)
   with jax.set_mesh(mesh):
-    # Parameters and optimizer state are replicated; the batch is sharded.
-    replicated = NamedSharding(mesh, P())
     start = 0
+    state, shardings = init_state(model, tx, batch_at(0), args.seed, mesh,
+                                  args.param_sharding)
     if ckpt is not None and ckpt.latest_step() is not None:
       abstract = jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                         sharding=replicated),
-          jax.eval_shape(init, batch_at(0)))
+          lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+          state, shardings)
+      del state
       state = ckpt.restore(abstract)
       start = int(state["step"])
       log(f"resuming at step {start} from the checkpoint in {ckpt.path}"
           + ("" if start < args.steps else " (nothing left to train)"))
-    else:
-      state = jax.jit(init, out_shardings=replicated)(batch_at(0))
-    step_fn = jax.jit(train_step, donate_argnums=0)
+    step_fn = make_train_step(model, tx, shardings, mesh)
     n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
+    head_dim = args.d_model // args.heads
+    tokens_per_step = args.batch * args.seq_len
+    peak = args.peak_tflops or peak_tflops(jax.devices()[0])
+
+    def step_flops(step: int) -> float:
+      cu = rows.cu_seqlens[step * args.batch:(step + 1) * args.batch]
+      return model_flops(cu, tokens=tokens_per_step,
+                         n_params=matmul_params(state["params"]),
+                         num_layers=args.layers, num_heads=args.heads,
+                         head_dim=head_dim)
+
     log(f"model: {args.layers} layers, d_model {args.d_model}, "
         f"{args.heads} heads / {args.kv_heads} kv heads, {n_params:,} params"
-        f"; mesh dp={args.dp} x cp={args.cp} ({args.strategy}), "
-        f"{args.dtype}, backend {args.backend}")
+        f" ({args.param_sharding}); mesh dp={args.dp} x cp={args.cp} "
+        f"({args.strategy}), {args.dtype}, backend {args.backend}; AdamW lr "
+        f"{lr:.2e}, {warmup} warmup steps, cosine decay, clip 1.0")
     if jax.process_count() > 1:
       groups = [sorted({d.process_index for d in g}) for g in mesh.devices]
       log(f"{jax.process_count()} processes x "
           f"{mesh.size // jax.process_count()} "
           f"devices; processes of each cp group: {groups}; process 0 loads "
           f"rows {local.tolist()} of each batch")
-    losses: List[float] = []
-    timed_tokens, timed_s, t_start = 0, 0.0, time.perf_counter()
-    for step in range(start, args.steps):
-      t0 = time.perf_counter()
-      state, loss = step_fn(state, batch_at(step))
-      loss = float(loss.addressable_data(0))    # replicated
-      dt = time.perf_counter() - t0
-      losses.append(loss)
-      if step > start:          # the first step includes compilation
-        timed_tokens += args.batch * args.seq_len
-        timed_s += dt
+    loss_arrays: List[jax.Array] = []
+    # Timing from the end of the first step (compilation) to the last
+    # wait; the steps in between run back to back.
+    t_start = time.perf_counter()
+    t_timed, timed_flops, timed_tokens, tok_s, mfu = None, 0.0, 0, 0.0, None
+    last_step = start
+    for step, batch in zip(range(start, args.steps),
+                           prefetched(batch_at, range(start, args.steps),
+                                      args.prefetch)):
+      state, loss = step_fn(state, batch)
+      loss_arrays.append(loss)
+      if t_timed is not None:
+        timed_tokens += tokens_per_step
+        timed_flops += step_flops(step)
       if ckpt is not None:
         ckpt.save(step + 1, state)
+      last_step = step + 1
+      wait = (step == start or (step + 1 - start) % args.log_every == 0
+              or step + 1 == args.steps)
+      if not wait:
+        continue
+      value = float(loss.addressable_data(0))   # waits for the device
+      now = time.perf_counter()
+      if t_timed is None:        # the first step includes compilation
+        t_timed = now
+      elif now > t_timed:
+        tok_s = timed_tokens / (now - t_timed)
+        if peak:
+          mfu = timed_flops / (now - t_timed) / (peak * 1e12 * mesh.size)
       if is_main and not args.quiet:
-        print(_progress(step + 1, args.steps, loss,
-                        timed_tokens / timed_s if timed_s else 0.0),
-              end="", flush=True)
+        print(_progress(last_step, args.steps, value, tok_s, mfu), end="",
+              flush=True)
+    losses = [float(x.addressable_data(0)) for x in loss_arrays]
     if is_main and not args.quiet and losses:
       print()
     if ckpt is not None:
       if losses:
         ckpt.save(args.steps, state, force=True)
       ckpt.close()
-    tok_s = timed_tokens / timed_s if timed_s else 0.0
     wall = time.perf_counter() - t_start
 
     # The same final parameters on the last batch, with and without CP.
@@ -474,22 +777,25 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     if not args.no_compare:
       eval_loss_cp = float(jax.jit(lambda p, b: loss_fn(model, p, b))(
           state["params"], batch_at(last)).addressable_data(0))
+      # Every process takes part in gathering the (sharded) parameters.
+      from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+      full_params = multihost_utils.process_allgather(state["params"],
+                                                      tiled=True)
   if not args.no_compare and is_main:
-    # Process 0 alone, on one of its devices: the parameters are replicated,
-    # so its local copy is the whole of them.
-    nocp_model = PackedLM(cp_axis=None, **common)
+    # Process 0 alone, on one device, with the whole parameters.
+    nocp_model = build_model(args, max_seqlen=max_seqlen, cp_axis=None)
     host_batch = rows.rows(last * args.batch,
                            (last + 1) * args.batch).as_dict()
-    local_params = jax.tree.map(lambda x: x.addressable_data(0),
-                                state["params"])
     eval_loss_nocp = float(jax.jit(lambda p, b: loss_fn(nocp_model, p, b))(
-        local_params, host_batch))
+        full_params, host_batch))
 
   if losses:
     k = min(10, len(losses))
+    util = f", MFU {mfu:.1%}" if mfu is not None else ""
     log(f"trained steps {start}..{args.steps - 1} in {wall:.1f}s: loss "
         f"{losses[0]:.4f} -> {losses[-1]:.4f} (mean of last {k}: "
-        f"{np.mean(losses[-k:]):.4f}); {tok_s:,.0f} tok/s after compilation")
+        f"{np.mean(losses[-k:]):.4f}); {tok_s:,.0f} tok/s after compilation"
+        f"{util}")
   if eval_loss_nocp is not None:
     rel = abs(eval_loss_cp - eval_loss_nocp) / max(abs(eval_loss_nocp), 1e-12)
     log(f"final params on the last batch (step {last}): loss with CP (dp="
@@ -498,7 +804,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         f"{eval_loss_nocp:.6f}: relative difference {rel:.2e}")
   result = {"losses": losses, "start_step": start, "steps": args.steps,
             "eval_loss_cp": eval_loss_cp, "eval_loss_nocp": eval_loss_nocp,
-            "tokens_per_s": tok_s, "max_seqlen": max_seqlen,
+            "tokens_per_s": tok_s, "mfu": mfu, "max_seqlen": max_seqlen,
+            "dp": args.dp, "cp": args.cp, "lr": lr, "warmup": warmup,
+            "param_sharding": args.param_sharding,
             "process_index": jax.process_index(),
             "num_processes": jax.process_count(),
             "local_rows": local.tolist()}
