@@ -66,7 +66,6 @@ import argparse
 import collections
 import concurrent.futures
 import json
-import math
 import os
 import pathlib
 import sys

@@ -1,0 +1,456 @@
+"""Speed of the example's whole training step: cp=1 against cp=N, paired.
+
+    python3 benchmarks/bench_step.py --cp 1 2 \\
+        --strategies dual_chunk_swap no_load_balance --profile
+
+The model, optimizer, shardings, step and data are those of
+``examples/train_packed_lm.py`` (imported): by default its GPU configuration
+of 4 layers, d_model 1024, 16 query / 4 KV heads (head_dim 64), bf16, one
+row of 32,768 tokens of standard-library files cut at 16k, dp=1.
+
+For every strategy, each cp=N step is timed against the cp=1 step in
+alternation (``A B B A`` per rep). Each timing is the *device-only* steady
+time per step: the batch is placed once, ``n`` steps are dispatched back to
+back (the state is donated from step to step, as in training) and the slope
+``(t(2n) - t(n)) / n`` cancels the pipeline's fill and drain. Also paired:
+the CP model at cp=1 against the same model built with ``cp_axis=None``
+(plain attention, no mesh) on one device: the cost of the CP machinery when
+there is nothing to split.
+
+MFU = model FLOPs per step (``train_packed_lm.model_flops``: ``6 N`` per
+token for the matmuls plus causal attention counted per document) / step
+time / (``--peak-tflops`` x devices).
+
+``--profile`` traces a few steps of every program with ``jax.profiler``
+and groups the first GPU's kernels as attention / matmul / collectives
+(exposed: not overlapped by any other kernel; overlapped) / elementwise /
+copies. Writes ``benchmarks/results/step_<date>_<device>.json`` and prints
+a markdown step table (``--table FILE.json`` prints it again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import glob
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_REPO = os.path.dirname(_HERE)
+sys.path.insert(0, _REPO)
+sys.path.insert(0, os.path.join(_REPO, "examples"))
+
+import xla_flags  # noqa: E402  (no jax import)
+
+STRATEGIES = ("dual_chunk_swap", "no_load_balance")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      description=__doc__.split("\n\n")[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
+  p.add_argument("--cp", type=int, nargs="+", default=[1, 2],
+                 help="cp sizes; 1 is the base every other is paired with")
+  p.add_argument("--strategies", nargs="+", choices=STRATEGIES,
+                 default=list(STRATEGIES))
+  p.add_argument("--layers", type=int, default=4)
+  p.add_argument("--d-model", type=int, default=1024)
+  p.add_argument("--heads", type=int, default=16)
+  p.add_argument("--kv-heads", type=int, default=4)
+  p.add_argument("--dtype", choices=("float32", "bfloat16"),
+                 default="bfloat16")
+  p.add_argument("--seq-len", type=int, default=32768, help="tokens per row")
+  p.add_argument("--batch", type=int, default=1, help="rows per step")
+  p.add_argument("--max-doc-len", type=int, default=16384,
+                 help="cut files to this many bytes")
+  p.add_argument("--max-seqlen", type=int, default=None,
+                 help="static document-length bound (default: the data's)")
+  p.add_argument("--backend", choices=("auto", "xla", "cudnn"),
+                 default="auto")
+  p.add_argument("--param-sharding", choices=("fsdp", "replicated"),
+                 default="fsdp")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--reps", type=int, default=5, help="A B B A repetitions")
+  p.add_argument("--block-ms", type=float, default=300.0,
+                 help="length of one timed block of back-to-back steps")
+  p.add_argument("--no-nocp", action="store_true",
+                 help="skip the cp=1 vs cp_axis=None pair")
+  p.add_argument("--peak-tflops", type=float, default=989.0,
+                 help="per-device peak for the MFU (H100/H200 dense bf16)")
+  p.add_argument("--profile", action="store_true",
+                 help="per-kernel profile of every program")
+  p.add_argument("--profile-steps", type=int, default=4)
+  p.add_argument("--hlo-collectives", action="store_true",
+                 help="count the collectives of every compiled step")
+  p.add_argument("--device-plane", default="/device:GPU:0")
+  p.add_argument("--no-xla-flags", action="store_true",
+                 help="GPU: do not add the example's XLA flags")
+  p.add_argument("--out", default=os.path.join(_HERE, "results"))
+  p.add_argument("--table", default=None, metavar="JSON",
+                 help="print the step table of a JSON written earlier; "
+                 "nothing is run")
+  return p
+
+
+def _configure(args) -> None:
+  """Before jax is imported."""
+  if args.device == "cpu":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+      os.environ["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_"
+                                 f"count={max(args.cp)}").strip()
+  elif not args.no_xla_flags:
+    xla_flags.add_gpu_flags()
+
+
+# ---------------------------------------------------------------- timing
+# Paired A/B timing of step runners. A runner is ``run(n) -> seconds``: it
+# dispatches n steps back to back and waits for the last.
+
+def steady_seconds(run: Callable[[int], float], n: int) -> float:
+  """Seconds per step once the pipeline is full: ``(t(2n) - t(n)) / n``."""
+  t1 = run(n)
+  return (run(2 * n) - t1) / n
+
+
+def block_size(run: Callable[[int], float], block_ms: float) -> int:
+  """Steps per timed block, so that a block lasts about ``block_ms``."""
+  run(1)
+  per = min(run(1) for _ in range(2))
+  return max(2, math.ceil(block_ms / 1e3 / max(per, 1e-6)))
+
+
+def paired(run_a: Callable[[int], float], run_b: Callable[[int], float],
+           reps: int, block_ms: float) -> Dict:
+  """``A B B A`` steady timings per rep; per-rep ratio ``t_a / t_b``."""
+  na, nb = block_size(run_a, block_ms), block_size(run_b, block_ms)
+  ta, tb, ratios = [], [], []
+  for _ in range(reps):
+    a1 = steady_seconds(run_a, na)
+    b1 = steady_seconds(run_b, nb)
+    b2 = steady_seconds(run_b, nb)
+    a2 = steady_seconds(run_a, na)
+    ta += [a1, a2]
+    tb += [b1, b2]
+    ratios.append((a1 + a2) / (b1 + b2))
+  q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+  return dict(ms_a=1e3 * statistics.median(ta),
+              ms_b=1e3 * statistics.median(tb),
+              ratio_median=statistics.median(ratios), ratio_q1=q[0],
+              ratio_q3=q[2], ratios=ratios, block_a=na, block_b=nb)
+# ------------------------------------------------------------ end timing
+
+
+# Kernel groups of the per-kernel profile, tried in this order on the
+# lower-cased kernel name.
+KERNEL_GROUPS: Tuple[Tuple[str, str], ...] = (
+    ("collective", r"nccl|all-?reduce|all-?gather|reduce-?scatter|"
+                   r"collective|sendrecv"),
+    ("attention", r"sdpa|fmha|flash|attn|attention|cudnn|jax_cp|"
+                  r"assemble_kv|merge_rows|dq_fill"),
+    ("matmul", r"gemm|nvjet|cutlass|cublas|xmma|wgmma|matmul|\bdot"),
+    ("copy", r"memcpy|memset|copy|transpose|dynamic.update.slice"),
+)
+
+
+def kernel_group(name: str) -> str:
+  """``attention``, ``matmul``, ``collective``, ``copy`` or
+  ``elementwise`` (everything else: XLA's loop and reduction fusions)."""
+  low = name.lower()
+  for group, pattern in KERNEL_GROUPS:
+    if re.search(pattern, low):
+      return group
+  return "elementwise"
+
+
+def _union(intervals: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+  out: List[Tuple[int, int]] = []
+  for s, e in sorted(intervals):
+    if out and s <= out[-1][1]:
+      out[-1] = (out[-1][0], max(out[-1][1], e))
+    else:
+      out.append((s, e))
+  return out
+
+
+def _covered(s: int, e: int, union: List[Tuple[int, int]]) -> int:
+  return sum(max(0, min(e, b) - max(s, a)) for a, b in union)
+
+
+def group_kernels(events: Sequence[Tuple[int, int, str]], steps: int
+                  ) -> Dict:
+  """Per-step milliseconds by group from kernel events ``(start_ns,
+  duration_ns, name)`` of one device: collectives split into
+  ``collective_exposed`` (no other kernel runs meanwhile) and
+  ``collective_overlapped``; ``busy`` is the union of all kernels."""
+  groups = collections.defaultdict(float)
+  per_kernel = collections.defaultdict(float)
+  compute = _union([(s, s + d) for s, d, n in events
+                    if kernel_group(n) != "collective"])
+  for s, d, name in events:
+    g = kernel_group(name)
+    per_kernel[name] += d
+    if g == "collective":
+      hidden = _covered(s, s + d, compute)
+      groups["collective_overlapped"] += hidden
+      groups["collective_exposed"] += d - hidden
+    else:
+      groups[g] += d
+  busy = sum(e - s for s, e in _union([(s, s + d) for s, d, _ in events]))
+  ms = lambda ns: ns / 1e6 / steps
+  top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:25]
+  return dict(
+      groups_ms={g: ms(v) for g, v in sorted(groups.items())},
+      busy_ms=ms(busy),
+      top_kernels=[dict(name=n[:160], group=kernel_group(n), ms=ms(v))
+                   for n, v in top])
+
+
+def profile_program(run: Callable[[int], float], steps: int,
+                    device_plane: str) -> Optional[Dict]:
+  """Traces ``steps`` steps; the grouped kernels of ``device_plane`` (the
+  same parsing as ``profile_step.py``), or ``None`` without that plane
+  (CPU)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  trace_dir = tempfile.mkdtemp(prefix="jax_cp_step_profile_")
+  run(1)
+  with jax.profiler.trace(trace_dir):
+    run(steps)
+  paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
+                    recursive=True)
+  if not paths:
+    return None
+  data = jax.profiler.ProfileData.from_file(paths[0])
+  planes = sorted((p for p in data.planes if p.name.startswith(device_plane)),
+                  key=lambda p: p.name)
+  if not planes:
+    return None
+  events = [(ev.start_ns, ev.duration_ns, ev.name)
+            for line in planes[0].lines if "stream" in line.name.lower()
+            for ev in line.events]
+  return group_kernels(events, steps)
+
+
+COLLECTIVE_RE = re.compile(
+    r"= (\(?[^=]*?) (all-gather|reduce-scatter|all-reduce|all-to-all|"
+    r"collective-permute)(?:-start)?\(")
+
+
+def hlo_collectives(hlo_text: str) -> Dict[str, List[str]]:
+  """Collective kind -> the result shapes of its instructions, from
+  compiled HLO text."""
+  out = collections.defaultdict(list)
+  for m in COLLECTIVE_RE.finditer(hlo_text):
+    out[m.group(2)].append(re.sub(r"\{[^}]*\}", "", m.group(1))[:200])
+  return dict(out)
+
+
+def _model_args(args, strategy: str) -> SimpleNamespace:
+  """The fields ``train_packed_lm.build_model`` reads."""
+  return SimpleNamespace(layers=args.layers, d_model=args.d_model,
+                         heads=args.heads, kv_heads=args.kv_heads,
+                         dtype=args.dtype, backend=args.backend,
+                         strategy=strategy)
+
+
+def _runner(step, state, batch) -> Callable[[int], float]:
+  """``run(n)``: n steps back to back from the runner's current state."""
+  import jax  # pylint: disable=import-outside-toplevel
+  box = {"state": state}
+
+  def run(n: int) -> float:
+    t0 = time.perf_counter()
+    s = box["state"]
+    for _ in range(n):
+      s, loss = step(s, batch)
+    jax.block_until_ready(loss)
+    box["state"] = s
+    return time.perf_counter() - t0
+  run.box = box
+  return run
+
+
+def build_program(args, strategy: str, cp: Optional[int], rows, max_seqlen):
+  """``(run, n_params)`` for the example's step on ``cp`` devices (dp=1),
+  or with ``cp=None`` the ``cp_axis=None`` model on one device. The batch
+  is placed once."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+  import jax_cp  # pylint: disable=import-outside-toplevel
+  import train_packed_lm as lm  # pylint: disable=import-outside-toplevel
+  margs = _model_args(args, strategy)
+  mesh = lm.make_mesh(1, cp or 1, args.device)
+  tx = lm.make_optimizer(lm.default_lr(args.d_model), 10, 1000)
+  if cp is None:
+    model = lm.build_model(margs, max_seqlen=max_seqlen, cp_axis=None)
+    batch = jax.device_put(rows.as_dict(), jax.devices()[0])
+    mode = "replicated"
+  else:
+    model = lm.build_model(margs, mesh=mesh, max_seqlen=max_seqlen)
+    local = jax_cp.process_batch_rows(mesh, rows.num_rows, lm.DATA)
+    batch = lm.place_batch(rows, mesh, local, strategy, max_seqlen)
+    mode = args.param_sharding
+  state, shardings = lm.init_state(model, tx, batch, args.seed, mesh, mode)
+  step = lm.make_train_step(model, tx, shardings, mesh)
+  n_params = lm.matmul_params(state["params"])
+  del optax
+  run = _runner(step, state, batch)
+  run.collectives = None
+  if args.hlo_collectives:
+    run.collectives = hlo_collectives(
+        step.lower(state, batch).compile().as_text())
+  return run, n_params
+
+
+def run_bench(args) -> Dict:
+  import jax  # pylint: disable=import-outside-toplevel
+  import packed_data  # pylint: disable=import-outside-toplevel
+  import train_packed_lm as lm  # pylint: disable=import-outside-toplevel
+  cps = sorted(set(args.cp))
+  if cps[0] != 1:
+    raise SystemExit("--cp must include 1 (the base of every pair)")
+  if max(cps) > jax.device_count():
+    raise SystemExit(f"--cp {max(cps)} needs that many devices; jax sees "
+                     f"{jax.device_count()}")
+  head_dim = args.d_model // args.heads
+  records = []
+  for strategy in args.strategies:
+    rows = packed_data.load_stdlib_rows(
+        args.batch, args.seq_len, cp_size=max(cps), strategy=strategy,
+        seed=args.seed, max_doc_len=args.max_doc_len)
+    max_seqlen = args.max_seqlen or rows.max_seqlen
+    lens = [int(x) for x in (rows.cu_seqlens[0, 1:] - rows.cu_seqlens[0, :-1])
+            if x > 0]
+    runs: Dict[object, Callable[[int], float]] = {}
+    runs[1], n_params = build_program(args, strategy, 1, rows, max_seqlen)
+    flops = lm.model_flops(rows.cu_seqlens, tokens=rows.tokens.size,
+                           n_params=n_params, num_layers=args.layers,
+                           num_heads=args.heads, head_dim=head_dim)
+    print(f"{strategy}: {args.batch} x {args.seq_len} tokens, documents "
+          f"{lens}, max_seqlen {max_seqlen}; {n_params:,} matmul params; "
+          f"{flops / 1e12:.2f} model TFLOP/step", flush=True)
+    pairs = [(1, c) for c in cps if c > 1]
+    if not args.no_nocp and strategy == args.strategies[0]:
+      pairs.append((None, 1))
+    for a, b in pairs:
+      for c in (a, b):
+        if c not in runs:
+          runs[c] = build_program(args, strategy, c, rows, max_seqlen)[0]
+      r = paired(runs[a], runs[b], args.reps, args.block_ms)
+      name_a = "nocp" if a is None else f"cp={a}"
+      rec = dict(strategy=strategy, a=name_a, b=f"cp={b}", **r,
+                 speedup=r["ratio_median"])
+      for tag, c, ms in (("a", a, r["ms_a"]), ("b", b, r["ms_b"])):
+        devices = c or 1
+        rec[f"tok_s_{tag}"] = rows.tokens.size / (ms / 1e3)
+        rec[f"mfu_{tag}"] = flops / (ms / 1e3) / (
+            args.peak_tflops * 1e12 * devices)
+      records.append(rec)
+      print(f"  {name_a:>6} {r['ms_a']:8.2f} ms (MFU {rec['mfu_a']:.1%})  "
+            f"cp={b} {r['ms_b']:8.2f} ms (MFU {rec['mfu_b']:.1%})  "
+            f"ratio {r['ratio_median']:.3f} [{r['ratio_q1']:.3f}-"
+            f"{r['ratio_q3']:.3f}]", flush=True)
+    collectives = {("nocp" if c is None else f"cp={c}"): run.collectives
+                   for c, run in runs.items()}
+    if args.hlo_collectives:
+      for key, found in collectives.items():
+        print(f"  collectives {key}: "
+              + (", ".join(f"{k} x{len(v)}" for k, v in found.items())
+                 or "none"), flush=True)
+    profiles = {}
+    if args.profile:
+      for c, run in runs.items():
+        key = "nocp" if c is None else f"cp={c}"
+        profiles[key] = profile_program(run, args.profile_steps,
+                                        args.device_plane)
+        if profiles[key]:
+          g = profiles[key]["groups_ms"]
+          print(f"  profile {key}: busy {profiles[key]['busy_ms']:.2f} ms; "
+                + ", ".join(f"{k} {v:.2f}" for k, v in g.items()),
+                flush=True)
+    records.append(dict(strategy=strategy, kind="config", documents=lens,
+                        max_seqlen=max_seqlen, model_flops=flops,
+                        matmul_params=n_params, profiles=profiles,
+                        collectives=collectives))
+    runs.clear()
+  return dict(env=dict(
+      date=datetime.datetime.now().isoformat(timespec="seconds"),
+      device_kind=jax.devices()[0].device_kind,
+      device_count=jax.device_count(), jax=jax.__version__,
+      xla_flags=os.environ.get("XLA_FLAGS", ""), args=vars(args)),
+              records=records)
+
+
+def step_table(result: Dict) -> str:
+  """Markdown: one line per pair."""
+  env = result["env"]
+  a = env["args"]
+  head = (f"{a['layers']} layers, d_model {a['d_model']}, {a['heads']}/"
+          f"{a['kv_heads']} heads, {a['dtype']}, {a['batch']} x "
+          f"{a['seq_len']} tokens (docs cut at {a['max_doc_len']}), "
+          f"{a['param_sharding']} params; {env['device_kind']}, paired "
+          f"A B B A, device-only steady step time, MFU vs "
+          f"{a['peak_tflops']:.0f} TFLOP/s per device\n\n")
+  lines = ["| strategy | A | ms | MFU | B | ms | MFU | tok/s (B) | A/B |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for r in result["records"]:
+    if r.get("kind") == "config":
+      continue
+    lines.append(
+        f"| {r['strategy']} | {r['a']} | {r['ms_a']:.2f} | {r['mfu_a']:.1%}"
+        f" | {r['b']} | {r['ms_b']:.2f} | {r['mfu_b']:.1%} | "
+        f"{r['tok_s_b']:,.0f} | {r['ratio_median']:.3f} "
+        f"({r['ratio_q1']:.3f}-{r['ratio_q3']:.3f}) |")
+  prof = []
+  for r in result["records"]:
+    for key, p in (r.get("profiles") or {}).items():
+      if p:
+        g = p["groups_ms"]
+        prof.append(f"| {r['strategy']} | {key} | {p['busy_ms']:.2f} | "
+                    + " | ".join(f"{g.get(k, 0.0):.2f}" for k in (
+                        "attention", "matmul", "collective_exposed",
+                        "collective_overlapped", "elementwise", "copy"))
+                    + " |")
+  if prof:
+    lines += ["", "Kernels per step (ms, first device):", "",
+              "| strategy | program | busy | attention | matmul | "
+              "coll. exposed | coll. overlapped | elementwise | copies |",
+              "|---|---|---|---|---|---|---|---|---|", *prof]
+  return head + "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict:
+  args = build_parser().parse_args(argv)
+  if args.table:
+    with open(args.table) as f:
+      result = json.load(f)
+    print(step_table(result))
+    return result
+  _configure(args)
+  result = run_bench(args)
+  os.makedirs(args.out, exist_ok=True)
+  kind = result["env"]["device_kind"].replace(" ", "_")
+  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  path = os.path.join(args.out, f"step_{stamp}_{kind}.json")
+  with open(path, "w") as f:
+    json.dump(result, f, indent=1)
+  result["path"] = path
+  print(step_table(result))
+  print(path)
+  return result
+
+
+if __name__ == "__main__":
+  main()
