@@ -243,17 +243,20 @@ def profile_program(run: Callable[[int], float], steps: int,
   return group_kernels(events, steps)
 
 
+# One collective instruction of HLO text: its result shape (tuples hold
+# ``/*index=N*/`` comments) and kind.
 COLLECTIVE_RE = re.compile(
-    r"= (\(?[^=]*?) (all-gather|reduce-scatter|all-reduce|all-to-all|"
-    r"collective-permute)(?:-start)?\(")
+    r"= ((?:[^=\n]|/\*index=\d+\*/)*?) (all-gather|reduce-scatter|"
+    r"all-reduce|all-to-all|collective-permute)(?:-start)?\(")
 
 
 def hlo_collectives(hlo_text: str) -> Dict[str, List[str]]:
-  """Collective kind -> the result shapes of its instructions, from
-  compiled HLO text."""
+  """Collective kind -> the result shapes of its instructions (layouts
+  and index comments dropped), from compiled HLO text."""
   out = collections.defaultdict(list)
   for m in COLLECTIVE_RE.finditer(hlo_text):
-    out[m.group(2)].append(re.sub(r"\{[^}]*\}", "", m.group(1))[:200])
+    shape = re.sub(r"\{[^}]*\}|/\*index=\d+\*/", "", m.group(1))
+    out[m.group(2)].append(shape[:400])
   return dict(out)
 
 

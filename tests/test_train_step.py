@@ -1,0 +1,226 @@
+"""The example's training step: its collectives at dp=2 x cp=4 (compiled
+HLO), the FSDP shardings, the model-FLOP formula, the prefetching loop, and
+a smoke run of benchmarks/bench_step.py."""
+
+import collections
+import json
+import pathlib
+import re
+import sys
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+
+import jax_cp
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_ROOT / "examples"))
+sys.path.insert(0, str(_ROOT / "benchmarks"))
+import bench_step  # noqa: E402  pylint: disable=wrong-import-position
+import packed_data  # noqa: E402  pylint: disable=wrong-import-position
+import train_packed_lm as lm  # noqa: E402  pylint: disable=wrong-import-position
+
+# Sizes chosen so that no parameter shape shares a dimension with the
+# token axes (T = 160 per row, T / cp = 40 per device).
+LAYERS, D, HEADS, KV, HEAD_DIM, T, CP_SIZE = 2, 48, 4, 2, 12, 160, 4
+MODEL = SimpleNamespace(layers=LAYERS, d_model=D, heads=HEADS, kv_heads=KV,
+                        dtype="float32", backend="xla",
+                        strategy="dual_chunk_swap")
+
+_LINE = re.compile(
+    r"= ((?:[^=\n]|/\*index=\d+\*/)*?) (all-gather|reduce-scatter|all-reduce|"
+    r"all-to-all|collective-permute)(?:-start)?\((.*)$", re.M)
+_SHAPE = re.compile(r"[a-z]+\d*\[([\d,]*)\]")
+
+
+def _collectives(hlo: str):
+  """``(kind, [result dims...], op_name)`` per collective instruction."""
+  out = []
+  for m in _LINE.finditer(hlo):
+    shapes = [tuple(int(x) for x in s.split(",") if x)
+              for s in _SHAPE.findall(m.group(1))]
+    op = re.search(r'op_name="([^"]*)"', m.group(3))
+    out.append((m.group(2), shapes, op.group(1) if op else ""))
+  return out
+
+
+def _compiled_step(mode: str):
+  mesh = lm.make_mesh(2, CP_SIZE, "cpu")
+  rows = packed_data.load_stdlib_rows(2, T, cp_size=CP_SIZE,
+                                      strategy=MODEL.strategy, seed=1,
+                                      max_doc_len=T // 2)
+  local = jax_cp.process_batch_rows(mesh, 2, lm.DATA)
+  batch = lm.place_batch(rows, mesh, local, MODEL.strategy, rows.max_seqlen)
+  model = lm.build_model(MODEL, mesh=mesh, max_seqlen=rows.max_seqlen)
+  tx = lm.make_optimizer(1e-3, 2, 10)
+  state, shardings = lm.init_state(model, tx, batch, 0, mesh, mode)
+  step = lm.make_train_step(model, tx, shardings, mesh)
+  with jax.set_mesh(mesh):
+    hlo = step.lower(state, batch).compile().as_text()
+  return state, shardings, hlo
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "replicated"])
+def test_step_collectives_are_kv_exchange_and_parameter_traffic(mode):
+  """The compiled step at dp=2 x cp=4 moves only: the CP K/V exchange
+  (all-gather of K/V, reduce-scatter of dK/dV, over cp, inside the
+  attention's shard_map), the parameters' collectives of the sharding
+  (FSDP: all-gathers of whole parameters; gradient reductions of parameter
+  shapes) and scalars. No activation of the token axes is gathered,
+  exchanged all-to-all or permuted between layers."""
+  state, shardings, hlo = _compiled_step(mode)
+  params = jax.tree.leaves(state["params"])
+  param_dims = collections.Counter(tuple(sorted(x.shape)) for x in params)
+  is_param = lambda s: tuple(sorted(s)) in param_dims
+  is_shard = lambda s: any(
+      tuple(sorted(s)) == tuple(sorted(p[:i] + (p[i] // 8,) + p[i + 1:]))
+      for p in map(tuple, (x.shape for x in params)) for i in range(len(p))
+      if p[i] % 8 == 0)
+  kv_full = (1, T, 2 * KV, HEAD_DIM)      # K and V of one row, stacked
+  kv_local = (1, T // CP_SIZE, 2 * KV, HEAD_DIM)
+
+  found = _collectives(hlo)
+  kinds = collections.Counter(k for k, _, _ in found)
+  assert set(kinds) <= {"all-gather", "reduce-scatter", "all-reduce"}, kinds
+  kv_gathers = param_gathers = kv_scatters = 0
+  for kind, shapes, op in found:
+    token_dims = [s for s in shapes if T in s or T // CP_SIZE in s]
+    if kind == "all-gather":
+      if "shard_map" in op:
+        assert shapes[-1] == kv_full, (shapes, op)
+        kv_gathers += 1
+      else:
+        assert all(is_param(s) for s in shapes), (shapes, op)
+        param_gathers += 1
+    elif kind == "reduce-scatter":
+      if "shard_map" in op:
+        assert shapes[-1] == kv_local, (shapes, op)
+        kv_scatters += 1
+      else:       # a gradient reduced to its shard (XLA:GPU forms these)
+        assert all(is_shard(s) or is_param(s) or s == () for s in shapes), (
+            shapes, op)
+    else:          # gradients (parameter shapes) and scalars
+      assert all(s == () or is_param(s) or is_shard(s) for s in shapes), (
+          shapes, op)
+    if "shard_map" not in op:
+      assert not token_dims, (kind, shapes, op)
+  # The K/V exchange of every layer, forward and backward.
+  assert kv_gathers == 2 * LAYERS and kv_scatters == LAYERS, found
+  matrices = sum(1 for x in params if x.ndim >= 2)
+  if mode == "fsdp":
+    # Every weight matrix is gathered where it is used (once per use).
+    assert param_gathers >= matrices, (param_gathers, matrices)
+    specs = [s.spec for s in jax.tree.leaves(shardings["params"])]
+    assert all(any(a == (lm.DATA, lm.CP) for a in s) for s in specs)
+  else:
+    assert param_gathers == 0, found
+
+
+def test_fsdp_specs_and_optimizer_state_follow_parameters():
+  mesh = lm.make_mesh(2, CP_SIZE, "cpu")
+  P = jax.sharding.PartitionSpec
+  assert lm.fsdp_spec((48, 192), mesh) == P(None, ("data", "cp"))
+  assert lm.fsdp_spec((256, 48), mesh) == P(("data", "cp"), None)
+  assert lm.fsdp_spec((3, 5), mesh) == P()       # nothing divisible by 8
+  assert lm.fsdp_spec((), mesh) == P()
+  abstract = {"params": {"w": jax.ShapeDtypeStruct((16, 40), np.float32)},
+              "mu": {"w": jax.ShapeDtypeStruct((16, 40), np.float32)},
+              "count": jax.ShapeDtypeStruct((), np.int32)}
+  sh = lm.state_shardings(abstract, mesh, "fsdp")
+  assert sh["params"]["w"].spec == sh["mu"]["w"].spec == P(None,
+                                                           ("data", "cp"))
+  assert sh["count"].spec == P()
+  assert lm.state_shardings(abstract, mesh, "replicated")["mu"]["w"].spec \
+      == P()
+  with pytest.raises(ValueError, match="mode='zero3'"):
+    lm.state_shardings(abstract, mesh, "zero3")
+
+
+def test_model_flops_formula():
+  cu = np.array([[0, 3, 10, 10]])         # documents of 3 and 7 tokens
+  got = lm.model_flops(cu, tokens=16, n_params=100, num_layers=2,
+                       num_heads=4, head_dim=8)
+  pairs = 3 * 4 // 2 + 7 * 8 // 2
+  assert got == 6 * 100 * 16 + 12 * pairs * 4 * 8 * 2
+
+
+def test_mesh_shape_choice():
+  assert lm.choose_mesh_shape(None, None, "cpu", 8) == (2, 4)
+  assert lm.choose_mesh_shape(None, None, "gpu", 2) == (1, 2)
+  assert lm.choose_mesh_shape(None, None, "gpu", 8) == (1, 8)
+  assert lm.choose_mesh_shape(2, None, "gpu", 8) == (2, 4)
+  assert lm.choose_mesh_shape(None, 4, "gpu", 8) == (2, 4)
+  assert lm.choose_mesh_shape(1, 1, "gpu", 8) == (1, 1)
+
+
+def test_prefetched_yields_the_same_batches_in_order():
+  calls = []
+
+  def make(i):
+    calls.append(i)
+    return {"x": np.full(3, i)}
+  for depth in (0, 1, 3):
+    calls.clear()
+    got = [b["x"][0] for b in lm.prefetched(make, range(2, 7), depth)]
+    assert got == [2, 3, 4, 5, 6] and sorted(calls) == [2, 3, 4, 5, 6]
+  assert list(lm.prefetched(make, range(0), 2)) == []
+
+
+TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
+        "--seq-len", "64", "--batch", "2", "--dp", "2", "--cp", "2",
+        "--backend", "xla", "--quiet", "--no-compare", "--steps", "5"]
+
+
+def test_training_losses_do_not_depend_on_prefetch_or_log_interval():
+  a = lm.main(TINY + ["--prefetch", "0", "--log-every", "1"])
+  b = lm.main(TINY + ["--prefetch", "3", "--log-every", "4"])
+  assert len(a["losses"]) == 5 and np.isfinite(a["losses"]).all()
+  assert a["losses"] == b["losses"]
+  assert a["tokens_per_s"] > 0 and b["tokens_per_s"] > 0
+
+
+def test_replicated_parameters_train_like_fsdp():
+  a = lm.main(TINY + ["--param-sharding", "replicated"])
+  b = lm.main(TINY + ["--param-sharding", "fsdp"])
+  np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-4)
+
+
+def test_group_kernels_splits_exposed_and_overlapped_collectives():
+  ev = [(0, 100, "cudnn_generated_fort_native_sdpa_sm90_flash_fprop"),
+        (100, 50, "nvjet_sm90_tst_128x128"),
+        (50, 100, "ncclDevKernel_AllGather_RING_LL"),   # 50 hidden
+        (200, 10, "loop_add_fusion"),
+        (210, 5, "copy_fusion")]
+  got = bench_step.group_kernels(ev, steps=1)
+  g = got["groups_ms"]
+  assert g["attention"] == pytest.approx(100e-6)
+  assert g["matmul"] == pytest.approx(50e-6)
+  assert g["collective_overlapped"] == pytest.approx(100e-6)
+  assert g["collective_exposed"] == pytest.approx(0.0)
+  assert g["elementwise"] == pytest.approx(10e-6)
+  assert g["copy"] == pytest.approx(5e-6)
+  assert got["busy_ms"] == pytest.approx(165e-6)
+  assert bench_step.kernel_group("ncclDevKernel_ReduceScatter") == \
+      "collective"
+
+
+def test_bench_step_smoke(tmp_path):
+  result = bench_step.main([
+      "--device", "cpu", "--cp", "1", "2", "--strategies", "dual_chunk_swap",
+      "--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
+      "--dtype", "float32", "--seq-len", "64", "--max-doc-len", "32",
+      "--backend", "xla", "--reps", "1", "--block-ms", "1",
+      "--hlo-collectives", "--out", str(tmp_path)])
+  data = json.loads(pathlib.Path(result["path"]).read_text())
+  pairs = [r for r in data["records"] if r.get("kind") != "config"]
+  assert [(r["a"], r["b"]) for r in pairs] == [("cp=1", "cp=2"),
+                                               ("nocp", "cp=1")]
+  for r in pairs:
+    assert r["ms_a"] != 0 and r["ms_b"] != 0 and len(r["ratios"]) == 1
+  config = [r for r in data["records"] if r.get("kind") == "config"][0]
+  assert config["model_flops"] > 0 and config["collectives"]["cp=1"] == {}
+  assert "all-gather" in config["collectives"]["cp=2"]
+  table = bench_step.step_table(data)
+  assert "| dual_chunk_swap | cp=1 |" in table and "| nocp |" in table
