@@ -7,7 +7,10 @@ imported (XLA reads ``XLA_FLAGS`` once, when the backend starts).
   exchange of context parallelism) start early and run on their own stream
   while independent matmuls and attention kernels run, instead of each
   collective waiting for the compute before it and blocking the compute
-  after it.
+  after it. XLA:GPU of jax 0.11 already schedules this way: on 2 H200s the
+  example's step at cp=2 takes the same time with and without the flag
+  (29.2 ms, ``benchmarks/bench_step.py --no-xla-flags``); the flag keeps
+  that scheduling whatever the default of the installed version.
 
 Flags already present in ``XLA_FLAGS`` are left as they are.
 """

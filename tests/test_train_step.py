@@ -153,6 +153,9 @@ def test_mesh_shape_choice():
   assert lm.choose_mesh_shape(2, None, "gpu", 8) == (2, 4)
   assert lm.choose_mesh_shape(None, 4, "gpu", 8) == (2, 4)
   assert lm.choose_mesh_shape(1, 1, "gpu", 8) == (1, 1)
+  # A chosen dp divides the batch: one row on 2 GPUs at cp=1 is dp=1.
+  assert lm.choose_mesh_shape(None, 1, "gpu", 2, batch=1) == (1, 1)
+  assert lm.choose_mesh_shape(None, 1, "gpu", 8, batch=4) == (4, 1)
 
 
 def test_prefetched_yields_the_same_batches_in_order():
