@@ -42,15 +42,15 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _REPO = os.path.dirname(_HERE)
 sys.path.insert(0, _REPO)
 sys.path.insert(0, os.path.join(_REPO, "examples"))
 
-import xla_flags  # noqa: E402  (no jax import)
+import xla_flags
 
 STRATEGIES = ("dual_chunk_swap", "no_load_balance")
 
@@ -133,7 +133,7 @@ def block_size(run: Callable[[int], float], block_ms: float) -> int:
 
 
 def paired(run_a: Callable[[int], float], run_b: Callable[[int], float],
-           reps: int, block_ms: float) -> Dict:
+           reps: int, block_ms: float) -> dict:
   """``A B B A`` steady timings per rep; per-rep ratio ``t_a / t_b``."""
   na, nb = block_size(run_a, block_ms), block_size(run_b, block_ms)
   ta, tb, ratios = [], [], []
@@ -146,20 +146,20 @@ def paired(run_a: Callable[[int], float], run_b: Callable[[int], float],
     tb += [b1, b2]
     ratios.append((a1 + a2) / (b1 + b2))
   q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-  return dict(ms_a=1e3 * statistics.median(ta),
-              ms_b=1e3 * statistics.median(tb),
-              ratio_median=statistics.median(ratios), ratio_q1=q[0],
-              ratio_q3=q[2], ratios=ratios, block_a=na, block_b=nb)
+  return {"ms_a": 1e3 * statistics.median(ta),
+          "ms_b": 1e3 * statistics.median(tb),
+          "ratio_median": statistics.median(ratios), "ratio_q1": q[0],
+          "ratio_q3": q[2], "ratios": ratios, "block_a": na, "block_b": nb}
 # ------------------------------------------------------------ end timing
 
 
 # Kernel groups of the per-kernel profile, tried in this order on the
 # lower-cased kernel name.
-KERNEL_GROUPS: Tuple[Tuple[str, str], ...] = (
-    ("collective", r"nccl|all-?reduce|all-?gather|reduce-?scatter|"
-                   r"collective|sendrecv"),
-    ("attention", r"sdpa|fmha|flash|attn|attention|cudnn|jax_cp|"
-                  r"assemble_kv|merge_rows|dq_fill"),
+KERNEL_GROUPS: tuple[tuple[str, str], ...] = (
+    ("collective", (r"nccl|all-?reduce|all-?gather|reduce-?scatter|"
+                    r"collective|sendrecv")),
+    ("attention", (r"sdpa|fmha|flash|attn|attention|cudnn|jax_cp|"
+                   r"assemble_kv|merge_rows|dq_fill")),
     ("matmul", r"gemm|nvjet|cutlass|cublas|xmma|wgmma|matmul|\bdot"),
     ("copy", r"memcpy|memset|copy|transpose|dynamic.update.slice"),
 )
@@ -175,8 +175,8 @@ def kernel_group(name: str) -> str:
   return "elementwise"
 
 
-def _union(intervals: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
-  out: List[Tuple[int, int]] = []
+def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+  out: list[tuple[int, int]] = []
   for s, e in sorted(intervals):
     if out and s <= out[-1][1]:
       out[-1] = (out[-1][0], max(out[-1][1], e))
@@ -185,12 +185,12 @@ def _union(intervals: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
   return out
 
 
-def _covered(s: int, e: int, union: List[Tuple[int, int]]) -> int:
+def _covered(s: int, e: int, union: list[tuple[int, int]]) -> int:
   return sum(max(0, min(e, b) - max(s, a)) for a, b in union)
 
 
-def group_kernels(events: Sequence[Tuple[int, int, str]], steps: int
-                  ) -> Dict:
+def group_kernels(events: Sequence[tuple[int, int, str]], steps: int
+                  ) -> dict:
   """Per-step milliseconds by group from kernel events ``(start_ns,
   duration_ns, name)`` of one device: collectives split into
   ``collective_exposed`` (no other kernel runs meanwhile) and
@@ -211,15 +211,15 @@ def group_kernels(events: Sequence[Tuple[int, int, str]], steps: int
   busy = sum(e - s for s, e in _union([(s, s + d) for s, d, _ in events]))
   ms = lambda ns: ns / 1e6 / steps
   top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:25]
-  return dict(
-      groups_ms={g: ms(v) for g, v in sorted(groups.items())},
-      busy_ms=ms(busy),
-      top_kernels=[dict(name=n[:160], group=kernel_group(n), ms=ms(v))
-                   for n, v in top])
+  return {
+      "groups_ms": {g: ms(v) for g, v in sorted(groups.items())},
+      "busy_ms": ms(busy),
+      "top_kernels": [{"name": n[:160], "group": kernel_group(n),
+                       "ms": ms(v)} for n, v in top]}
 
 
 def profile_program(run: Callable[[int], float], steps: int,
-                    device_plane: str) -> Optional[Dict]:
+                    device_plane: str) -> dict | None:
   """Traces ``steps`` steps; the grouped kernels of ``device_plane`` (the
   same parsing as ``profile_step.py``), or ``None`` without that plane
   (CPU)."""
@@ -250,7 +250,7 @@ COLLECTIVE_RE = re.compile(
     r"all-reduce|all-to-all|collective-permute)(?:-start)?\(")
 
 
-def hlo_collectives(hlo_text: str) -> Dict[str, List[str]]:
+def hlo_collectives(hlo_text: str) -> dict[str, list[str]]:
   """Collective kind -> the result shapes of its instructions (layouts
   and index comments dropped), from compiled HLO text."""
   out = collections.defaultdict(list)
@@ -285,14 +285,15 @@ def _runner(step, state, batch) -> Callable[[int], float]:
   return run
 
 
-def build_program(args, strategy: str, cp: Optional[int], rows, max_seqlen):
+def build_program(args, strategy: str, cp: int | None, rows, max_seqlen):
   """``(run, n_params)`` for the example's step on ``cp`` devices (dp=1),
   or with ``cp=None`` the ``cp_axis=None`` model on one device. The batch
   is placed once."""
   import jax  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
-  import jax_cp  # pylint: disable=import-outside-toplevel
   import train_packed_lm as lm  # pylint: disable=import-outside-toplevel
+
+  import jax_cp  # pylint: disable=import-outside-toplevel
   margs = _model_args(args, strategy)
   mesh = lm.make_mesh(1, cp or 1, args.device)
   tx = lm.make_optimizer(lm.default_lr(args.d_model), 10, 1000)
@@ -317,7 +318,7 @@ def build_program(args, strategy: str, cp: Optional[int], rows, max_seqlen):
   return run, n_params
 
 
-def run_bench(args) -> Dict:
+def run_bench(args) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   import packed_data  # pylint: disable=import-outside-toplevel
   import train_packed_lm as lm  # pylint: disable=import-outside-toplevel
@@ -336,7 +337,7 @@ def run_bench(args) -> Dict:
     max_seqlen = args.max_seqlen or rows.max_seqlen
     lens = [int(x) for x in (rows.cu_seqlens[0, 1:] - rows.cu_seqlens[0, :-1])
             if x > 0]
-    runs: Dict[object, Callable[[int], float]] = {}
+    runs: dict[object, Callable[[int], float]] = {}
     runs[1], n_params = build_program(args, strategy, 1, rows, max_seqlen)
     flops = lm.model_flops(rows.cu_seqlens, tokens=rows.tokens.size,
                            n_params=n_params, num_layers=args.layers,
@@ -383,20 +384,20 @@ def run_bench(args) -> Dict:
           print(f"  profile {key}: busy {profiles[key]['busy_ms']:.2f} ms; "
                 + ", ".join(f"{k} {v:.2f}" for k, v in g.items()),
                 flush=True)
-    records.append(dict(strategy=strategy, kind="config", documents=lens,
-                        max_seqlen=max_seqlen, model_flops=flops,
-                        matmul_params=n_params, profiles=profiles,
-                        collectives=collectives))
+    records.append({"strategy": strategy, "kind": "config",
+                    "documents": lens, "max_seqlen": max_seqlen,
+                    "model_flops": flops, "matmul_params": n_params,
+                    "profiles": profiles, "collectives": collectives})
     runs.clear()
-  return dict(env=dict(
-      date=datetime.datetime.now().isoformat(timespec="seconds"),
-      device_kind=jax.devices()[0].device_kind,
-      device_count=jax.device_count(), jax=jax.__version__,
-      xla_flags=os.environ.get("XLA_FLAGS", ""), args=vars(args)),
-              records=records)
+  return {"env": {
+      "date": datetime.datetime.now().isoformat(timespec="seconds"),
+      "device_kind": jax.devices()[0].device_kind,
+      "device_count": jax.device_count(), "jax": jax.__version__,
+      "xla_flags": os.environ.get("XLA_FLAGS", ""), "args": vars(args)},
+          "records": records}
 
 
-def step_table(result: Dict) -> str:
+def step_table(result: dict) -> str:
   """Markdown: one line per pair."""
   env = result["env"]
   a = env["args"]
@@ -428,13 +429,13 @@ def step_table(result: Dict) -> str:
                     + " |")
   if prof:
     lines += ["", "Kernels per step (ms, first device):", "",
-              "| strategy | program | busy | attention | matmul | "
-              "coll. exposed | coll. overlapped | elementwise | copies |",
+              ("| strategy | program | busy | attention | matmul | "
+               "coll. exposed | coll. overlapped | elementwise | copies |"),
               "|---|---|---|---|---|---|---|---|---|", *prof]
   return head + "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> Dict:
+def main(argv: Sequence[str] | None = None) -> dict:
   args = build_parser().parse_args(argv)
   if args.table:
     with open(args.table) as f:

@@ -31,7 +31,7 @@ Usage::
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -41,7 +41,7 @@ ENV_NUM_PROCESSES = "JAX_CP_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_CP_PROCESS_ID"
 
 
-def _env_int(name: str) -> Optional[int]:
+def _env_int(name: str) -> int | None:
   value = os.environ.get(name)
   if value in (None, ""):
     return None
@@ -51,10 +51,10 @@ def _env_int(name: str) -> Optional[int]:
     raise ValueError(f"${name}={value!r} is not an integer") from None
 
 
-def init_distributed(coordinator: Optional[str] = None,
-                     num_processes: Optional[int] = None,
-                     process_id: Optional[int] = None, *,
-                     cpu_devices: Optional[int] = None,
+def init_distributed(coordinator: str | None = None,
+                     num_processes: int | None = None,
+                     process_id: int | None = None, *,
+                     cpu_devices: int | None = None,
                      auto_detect: bool = False,
                      **initialize_kwargs) -> bool:
   """Starts JAX's multi-controller runtime if several processes are asked.
@@ -120,7 +120,7 @@ def init_distributed(coordinator: Optional[str] = None,
   return True
 
 
-def make_mesh(dp: Optional[int], cp: int, *,
+def make_mesh(dp: int | None, cp: int, *,
               axis_names: Sequence[str] = ("data", "cp"),
               axis_types=None, devices=None) -> jax.sharding.Mesh:
   """A ``(dp, cp)`` mesh with each cp group on as few processes as possible.

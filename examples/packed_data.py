@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import sysconfig
-from typing import Iterable, Iterator, List, Optional
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -78,7 +78,7 @@ class PackedRows:
     """The longest padded document: the static ``max_seqlen`` bound."""
     return int(np.diff(self.cu_seqlens_padded, axis=-1).max())
 
-  def rows(self, start: int, stop: int) -> "PackedRows":
+  def rows(self, start: int, stop: int) -> PackedRows:
     """Rows ``[start, stop)`` (a batch)."""
     return PackedRows(**{f.name: getattr(self, f.name)[start:stop]
                          for f in dataclasses.fields(self)})
@@ -87,7 +87,7 @@ class PackedRows:
     return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-def stdlib_files(seed: int = 0) -> List[pathlib.Path]:
+def stdlib_files(seed: int = 0) -> list[pathlib.Path]:
   """The standard library's ``.py`` files (not site-packages), sorted and
   then shuffled with ``seed``."""
   root = pathlib.Path(sysconfig.get_paths()["stdlib"])
@@ -100,7 +100,7 @@ def stdlib_files(seed: int = 0) -> List[pathlib.Path]:
   return [files[i] for i in order]
 
 
-def iter_documents(seed: int = 0, max_doc_len: Optional[int] = None
+def iter_documents(seed: int = 0, max_doc_len: int | None = None
                    ) -> Iterator[np.ndarray]:
   """Endless stream of documents (uint8 arrays): the stdlib files in the
   order of :func:`stdlib_files`, each cut to ``max_doc_len`` bytes; empty
@@ -130,7 +130,7 @@ def _round_up(n: int, m: int) -> int:
 
 def pack_documents(docs: Iterable[np.ndarray], seq_len: int, num_rows: int,
                    pad_multiple: int = 1,
-                   max_docs: Optional[int] = None) -> PackedRows:
+                   max_docs: int | None = None) -> PackedRows:
   """Packs documents into ``num_rows`` rows of ``seq_len`` tokens.
 
   Args:
@@ -148,7 +148,7 @@ def pack_documents(docs: Iterable[np.ndarray], seq_len: int, num_rows: int,
     raise ValueError(f"seq_len={seq_len} must be a multiple of "
                      f"pad_multiple={pad_multiple}")
   docs = iter(docs)
-  pending: Optional[np.ndarray] = None
+  pending: np.ndarray | None = None
   rows = []          # per row: list of (valid tokens, padded length)
   for _ in range(num_rows):
     row, free = [], seq_len
@@ -192,8 +192,8 @@ def pack_documents(docs: Iterable[np.ndarray], seq_len: int, num_rows: int,
 
 def load_stdlib_rows(num_rows: int, seq_len: int, *, cp_size: int = 1,
                      strategy=CPLoadBalancingStrategy.DUAL_CHUNK_SWAP,
-                     seed: int = 0, max_doc_len: Optional[int] = None,
-                     max_docs: Optional[int] = None) -> PackedRows:
+                     seed: int = 0, max_doc_len: int | None = None,
+                     max_docs: int | None = None) -> PackedRows:
   """``num_rows`` packed rows of standard-library source, padded for
   ``strategy`` on ``cp_size`` ranks. Row ``i`` does not depend on
   ``num_rows`` (the stream is deterministic), so a resumed run sees the

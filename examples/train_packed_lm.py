@@ -71,11 +71,10 @@ import os
 import pathlib
 import sys
 import time
-from typing import (Callable, Dict, Iterable, Iterator, List, Optional,
-                    Sequence, Tuple)
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import xla_flags  # noqa: E402  (no jax import)
+import xla_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,9 +177,9 @@ def _configure_platform(argv: Sequence[str]) -> None:
         f"{flags} --xla_force_host_platform_device_count={n}".strip())
 
 
-def choose_mesh_shape(dp: Optional[int], cp: Optional[int], device: str,
-                      num_devices: Optional[int],
-                      batch: Optional[int] = None) -> Tuple[int, int]:
+def choose_mesh_shape(dp: int | None, cp: int | None, device: str,
+                      num_devices: int | None,
+                      batch: int | None = None) -> tuple[int, int]:
   """``(dp, cp)``: the values given, the rest chosen. On CPU ``2 x 4``; on
   GPU (``num_devices`` present) ``cp`` = all of them with ``dp`` = 1 (one
   long row per step gains most from context parallelism), or the other
@@ -201,24 +200,24 @@ if __name__ == "__main__":
   _configure_platform(sys.argv[1:])
 
 # pylint: disable=wrong-import-position
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 try:
-  import jax_cp  # noqa: E402,F401  pylint: disable=unused-import
+  import jax_cp
 except ImportError:  # running from a checkout without installing
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-  import jax_cp  # noqa: E402,F401  pylint: disable=unused-import
-from jax_cp.flax import TransformerLayer  # noqa: E402
-from jax_cp.flax.settings import cp_settings  # noqa: E402
+  import jax_cp
+import multihost
+import packed_data
 
-import multihost  # noqa: E402
-import packed_data  # noqa: E402
+from jax_cp.flax import TransformerLayer
+from jax_cp.flax.settings import cp_settings
 
 DATA, CP = "data", "cp"
 
@@ -280,13 +279,13 @@ class PackedLM(nn.Module):
   num_kv_heads: int
   vocab_size: int = packed_data.VOCAB_SIZE
   dtype: jnp.dtype = jnp.float32
-  cp_axis: Optional[str] = None
+  cp_axis: str | None = None
   cp_strategy: str = "dual_chunk_swap"
   cp_comm_type: str = "all_gather"
   attn_backend: str = "auto"
-  max_seqlen: Optional[int] = None
-  mesh: Optional[jax.sharding.Mesh] = None
-  batch_axis: Optional[str] = None
+  max_seqlen: int | None = None
+  mesh: jax.sharding.Mesh | None = None
+  batch_axis: str | None = None
   local_view: bool = False
 
   def _pin(self, x):
@@ -309,23 +308,23 @@ class PackedLM(nn.Module):
                               name="logits")(x).astype(jnp.float32))
 
 
-def build_model(args, *, mesh=None, max_seqlen: Optional[int] = None,
-                cp_axis: Optional[str] = CP) -> PackedLM:
+def build_model(args, *, mesh=None, max_seqlen: int | None = None,
+                cp_axis: str | None = CP) -> PackedLM:
   """The model of ``args`` (``layers``, ``d_model``, ``heads``,
   ``kv_heads``, ``dtype``, ``backend``, ``strategy``): context parallel over
   ``cp_axis`` of ``mesh`` (batch over ``data``), or with ``cp_axis=None``
   the plain model on one device. The one place where the model is made."""
-  common = dict(num_layers=args.layers, d_model=args.d_model,
-                num_heads=args.heads, num_kv_heads=args.kv_heads,
-                dtype=jnp.dtype(args.dtype), attn_backend=args.backend,
-                max_seqlen=max_seqlen)
+  common = {"num_layers": args.layers, "d_model": args.d_model,
+            "num_heads": args.heads, "num_kv_heads": args.kv_heads,
+            "dtype": jnp.dtype(args.dtype), "attn_backend": args.backend,
+            "max_seqlen": max_seqlen}
   if cp_axis is None:
     return PackedLM(cp_axis=None, **common)
   return PackedLM(cp_axis=cp_axis, cp_strategy=args.strategy, mesh=mesh,
                   batch_axis=DATA, **common)
 
 
-def loss_fn(model: PackedLM, params, batch: Dict[str, jax.Array]):
+def loss_fn(model: PackedLM, params, batch: dict[str, jax.Array]):
   """Mean next-byte cross entropy over the real targets of the batch."""
   logits = model.apply(params, batch["tokens"], batch["cu_seqlens"],
                        batch["cu_seqlens_padded"], batch["position_ids"])
@@ -466,7 +465,7 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0,
                     "B200": 2250.0}
 
 
-def peak_tflops(device) -> Optional[float]:
+def peak_tflops(device) -> float | None:
   """The bf16 dense peak of ``device``'s kind, or ``None`` if unknown."""
   kind = getattr(device, "device_kind", "")
   for name, tflops in PEAK_BF16_TFLOPS.items():
@@ -475,8 +474,8 @@ def peak_tflops(device) -> Optional[float]:
   return None
 
 
-def prefetched(make: Callable[[int], Dict], steps: Iterable[int],
-               depth: int) -> Iterator[Dict]:
+def prefetched(make: Callable[[int], dict], steps: Iterable[int],
+               depth: int) -> Iterator[dict]:
   """``make(step)`` for each of ``steps``, in order, with up to ``depth``
   of them built ahead on a host thread (``depth=0``: built in the loop).
   The batches are the same either way; only when they are built changes."""
@@ -535,7 +534,7 @@ def make_mesh(dp: int, cp: int, device: str):
 
 def place_batch(rows: packed_data.PackedRows, mesh,
                 local: np.ndarray, strategy: str,
-                max_seqlen: int) -> Dict[str, jax.Array]:
+                max_seqlen: int) -> dict[str, jax.Array]:
   """Global view on the mesh from *this process's* rows ``local`` (global
   row indices of :func:`jax_cp.process_batch_rows`): token arrays
   ``[B, T]`` in :func:`jax_cp.reorder_for_cp` layout sharded ``P(data,
@@ -593,7 +592,7 @@ class Checkpointer:
             max_to_keep=2, create=True))
     self._last_saved = self.manager.latest_step()
 
-  def latest_step(self) -> Optional[int]:
+  def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
   def restore(self, abstract):
@@ -618,7 +617,7 @@ class Checkpointer:
 
 
 def _progress(step: int, total: int, loss: float, tok_s: float,
-              mfu: Optional[float]) -> str:
+              mfu: float | None) -> str:
   width = 30
   done = int(width * step / max(total, 1))
   util = f" MFU {mfu:.1%}" if mfu is not None else ""
@@ -626,7 +625,7 @@ def _progress(step: int, total: int, loss: float, tok_s: float,
           f"loss {loss:.4f} {tok_s:,.0f} tok/s{util}")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict:
+def main(argv: Sequence[str] | None = None) -> dict:
   """Trains and returns ``{"losses": [...], "start_step", "eval_loss_cp",
   "eval_loss_nocp", "tokens_per_s", "mfu", "local_rows", ...}`` (losses of
   the steps run here; ``eval_loss_nocp`` on process 0 only; ``local_rows``:
@@ -734,7 +733,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
           f"{mesh.size // jax.process_count()} "
           f"devices; processes of each cp group: {groups}; process 0 loads "
           f"rows {local.tolist()} of each batch")
-    loss_arrays: List[jax.Array] = []
+    loss_arrays: list[jax.Array] = []
     # Timing from the end of the first step (compilation) to the last
     # wait; the steps in between run back to back.
     t_start = time.perf_counter()

@@ -18,9 +18,8 @@ Flags already present in ``XLA_FLAGS`` are left as they are.
 from __future__ import annotations
 
 import os
-from typing import Dict
 
-GPU_FLAGS: Dict[str, str] = {
+GPU_FLAGS: dict[str, str] = {
     "xla_gpu_enable_latency_hiding_scheduler": "true",
 }
 
