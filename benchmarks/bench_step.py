@@ -1,6 +1,6 @@
 """Speed of the example's whole training step: cp=1 against cp=N, paired.
 
-    python3 benchmarks/bench_step.py --cp 1 2 \\
+    python -m benchmarks.bench_step --cp 1 2 \\
         --strategies dual_chunk_swap no_load_balance --profile
 
 The model, optimizer, shardings, step and data are those of
@@ -9,10 +9,11 @@ of 4 layers, d_model 1024, 16 query / 4 KV heads (head_dim 64), bf16, one
 row of 32,768 tokens of standard-library files cut at 16k, dp=1.
 
 For every strategy, each cp=N step is timed against the cp=1 step in
-alternation (``A B B A`` per rep). Each timing is the *device-only* steady
-time per step: the batch is placed once, ``n`` steps are dispatched back to
-back (the state is donated from step to step, as in training) and the slope
-``(t(2n) - t(n)) / n`` cancels the pipeline's fill and drain. Also paired:
+alternation (:func:`benchmarks.timing.paired`, ``A B B A`` per rep). Each
+timing is the *device-only* steady time per step: the batch is placed once,
+``n`` steps are dispatched back to back (the state is donated from step to
+step, as in training) and the slope ``(t(2n) - t(n)) / n`` cancels the
+pipeline's fill and drain. Also paired:
 the CP model at cp=1 against the same model built with ``cp_axis=None``
 (plain attention, no mesh) on one device: the cost of the CP machinery when
 there is nothing to split.
@@ -35,10 +36,8 @@ import collections
 import datetime
 import glob
 import json
-import math
 import os
 import re
-import statistics
 import sys
 import tempfile
 import time
@@ -50,7 +49,7 @@ _REPO = os.path.dirname(_HERE)
 sys.path.insert(0, _REPO)
 sys.path.insert(0, os.path.join(_REPO, "examples"))
 
-import xla_flags
+import xla_flags  # noqa: E402  (no jax import)
 
 STRATEGIES = ("dual_chunk_swap", "no_load_balance")
 
@@ -83,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--reps", type=int, default=5, help="A B B A repetitions")
   p.add_argument("--block-ms", type=float, default=300.0,
-                 help="length of one timed block of back-to-back steps")
+                 help="length of one timed block of back-to-back steps "
+                 "(at most 32 steps)")
   p.add_argument("--no-nocp", action="store_true",
                  help="skip the cp=1 vs cp_axis=None pair")
   p.add_argument("--peak-tflops", type=float, default=989.0,
@@ -115,42 +115,17 @@ def _configure(args) -> None:
     xla_flags.add_gpu_flags()
 
 
-# ---------------------------------------------------------------- timing
-# Paired A/B timing of step runners. A runner is ``run(n) -> seconds``: it
-# dispatches n steps back to back and waits for the last.
-
-def steady_seconds(run: Callable[[int], float], n: int) -> float:
-  """Seconds per step once the pipeline is full: ``(t(2n) - t(n)) / n``."""
-  t1 = run(n)
-  return (run(2 * n) - t1) / n
-
-
-def block_size(run: Callable[[int], float], block_ms: float) -> int:
-  """Steps per timed block, so that a block lasts about ``block_ms``."""
-  run(1)
-  per = min(run(1) for _ in range(2))
-  return max(2, math.ceil(block_ms / 1e3 / max(per, 1e-6)))
-
-
-def paired(run_a: Callable[[int], float], run_b: Callable[[int], float],
-           reps: int, block_ms: float) -> dict:
-  """``A B B A`` steady timings per rep; per-rep ratio ``t_a / t_b``."""
-  na, nb = block_size(run_a, block_ms), block_size(run_b, block_ms)
-  ta, tb, ratios = [], [], []
-  for _ in range(reps):
-    a1 = steady_seconds(run_a, na)
-    b1 = steady_seconds(run_b, nb)
-    b2 = steady_seconds(run_b, nb)
-    a2 = steady_seconds(run_a, na)
-    ta += [a1, a2]
-    tb += [b1, b2]
-    ratios.append((a1 + a2) / (b1 + b2))
-  q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-  return {"ms_a": 1e3 * statistics.median(ta),
-          "ms_b": 1e3 * statistics.median(tb),
-          "ratio_median": statistics.median(ratios), "ratio_q1": q[0],
-          "ratio_q3": q[2], "ratios": ratios, "block_a": na, "block_b": nb}
-# ------------------------------------------------------------ end timing
+def paired(prog_a: Program, prog_b: Program, reps: int,
+           block_ms: float) -> dict:
+  """``A B B A`` steady step times per rep (:func:`benchmarks.timing.paired`
+  on one step of each program); per-rep ratio ``t_a / t_b``."""
+  from benchmarks import timing  # pylint: disable=import-outside-toplevel
+  r = timing.paired(prog_a.step, [()], prog_b.step, [()], reps, warmup=1,
+                    pipeline_ms=block_ms)
+  return {"ms_a": r.ms_a, "ms_b": r.ms_b, "ratio_median": r.ratio_median,
+          "ratio_q1": r.ratio_q1, "ratio_q3": r.ratio_q3,
+          "ratio_min": r.ratio_min, "ratio_max": r.ratio_max,
+          "ratios": r.ratios, "depth_a": r.depth_a, "depth_b": r.depth_b}
 
 
 # Kernel groups of the per-kernel profile, tried in this order on the
@@ -268,25 +243,31 @@ def _model_args(args, strategy: str) -> SimpleNamespace:
                          strategy=strategy)
 
 
-def _runner(step, state, batch) -> Callable[[int], float]:
-  """``run(n)``: n steps back to back from the runner's current state."""
-  import jax  # pylint: disable=import-outside-toplevel
-  box = {"state": state}
+class Program:
+  """One training program with its own state and a batch placed once.
 
-  def run(n: int) -> float:
+  ``step()`` dispatches one step (the state is donated and replaced) and
+  returns its loss without waiting; ``run(n)`` runs ``n`` steps back to
+  back, waits for the last and returns the seconds taken."""
+
+  def __init__(self, step_fn, state, batch):
+    self._fn, self._state, self._batch = step_fn, state, batch
+    self.collectives = None
+
+  def step(self):
+    self._state, loss = self._fn(self._state, self._batch)
+    return loss
+
+  def run(self, n: int) -> float:
+    import jax  # pylint: disable=import-outside-toplevel
     t0 = time.perf_counter()
-    s = box["state"]
-    for _ in range(n):
-      s, loss = step(s, batch)
-    jax.block_until_ready(loss)
-    box["state"] = s
+    losses = [self.step() for _ in range(n)]
+    jax.block_until_ready(losses)
     return time.perf_counter() - t0
-  run.box = box
-  return run
 
 
 def build_program(args, strategy: str, cp: int | None, rows, max_seqlen):
-  """``(run, n_params)`` for the example's step on ``cp`` devices (dp=1),
+  """``(Program, n_params)`` for the example's step on ``cp`` devices (dp=1),
   or with ``cp=None`` the ``cp_axis=None`` model on one device. The batch
   is placed once."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -310,12 +291,11 @@ def build_program(args, strategy: str, cp: int | None, rows, max_seqlen):
   step = lm.make_train_step(model, tx, shardings, mesh)
   n_params = lm.matmul_params(state["params"])
   del optax
-  run = _runner(step, state, batch)
-  run.collectives = None
+  prog = Program(step, state, batch)
   if args.hlo_collectives:
-    run.collectives = hlo_collectives(
+    prog.collectives = hlo_collectives(
         step.lower(state, batch).compile().as_text())
-  return run, n_params
+  return prog, n_params
 
 
 def run_bench(args) -> dict:
@@ -337,7 +317,7 @@ def run_bench(args) -> dict:
     max_seqlen = args.max_seqlen or rows.max_seqlen
     lens = [int(x) for x in (rows.cu_seqlens[0, 1:] - rows.cu_seqlens[0, :-1])
             if x > 0]
-    runs: dict[object, Callable[[int], float]] = {}
+    runs: dict[object, Program] = {}
     runs[1], n_params = build_program(args, strategy, 1, rows, max_seqlen)
     flops = lm.model_flops(rows.cu_seqlens, tokens=rows.tokens.size,
                            n_params=n_params, num_layers=args.layers,
@@ -377,7 +357,7 @@ def run_bench(args) -> dict:
     if args.profile:
       for c, run in runs.items():
         key = "nocp" if c is None else f"cp={c}"
-        profiles[key] = profile_program(run, args.profile_steps,
+        profiles[key] = profile_program(run.run, args.profile_steps,
                                         args.device_plane)
         if profiles[key]:
           g = profiles[key]["groups_ms"]

@@ -200,24 +200,24 @@ if __name__ == "__main__":
   _configure_platform(sys.argv[1:])
 
 # pylint: disable=wrong-import-position
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 try:
   import jax_cp
 except ImportError:  # running from a checkout without installing
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
   import jax_cp
-import multihost
-import packed_data
+import multihost  # noqa: E402
+import packed_data  # noqa: E402
 
-from jax_cp.flax import TransformerLayer
-from jax_cp.flax.settings import cp_settings
+from jax_cp.flax import TransformerLayer  # noqa: E402
+from jax_cp.flax.settings import cp_settings  # noqa: E402
 
 DATA, CP = "data", "cp"
 

@@ -14,11 +14,10 @@ import numpy as np
 import pytest
 
 import jax_cp
+from benchmarks import bench_step
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_ROOT / "examples"))
-sys.path.insert(0, str(_ROOT / "benchmarks"))
-import bench_step  # noqa: E402  pylint: disable=wrong-import-position
 import packed_data  # noqa: E402  pylint: disable=wrong-import-position
 import train_packed_lm as lm  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -212,7 +211,8 @@ def test_group_kernels_splits_exposed_and_overlapped_collectives():
 def test_bench_step_reads_collectives_of_hlo_text():
   hlo = """
   %ag = (f32[4]{0}, f32[8,2]{1,0}) all-gather-start(%a, %b), dimensions={0}
-  %rs = (f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, /*index=5*/f32[2]{0}) reduce-scatter(%a, %b, %c, %d, %e, %f)
+  %rs = (f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, """ \
+      """/*index=5*/f32[2]{0}) reduce-scatter(%a, %b, %c, %d, %e, %f)
   %ar = f32[] all-reduce(%x), to_apply=%add
   %mul = f32[4]{0} multiply(%ag, %ag)
   """
