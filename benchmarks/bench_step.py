@@ -386,7 +386,8 @@ def step_table(result: dict) -> str:
           f"{a['seq_len']} tokens (docs cut at {a['max_doc_len']}), "
           f"{a['param_sharding']} params; {env['device_kind']}, paired "
           f"A B B A, device-only steady step time, MFU vs "
-          f"{a['peak_tflops']:.0f} TFLOP/s per device\n\n")
+          f"{a['peak_tflops']:.0f} TFLOP/s per device; XLA_FLAGS="
+          f"'{env.get('xla_flags', '')}'\n\n")
   lines = ["| strategy | A | ms | MFU | B | ms | MFU | tok/s (B) | A/B |",
            "|---|---|---|---|---|---|---|---|---|"]
   for r in result["records"]:
