@@ -560,9 +560,11 @@ class Checkpointer:
 
   With several processes, the directory must be shared by all of them (one
   path on a shared file system, or the same local directory for processes
-  of one machine): orbax writes the replicated state once and synchronises
-  the processes itself; ``run_config.json`` is read by every process before
-  process 0 writes it."""
+  of one machine): orbax writes every shard of the state once (each
+  process its own) and synchronises the processes itself;
+  ``run_config.json`` is read by every process before process 0 writes it.
+  The parameter sharding is not part of the config: a state saved with
+  ``--param-sharding fsdp`` restores into ``replicated`` and back."""
 
   _KEYS = ("layers", "d_model", "heads", "kv_heads", "seq_len", "batch",
            "seed", "strategy", "max_doc_len")
