@@ -717,10 +717,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     tokens_per_step = args.batch * args.seq_len
     peak = args.peak_tflops or peak_tflops(jax.devices()[0])
 
+    n_matmul = matmul_params(state["params"])
+
     def step_flops(step: int) -> float:
       cu = rows.cu_seqlens[step * args.batch:(step + 1) * args.batch]
-      return model_flops(cu, tokens=tokens_per_step,
-                         n_params=matmul_params(state["params"]),
+      return model_flops(cu, tokens=tokens_per_step, n_params=n_matmul,
                          num_layers=args.layers, num_heads=args.heads,
                          head_dim=head_dim)
 
