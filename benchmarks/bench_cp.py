@@ -118,8 +118,8 @@ def exchange_program(mesh, strategy: str, tokens: int, pass_name: str,
   Uses the core's own exchange (``jax_cp.kv_exchange``: all-gather +
   DUAL_CHUNK_SWAP restore, or NO_LOAD_BALANCE's bounded halo). fwd+bwd adds
   the gradient path (un-restore + reduce-scatter, or the reverse halo
-  permutes) on a buffer-sized dK|dV. XLA merges the backward's identical re-gather with the
-  forward's, so it is not repeated here.
+  permutes) on a buffer-sized dK|dV. XLA merges the backward's identical
+  re-gather with the forward's, so it is not repeated here.
   """
   cp = mesh.shape["cp"]
   ex = core_exchange(strategy, cp, tokens, max_seqlen)
@@ -450,7 +450,7 @@ def run(args: argparse.Namespace, compiles: CompileCount) -> str:
   try:
     resolve_backend(args.backend)
   except ValueError as e:
-    raise SystemExit(f"backend {args.backend!r} unusable here: {e}")
+    raise SystemExit(f"backend {args.backend!r} unusable here: {e}") from e
 
   env = reporting.environment()
   os.makedirs(args.out, exist_ok=True)
