@@ -142,19 +142,15 @@ def check_attention_config(strategy: CPLoadBalancingStrategy,
                            window_size: Any, dtype: Any) -> None:
   """The supported configurations of CP attention: the all-gather
   exchange (or the benchmarks' local copies), causal or unmasked attention,
-  no sliding window, causal only with NO_LOAD_BALANCE, floating q, no
-  FP8."""
+  a causal sliding window (:func:`check_window_size`), causal only with
+  NO_LOAD_BALANCE, floating q, no FP8."""
   if cp_comm_type not in CP_COMM_TYPES + (CP_COMM_LOCAL_COPIES,):
     raise ValueError(f"cp_comm_type={cp_comm_type!r} is not supported; jax_cp "
                      f"implements {list(CP_COMM_TYPES)}")
   if attn_mask_type not in CP_MASK_TYPES:
     raise ValueError(f"attn_mask_type={attn_mask_type!r} is not supported by "
                      f"CP attention; expected one of {list(CP_MASK_TYPES)}")
-  if window_size is not None and tuple(window_size) not in ((-1, 0),
-                                                             (-1, -1)):
-    raise ValueError(
-        f"window_size={tuple(window_size)} (sliding window) is not supported "
-        f"with load_balancing_strategy={strategy.value}; use None or (-1, 0)")
+  check_window_size(window_size, attn_mask_type)
   if strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE:
     if attn_mask_type != "causal":
       raise ValueError(
@@ -166,6 +162,42 @@ def check_attention_config(strategy: CPLoadBalancingStrategy,
   if "float8" in np.dtype(dtype).name:
     raise ValueError(f"FP8 inputs (dtype={np.dtype(dtype).name}) are not "
                      f"supported by CP attention")
+
+
+def check_window_size(window_size: Any, attn_mask_type: str) -> int:
+  """The left bound of a causal sliding window ``(left, 0)``: a query at
+  document position ``i`` sees keys ``[i - left, i]``. Returns ``left``,
+  or -1 for no window (``None``, ``(-1, 0)``, and ``(-1, -1)``, the
+  unbounded window of any mask). A bounded window needs a causal mask and
+  ``right == 0``; ``left`` is an int ``>= 0`` (``0``: a query sees only
+  itself) or ``-1`` (unbounded)."""
+  if window_size is None:
+    return -1
+  try:
+    left, right = window_size
+  except (TypeError, ValueError):
+    raise ValueError(f"window_size must be None or a pair (left, right) of "
+                     f"ints, got {window_size!r}") from None
+  for name, x in (("left", left), ("right", right)):
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+      raise ValueError(f"window_size={tuple(window_size)!r}: {name} must be "
+                       f"a static int, got {type(x).__name__}")
+  left, right = int(left), int(right)
+  if (left, right) == (-1, -1):
+    return -1
+  if right != 0:
+    raise ValueError(
+        f"window_size={(left, right)}: the right window must be 0 (causal "
+        f"sliding window); keys after the query are not supported")
+  if left < -1:
+    raise ValueError(
+        f"window_size={(left, right)}: the left window must be >= 0, or -1 "
+        f"for no bound, got {left}")
+  if left >= 0 and attn_mask_type in ("no_mask", "padding"):
+    raise ValueError(
+        f"window_size={(left, right)} is a causal sliding window; it needs "
+        f"a causal mask, got attn_mask_type={attn_mask_type!r}")
+  return left
 
 
 def check_qkv_shapes(q_shape, k_shape, v_shape, *, allow_cross: bool = False

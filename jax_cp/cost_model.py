@@ -7,14 +7,16 @@ load-balancing strategy:
 * **work**: the causal (query, key) pairs each rank computes, counted exactly
   for every document's *valid* tokens (query at position ``j`` of its
   document sees keys ``0..j``, so a whole document of ``L`` valid tokens has
-  ``L(L+1)/2`` pairs); forward FLOPs are ``4 * D * Hq * pairs`` (two matmuls
+  ``L(L+1)/2`` pairs; with a sliding window ``(left, 0)`` it sees
+  ``min(j+1, left+1)`` keys); forward FLOPs are ``4 * D * Hq * pairs`` (two matmuls
   of ``2*D`` FLOPs per pair and head);
 * **imbalance**: max over ranks / mean over ranks of that work (1 is
   perfect; the step waits for the slowest rank);
 * **traffic**: the K/V bytes each rank receives in the all-gather,
   ``(cp-1)/cp * T * Hkv * D * 2 * dtype_bytes``, and for NO_LOAD_BALANCE with
-  a ``max_seqlen`` bound ``W`` the bounded-halo bytes (rank ``r`` needs only
-  ``min(W-1, r*Tl)`` tokens from its predecessors);
+  a ``max_seqlen`` bound ``W`` or a window the bounded-halo bytes (rank
+  ``r`` needs only ``min(H, r*Tl)`` tokens from its predecessors, ``H =
+  min(W-1, left)``); DUAL_CHUNK_SWAP all-gathers with or without a window;
 * **calls**: attention kernel calls per rank (2 for DUAL_CHUNK_SWAP, 1 for
   NO_LOAD_BALANCE, 1 at ``cp == 1``).
 
@@ -68,9 +70,9 @@ class CPCostEstimate:
     calls_per_rank: attention kernel calls per rank in the forward.
     allgather_bytes: K+V bytes each rank receives in the all-gather, summed
       over rows.
-    halo_bytes_per_rank: NO_LOAD_BALANCE with ``max_seqlen``: K+V bytes rank
-      ``r`` needs from its predecessors (``min(W-1, r*Tl)`` tokens per row);
-      ``None`` otherwise.
+    halo_bytes_per_rank: NO_LOAD_BALANCE with ``max_seqlen`` or a window:
+      K+V bytes rank ``r`` needs from its predecessors (``min(H, r*Tl)``
+      tokens per row, ``H = min(W-1, left)``); ``None`` otherwise.
     halo_bytes: ``max(halo_bytes_per_rank)`` or ``None``.
     longest_padded_doc: longest padded document of the batch.
     total_tokens: ``T``, tokens per row.
@@ -78,6 +80,7 @@ class CPCostEstimate:
     valid_tokens: valid tokens over all rows.
     max_seqlen: the bound ``W`` used for the halo (clamped to ``T``), or
       ``None``.
+    window_left: the left bound of the causal sliding window (-1: none).
   """
 
   strategy: CPLoadBalancingStrategy
@@ -94,6 +97,7 @@ class CPCostEstimate:
   num_rows: int
   valid_tokens: int
   max_seqlen: Optional[int]
+  window_left: int = -1
 
   @property
   def total_flops(self) -> int:
@@ -178,6 +182,19 @@ def _causal_pairs(a, b):
   return (b * (b + 1) - a * (a + 1)) // 2
 
 
+def _window_pairs(a, b, left: int):
+  """Sum of ``min(j+1, left+1)`` for ``j`` in ``[a, b)``: the keys queries
+  ``a..b-1`` of a document see under a causal window (``left < 0``: no
+  window, :func:`_causal_pairs`)."""
+  if left < 0:
+    return _causal_pairs(a, b)
+  a = np.asarray(a, np.int64)
+  b = np.maximum(np.asarray(b, np.int64), a)
+  m = left + 1              # from position m on, every query sees m keys
+  ramp = _causal_pairs(np.minimum(a, m), np.minimum(b, m))
+  return ramp + m * (b - np.maximum(a, np.minimum(b, m)))
+
+
 def _as_int_rows(x: Any, name: str) -> np.ndarray:
   arr = checks.concrete(x)
   if arr is None:
@@ -196,7 +213,8 @@ def _check_positive_int(value: Any, name: str) -> int:
 
 
 def _rank_pairs(lens, starts, plens, cp: int, total: int,
-                strategy: CPLoadBalancingStrategy) -> np.ndarray:
+                strategy: CPLoadBalancingStrategy,
+                window_left: int = -1) -> np.ndarray:
   """Causal pairs per rank ``[cp]`` of one row (int64)."""
   ranks = np.arange(cp, dtype=np.int64)[:, None]          # [cp, 1]
   lens, starts, plens = lens[None], starts[None], plens[None]  # [1, N]
@@ -205,13 +223,13 @@ def _rank_pairs(lens, starts, plens, cp: int, total: int,
     lo, hi = ranks * tl, (ranks + 1) * tl
     a = np.clip(lo - starts, 0, lens)
     b = np.clip(hi - starts, 0, lens)
-    return _causal_pairs(a, b).sum(axis=1)
+    return _window_pairs(a, b, window_left).sum(axis=1)
   c = plens // (2 * cp)                                    # chunk length
   pairs = 0
   for k in (ranks, 2 * cp - 1 - ranks):
     a = np.clip(k * c, 0, lens)
     b = np.clip((k + 1) * c, 0, lens)
-    pairs = pairs + _causal_pairs(a, b)
+    pairs = pairs + _window_pairs(a, b, window_left)
   return pairs.sum(axis=1)
 
 
@@ -222,7 +240,8 @@ def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded, cp_size: int,
                           strategy=_DCS, *, num_heads_q: int = 1,
                           num_heads_kv: int = 1, head_dim: int = 128,
                           dtype_bytes: int = 2,
-                          max_seqlen: Optional[int] = None) -> CPCostEstimate:
+                          max_seqlen: Optional[int] = None,
+                          window_size=None) -> CPCostEstimate:
   """Predicts per-rank causal attention work and K/V traffic of a batch.
 
   Args:
@@ -237,6 +256,9 @@ def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded, cp_size: int,
     dtype_bytes: bytes per K/V element (2 for bf16).
     max_seqlen: static bound ``W`` on every padded document length; with
       NO_LOAD_BALANCE it gives the bounded-halo bytes. ``None``: no bound.
+    window_size: ``None`` or a causal sliding window ``(left, 0)``: a query
+      sees at most ``left + 1`` keys, and NO_LOAD_BALANCE's halo is at most
+      ``left`` tokens (with or without ``max_seqlen``).
 
   Returns:
     A :class:`CPCostEstimate`. With batched metadata, per-rank quantities are
@@ -254,6 +276,7 @@ def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded, cp_size: int,
   hkv = _check_positive_int(num_heads_kv, "num_heads_kv")
   d = _check_positive_int(head_dim, "head_dim")
   nbytes = _check_positive_int(dtype_bytes, "dtype_bytes")
+  left = checks.check_window_size(window_size, "causal")
   if hq % hkv:
     raise ValueError(f"num_heads_q={hq} must be a multiple of num_heads_kv="
                      f"{hkv} (GQA/MQA)")
@@ -279,7 +302,7 @@ def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded, cp_size: int,
   pairs = np.zeros(cp, np.int64)
   for row in range(cuP.shape[0]):
     pairs += _rank_pairs(lens[row], cuP[row, :-1], plens[row], cp, total,
-                         strategy)
+                         strategy, left)
   flops = pairs * (4 * d * hq)
   mean = float(flops.sum()) / cp
   imbalance = float(flops.max()) / mean if mean > 0 else 1.0
@@ -287,9 +310,12 @@ def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded, cp_size: int,
   token_bytes = hkv * d * 2 * nbytes                    # K and V of a token
   allgather = (cp - 1) * rows * total * token_bytes // cp
   halo_per_rank = halo = None
-  if strategy is _NLB and w is not None:
+  halo_len = None if w is None else w - 1
+  if left >= 0:
+    halo_len = min(left, total - 1 if halo_len is None else halo_len)
+  if strategy is _NLB and halo_len is not None:
     tl = total // cp
-    halo_tokens = [min(w - 1, r * tl) for r in range(cp)]
+    halo_tokens = [min(halo_len, r * tl) for r in range(cp)]
     halo_per_rank = tuple(int(t * rows * token_bytes) for t in halo_tokens)
     halo = max(halo_per_rank)
   return CPCostEstimate(
@@ -301,7 +327,7 @@ def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded, cp_size: int,
       allgather_bytes=int(allgather),
       halo_bytes_per_rank=halo_per_rank, halo_bytes=halo,
       longest_padded_doc=longest, total_tokens=total, num_rows=rows,
-      valid_tokens=int(lens.sum()), max_seqlen=w)
+      valid_tokens=int(lens.sum()), max_seqlen=w, window_left=left)
 
 
 def pad_cu_seqlens(cu_seqlens, multiple: int) -> np.ndarray:
@@ -322,6 +348,7 @@ def recommend_strategy(cu_seqlens, cu_seqlens_padded, cp_size: int, *,
                        num_heads_q: int = 1, num_heads_kv: int = 1,
                        head_dim: int = 128, dtype_bytes: int = 2,
                        max_seqlen: Optional[int] = None,
+                       window_size=None,
                        cu_seqlens_padded_dcs=None,
                        peak_flops: float = H200_ATTENTION_FLOPS,
                        bandwidth: float = H200_ALLGATHER_BUS_BANDWIDTH,
@@ -337,16 +364,19 @@ def recommend_strategy(cu_seqlens, cu_seqlens_padded, cp_size: int, *,
           + calls_per_rank * call_overhead_s
 
   (forward + backward scaled as in :meth:`CPCostEstimate.predicted_time_s`).
-  NO_LOAD_BALANCE is charged the bounded halo when ``max_seqlen`` is given
-  and ``bounded_exchange`` is on, else the full all-gather. Ties go to
+  NO_LOAD_BALANCE is charged the bounded halo when ``max_seqlen`` or a
+  window is given and ``bounded_exchange`` is on, else the full all-gather.
+  With a window both strategies' work counts only the keys in the window,
+  so contiguous chunks are close to balanced and NO_LOAD_BALANCE usually
+  wins (one call, a halo of at most ``left`` tokens). Ties go to
   DUAL_CHUNK_SWAP (the default).
 
   Args:
     cu_seqlens, cu_seqlens_padded: the batch (``[N+1]`` or ``[B, N+1]``), in
       the layout NO_LOAD_BALANCE would use.
     cp_size: number of CP ranks.
-    num_heads_q, num_heads_kv, head_dim, dtype_bytes, max_seqlen: as in
-      :func:`estimate_cp_imbalance`.
+    num_heads_q, num_heads_kv, head_dim, dtype_bytes, max_seqlen,
+      window_size: as in :func:`estimate_cp_imbalance`.
     cu_seqlens_padded_dcs: the padded layout DUAL_CHUNK_SWAP would use for
       the same documents. Default: ``cu_seqlens_padded`` if every padded
       length divides by ``2*cp``, else each document re-padded to a multiple
@@ -362,7 +392,8 @@ def recommend_strategy(cu_seqlens, cu_seqlens_padded, cp_size: int, *,
     A :class:`StrategyRecommendation`.
   """
   kw = dict(num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
-            head_dim=head_dim, dtype_bytes=dtype_bytes)
+            head_dim=head_dim, dtype_bytes=dtype_bytes,
+            window_size=window_size)
   nlb = estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded, cp_size, _NLB,
                               max_seqlen=max_seqlen, **kw)
   note = ""

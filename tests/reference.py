@@ -15,9 +15,10 @@ import numpy as np
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def doc_mask(cu, cuP, causal=True):
+def doc_mask(cu, cuP, causal=True, window=-1):
   """Boolean [T, T]: token i may attend token j (same document, both valid,
-  and j <= i when causal). Built with a Python loop over documents."""
+  and j <= i when causal; with a sliding window ``window >= 0`` also
+  ``j >= i - window``). Built with a Python loop over documents."""
   cu, cuP = np.asarray(cu), np.asarray(cuP)
   t = int(cuP[-1])
   m = np.zeros((t, t), bool)
@@ -26,14 +27,18 @@ def doc_mask(cu, cuP, causal=True):
     blk = np.ones((n, n), bool)
     if causal:
       blk = np.tril(blk)
+    if window >= 0:
+      pos = np.arange(n)
+      blk &= pos[None, :] >= pos[:, None] - window
     m[s:s + n, s:s + n] = blk
   return m
 
 
-def attention(q, k, v, cu, cuP, causal=True, scale=None):
+def attention(q, k, v, cu, cuP, causal=True, scale=None, window=-1):
   """Plain masked softmax attention in float32 on one row ``[T, H, D]``;
-  rows that see nothing give 0. Differentiable with jax.grad."""
-  m = jnp.asarray(doc_mask(cu, cuP, causal))
+  rows that see nothing give 0. Differentiable with jax.grad. ``window``:
+  the left bound of a causal sliding window (-1: none)."""
+  m = jnp.asarray(doc_mask(cu, cuP, causal, window))
   hq, hk, d = q.shape[1], k.shape[1], q.shape[2]
   scale = 1.0 / np.sqrt(d) if scale is None else scale
   q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
@@ -45,8 +50,9 @@ def attention(q, k, v, cu, cuP, causal=True, scale=None):
   return jnp.einsum("hqk,khd->qhd", p, v, precision=_HIGHEST)
 
 
-def batched_attention(q, k, v, cu, cuP, causal=True):
-  return jnp.stack([attention(q[i], k[i], v[i], cu[i], cuP[i], causal)
+def batched_attention(q, k, v, cu, cuP, causal=True, window=-1):
+  return jnp.stack([attention(q[i], k[i], v[i], cu[i], cuP[i], causal,
+                              window=window)
                     for i in range(q.shape[0])])
 
 

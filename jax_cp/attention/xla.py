@@ -19,9 +19,12 @@ from jax_cp.attention.backend import Backend, Segments
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def segment_mask(seg: Segments, tq: int, tkv: int, mask: str):
+def segment_mask(seg: Segments, tq: int, tkv: int, mask: str,
+                 window_left: int = -1):
   """Boolean ``[Tq, Tkv]``: which KV rows each Q row sees, and the int32
-  ``[Tq]`` segment index of each Q row (-1 where no segment covers it)."""
+  ``[Tq]`` segment index of each Q row (-1 where no segment covers it).
+  ``window_left >= 0`` bounds a causal mask to a band: a Q row sees the KV
+  rows at most ``window_left`` before its diagonal."""
   t = jnp.arange(tq, dtype=jnp.int32)
   inside = ((t[None, :] >= seg.q_offsets[:, None])
             & (t[None, :] < (seg.q_offsets + seg.q_lens)[:, None]))  # [S, Tq]
@@ -34,11 +37,17 @@ def segment_mask(seg: Segments, tq: int, tkv: int, mask: str):
   j = (t - q_off)[:, None]                      # Q row within the segment
   ok = covered[:, None] & (i >= 0) & (i < kv_len[:, None])
   if mask == "causal_bottom_right":
-    ok &= i <= j + (kv_len - q_len)[:, None]
+    diagonal = j + (kv_len - q_len)[:, None]
   elif mask == "causal_top_left":
-    ok &= i <= j
-  elif mask != "no_mask":
+    diagonal = j
+  elif mask == "no_mask":
+    diagonal = None
+  else:
     raise ValueError(f"unknown mask {mask!r}")
+  if diagonal is not None:
+    ok &= i <= diagonal
+    if window_left >= 0:
+      ok &= i >= diagonal - window_left
   return ok, jnp.where(covered, sid, -1)
 
 
@@ -61,10 +70,11 @@ def _probs(q, k, lse, ok, scale):
   return jnp.where(ok & finite, p, 0.0)
 
 
-def forward(q, k, v, seg: Segments, *, mask: str, scale: float):
+def forward(q, k, v, seg: Segments, *, mask: str, scale: float,
+            window_left: int = -1):
   """``(out, lse)`` of the contract (:mod:`jax_cp.attention.backend`)."""
   tq, hq, d = q.shape
-  ok, _ = segment_mask(seg, tq, k.shape[0], mask)
+  ok, _ = segment_mask(seg, tq, k.shape[0], mask, window_left)
   s = jnp.where(ok, _scores(q, k, scale), -jnp.inf)
   m = jnp.max(s, axis=-1, keepdims=True)
   m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -81,12 +91,12 @@ def forward(q, k, v, seg: Segments, *, mask: str, scale: float):
 
 
 def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
-             scale: float):
+             scale: float, window_left: int = -1):
   """``(dq, dk, dv)`` of the contract (:mod:`jax_cp.attention.backend`)."""
   tq, hq, d = q.shape
   tkv, hkv, _ = k.shape
   g = hq // hkv
-  ok, _ = segment_mask(seg, tq, tkv, mask)
+  ok, _ = segment_mask(seg, tq, tkv, mask, window_left)
   p = _probs(q, k, lse, ok, scale)                     # [Hkv, G, Tq, Tkv]
   do = dout.astype(jnp.float32).reshape(tq, hkv, g, d)
   o = out.astype(jnp.float32).reshape(tq, hkv, g, d)
