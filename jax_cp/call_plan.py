@@ -72,9 +72,46 @@ def _ceil_div(a: int, b: int) -> int:
   return -(-a // b)
 
 
+def _bounded_max_kv(max_q: int, max_kv: int, window_left: int) -> int:
+  """The KV bound of a bottom-right call cut to its window
+  (:func:`_cut_to_window`): at most ``q_len + window_left`` KV rows."""
+  return max_kv if window_left < 0 else min(max_kv, max_q + window_left)
+
+
+def _cut_to_window(call: Call, window_left: int) -> Call:
+  """A bottom-right call without the KV rows before the window of its first
+  Q row: Q row 0 sees KV rows from ``kv_len - q_len - window_left`` on, and
+  later rows from further on, so nothing before that is read. The cut
+  keeps the bottom-right alignment (the last Q row still meets the last KV
+  row) and leaves ``kv_len >= q_len``; it shrinks the kernel's KV range
+  (and a halo call's assembly) to ``q_len + window_left`` rows."""
+  if window_left < 0 or call.mask != "causal_bottom_right":
+    return call
+  m = call.meta
+  skip = jnp.where(m.q_lens > 0,
+                   jnp.maximum(m.kv_lens - m.q_lens - window_left, 0), 0)
+  meta = m._replace(kv_lens=m.kv_lens - skip, kv_offsets=m.kv_offsets + skip)
+  kv_range = call.kv_range
+  if kv_range is not None:
+    kv_range = (meta.kv_offsets[:, 0], meta.kv_lens[:, 0])
+  return dataclasses.replace(
+      call, meta=meta, kv_range=kv_range,
+      max_kv=_bounded_max_kv(call.max_q, call.max_kv, window_left))
+
+
 def forward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
                   ) -> List[Call]:
-  """The varlen attention calls of this rank's forward, in order."""
+  """The varlen attention calls of this rank's forward, in order.
+
+  With a sliding window every call keeps its rows and mask and runs with
+  the band (the backend's ``window_left``); bottom-right calls also drop
+  the KV rows before the band (:func:`_cut_to_window`)."""
+  return [_cut_to_window(c, cfg.window_left)
+          for c in _unwindowed_calls(cfg, cu_seqlens, cu_seqlens_padded, rank)]
+
+
+def _unwindowed_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
+                      ) -> List[Call]:
   # w: the bound on a padded document, cp: the number of ranks.
   w, cp = cfg.max_seqlen, cfg.cp_size
   cu, cuP = cu_seqlens, cu_seqlens_padded

@@ -72,10 +72,15 @@ def cp_attention_local(q, k, v, cu_seqlens, cu_seqlens_padded, *,
       Kernels size their grids by it; a document longer than the bound gives
       undefined results on the cuDNN backend (checked when the metadata is
       concrete).
-    window_size: ``None`` or ``(-1, 0)``; sliding windows are rejected.
+    window_size: ``None``/``(-1, 0)`` (plain causal) or a causal sliding
+      window ``(left, 0)``, ``left >= 0``: a query at document position
+      ``i`` sees keys ``[i - left, i]``. Both strategies; NO_LOAD_BALANCE
+      then receives only ``min(left, max_seqlen - 1)`` halo tokens through
+      ``ppermute`` (with or without ``max_seqlen``), DUAL_CHUNK_SWAP still
+      all-gathers (docs/design.md, Sliding window).
     split_causal_backward: run the backward of bottom-right causal blocks as
       an unmasked rectangle plus a top-left triangle (faster with cuDNN 9.19
-      for large blocks). Default: on for cudnn, off otherwise; with cudnn,
+      for large blocks; never with a sliding window). Default: on for cudnn, off otherwise; with cudnn,
       NO_LOAD_BALANCE's straddle block (at most ``max_seqlen - 1`` rows) is
       split only when ``max_seqlen > 8192``, below which the extra call
       costs more than it saves. Same result either way.

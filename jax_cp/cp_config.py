@@ -44,6 +44,8 @@ class CPConfig:
       unmasked rectangle plus a top-left triangle.
     exchange: how K/V travel between ranks.
     split_straddle: the same split for NO_LOAD_BALANCE's straddle call.
+    window_left: the left bound of a causal sliding window (a query at
+      document position ``i`` sees keys ``[i - window_left, i]``); -1: none.
   """
 
   strategy: CPLoadBalancingStrategy
@@ -57,6 +59,7 @@ class CPConfig:
   split_causal_backward: bool
   exchange: KVExchange
   split_straddle: bool = False
+  window_left: int = -1
 
   @property
   def local_tokens(self) -> int:
@@ -81,6 +84,7 @@ def make_config(q_shape, k_shape, v_shape, dtype, cu_seqlens,
   checks.check_qkv_shapes(q_shape, k_shape, v_shape)
   checks.check_attention_config(strategy, attn_mask_type, cp_comm_type,
                                 window_size, dtype)
+  window_left = checks.check_window_size(window_size, attn_mask_type)
   checks.check_cu_seqlens_rank(q_shape, cu_seqlens=cu_seqlens,
                                cu_seqlens_padded=cu_seqlens_padded)
   checks.check_divisible_tokens(total_tokens, cp_size)
@@ -98,13 +102,19 @@ def make_config(q_shape, k_shape, v_shape, dtype, cu_seqlens,
     split_straddle = split_causal_backward and bound > SPLIT_STRADDLE_ABOVE
   else:
     split_straddle = bool(split_causal_backward)
+  if window_left >= 0:
+    # The rectangle of a split bottom-right block would need the band too:
+    # windowed blocks run their backward whole.
+    split_causal_backward = split_straddle = False
   exchange = choose_exchange(
       strategy is _NLB, cp_axis, cp_size, total_tokens, bound,
-      communicate=cp_comm_type != checks.CP_COMM_LOCAL_COPIES)
+      communicate=cp_comm_type != checks.CP_COMM_LOCAL_COPIES,
+      window_left=window_left)
   return CPConfig(strategy=strategy, cp_axis=cp_axis, cp_size=cp_size,
                   causal=attn_mask_type == "causal",
                   scale=default_scale(q_shape[-1], softmax_scale),
                   backend=resolved, total_tokens=total_tokens,
                   max_seqlen=bound,
                   split_causal_backward=bool(split_causal_backward),
-                  exchange=exchange, split_straddle=split_straddle)
+                  exchange=exchange, split_straddle=split_straddle,
+                  window_left=window_left)

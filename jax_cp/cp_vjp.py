@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_cp import call_plan
+from jax_cp.attention.api import window_kwargs
 from jax_cp.attention.merge import GradSum, add
 from jax_cp.cp_config import CPConfig
 
@@ -103,6 +104,7 @@ def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
     in_place = out is not None and backend.supports_in_place
     # The first call's outputs hold 0 / -inf on the other calls' rows.
     extra = dict(into=(_flat(out), _flat(lse))) if in_place else {}
+    extra.update(window_kwargs(cfg.window_left))
     o, l = backend.forward(_flat(q), _flat(kc), _flat(vc), seg,
                            mask=call.mask, scale=cfg.scale, **extra)
     o, l = o.reshape(q.shape), l.reshape(q.shape[:3])
@@ -147,9 +149,9 @@ def _vjp_backward(cfg: CPConfig, residuals, dout):
     kc, vc = _call_kv(cfg, call, k, v, kx, vx, halo, assembled)
     rows = write.q_rows
     qc = _prefix(q, rows)
-    extra = {}
+    extra = window_kwargs(cfg.window_left)
     if backend.supports_in_place:
-      extra = dict(dq_into=_flat(dq.full) if write.into else None,
+      extra.update(dq_into=_flat(dq.full) if write.into else None,
                    dq_fill=_flat_row_range(write.fill, q.shape[0]))
     dq_i, dk_i, dv_i = backend.backward(
         _flat(qc), _flat(kc), _flat(vc), _flat(_prefix(out, rows)),

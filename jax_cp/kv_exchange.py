@@ -3,16 +3,18 @@
 * ``all_gather``: every rank gets the whole row ``[T]``; DUAL_CHUNK_SWAP
   buffers are put back into sequence order with a gather. Gradients go back
   with the inverse gather and a reduce-scatter (``psum_scatter``).
-* ``halo`` (NO_LOAD_BALANCE with a ``max_seqlen`` bound W; docs/design.md,
-  Exchange):
-  rank r needs only physical tokens ``[lo - (W-1), lo)`` from its
-  predecessors, ``ceil((W-1)/Tl)`` ``ppermute`` hops. The buffer holds
+* ``halo`` (NO_LOAD_BALANCE with a ``max_seqlen`` bound W or a sliding
+  window ``(left, 0)``; docs/design.md, Exchange): rank r needs only
+  physical tokens ``[lo - halo, lo)``, ``halo = min(W-1, left)``, from its
+  predecessors, ``ceil(halo/Tl)`` ``ppermute`` hops. The buffer holds
   ``[lo - halo, hi)`` (assembled per call, only as many rows as the call
   reads). A halo of at most half a chunk is kept from the forward for the
   backward (:attr:`KVExchange.keeps_halo`). Gradients of the halo go back
   with the reverse permutes and are merged into the owners' rows in place
   (the backend's ``merge_rows``).
-* ``none``: one rank (cp=1), the local chunk is the row.
+* ``none``: one rank (cp=1), the local chunk is the row; or NO_LOAD_BALANCE
+  with a halo of 0 tokens (window ``(0, 0)``): the local chunk is all any
+  query sees.
 
 With ``communicate=False`` (``cp_comm_type="local_copies"``) every collective
 of the exchange is replaced by a local copy of the same shape: the step keeps
@@ -209,20 +211,33 @@ class KVExchange:
 
 def choose_exchange(strategy_is_nlb: bool, cp_axis, cp_size: int,
                     total_tokens: int, max_seqlen: Optional[int],
-                    communicate: bool = True) -> KVExchange:
+                    communicate: bool = True, window_left: int = -1
+                    ) -> KVExchange:
   """The cheapest correct exchange for the layout, chosen statically.
 
   NO_LOAD_BALANCE with a bound W moves ``W-1`` tokens per rank through
   ``ceil((W-1)/Tl)`` hops instead of ``(cp-1)*Tl``; when that reaches rank 0
   anyway (``W-1 >= (cp-1)*Tl``) the all-gather is used. ``communicate``
-  is :attr:`KVExchange.communicate`.
+  is :attr:`KVExchange.communicate`. A causal sliding window bounds the
+  halo further, to ``min(W-1, window_left)``: no query looks further back.
+
+  DUAL_CHUNK_SWAP all-gathers with or without a window. A windowed query
+  chunk needs only the ``window_left`` tokens before it, but they are
+  per-document tails of chunks spread over (up to) two other ranks, with
+  sizes that depend on traced metadata; an exchange of static shape would
+  send both neighbours' whole chunks (``2*Tl`` tokens per rank), which only
+  beats the all-gather's ``(cp-1)*Tl`` at cp > 3. With a window,
+  NO_LOAD_BALANCE is balanced by construction and needs only the halo, so
+  it is the strategy to use (:func:`jax_cp.recommend_strategy` says so).
   """
   if cp_size == 1:
     return KVExchange("none", cp_axis, 1, total_tokens)
   tl = total_tokens // cp_size
   if strategy_is_nlb and max_seqlen is not None:
     halo = max(int(max_seqlen) - 1, 0)
-    if halo == 0:       # documents of at most one token: nothing to receive
+    if window_left >= 0:
+      halo = min(halo, window_left)
+    if halo == 0:       # no query looks before its own token's chunk
       return KVExchange("none", cp_axis, cp_size, total_tokens)
     if halo < (cp_size - 1) * tl:
       return KVExchange("halo", cp_axis, cp_size, total_tokens,

@@ -120,9 +120,10 @@ def no_load_balance_split(cu_seqlens, cu_seqlens_padded, cp_size: int, rank,
     Q offset 0 in the local chunk, KV offset into an exchanged buffer that
     holds physical tokens from ``exchanged_start`` on (0 for an all-gather,
     ``lo - halo`` for a halo exchange), bottom-right causal. A KV range
-    that would start before the buffer is cut to the buffer (only possible
-    when a document is longer than the ``max_seqlen`` bound the buffer was
-    sized by).
+    that would start before the buffer is cut to the buffer: with a halo
+    bounded by a sliding window the cut rows lie outside every query's
+    window (otherwise only a document longer than the ``max_seqlen`` bound
+    the buffer was sized by reaches there).
   """
   full = no_load_balance_step(cu_seqlens, cu_seqlens_padded, cp_size, rank,
                               total_tokens)
@@ -139,7 +140,7 @@ def no_load_balance_split(cu_seqlens, cu_seqlens_padded, cp_size: int, rank,
   pick = lambda x: jnp.where(has, jnp.take_along_axis(x, idx, axis=-1), 0)
   q_len, kv_len, start = pick(full.q_lens), pick(full.kv_lens), pick(starts)
   kv_off = start - jnp.asarray(exchanged_start, jnp.int32)
-  cut = jnp.maximum(-kv_off, 0)            # only if the bound was violated
+  cut = jnp.maximum(-kv_off, 0)            # before the buffer (see above)
   straddle = StepMetadata(q_len, jnp.zeros_like(q_len),
                           jnp.where(has, kv_len - cut, 0),
                           jnp.maximum(kv_off, 0))

@@ -89,23 +89,31 @@ def _flatten_segments(q_lens, kv_lens, q_offs, kv_offs, tq, tkv, max_q, max_kv,
                   rows_see_keys)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attention(q, k, v, seg, backend, mask, scale):
+def window_kwargs(window_left: int) -> dict:
+  """The backend keywords of a sliding window: none without one, so
+  backends without windows keep working."""
+  return {} if window_left < 0 else dict(window_left=window_left)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _attention(q, k, v, seg, backend, mask, scale, window_left):
   """(out, lse); callers stop the gradient of lse (its cotangent is dropped).
   ``backend`` is the resolved (hashable) backend."""
-  return backend.forward(q, k, v, seg, mask=mask, scale=scale)
+  return backend.forward(q, k, v, seg, mask=mask, scale=scale,
+                         **window_kwargs(window_left))
 
 
-def _attention_fwd(q, k, v, seg, backend, mask, scale):
-  out, lse = _attention(q, k, v, seg, backend, mask, scale)
+def _attention_fwd(q, k, v, seg, backend, mask, scale, window_left):
+  out, lse = _attention(q, k, v, seg, backend, mask, scale, window_left)
   return (out, lse), (q, k, v, seg, out, lse)
 
 
-def _attention_bwd(backend, mask, scale, res, cotangents):
+def _attention_bwd(backend, mask, scale, window_left, res, cotangents):
   dout, _ = cotangents       # lse is under stop_gradient: its cotangent is 0
   q, k, v, seg, out, lse = res
   dq, dk, dv = backend.backward(q, k, v, out, lse, dout.astype(out.dtype),
-                                seg, mask=mask, scale=scale)
+                                seg, mask=mask, scale=scale,
+                                **window_kwargs(window_left))
   return dq, dk, dv, None
 
 
@@ -118,6 +126,7 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets, kv_offsets, *,
                     backend: str = "auto",
                     max_seqlen_q: Optional[int] = None,
                     max_seqlen_kv: Optional[int] = None,
+                    window_size=None,
                     return_lse: bool = False):
   """Attention over ragged segments of packed (THD) buffers, no CP.
 
@@ -140,6 +149,11 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets, kv_offsets, *,
       (default: the row lengths). Kernels size their grids by them, so tight
       bounds make short documents much faster. A segment longer than its
       bound gives undefined results on the cuDNN backend.
+    window_size: ``None`` or a causal sliding window ``(left, 0)``: Q row
+      ``j`` of a segment sees only the KV rows at most ``left`` before its
+      diagonal (``j + kv_len - q_len`` bottom-right, ``j`` top-left), i.e. a
+      query at document position ``i`` sees keys ``[i - left, i]``. ``left
+      = -1``: no bound. Needs a causal mask.
     return_lse: also return the float32 log-sum-exp ``[.., Tq, Hq]``
       (``-inf`` on rows that see no key), under ``stop_gradient``.
 
@@ -150,6 +164,7 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets, kv_offsets, *,
   checks.check_qkv_shapes(q.shape, k.shape, v.shape, allow_cross=True)
   checks.check_qkv_dtypes(q.dtype, k.dtype, v.dtype)
   mask = check_mask_type(attn_mask_type)
+  window_left = checks.check_window_size(window_size, mask)
   scale = default_scale(q.shape[-1], softmax_scale)
   batch = q.shape[0] if q.ndim == 4 else None
   check_metadata_shapes(batch, q_seqlens=q_seqlens, kv_seqlens=kv_seqlens,
@@ -172,7 +187,8 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets, kv_offsets, *,
                           _rows_see_keys(q_seqlens, kv_seqlens, mask))
   resolved = resolve_backend(backend)
   flat = lambda x: x.reshape((-1,) + x.shape[-2:])
-  out, lse = _attention(flat(q), flat(k), flat(v), seg, resolved, mask, scale)
+  out, lse = _attention(flat(q), flat(k), flat(v), seg, resolved, mask, scale,
+                        window_left)
   out = out.reshape(q.shape)
   if not return_lse:
     return out

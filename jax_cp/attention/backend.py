@@ -4,7 +4,7 @@ A backend computes causal or non-causal attention over *ragged segments* of
 a packed token buffer. The CP layer above talks to backends only through
 this contract (docs/design.md, Backend contract), so it is backend-neutral:
 
-``forward(q, k, v, seg, *, mask, scale) -> (out, lse)``
+``forward(q, k, v, seg, *, mask, scale, window_left=-1) -> (out, lse)``
     q: ``[Tq, Hq, D]``; k, v: ``[Tkv, Hkv, D]`` (``Hq % Hkv == 0``).
     seg: a :class:`Segments` (per-segment lengths and *token* offsets, int32
     ``[S]``, plus static bounds ``max_seqlen_q``/``max_seqlen_kv``).
@@ -15,13 +15,19 @@ this contract (docs/design.md, Backend contract), so it is backend-neutral:
     mask: one of :data:`MASK_TYPES`. ``"causal_bottom_right"``: Q row j of a
     segment sees KV rows ``<= j + kv_len - q_len``; ``"causal_top_left"``: KV
     rows ``<= j``; ``"no_mask"``: all ``kv_len`` rows.
+    window_left: static int; ``>= 0`` (causal masks only) bounds the mask to
+    a diagonal band, a sliding window: Q row j also sees no KV row more than
+    ``window_left`` before its diagonal (``j + kv_len - q_len`` bottom-right,
+    ``j`` top-left). -1: no bound. A backend without windows may leave the
+    keyword out; the CP layer passes it only for a bounded window.
     scale: python float, multiplies ``q @ k^T``.
     Returns out ``[Tq, Hq, D]`` in q's dtype, exactly 0 on rows no segment
     covers (and on rows that see no key), and lse ``[Tq, Hq]`` float32, the
     natural-log log-sum-exp of the scaled scores of each row; ``-inf`` on rows
     that see no key.
 
-``backward(q, k, v, out, lse, dout, seg, *, mask, scale) -> (dq, dk, dv)``
+``backward(q, k, v, out, lse, dout, seg, *, mask, scale, window_left=-1)
+-> (dq, dk, dv)``
     Gradients of ``sum(out * dout)``; ``out``/``lse`` are the forward's.
     dq is 0 on uncovered rows, dk/dv are 0 on KV rows no segment reads.
 
@@ -121,11 +127,13 @@ class AttentionBackend(Protocol):
   def is_available(self, platform: str) -> bool: ...
 
   def forward(self, q: jax.Array, k: jax.Array, v: jax.Array,
-              seg: Segments, *, mask: str, scale: float) -> Pair: ...
+              seg: Segments, *, mask: str, scale: float,
+              window_left: int = -1) -> Pair: ...
 
   def backward(self, q: jax.Array, k: jax.Array, v: jax.Array,
                out: jax.Array, lse: jax.Array, dout: jax.Array,
-               seg: Segments, *, mask: str, scale: float) -> Triple: ...
+               seg: Segments, *, mask: str, scale: float,
+               window_left: int = -1) -> Triple: ...
 
   def merge_rows(self, dst: jax.Array, src: jax.Array, row_offset: int,
                  op: str = "add") -> jax.Array: ...
@@ -140,11 +148,13 @@ class InPlaceAttentionBackend(AttentionBackend, Protocol):
 
   def forward(self, q: jax.Array, k: jax.Array, v: jax.Array,
               seg: Segments, *, mask: str, scale: float,
+              window_left: int = -1,
               into: Optional[Pair] = None) -> Pair: ...
 
   def backward(self, q: jax.Array, k: jax.Array, v: jax.Array,
                out: jax.Array, lse: jax.Array, dout: jax.Array,
                seg: Segments, *, mask: str, scale: float,
+               window_left: int = -1,
                dq_into: Optional[jax.Array] = None,
                dq_fill: Optional[Tuple[int, int]] = None) -> Triple: ...
 
