@@ -1,0 +1,318 @@
+"""Causal sliding windows ``window_size=(left, 0)``: fused_attention,
+cp_attention (both strategies, cp 1-8, forward and gradients), the
+NO_LOAD_BALANCE halo bounded by the window, the cost model and the input
+rules, against the windowed reference built from token positions
+(tests/reference.py)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_cp
+from jax_cp import CPLoadBalancingStrategy as S
+from tests import reference as ref
+
+T = 64           # tokens per row: cp=8 -> 8 local tokens
+D = 8
+HQ, HKV = 4, 2   # GQA everywhere
+TOL = 1e-4       # float32
+
+
+def rows(seed, cp, strategy):
+  """Two packed rows: documents of every size (many shorter than the
+  windows below) and one long document; DUAL_CHUNK_SWAP documents padded
+  to multiples of 2*cp."""
+  rng = np.random.default_rng(seed)
+  dcs = strategy is S.DUAL_CHUNK_SWAP
+  cus, cuPs = zip(*[ref.random_layout(rng, T, cp, kind, dual_chunk=dcs,
+                                      max_docs=T)
+                    for kind in ("many_short", "one_long")])
+  return np.stack(cus), np.stack(cuPs), rng
+
+
+def qkv(rng, batch=2):
+  shapes = ((batch, T, HQ, D), (batch, T, HKV, D), (batch, T, HKV, D))
+  return tuple(jnp.asarray(rng.standard_normal(s), jnp.float32)
+               for s in shapes)
+
+
+def reference(q, k, v, cu, cuP, w, left):
+  f = functools.partial(ref.batched_attention, cu=cu, cuP=cuP, window=left)
+  out = f(q, k, v)
+  grads = jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2))(q, k, v)
+  return out, grads
+
+
+def run_cp(q, k, v, cu, cuP, w, *, cp, strategy, left, **kw):
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:cp]), ("cp",))
+  re = lambda x: jax_cp.reorder_for_cp(x, cuP, cp, strategy, seq_dim=1)
+  back = lambda x: jax_cp.restore_from_cp(x, cuP, cp, strategy, seq_dim=1)
+
+  def loss(q, k, v, w):
+    out = jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh, cp_axis="cp",
+                              load_balancing_strategy=strategy,
+                              backend="xla", window_size=(left, 0), **kw)
+    return jnp.sum(out * w), out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(
+      loss, argnums=(0, 1, 2), has_aux=True))(re(q), re(k), re(v), re(w))
+  return back(out), tuple(back(g) for g in grads)
+
+
+def check(got, want, valid, what):
+  got, want = np.asarray(got), np.asarray(want)
+  assert np.all(np.isfinite(got)), what
+  np.testing.assert_array_equal(got[~valid], 0.0, err_msg=what)
+  got, want = got[valid], want[valid]
+  # Relative to the reference, or to O(1) entries where the reference is
+  # ~0 (dq with window 0: a query that sees only itself has no dq).
+  err = float(np.linalg.norm(got - want) / max(
+      np.linalg.norm(want), 1e-2 * np.sqrt(want.size)))
+  assert err < TOL, f"{what}: relative error {err:.2e}"
+
+
+def check_cp(cp, strategy, left, seed=0, **kw):
+  cu, cuP, rng = rows(seed, cp, strategy)
+  q, k, v = qkv(rng)
+  w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  out, grads = run_cp(q, k, v, cu, cuP, w, cp=cp, strategy=strategy,
+                      left=left, **kw)
+  want, want_grads = reference(q, k, v, cu, cuP, w, left)
+  valid = np.stack([ref.valid_token_mask(a, b) for a, b in zip(cu, cuP)])
+  check(out, want, valid, "out")
+  for name, g, gw in zip(("dq", "dk", "dv"), grads, want_grads):
+    check(g, gw, valid, name)
+
+
+# (cp, window): NO_LOAD_BALANCE chunks are T/cp = 64, 32, 16, 8 tokens;
+# windows 0 and 1, below, equal to and above a chunk, and above many
+# documents; the one-long-document row has DUAL_CHUNK_SWAP chunks of
+# T/(2cp) = 32, 16, 8, 4 tokens.
+CASES = [(1, 5), (2, 1), (4, 16), (8, 20)]
+DCS_CASES = [(1, 0), (2, 16), (4, 3), (8, 0)]
+
+
+@pytest.mark.parametrize("cp,left", CASES)
+def test_no_load_balance_matches_reference(cp, left):
+  check_cp(cp, S.NO_LOAD_BALANCE, left)
+
+
+@pytest.mark.parametrize("cp,left", DCS_CASES)
+def test_dual_chunk_swap_matches_reference(cp, left):
+  check_cp(cp, S.DUAL_CHUNK_SWAP, left)
+
+
+def test_no_load_balance_window_and_max_seqlen():
+  """The halo is min(left, max_seqlen - 1): here the window (a chunk and
+  a half) is the tighter bound, over two hops."""
+  cu, cuP, _ = rows(3, 4, S.NO_LOAD_BALANCE)
+  longest = int(np.diff(cuP, axis=-1).max())
+  check_cp(4, S.NO_LOAD_BALANCE, 24, seed=3, max_seqlen=longest)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("left", [0, 1, 7, 8, 9, 33])
+@pytest.mark.parametrize("strategy", list(S), ids=lambda s: s.value)
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_window_grid(cp, strategy, left):
+  check_cp(cp, strategy, left, seed=cp + left)
+
+
+def test_cp_attention_local_with_window():
+  """The local view inside a caller's shard_map, one row [T, H, D]."""
+  cp, left = 4, 6
+  cu, cuP, rng = rows(5, cp, S.NO_LOAD_BALANCE)
+  cu, cuP = cu[0], cuP[0]
+  q, k, v = (x[0] for x in qkv(rng))
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:cp]), ("cp",))
+  spec = jax.sharding.PartitionSpec("cp")
+  local = functools.partial(
+      jax_cp.cp_attention_local, cp_axis="cp", backend="xla",
+      load_balancing_strategy=S.NO_LOAD_BALANCE, window_size=(left, 0))
+  f = jax.shard_map(lambda q, k, v: local(q, k, v, cu, cuP), mesh=mesh,
+                    in_specs=(spec,) * 3, out_specs=spec)
+  got = jax.jit(f)(q, k, v)
+  want = ref.attention(q, k, v, cu, cuP, window=left)
+  check(got, want, ref.valid_token_mask(cu, cuP), "out")
+
+
+# ------------------------------------------------------------------ exchange
+
+
+def _lowered_text(cp, left, max_seqlen=None):
+  cu, cuP, rng = rows(0, cp, S.NO_LOAD_BALANCE)
+  q, k, v = qkv(rng)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:cp]), ("cp",))
+
+  def loss(q, k, v):
+    out = jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh, backend="xla",
+                              load_balancing_strategy=S.NO_LOAD_BALANCE,
+                              window_size=(left, 0), max_seqlen=max_seqlen)
+    return jnp.sum(out)
+
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).as_text()
+
+
+@pytest.mark.parametrize("left", [5, 12])
+def test_no_load_balance_window_exchanges_halo_only(left):
+  """Forward and backward move K/V with collective permutes only (no
+  all-gather, no reduce-scatter), without max_seqlen; a window above a
+  chunk (12 > 8 tokens) takes two hops."""
+  text = _lowered_text(8, left)
+  assert "collective_permute" in text
+  for op in ("all_gather", "reduce_scatter", "all_reduce"):
+    assert op not in text, op
+  hops = -(-left // 8)
+  assert text.count("collective_permute") >= 2 * hops
+
+
+def test_window_zero_exchanges_nothing():
+  text = _lowered_text(4, 0)
+  for op in ("collective_permute", "all_gather", "reduce_scatter"):
+    assert op not in text, op
+
+
+def test_choose_exchange_bounds_halo_by_window():
+  from jax_cp.kv_exchange import choose_exchange
+  ex = choose_exchange(True, "cp", 4, 64, 64, window_left=5)
+  assert (ex.kind, ex.halo_tokens) == ("halo", 5)
+  ex = choose_exchange(True, "cp", 4, 64, 4, window_left=5)
+  assert (ex.kind, ex.halo_tokens) == ("halo", 3)
+  assert choose_exchange(True, "cp", 4, 64, 64, window_left=0).kind == "none"
+  # A halo reaching rank 0 anyway: the all-gather.
+  assert choose_exchange(True, "cp", 4, 64, 64,
+                         window_left=48).kind == "all_gather"
+  assert choose_exchange(False, "cp", 4, 64, 64,
+                         window_left=5).kind == "all_gather"
+
+
+# ------------------------------------------------------------ fused_attention
+
+
+@pytest.mark.parametrize("left", [0, 3, 40])
+def test_fused_attention_window_top_left_and_bottom_right(left):
+  """Whole documents (top-left == bottom-right) and a bottom-right call
+  whose Q rows are the last rows of each document: both see the window in
+  document positions."""
+  rng = np.random.default_rng(left)
+  cu = np.array([0, 9, 30, 31, 64])
+  q, k, v = (x[0] for x in qkv(rng, 1))
+  want = ref.attention(q, k, v, cu, cu, window=left)
+  lens, starts = np.diff(cu), cu[:-1]
+  for mask in ("causal_top_left", "causal_bottom_right"):
+    got = jax_cp.fused_attention(q, k, v, lens, lens, starts, starts,
+                                 attn_mask_type=mask, backend="xla",
+                                 window_size=(left, 0))
+    check(got, want, np.ones(T, bool), mask)
+  # Q: the last half of each document, against the whole document.
+  q_lens = lens - lens // 2
+  q_starts = starts + lens // 2
+  rows_ = np.concatenate([np.arange(s, s + n) for s, n in
+                          zip(q_starts, q_lens)])
+  qq = jnp.zeros_like(q).at[rows_].set(q[rows_])
+  dout = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+
+  def ours(q, k, v):
+    return jax_cp.fused_attention(q, k, v, q_lens, lens, q_starts, starts,
+                                  attn_mask_type="causal_bottom_right",
+                                  backend="xla", window_size=(left, 0))
+
+  def theirs(q, k, v):
+    return ref.attention(q, k, v, cu, cu, window=left)
+
+  covered = np.zeros(T, bool)
+  covered[rows_] = True
+  got = ours(qq, k, v)
+  check(got, jnp.where(covered[:, None, None], theirs(q, k, v), 0), covered,
+        "bottom_right")
+  g_ours = jax.grad(lambda *a: jnp.sum(ours(*a) * dout), (0, 1, 2))(qq, k, v)
+  mask_out = lambda o: jnp.where(covered[:, None, None], o, 0)
+  g_ref = jax.grad(lambda *a: jnp.sum(mask_out(theirs(*a)) * dout),
+                   (0, 1, 2))(q, k, v)
+  check(g_ours[0], g_ref[0], covered, "dq")
+  for name, a, b in zip(("dk", "dv"), g_ours[1:], g_ref[1:]):
+    check(a, b, np.ones(T, bool), name)
+
+
+# ------------------------------------------------------------------ cost model
+
+
+def _brute_pairs(cu, cuP, cp, left, strategy):
+  """Per-rank windowed pairs from the reference mask and the layout."""
+  m = ref.doc_mask(cu, cuP, True, left)
+  idx = np.arange(len(m))
+  perm = np.asarray(jax_cp.reorder_for_cp(idx, cuP, cp, strategy))
+  per_token = m.sum(axis=1)[perm]
+  return per_token.reshape(cp, -1).sum(axis=1)
+
+
+@pytest.mark.parametrize("strategy", list(S), ids=lambda s: s.value)
+@pytest.mark.parametrize("left", [-1, 0, 5, 17])
+def test_cost_model_counts_window_pairs(strategy, left):
+  cp = 4
+  cu, cuP, _ = rows(7, cp, strategy)
+  cu, cuP = cu[0], cuP[0]
+  est = jax_cp.estimate_cp_imbalance(cu, cuP, cp, strategy,
+                                     window_size=(left, 0))
+  np.testing.assert_array_equal(est.pairs_per_rank,
+                                _brute_pairs(cu, cuP, cp, left, strategy))
+  if strategy is S.NO_LOAD_BALANCE and left >= 0:
+    token = 2 * 1 * 128 * 2
+    assert est.halo_bytes_per_rank == tuple(
+        min(left, r * (T // cp)) * token for r in range(cp))
+
+
+def test_recommend_strategy_prefers_no_load_balance_with_window():
+  cu = np.array([0, 65536])
+  rec = jax_cp.recommend_strategy(cu, cu, 2, num_heads_q=32, num_heads_kv=8,
+                                  window_size=(4095, 0))
+  nlb = rec.estimates["no_load_balance"]
+  assert rec.strategy is S.NO_LOAD_BALANCE
+  assert nlb.imbalance < 1.04
+  assert nlb.halo_bytes == 4095 * 8 * 128 * 2 * 2
+  plain = jax_cp.estimate_cp_imbalance(cu, cu, 2, S.NO_LOAD_BALANCE)
+  assert plain.imbalance > 1.4
+
+
+# ------------------------------------------------------------------ input rules
+
+
+BAD_WINDOWS = [((-2, 0), "causal", ">= 0"),
+               ((4, 2), "causal", "right window must be 0"),
+               ((4, -1), "causal", "right window must be 0"),
+               ((4, 0), "no_mask", "needs a causal mask"),
+               ((4,), "causal", "pair"),
+               ((4.0, 0), "causal", "static int")]
+
+
+@pytest.mark.parametrize("window,mask,rule", BAD_WINDOWS)
+def test_bad_window_raises_in_cp_attention(window, mask, rule):
+  cu, cuP, rng = rows(0, 2, S.DUAL_CHUNK_SWAP)
+  q, k, v = qkv(rng)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("cp",))
+  with pytest.raises(ValueError, match="window_size") as e:
+    jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh, backend="xla",
+                        attn_mask_type=mask, window_size=window)
+  assert rule in str(e.value)
+
+
+@pytest.mark.parametrize("window,mask,rule", BAD_WINDOWS)
+def test_bad_window_raises_in_fused_attention(window, mask, rule):
+  q, k, v = (x[0] for x in qkv(np.random.default_rng(0), 1))
+  lens, offs = np.array([T]), np.array([0])
+  with pytest.raises(ValueError, match="window_size") as e:
+    jax_cp.fused_attention(q, k, v, lens, lens, offs, offs, backend="xla",
+                           attn_mask_type=mask, window_size=window)
+  assert rule in str(e.value)
+
+
+def test_unbounded_windows_are_plain_attention():
+  """(-1, 0) is plain causal and (-1, -1) no bound at all, with any mask."""
+  from jax_cp.checks import check_window_size
+  assert check_window_size(None, "causal") == -1
+  assert check_window_size((-1, 0), "causal") == -1
+  assert check_window_size((-1, -1), "no_mask") == -1
+  assert check_window_size((0, 0), "causal") == 0
