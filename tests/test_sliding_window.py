@@ -316,3 +316,68 @@ def test_unbounded_windows_are_plain_attention():
   assert check_window_size((-1, 0), "causal") == -1
   assert check_window_size((-1, -1), "no_mask") == -1
   assert check_window_size((0, 0), "causal") == 0
+
+
+# ------------------------------------------------------------------ Flax
+
+
+def test_flax_layers_alternate_local_and_global():
+  """One model, a windowed layer then a global one: with CP
+  (NO_LOAD_BALANCE, cp=4, global view) it gives the output of the same
+  model without CP; the window changes the result."""
+  import flax.linen as nn
+
+  from jax_cp.flax import TransformerLayer
+
+  cp = 4
+  cu, cuP, rng = rows(11, cp, S.NO_LOAD_BALANCE)
+  x = jnp.asarray(rng.standard_normal((2, T, 16)), jnp.float32)
+  pos = jax_cp.get_position_ids(cuP, total_tokens=T)
+
+  class Model(nn.Module):
+    windows: tuple
+    cp_kwargs: dict
+
+    @nn.compact
+    def __call__(self, x, pos):
+      for i, window in enumerate(self.windows):
+        x = TransformerLayer(num_heads=HQ, num_kv_heads=HKV, head_dim=D,
+                             mlp_dim=32, attn_backend="xla",
+                             window_size=window, name=f"layer_{i}",
+                             **self.cp_kwargs)(x, cu, cuP, pos)
+      return x
+
+  windows = ((5, 0), None)
+  plain = Model(windows, {})
+  params = plain.init(jax.random.key(0), x, pos)
+  want = plain.apply(params, x, pos)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:cp]), ("cp",))
+  model = Model(windows, dict(cp_axis="cp", mesh=mesh,
+                              cp_strategy="no_load_balance"))
+  re = lambda a: jax_cp.reorder_for_cp(a, cuP, cp, S.NO_LOAD_BALANCE,
+                                       seq_dim=1)
+  got = jax.jit(model.apply)(params, re(x), re(pos))
+  got = jax_cp.restore_from_cp(got, cuP, cp, S.NO_LOAD_BALANCE, seq_dim=1)
+  valid = np.stack([ref.valid_token_mask(a, b) for a, b in zip(cu, cuP)])
+  np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid],
+                             rtol=1e-4, atol=1e-4)
+  global_only = Model((None, None), {}).apply(params, x, pos)
+  assert not np.allclose(np.asarray(global_only)[valid],
+                         np.asarray(want)[valid], atol=1e-3)
+
+
+def test_flax_dot_product_attention_window_matches_reference():
+  from jax_cp.flax import DotProductAttention
+
+  cu, cuP, rng = rows(12, 1, S.NO_LOAD_BALANCE)
+  q, k, v = qkv(rng)
+  mod = DotProductAttention(window_size=(3, 0), attn_backend="xla")
+  got = mod.apply({}, q, k, v, cu, cuP)
+  want = ref.batched_attention(q, k, v, cu, cuP, window=3)
+  valid = np.stack([ref.valid_token_mask(a, b) for a, b in zip(cu, cuP)])
+  check(got, want, valid, "out")
+  with pytest.raises(ValueError, match="window_size"):
+    DotProductAttention(window_size=(3, 0), attn_mask_type="no_mask")
+  with pytest.raises(ValueError, match="window_size"):
+    from jax_cp.flax import TransformerLayer
+    TransformerLayer(num_heads=2, window_size=(-3, 0))

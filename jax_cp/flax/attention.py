@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_cp import context_parallel as _cp
-from jax_cp import partition
+from jax_cp import checks, partition
 from jax_cp.flax import settings
 from jax_cp.flax.rotary import apply_rotary
 from jax_cp.strategy import DEFAULT_STRATEGY, CPLoadBalancingStrategy
@@ -48,6 +48,10 @@ class DotProductAttention(nn.Module):
 
   Attributes:
     attn_mask_type: ``"causal"`` (default) or ``"no_mask"``.
+    window_size: ``None`` (default; plain causal) or a causal sliding window
+      ``(left, 0)``: a query at document position ``i`` sees keys
+      ``[i - left, i]``. Per module, so one model can mix local and global
+      layers.
     softmax_scale: scale of ``q @ k^T`` (default ``1/sqrt(D)``).
     dtype: computation dtype; q, k, v are cast to it (default: unchanged).
     cp_axis: the mesh axis the token dim is split over; ``None``: no CP.
@@ -69,6 +73,7 @@ class DotProductAttention(nn.Module):
   """
 
   attn_mask_type: str = "causal"
+  window_size: Optional[Tuple[int, int]] = None
   softmax_scale: Optional[float] = None
   dtype: Optional[Dtype] = None
   cp_axis: Optional[str] = None
@@ -82,6 +87,7 @@ class DotProductAttention(nn.Module):
 
   def __post_init__(self):
     settings.validate_fields(self)
+    checks.check_window_size(self.window_size, self.attn_mask_type)
     super().__post_init__()
 
   @nn.compact
@@ -108,6 +114,7 @@ class DotProductAttention(nn.Module):
     kwargs = dict(load_balancing_strategy=strategy,
                   cp_comm_type=self.cp_comm_type,
                   attn_mask_type=self.attn_mask_type,
+                  window_size=self.window_size,
                   softmax_scale=self.softmax_scale,
                   backend=self.attn_backend, max_seqlen=self.max_seqlen)
     if self.cp_axis is None or self.local_view:
@@ -165,6 +172,8 @@ class MultiHeadAttention(nn.Module):
     use_bias: whether the projections have biases.
     softmax_scale: attention scale (default ``1/sqrt(head_dim)``).
     attn_mask_type: ``"causal"`` (default) or ``"no_mask"``.
+    window_size: ``None`` or a causal sliding window ``(left, 0)``, as in
+      :class:`DotProductAttention`.
     dtype: computation dtype (default: inferred from inputs and params).
     param_dtype: dtype of the parameters.
     kernel_init: initializer of the projection kernels.
@@ -183,6 +192,7 @@ class MultiHeadAttention(nn.Module):
   use_bias: bool = False
   softmax_scale: Optional[float] = None
   attn_mask_type: str = "causal"
+  window_size: Optional[Tuple[int, int]] = None
   dtype: Optional[Dtype] = None
   param_dtype: Dtype = jnp.float32
   kernel_init: Initializer = nn.initializers.lecun_normal()
@@ -198,6 +208,7 @@ class MultiHeadAttention(nn.Module):
 
   def __post_init__(self):
     settings.validate_fields(self)
+    checks.check_window_size(self.window_size, self.attn_mask_type)
     self.kv_heads  # noqa: B018  (reading the property validates the heads)
     super().__post_init__()
 
@@ -250,6 +261,7 @@ class MultiHeadAttention(nn.Module):
       q = apply_rotary(q, position_ids, self.rope_theta)
       k = apply_rotary(k, position_ids, self.rope_theta)
     out = DotProductAttention(attn_mask_type=self.attn_mask_type,
+                              window_size=self.window_size,
                               softmax_scale=self.softmax_scale,
                               dtype=self.dtype,
                               **settings.cp_settings(self),

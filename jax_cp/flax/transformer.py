@@ -7,6 +7,7 @@ from typing import Callable, Optional, Tuple, Union
 import flax.linen as nn
 import jax.numpy as jnp
 
+from jax_cp import checks
 from jax_cp.flax import settings
 from jax_cp.flax.attention import (
   Dtype,
@@ -79,6 +80,10 @@ class TransformerLayer(nn.Module):
     norm_type: ``"rmsnorm"`` (default) or ``"layernorm"``.
     norm_epsilon: epsilon of the norms.
     rope_theta: rotary base; ``None`` disables rotary embeddings.
+    window_size: ``None`` (global attention) or a causal sliding window
+      ``(left, 0)`` for this layer: a query at document position ``i`` sees
+      keys ``[i - left, i]`` (alternate it per layer for local/global
+      models).
     use_bias: biases in the projections and the MLP.
     dtype: computation dtype.
     param_dtype: dtype of the parameters.
@@ -99,6 +104,7 @@ class TransformerLayer(nn.Module):
   norm_type: str = "rmsnorm"
   norm_epsilon: float = 1e-6
   rope_theta: Optional[float] = 10000.0
+  window_size: Optional[Tuple[int, int]] = None
   use_bias: bool = False
   dtype: Optional[Dtype] = None
   param_dtype: Dtype = jnp.float32
@@ -114,6 +120,7 @@ class TransformerLayer(nn.Module):
 
   def __post_init__(self):
     settings.validate_fields(self)
+    checks.check_window_size(self.window_size, "causal")
     if self.norm_type not in _NORMS:
       raise ValueError(f"norm_type={self.norm_type!r} is not one of "
                        f"{list(_NORMS)}")
@@ -145,7 +152,8 @@ class TransformerLayer(nn.Module):
     attn = MultiHeadAttention(
         num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
         num_gqa_groups=self.num_gqa_groups, head_dim=self.head_dim,
-        rope_theta=self.rope_theta, use_bias=self.use_bias, dtype=self.dtype,
+        rope_theta=self.rope_theta, window_size=self.window_size,
+        use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, kernel_init=self.kernel_init,
         **settings.cp_settings(self), name="attention")
     h = x + attn(self._norm("pre_attention_norm")(x), cu_seqlens,
