@@ -16,8 +16,15 @@ Per (document mix, Hkv), forward and forward+backward, bf16, Hq=32, D=128:
   (``fused_attention_stablehlo.dot_product_attention`` with ``q_offsets``,
   ``MaskType.PADDING_CAUSAL``).
 
-FLOPs: ``4 * Hq * D * pairs`` forward with ``pairs = L(L+1)/2`` per document,
-3.5x that for forward+backward. Median of ``--reps`` synced host-clock
+``--window LEFT`` runs every variant with the causal sliding window
+``(LEFT, 0)`` (``jax_dense`` as ``local_window_size=(LEFT, 0)``,
+``jax_packed`` as ``sliding_window_length=LEFT+1``), counts only the pairs
+inside the window, and on the one-document row also times ``ours`` against
+``jax_dense`` forward+backward in alternation (:func:`benchmarks.timing.paired`;
+``paired_vs_jax_dense`` records, ratio > 1: ours faster).
+
+FLOPs: ``4 * Hq * D * pairs`` forward with ``pairs = L(L+1)/2`` per document
+(``sum min(j+1, LEFT+1)`` with a window), 3.5x that for forward+backward. Median of ``--reps`` synced host-clock
 timings after warm-up, two alternating input sets
 (:func:`benchmarks.timing.synced`).
 """
@@ -51,15 +58,27 @@ def fwd_and_bwd(attn):
   return fwd, bwd
 
 
+def window_pairs(lens: np.ndarray, window: int | None) -> int:
+  """Causal (query, key) pairs of the documents, inside the window."""
+  lens = lens.astype(np.int64)
+  if window is None:
+    return int((lens * (lens + 1) // 2).sum())
+  m = np.minimum(lens, window + 1)
+  return int((m * (m + 1) // 2 + (lens - m) * (window + 1)).sum())
+
+
 def variants(dist: str, tokens: int, head_dim: int, backend: str,
-             lens: np.ndarray, offs: np.ndarray) -> dict[str, Callable]:
+             lens: np.ndarray, offs: np.ndarray,
+             window: int | None = None) -> dict[str, Callable]:
   """The attention functions ``(q, k, v) -> out`` compared on one row."""
   longest = int(lens.max())
+  window_size = None if window is None else (window, 0)
 
   def ours(mask: str, bound: int) -> Callable:
     return lambda q, k, v: jax_cp.fused_attention(
         q, k, v, lens, lens, offs, offs, attn_mask_type=mask,
-        backend=backend, max_seqlen_q=bound, max_seqlen_kv=bound)
+        backend=backend, max_seqlen_q=bound, max_seqlen_kv=bound,
+        window_size=window_size)
 
   out = {"ours": ours("causal_top_left", longest),
          "ours_br": ours("causal_bottom_right", longest)}
@@ -67,14 +86,16 @@ def variants(dist: str, tokens: int, head_dim: int, backend: str,
     out["ours_rowbound"] = ours("causal_top_left", tokens)
   if dist == "one_doc":
     out["jax_dense"] = lambda q, k, v: jax.nn.dot_product_attention(
-        q[None], k[None], v[None], is_causal=True, implementation="cudnn")[0]
+        q[None], k[None], v[None], is_causal=True, implementation="cudnn",
+        local_window_size=window_size)[0]
   q_seq = jnp.asarray(lens[None])
   q_off = jnp.asarray(np.append(offs, tokens)[None].astype(np.int32))
   scale = 1.0 / np.sqrt(head_dim)
   out["jax_packed"] = lambda q, k, v: fas.dot_product_attention(
       q[None], k[None], v[None], q_seqlen=q_seq, kv_seqlen=q_seq,
       q_offsets=q_off, kv_offsets=q_off, scale=scale,
-      mask_type=fas.MaskType.PADDING_CAUSAL)[0]
+      mask_type=fas.MaskType.PADDING_CAUSAL,
+      sliding_window_length=None if window is None else window + 1)[0]
   return out
 
 
@@ -91,8 +112,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--backend", default="cudnn",
                  help="jax_cp backend of the ours* variants")
+  p.add_argument("--window", type=int, default=None,
+                 help="causal sliding window (LEFT, 0) for every variant")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
+  if args.window is not None and args.window < 0:
+    p.error("--window must be >= 0")
   t, hq, d = args.tokens, args.hq, args.head_dim
   results = []
   rng = np.random.default_rng(0)
@@ -109,12 +134,16 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     lens = np.diff(cu).astype(np.int32)
     offs = cuP[:-1].astype(np.int32)
     longest = int(lens.max())
-    pairs = int((lens.astype(np.int64) * (lens + 1) // 2).sum())
+    pairs = window_pairs(lens, args.window)
     flops = 4.0 * hq * d * pairs
     for hkv in args.hkv:
       sets = [inputs(hkv), inputs(hkv)]
-      for name, attn in variants(dist, t, d, args.backend, lens,
-                                 offs).items():
+      fns = variants(dist, t, d, args.backend, lens, offs, args.window)
+      if args.window is not None and "jax_dense" in fns:
+        results.append(paired_record(fns, sets, args.reps, dist, hkv,
+                                     args.window))
+        print(json.dumps(results[-1]), flush=True)
+      for name, attn in fns.items():
         fwd, bwd = fwd_and_bwd(attn)
         for pass_name, fn, arg_sets, fl in (
             ("fwd", fwd, [s[:3] for s in sets], flops),
@@ -129,6 +158,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             rec.update(error=f"{type(e).__name__}: {str(e)[:300]}")
           results.append(rec)
           print(json.dumps(rec), flush=True)
+  results, paired = ([r for r in results if "speedup_median" not in r],
+                     [r for r in results if "speedup_median" in r])
+  for r in paired:
+    print(f"paired fwd+bwd ours / jax_dense ({r['dist']}, Hkv={r['hkv']}, "
+          f"window {r['window']}): {r['speedup_median']:.3f}x "
+          f"(IQR {r['speedup_q1']:.3f}-{r['speedup_q3']:.3f})")
   # Ratios against the references, per (dist, hkv, pass).
   print("\n| mix | Hkv | pass | variant | ms | TFLOP/s | vs jax_dense | "
         "vs jax_packed |\n|---|---|---|---|---|---|---|---|")
@@ -155,9 +190,30 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     with open(path, "w") as f:
       json.dump({"device": jax.devices()[0].device_kind,
                  "jax": jax.__version__, "tokens": t, "hq": hq,
-                 "head_dim": d, "results": results}, f, indent=1)
+                 "head_dim": d, "window": args.window,
+                 "results": results + paired}, f, indent=1)
     print("wrote", path)
-  return results
+  return results + paired
+
+
+def paired_record(fns: dict[str, Callable], sets: list, reps: int, dist: str,
+                  hkv: int, window: int) -> dict[str, Any]:
+  """``ours`` against ``jax_dense`` forward+backward, timed in
+  alternation; ``speedup_median`` > 1 when ours is faster."""
+  rec = {"dist": dist, "hkv": hkv, "variant": "paired_vs_jax_dense",
+         "pass_": "fwd+bwd", "window": window}
+  try:
+    jax_bwd = fwd_and_bwd(fns["jax_dense"])[1]
+    ours_bwd = fwd_and_bwd(fns["ours"])[1]
+    r = timing.paired(jax_bwd, sets, ours_bwd, sets, reps=reps)
+    rec.update(ms_jax_dense=r.ms_a, ms_ours=r.ms_b,
+               speedup_median=r.ratio_median, speedup_q1=r.ratio_q1,
+               speedup_q3=r.ratio_q3)
+  except Exception as e:  # noqa: BLE001  (recorded; the run goes on)
+    rec.update(error=f"{type(e).__name__}: {str(e)[:300]}",
+               speedup_median=float("nan"), speedup_q1=float("nan"),
+               speedup_q3=float("nan"))
+  return rec
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@ From the repository root::
     python -m benchmarks.speedup_ab --cp 2 --strategy no_load_balance \\
         --dists short_128_1k uniform_1k_8k one_doc --passes fwd fwd_bwd
 
+``--window LEFT`` runs both programs with the sliding window ``(LEFT, 0)``
+(NO_LOAD_BALANCE then exchanges a halo of ``min(LEFT, max_seqlen - 1)``
+tokens).
+
 ``bench_cp`` times each configuration in its own stretch of the run, so GPU
 clock and power drift between the cp=1 and the cp=N stretches lands in
 their ratio (a few percent on the H200 machine, run to run). Here the two
@@ -43,9 +47,12 @@ from benchmarks.workload import (
 _RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def program(cp: int, row: Row, strategy: str, backend: str, pass_name: str):
-  """The jitted step ``(q, k, v, dout, cu, cuP)`` of a row at ``cp``."""
-  forward = cp_forward(make_mesh(cp), strategy, backend, row.max_seqlen)
+def program(cp: int, row: Row, strategy: str, backend: str, pass_name: str,
+            window: int | None = None):
+  """The jitted step ``(q, k, v, dout, cu, cuP)`` of a row at ``cp``, with
+  the sliding window ``(window, 0)`` unless ``window`` is None."""
+  forward = cp_forward(make_mesh(cp), strategy, backend, row.max_seqlen,
+                       window_size=None if window is None else (window, 0))
   return jax.jit(with_pass(forward, pass_name))
 
 
@@ -76,6 +83,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--backend", default="cudnn")
   p.add_argument("--reps", type=int, default=15)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--window", type=int, default=None,
+                 help="sliding window (LEFT, 0) in both programs")
   p.add_argument("--out", default=_RESULTS)
   args = p.parse_args(argv)
   if args.cp < 2 or args.cp > jax.device_count():
@@ -84,6 +93,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.error(f"--tokens must be a multiple of 2*cp={2 * args.cp}")
   if args.reps < 1:
     p.error("--reps must be >= 1")
+  if args.window is not None and args.window < 0:
+    p.error("--window must be >= 0")
   return args
 
 
@@ -101,15 +112,17 @@ def main(argv: Sequence[str] | None = None) -> str:
         arg_sets(cp, row, args.hq, args.hkv, args.head_dim, dtype, args.seed)
         for cp in (1, args.cp))
     for pass_name in args.passes:
-      base = program(1, row, args.strategy, args.backend, pass_name)
-      other = program(args.cp, row, args.strategy, args.backend, pass_name)
+      base = program(1, row, args.strategy, args.backend, pass_name,
+                     args.window)
+      other = program(args.cp, row, args.strategy, args.backend, pass_name,
+                      args.window)
       r = pair_record(timing.paired(base, base_args, other, other_args,
                                     reps=args.reps))
       r.update(dist=dist, pass_name=pass_name, cp=args.cp,
                strategy=args.strategy, tokens=args.tokens, hq=args.hq,
                hkv=args.hkv, head_dim=args.head_dim, dtype=args.dtype,
                backend=args.backend, max_seqlen=row.max_seqlen,
-               reps=args.reps)
+               reps=args.reps, window=args.window)
       records.append(r)
       print(f"{dist:<14}{pass_name:<8}{r['ms_base']:9.3f}{r['ms_other']:9.3f}"
             f"{r['speedup_median']:9.3f}x"

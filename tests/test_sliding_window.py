@@ -381,3 +381,32 @@ def test_flax_dot_product_attention_window_matches_reference():
   with pytest.raises(ValueError, match="window_size"):
     from jax_cp.flax import TransformerLayer
     TransformerLayer(num_heads=2, window_size=(-3, 0))
+
+
+# ------------------------------------------------------------------ benchmarks
+
+
+def test_benchmarks_take_a_window(tmp_path):
+  """bench_fused --window and speedup_ab --window run (xla, tiny sizes)."""
+  import json
+
+  from benchmarks import bench_fused, speedup_ab
+
+  small = ["--backend", "xla", "--tokens", "256", "--hq", "2", "--hkv", "1",
+           "--head-dim", "8", "--dists", "one_doc", "--reps", "1",
+           "--window", "15"]
+  recs = bench_fused.main(small + ["--out", str(tmp_path)])
+  ours = [r for r in recs if r["variant"] == "ours"]
+  assert len(ours) == 2 and all(r["ms"] > 0 for r in ours)
+  # 256 queries, each seeing min(j+1, 16) keys.
+  assert bench_fused.window_pairs(np.array([256]), 15) == 136 + 240 * 16
+  # jax_dense needs cuDNN: on CPU the paired record holds the error.
+  assert any(r["variant"] == "paired_vs_jax_dense" for r in recs)
+  path = speedup_ab.main(small[:-4] + ["--dtype", "float32", "--cp", "2",
+                                       "--passes", "fwd_bwd", "--reps", "1",
+                                       "--window", "15",
+                                       "--strategy", "no_load_balance",
+                                       "--out", str(tmp_path)])
+  with open(path) as f:
+    rec, = json.load(f)["records"]
+  assert rec["window"] == 15 and rec["ms_other"] > 0
