@@ -44,14 +44,15 @@ ffi::Error SdpaBackwardImpl(
     SegmentMeta meta, ffi::Result<ffi::AnyBuffer> dq,
     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
     int64_t segments, int64_t mask, float scale, int64_t max_seqlen_q,
-    int64_t max_seqlen_kv, int64_t dq_fill_lo, int64_t dq_fill_hi) {
+    int64_t max_seqlen_kv, int64_t window_left, int64_t dq_fill_lo,
+    int64_t dq_fill_hi) {
   const bool into = dq_in != nullptr;
   const char* call = into ? kSdpaBackwardIntoTarget : kSdpaBackwardTarget;
   return GuardFfi(call, [&]() -> ffi::Error {
     const SdpaCommonOperands ops{q, k, v, meta};
     auto key_or = MakeSdpaKey(call, SdpaDirection::kBackward, device, ops,
                               {segments, mask, scale, max_seqlen_q,
-                               max_seqlen_kv});
+                               max_seqlen_kv, window_left});
     if (!key_or.has_value()) return key_or.error();
     const SdpaGraphKey& key = *key_or;
     ffi::Error e = CheckSameAs(call, "out", out, "q", q);
@@ -126,11 +127,11 @@ ffi::Error SdpaBackward(
     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
     ffi::Result<ffi::AnyBuffer> dv, int64_t segments, int64_t mask,
     float scale, int64_t max_seqlen_q, int64_t max_seqlen_kv,
-    int64_t dq_fill_lo, int64_t dq_fill_hi) {
+    int64_t window_left, int64_t dq_fill_lo, int64_t dq_fill_hi) {
   return SdpaBackwardImpl(stream, std::move(scratch), device, q, k, v, out,
                           dout, stats, nullptr, meta, dq, dk, dv, segments,
                           mask, scale, max_seqlen_q, max_seqlen_kv,
-                          dq_fill_lo, dq_fill_hi);
+                          window_left, dq_fill_lo, dq_fill_hi);
 }
 
 ffi::Error SdpaBackwardInto(
@@ -140,11 +141,12 @@ ffi::Error SdpaBackwardInto(
     SegmentMeta meta, ffi::Result<ffi::AnyBuffer> dq,
     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
     int64_t segments, int64_t mask, float scale, int64_t max_seqlen_q,
-    int64_t max_seqlen_kv, int64_t dq_fill_lo, int64_t dq_fill_hi) {
+    int64_t max_seqlen_kv, int64_t window_left, int64_t dq_fill_lo,
+    int64_t dq_fill_hi) {
   return SdpaBackwardImpl(stream, std::move(scratch), device, q, k, v, out,
                           dout, stats, &dq_in, meta, dq, dk, dv, segments,
                           mask, scale, max_seqlen_q, max_seqlen_kv,
-                          dq_fill_lo, dq_fill_hi);
+                          window_left, dq_fill_lo, dq_fill_hi);
 }
 
 }  // namespace

@@ -111,6 +111,15 @@ ffi::ErrorOr<SdpaGraphKey> MakeSdpaKey(const char* call,
   }
   key.max_seqlen_q = attrs.max_seqlen_q;
   key.max_seqlen_kv = attrs.max_seqlen_kv;
+  if (attrs.window_left < -1 ||
+      (attrs.window_left >= 0 && key.mask == SdpaMask::kNoMask) ||
+      attrs.window_left >= kInt32Limit) {
+    return Invalid(call, "window_left must be -1 (no window) or a causal "
+                         "mask's left bound in [0, 2^31 - 1); got " +
+                             std::to_string(attrs.window_left) + " with mask " +
+                             std::to_string(attrs.mask));
+  }
+  key.window_left = attrs.window_left;
   return key;
 }
 

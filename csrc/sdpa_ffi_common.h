@@ -48,6 +48,7 @@ struct SdpaAttributes {
   float scale;
   int64_t max_seqlen_q;
   int64_t max_seqlen_kv;
+  int64_t window_left;  // -1: no sliding window
 };
 
 // The contexts every SDPA handler binds first (stream, scratch allocator,
@@ -68,7 +69,8 @@ auto BindSdpaAttributes(Binding&& binding) {
       .template Attr<int64_t>("mask")
       .template Attr<float>("scale")
       .template Attr<int64_t>("max_seqlen_q")
-      .template Attr<int64_t>("max_seqlen_kv");
+      .template Attr<int64_t>("max_seqlen_kv")
+      .template Attr<int64_t>("window_left");
 }
 
 // Checks q/k/v, lengths, offsets and attributes and returns the graph key.

@@ -5,7 +5,7 @@
 // stats_off of the S segments; see SegmentMeta). Results: out [Tq,Hq,D]
 // (q dtype), stats [Tq,Hq] float32 (the natural-log LSE of the scaled scores
 // on covered rows). Attributes: segments (S), mask (int64), scale (f32),
-// max_seqlen_q, max_seqlen_kv (int64).
+// max_seqlen_q, max_seqlen_kv, window_left (int64; -1: no sliding window).
 //
 // Rows outside every segment get 0 in out and -inf (the log-sum-exp of no
 // scores) in stats; only those rows are written (FillUncoveredRows).
@@ -39,14 +39,14 @@ ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
                            ffi::Result<ffi::AnyBuffer> out,
                            ffi::Result<ffi::AnyBuffer> stats, int64_t segments,
                            int64_t mask, float scale, int64_t max_seqlen_q,
-                           int64_t max_seqlen_kv) {
+                           int64_t max_seqlen_kv, int64_t window_left) {
   const bool into = out_in != nullptr;
   const char* call = into ? kSdpaForwardIntoTarget : kSdpaForwardTarget;
   return GuardFfi(call, [&]() -> ffi::Error {
     const SdpaCommonOperands ops{q, k, v, meta};
     auto key_or = MakeSdpaKey(call, SdpaDirection::kForward, device, ops,
                               {segments, mask, scale, max_seqlen_q,
-                               max_seqlen_kv});
+                               max_seqlen_kv, window_left});
     if (!key_or.has_value()) return key_or.error();
     const SdpaGraphKey& key = *key_or;
     ffi::Error e = CheckSameAs(call, "out", *out, "q", q);
@@ -98,10 +98,10 @@ ffi::Error SdpaForward(cudaStream_t stream, ffi::ScratchAllocator scratch,
                        ffi::Result<ffi::AnyBuffer> out,
                        ffi::Result<ffi::AnyBuffer> stats, int64_t segments,
                        int64_t mask, float scale, int64_t max_seqlen_q,
-                       int64_t max_seqlen_kv) {
+                       int64_t max_seqlen_kv, int64_t window_left) {
   return SdpaForwardImpl(stream, std::move(scratch), device, q, k, v, nullptr,
                          nullptr, meta, out, stats, segments, mask, scale,
-                         max_seqlen_q, max_seqlen_kv);
+                         max_seqlen_q, max_seqlen_kv, window_left);
 }
 
 ffi::Error SdpaForwardInto(
@@ -110,10 +110,10 @@ ffi::Error SdpaForwardInto(
     ffi::AnyBuffer stats_in, SegmentMeta meta,
     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> stats,
     int64_t segments, int64_t mask, float scale, int64_t max_seqlen_q,
-    int64_t max_seqlen_kv) {
+    int64_t max_seqlen_kv, int64_t window_left) {
   return SdpaForwardImpl(stream, std::move(scratch), device, q, k, v, &out_in,
                          &stats_in, meta, out, stats, segments, mask, scale,
-                         max_seqlen_q, max_seqlen_kv);
+                         max_seqlen_q, max_seqlen_kv, window_left);
 }
 
 }  // namespace

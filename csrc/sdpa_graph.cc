@@ -92,9 +92,15 @@ void MarkThdOutput(const TensorPtr& t, int64_t uid, int64_t b, int64_t h,
 
 // Causal masks are a diagonal band with right bound 0. Bottom-right aligns
 // the band per segment with (q_len, kv_len) from the padding-mask lengths:
-// row j sees keys <= j + kv_len - q_len.
+// row j sees keys <= j + kv_len - q_len. A sliding window adds the left
+// bound: cuDNN keeps the keys with col + n > diagonal, i.e. n keys ending at
+// the diagonal, so n = window_left + 1 (both alignments, forward and
+// backward, ragged with the padding mask; no split or fallback needed).
 template <typename Attributes>
-void ApplyMask(Attributes& attrs, SdpaMask mask) {
+void ApplyMask(Attributes& attrs, SdpaMask mask, int64_t window_left) {
+  if (window_left >= 0 && mask != SdpaMask::kNoMask) {
+    attrs.set_diagonal_band_left_bound(static_cast<int>(window_left + 1));
+  }
   switch (mask) {
     case SdpaMask::kNoMask:
       break;
@@ -159,7 +165,7 @@ std::shared_ptr<fe::graph::Graph> DescribeForward(const SdpaGraphKey& key) {
       .set_seq_len_kv(in.seq_kv)
       .set_max_total_seq_len_q(key.tokens_q)
       .set_max_total_seq_len_kv(key.tokens_kv);
-  ApplyMask(attrs, key.mask);
+  ApplyMask(attrs, key.mask, key.window_left);
   auto [o, stats] = g->sdpa(in.q, in.k, in.v, std::move(attrs));
   const fe::DataType_t io = FrontendIoType(key.io_type);
   MarkThdOutput(o, sdpa_uid::kO, key.segments, key.heads_q, key.max_seqlen_q,
@@ -198,7 +204,7 @@ std::shared_ptr<fe::graph::Graph> DescribeBackward(const SdpaGraphKey& key) {
       .set_max_total_seq_len_kv(key.tokens_kv);
   // Deterministic mode stays off (the default): on Hopper it forces a large
   // dP workspace.
-  ApplyMask(attrs, key.mask);
+  ApplyMask(attrs, key.mask, key.window_left);
   auto [d_q, d_k, d_v] =
       g->sdpa_backward(in.q, in.k, in.v, o, d_o, stats, std::move(attrs));
   MarkThdOutput(d_q, sdpa_uid::kDQ, b, key.heads_q, sq, d, io, in.off_q);
@@ -352,22 +358,25 @@ bool SdpaGraphKey::operator==(const SdpaGraphKey& o) const {
          tokens_kv == o.tokens_kv && heads_q == o.heads_q &&
          heads_kv == o.heads_kv && head_dim == o.head_dim &&
          io_type == o.io_type && mask == o.mask && scale_bits == o.scale_bits &&
-         max_seqlen_q == o.max_seqlen_q && max_seqlen_kv == o.max_seqlen_kv;
+         max_seqlen_q == o.max_seqlen_q && max_seqlen_kv == o.max_seqlen_kv &&
+         window_left == o.window_left;
 }
 
 std::string SdpaGraphKey::ToString() const {
-  char buf[384];
+  char buf[416];
   std::snprintf(
       buf, sizeof(buf),
       "%s device=%d S=%lld Tq=%lld Tkv=%lld Hq=%lld Hkv=%lld D=%lld dtype=%s "
-      "mask=%s scale=%.9g max_seqlen_q=%lld max_seqlen_kv=%lld",
+      "mask=%s scale=%.9g max_seqlen_q=%lld max_seqlen_kv=%lld "
+      "window_left=%lld",
       direction == SdpaDirection::kForward ? "fwd" : "bwd", device,
       static_cast<long long>(segments), static_cast<long long>(tokens_q),
       static_cast<long long>(tokens_kv), static_cast<long long>(heads_q),
       static_cast<long long>(heads_kv), static_cast<long long>(head_dim),
       io_type == SdpaIoType::kBFloat16 ? "bf16" : "f16", MaskName(mask),
       static_cast<double>(scale()), static_cast<long long>(max_seqlen_q),
-      static_cast<long long>(max_seqlen_kv));
+      static_cast<long long>(max_seqlen_kv),
+      static_cast<long long>(window_left));
   return buf;
 }
 
@@ -389,6 +398,7 @@ size_t SdpaGraphKeyHash::operator()(const SdpaGraphKey& k) const {
   mix(k.scale_bits);
   mix(static_cast<uint64_t>(k.max_seqlen_q));
   mix(static_cast<uint64_t>(k.max_seqlen_kv));
+  mix(static_cast<uint64_t>(k.window_left));
   return h;
 }
 

@@ -46,6 +46,9 @@ struct SdpaGraphKey {
   uint32_t scale_bits = 0;  // bit pattern of the float scale
   int64_t max_seqlen_q = 0;
   int64_t max_seqlen_kv = 0;
+  // Left bound of a causal sliding window: a row sees the keys at most
+  // window_left before its diagonal; -1: no bound.
+  int64_t window_left = -1;
 
   float scale() const;
   bool operator==(const SdpaGraphKey& other) const;

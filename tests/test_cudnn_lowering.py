@@ -90,7 +90,8 @@ def test_forward_lowers_to_custom_call(mask):
   (attrs, ins, outs), = custom_calls(lower_for_cuda(f, *qkv(), SEG), FWD)
   assert attrs == {"mask": f"{MASK_CODES[mask]} : i64",
                    "max_seqlen_kv": "40 : i64", "max_seqlen_q": "32 : i64",
-                   "scale": "1.250000e-01 : f32", "segments": "3 : i64"}
+                   "scale": "1.250000e-01 : f32", "segments": "3 : i64",
+                   "window_left": "-1 : i64"}
   tensors, meta = expected_operands("bf16")
   assert ins == tensors + meta
   assert outs == [t((TQ, HQ, D), "bf16"), t((TQ, HQ), "f32")]
@@ -124,7 +125,7 @@ def test_backward_lowers_to_custom_call():
   assert attrs == {"mask": "2 : i64", "max_seqlen_kv": "40 : i64",
                    "max_seqlen_q": "32 : i64", "scale": "5.000000e-01 : f32",
                    "segments": "3 : i64", "dq_fill_lo": "0 : i64",
-                   "dq_fill_hi": f"{TQ} : i64"}
+                   "dq_fill_hi": f"{TQ} : i64", "window_left": "-1 : i64"}
   tensors, meta = expected_operands("bf16")
   assert ins == tensors + [t((TQ, HQ, D), "bf16")] * 2 + [
       t((TQ, HQ), "f32")] + meta
@@ -154,7 +155,7 @@ def test_grad_through_fused_attention(mask):
   s = b * n  # the batch is flattened into one segment list
   common = {"mask": f"{code} : i64", "max_seqlen_kv": "16 : i64",
             "max_seqlen_q": "16 : i64", "scale": "2.500000e-01 : f32",
-            "segments": f"{s} : i64"}
+            "segments": f"{s} : i64", "window_left": "-1 : i64"}
   assert fwd[0] == common
   assert bwd[0] == dict(common, dq_fill_lo="0 : i64",
                         dq_fill_hi=f"{b * tq} : i64")
@@ -163,6 +164,45 @@ def test_grad_through_fused_attention(mask):
   assert fwd[1] == tensors + meta
   assert bwd[1][:3] == tensors and bwd[1][-1:] == meta
   assert bwd[2] == tensors
+
+
+@pytest.mark.parametrize("mask", ["causal_top_left", "causal_bottom_right"])
+def test_sliding_window_lowers_to_window_left(mask):
+  """fused_attention(window_size=(left, 0)) passes window_left = left to
+  both custom calls; bottom-right segments reach the kernel without the
+  KV rows before their band."""
+  q, k, v = qkv(tq=64, tkv=64)
+  lens = jnp.array([40, 24], jnp.int32)
+  q_lens = jnp.array([8, 24], jnp.int32)
+  offs = jnp.array([0, 40], jnp.int32)
+
+  def loss(q, k, v):
+    ql = q_lens if mask == "causal_bottom_right" else lens
+    out = jax_cp.fused_attention(q, k, v, ql, lens, offs, offs,
+                                 attn_mask_type=mask, backend="cudnn",
+                                 window_size=(5, 0))
+    return jnp.sum(out.astype(jnp.float32))
+
+  text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+  (fwd, _, _), = custom_calls(text, FWD)
+  (bwd, _, _), = custom_calls(text, BWD)
+  assert fwd["window_left"] == bwd["window_left"] == "5 : i64"
+  seg = make_segments([8, 24], [40, 24], [0, 40], [0, 40], 64, 64)
+  cut = cudnn_backend._cut_to_band(seg, "causal_bottom_right", 5)
+  # 40 keys for 8 queries: the first query's band starts at key 40-8-5 = 27.
+  np.testing.assert_array_equal(cut.kv_lens, [13, 24])
+  np.testing.assert_array_equal(cut.kv_offsets, [27, 40])
+  assert cudnn_backend._cut_to_band(seg, "causal_top_left", 5) is seg
+
+
+def test_rejects_bad_window():
+  q, k, v = qkv()
+  with pytest.raises(ValueError, match="window_left"):
+    cudnn_backend.forward(q, k, v, SEG, mask="no_mask", scale=1.0,
+                          window_left=3)
+  with pytest.raises(ValueError, match="window_left"):
+    cudnn_backend.forward(q, k, v, SEG, mask="causal_top_left", scale=1.0,
+                          window_left=-2)
 
 
 def test_backend_is_registered():

@@ -27,6 +27,11 @@ calls the custom call, and masks the rows cuDNN leaves undefined:
   promise there are none (``Segments.rows_see_keys``).
 
 
+A sliding window (``window_left``) is cuDNN's diagonal band,
+``set_diagonal_band_left_bound(window_left + 1)`` on both alignments,
+forward and backward (docs/design.md, Sliding window); bottom-right segments
+first drop the KV rows before their band (:func:`_cut_to_band`).
+
 Limitation (cuDNN writes dK/dV per segment, it does not accumulate): the
 segments' KV row ranges must not overlap for ``backward`` to be right. The CP
 layer's per-document segments never overlap.
@@ -34,6 +39,7 @@ layer's per-document segments never overlap.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Dict, Tuple
 
@@ -145,6 +151,35 @@ def check_mask(mask) -> None:
     raise ValueError(f"mask must be one of {MASK_TYPES}, got {mask!r}.")
 
 
+def check_window(window_left, mask) -> None:
+  """A static int >= -1; a bounded window only with a causal mask."""
+  if isinstance(window_left, bool) or not isinstance(
+      window_left, (int, np.integer)) or window_left < -1 or \
+      window_left >= _INT32_LIMIT - 1:
+    raise ValueError(f"window_left must be a static int in [-1, 2**31 - 1), "
+                     f"got {window_left!r}.")
+  if window_left >= 0 and mask == "no_mask":
+    raise ValueError(f"window_left={window_left} is a causal sliding window; "
+                     f"mask='no_mask' has none.")
+
+
+def _cut_to_band(seg: Segments, mask: str, window_left: int) -> Segments:
+  """Bottom-right segments without the KV rows before the band of their
+  first Q row (``max(kv_len - q_len - window_left, 0)`` rows): no query
+  sees them, so they leave every segment's KV range and the handler sets
+  their dK/dV rows to 0 rather than leaving them to the kernel, which may
+  skip the fully masked tiles. Results are unchanged."""
+  if window_left < 0 or mask != "causal_bottom_right":
+    return seg
+  q_lens = seg.q_lens.astype(jnp.int32)
+  kv_lens = seg.kv_lens.astype(jnp.int32)
+  skip = jnp.where(q_lens > 0,
+                   jnp.maximum(kv_lens - q_lens - window_left, 0), 0)
+  return dataclasses.replace(seg, kv_lens=kv_lens - skip,
+                             kv_offsets=seg.kv_offsets.astype(jnp.int32)
+                             + skip)
+
+
 def check_segments(seg: Segments) -> None:
   """Four int [S] vectors (S >= 1) and non-negative static bounds."""
   shapes = {name: getattr(seg, name).shape
@@ -254,10 +289,11 @@ def _segment_meta(seg: Segments, q_shape, k_shape, max_q: int, max_kv: int):
 
 
 def _attributes(seg: Segments, mask: str, scale: np.float32, max_q: int,
-                max_kv: int):
+                max_kv: int, window_left: int):
   return dict(segments=np.int64(seg.q_lens.shape[0]),
               mask=np.int64(MASK_CODES[mask]), scale=scale,
-              max_seqlen_q=np.int64(max_q), max_seqlen_kv=np.int64(max_kv))
+              max_seqlen_q=np.int64(max_q), max_seqlen_kv=np.int64(max_kv),
+              window_left=np.int64(window_left))
 
 
 # ----------------------------------------------------------------------------
@@ -287,14 +323,18 @@ def check_into(seg: Segments, name: str, x, shape, dtype) -> None:
                      f"written in place are not masked afterwards.")
 
 
-def forward(q, k, v, seg: Segments, *, mask: str, scale: float, into=None):
+def forward(q, k, v, seg: Segments, *, mask: str, scale: float,
+            window_left: int = -1, into=None):
   """Varlen attention forward (see :mod:`jax_cp.attention.backend`).
 
   Returns ``(out [Tq,Hq,D] in q's dtype, lse [Tq,Hq] float32)``. With
   ``into=(out, lse)`` the custom call writes the covered rows of those
   buffers in place (aliased; no clearing, no extra outputs).
+  ``window_left >= 0``: cuDNN's diagonal band (a sliding window).
   """
   _check_call(q, k, v, seg, mask)
+  check_window(window_left, mask)
+  seg = _cut_to_band(seg, mask, window_left)
   scale = _scale_value(scale, q.shape[2])
   tq, hq, _ = q.shape
   if into is not None:
@@ -308,7 +348,7 @@ def forward(q, k, v, seg: Segments, *, mask: str, scale: float, into=None):
   meta = _segment_meta(seg, q.shape, k.shape, max_q, max_kv)
   result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                   jax.ShapeDtypeStruct((tq, hq), jnp.float32))
-  attrs = _attributes(seg, mask, scale, max_q, max_kv)
+  attrs = _attributes(seg, mask, scale, max_q, max_kv, window_left)
   if into is not None:
     return jax.ffi.ffi_call(
         FWD_INTO_TARGET, result_types, input_output_aliases={3: 0, 4: 1},
@@ -328,15 +368,19 @@ def forward(q, k, v, seg: Segments, *, mask: str, scale: float, into=None):
 
 
 def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
-             scale: float, dq_into=None, dq_fill=None):
+             scale: float, window_left: int = -1, dq_into=None,
+             dq_fill=None):
   """Gradients ``(dq, dk, dv)`` of ``sum(out * dout)``, in q/k/v's dtype.
 
   With ``dq_into`` the custom call writes the covered rows of that buffer
   in place (aliased) instead of a fresh dq. ``dq_fill=(lo, hi)``: the rows
   whose uncovered dq rows the call sets to 0 (default: all for a fresh dq,
   none with ``dq_into``; see :mod:`jax_cp.attention.backend`).
+  ``window_left >= 0``: cuDNN's diagonal band (a sliding window).
   """
   _check_call(q, k, v, seg, mask)
+  check_window(window_left, mask)
+  seg = _cut_to_band(seg, mask, window_left)
   check_like("out", out, q.shape)
   check_like("dout", dout, q.shape)
   check_like("lse", lse, q.shape[:2])
@@ -361,7 +405,7 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
   result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                   jax.ShapeDtypeStruct(k.shape, k.dtype),
                   jax.ShapeDtypeStruct(v.shape, v.dtype))
-  attrs = _attributes(seg, mask, scale, max_q, max_kv)
+  attrs = _attributes(seg, mask, scale, max_q, max_kv, window_left)
   attrs.update(dq_fill_lo=np.int64(fill[0]), dq_fill_hi=np.int64(fill[1]))
   inputs = (q, k, v, out.astype(q.dtype), dout.astype(q.dtype), stats)
   if dq_into is not None:
