@@ -24,8 +24,9 @@ inside the window, and on the one-document row also times ``ours`` against
 ``paired_vs_jax_dense`` records, ratio > 1: ours faster).
 
 FLOPs: ``4 * Hq * D * pairs`` forward with ``pairs = L(L+1)/2`` per document
-(``sum min(j+1, LEFT+1)`` with a window), 3.5x that for forward+backward. Median of ``--reps`` synced host-clock
-timings after warm-up, two alternating input sets
+(``sum min(j+1, LEFT+1)`` with a window), 3.5x that for forward+backward.
+Median of ``--reps`` synced host-clock timings after warm-up, two
+alternating input sets
 (:func:`benchmarks.timing.synced`).
 """
 

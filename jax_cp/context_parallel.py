@@ -80,10 +80,11 @@ def cp_attention_local(q, k, v, cu_seqlens, cu_seqlens_padded, *,
       all-gathers (docs/design.md, Sliding window).
     split_causal_backward: run the backward of bottom-right causal blocks as
       an unmasked rectangle plus a top-left triangle (faster with cuDNN 9.19
-      for large blocks; never with a sliding window). Default: on for cudnn, off otherwise; with cudnn,
-      NO_LOAD_BALANCE's straddle block (at most ``max_seqlen - 1`` rows) is
-      split only when ``max_seqlen > 8192``, below which the extra call
-      costs more than it saves. Same result either way.
+      for large blocks; never with a sliding window). Default: on for
+      cudnn, off otherwise; with cudnn, NO_LOAD_BALANCE's straddle block
+      (at most ``max_seqlen - 1`` rows) is split only when
+      ``max_seqlen > 8192``, below which the extra call costs more than it
+      saves. Same result either way.
 
   Returns:
     The local output, shaped and typed like ``q``.

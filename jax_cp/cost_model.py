@@ -8,8 +8,8 @@ load-balancing strategy:
   for every document's *valid* tokens (query at position ``j`` of its
   document sees keys ``0..j``, so a whole document of ``L`` valid tokens has
   ``L(L+1)/2`` pairs; with a sliding window ``(left, 0)`` it sees
-  ``min(j+1, left+1)`` keys); forward FLOPs are ``4 * D * Hq * pairs`` (two matmuls
-  of ``2*D`` FLOPs per pair and head);
+  ``min(j+1, left+1)`` keys); forward FLOPs are ``4 * D * Hq * pairs`` (two
+  matmuls of ``2*D`` FLOPs per pair and head);
 * **imbalance**: max over ranks / mean over ranks of that work (1 is
   perfect; the step waits for the slowest rank);
 * **traffic**: the K/V bytes each rank receives in the all-gather,

@@ -26,8 +26,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jax_cp import context_parallel as _cp
 from jax_cp import checks, partition
+from jax_cp import context_parallel as _cp
 from jax_cp.flax import settings
 from jax_cp.flax.rotary import apply_rotary
 from jax_cp.strategy import DEFAULT_STRATEGY, CPLoadBalancingStrategy
