@@ -17,8 +17,9 @@ class CPLoadBalancingStrategy(str, enum.Enum):
       ``cp`` contiguous chunks; documents may straddle ranks. One attention
       step per rank and any document length, at the price of causal
       imbalance (with one long document the last rank does ``(2cp-1)/cp``
-      times the mean work). Needs causal self-attention, the all-gather
-      exchange, no sliding window and no FP8.
+      times the mean work; with a sliding window ``(left, 0)`` the chunks
+      are close to balanced and the exchange is a ``left``-token halo).
+      Needs causal self-attention, the all-gather exchange and no FP8.
 
   Members compare equal to their string values and can be built from them,
   ``CPLoadBalancingStrategy("no_load_balance")``; they are hashable and can
