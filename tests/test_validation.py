@@ -37,7 +37,8 @@ def call(q, k, v, cu=CU, cuP=CUP, **kw):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(attn_mask_type="no_mask"), "needs causal attention"),
-    (dict(window_size=(4, 0)), "window_size"),
+    (dict(window_size=(4, 2)), "window_size"),
+    (dict(window_size=(-3, 0)), "window_size"),
     (dict(cp_comm_type="p2p"), "cp_comm_type"),
     (dict(cp_comm_type="a2a"), "cp_comm_type"),
     (dict(attn_mask_type="padding_causal_bottom_right"), "attn_mask_type"),
