@@ -23,7 +23,9 @@ measured and how. In short, per configuration:
 * FLOPs counted exactly: ``4 * Hq * D * pairs`` forward with ``pairs =
   L(L+1)/2`` per document of ``L`` valid tokens (``2*T^2*H*D`` per
   document is the ``L^2/2`` approximation of the same), 3.5x that for
-  forward+backward;
+  forward+backward (with ``--window LEFT``, every program runs the
+  sliding window ``(LEFT, 0)`` and only ``min(j+1, LEFT+1)`` keys per
+  query count);
 * the exchange cost two ways: *exposed* = step time minus the time of the
   same step with the exchange's collectives replaced by local copies
   (``cp_comm_type="local_copies"``), and
@@ -98,21 +100,25 @@ _COLLECTIVE_RE = re.compile(
     r"all_reduce)")
 
 
-def core_exchange(strategy: str, cp: int, tokens: int, max_seqlen):
-  """The core's static exchange choice for a row."""
+def core_exchange(strategy: str, cp: int, tokens: int, max_seqlen,
+                  window: int | None = None):
+  """The core's static exchange choice for a row (with a sliding window
+  ``(window, 0)`` unless None)."""
   return choose_exchange(strategy == "no_load_balance", "cp", cp, tokens,
-                         tokens if max_seqlen is None else max_seqlen)
+                         tokens if max_seqlen is None else max_seqlen,
+                         window_left=-1 if window is None else window)
 
 
-def exchange_name(strategy: str, cp: int, tokens: int, max_seqlen) -> str:
-  ex = core_exchange(strategy, cp, tokens, max_seqlen)
+def exchange_name(strategy: str, cp: int, tokens: int, max_seqlen,
+                  window: int | None = None) -> str:
+  ex = core_exchange(strategy, cp, tokens, max_seqlen, window)
   if ex.kind == "halo":
     return f"halo ({ex.halo_tokens} tokens)"
   return ex.kind
 
 
 def exchange_program(mesh, strategy: str, tokens: int, pass_name: str,
-                     max_seqlen):
+                     max_seqlen, window: int | None = None):
   """The K/V exchange of a step alone, in a ``shard_map`` like the core's.
 
   Uses the core's own exchange (``jax_cp.kv_exchange``: all-gather +
@@ -122,7 +128,7 @@ def exchange_program(mesh, strategy: str, tokens: int, pass_name: str,
   re-gather with the forward's, so it is not repeated here.
   """
   cp = mesh.shape["cp"]
-  ex = core_exchange(strategy, cp, tokens, max_seqlen)
+  ex = core_exchange(strategy, cp, tokens, max_seqlen, window)
 
   def local_core(k, v, cuP):
     kb, vb = ex.gather(k[None], v[None], cuP[None])
@@ -173,12 +179,14 @@ def build_plan(args) -> tuple[dict[tuple, Program], list[Measurement]]:
   max_cp = max(args.cp)
   dtype = jnp.dtype(args.dtype)
   hq, d = args.hq, args.head_dim
+  window = args.window
+  ws = None if window is None else (window, 0)
 
   def add(kind, row, cp, strategy, pass_name, hkv, key, build,
           no_collectives=False):
     """Plans one measurement (once per row) and its program (once per
     key: rows with the same static shape share a program)."""
-    ident = (kind, row.row_id, cp, strategy, pass_name, hkv)
+    ident = (kind, row.row_id, cp, strategy, pass_name, hkv, window)
     if ident in seen:
       return
     seen.add(ident)
@@ -192,9 +200,10 @@ def build_plan(args) -> tuple[dict[tuple, Program], list[Measurement]]:
         "bound": args.max_seqlen_bound, "num_docs": row.num_docs,
         "valid_tokens": row.valid_tokens,
         "longest_padded_doc": row.longest_padded_doc,
-        "flops": flops(row, hq, d, pass_name), "backend": args.backend,
-        "exchange": (exchange_name(strategy, cp, row.tokens, row.max_seqlen)
-                     if cp > 1 else None)}
+        "flops": flops(row, hq, d, pass_name, window),
+        "backend": args.backend, "window": window,
+        "exchange": (exchange_name(strategy, cp, row.tokens, row.max_seqlen,
+                                   window) if cp > 1 else None)}
     plan.append(Measurement(record, programs[key], row))
 
   # Run order = priority under --budget-s: the speed targets first
@@ -213,35 +222,36 @@ def build_plan(args) -> tuple[dict[tuple, Program], list[Measurement]]:
         if args.references and dist == "one_doc":
           row = next(iter(rows.values()))
           add("dense_reference", row, 1, None, p, hkv,
-              ("dense",) + shape + (p,),
-              lambda p=p: with_pass(dense_forward(impl), p))
+              ("dense",) + shape + (p, window),
+              lambda p=p: with_pass(dense_forward(impl, ws), p))
         for st, row in rows.items():
           w, n = row.max_seqlen, row.num_docs
           if args.references:
             add("fused_primitive", row, 1, None, p, hkv,
-                ("primitive",) + shape + (p, n, w),
-                lambda p=p, w=w: with_pass(primitive_forward(args.backend,
-                                                              w), p))
+                ("primitive",) + shape + (p, n, w, window),
+                lambda p=p, w=w: with_pass(primitive_forward(
+                    args.backend, w, ws), p))
           for cp in args.cp:
             s = st if cp > 1 else None     # cp=1 ignores the strategy
             add("cp_attention", row, cp, s, p, hkv,
-                ("cp_attention",) + shape + (p, cp, s, n, w),
+                ("cp_attention",) + shape + (p, cp, s, n, w, window),
                 lambda p=p, cp=cp, st=st, w=w: with_pass(
-                    cp_forward(make_mesh(cp), st, args.backend, w), p))
+                    cp_forward(make_mesh(cp), st, args.backend, w,
+                               window_size=ws), p))
             if cp == 1:
               continue
             if exposed:
               add("cp_attention_nocomm", row, cp, s, p, hkv,
-                  ("cp_attention_nocomm",) + shape + (p, cp, s, n, w),
+                  ("cp_attention_nocomm",) + shape + (p, cp, s, n, w, window),
                   lambda p=p, cp=cp, st=st, w=w: with_pass(
                       cp_forward(make_mesh(cp), st, args.backend, w,
-                                 communicate=False), p),
+                                 communicate=False, window_size=ws), p),
                   no_collectives=True)
             if standalone:
               add("exchange_standalone", row, cp, s, p, hkv,
-                  ("exchange",) + shape + (p, cp, s, n, w),
+                  ("exchange",) + shape + (p, cp, s, n, w, window),
                   lambda p=p, cp=cp, st=st, t=tokens, w=w: exchange_program(
-                      make_mesh(cp), st, t, p, w))
+                      make_mesh(cp), st, t, p, w, window))
   return programs, plan
 
 
@@ -404,6 +414,8 @@ def parse_args(argv: Sequence[str] | None = None):
                  help="stop measuring (record 'skipped') after this many "
                       "seconds of wall time")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--window", type=int, default=None,
+                 help="causal sliding window (LEFT, 0) in every program")
   p.add_argument("--out", default=_RESULTS)
   p.add_argument("--dry-run", action="store_true",
                  help="print the plan (programs, measurements) and exit")
@@ -415,6 +427,8 @@ def parse_args(argv: Sequence[str] | None = None):
       setattr(args, name, list(value))
   if args.reps < 1 or args.warmup < 1:
     p.error("--reps and --warmup must be >= 1")
+  if args.window is not None and args.window < 0:
+    p.error("--window must be >= 0")
   for t in args.tokens:
     if t % (2 * max(args.cp)):
       p.error(f"--tokens {t} must be a multiple of 2*max(cp)="

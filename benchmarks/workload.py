@@ -142,8 +142,16 @@ class Row:
   @property
   def pairs(self) -> int:
     """Causal (query, key) pairs: ``L(L+1)/2`` per document."""
+    return self.window_pairs(None)
+
+  def window_pairs(self, window: int | None) -> int:
+    """Causal pairs inside a sliding window ``(window, 0)``: a query at
+    position ``j`` sees ``min(j+1, window+1)`` keys (None: no window)."""
     lens = np.diff(self.cu).astype(np.int64)
-    return int((lens * (lens + 1) // 2).sum())
+    if window is None:
+      return int((lens * (lens + 1) // 2).sum())
+    m = np.minimum(lens, window + 1)
+    return int((m * (m + 1) // 2 + (lens - m) * (window + 1)).sum())
 
 
 def make_row(dist: str, tokens: int, strategy: str, max_cp: int, bound: str,
@@ -159,10 +167,12 @@ def make_row(dist: str, tokens: int, strategy: str, max_cp: int, bound: str,
   return Row(dist, tokens, layout, cu, cuP, w)
 
 
-def flops(row: Row, hq: int, head_dim: int, pass_name: str) -> float:
+def flops(row: Row, hq: int, head_dim: int, pass_name: str,
+          window: int | None = None) -> float:
   """``4 * Hq * D * pairs`` forward, :data:`FWD_BWD_FLOP_FACTOR` times that
-  for forward+backward."""
-  f = 4.0 * hq * head_dim * row.pairs
+  for forward+backward; only the pairs inside a sliding window
+  ``(window, 0)`` when one is given."""
+  f = 4.0 * hq * head_dim * row.window_pairs(window)
   return f * FWD_BWD_FLOP_FACTOR if pass_name == "fwd_bwd" else f
 
 
@@ -256,22 +266,27 @@ def cp_forward(mesh, strategy: str, backend: str, max_seqlen: int | None,
   return forward
 
 
-def primitive_forward(backend: str, max_seqlen: int | None) -> Callable:
-  """``jax_cp.fused_attention`` (no CP) over the row, top-left causal."""
+def primitive_forward(backend: str, max_seqlen: int | None,
+                      window_size=None) -> Callable:
+  """``jax_cp.fused_attention`` (no CP) over the row, top-left causal
+  (within the sliding window ``window_size`` when given)."""
   def forward(q, k, v, cu, cuP):
     lens = cu[1:] - cu[:-1]
     offs = cuP[:-1]
     return jax_cp.fused_attention(
         q, k, v, lens, lens, offs, offs, attn_mask_type="causal_top_left",
-        backend=backend, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+        backend=backend, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
+        window_size=window_size)
   return forward
 
 
-def dense_forward(implementation: str | None) -> Callable:
-  """``jax.nn.dot_product_attention`` on the whole row as one document."""
+def dense_forward(implementation: str | None, window_size=None) -> Callable:
+  """``jax.nn.dot_product_attention`` on the whole row as one document
+  (``local_window_size=window_size``)."""
   def forward(q, k, v, cu, cuP):
     del cu, cuP
     return jax.nn.dot_product_attention(q[None], k[None], v[None],
                                         is_causal=True,
-                                        implementation=implementation)[0]
+                                        implementation=implementation,
+                                        local_window_size=window_size)[0]
   return forward

@@ -410,3 +410,25 @@ def test_benchmarks_take_a_window(tmp_path):
   with open(path) as f:
     rec, = json.load(f)["records"]
   assert rec["window"] == 15 and rec["ms_other"] > 0
+
+
+def test_bench_cp_takes_a_window(tmp_path):
+  """bench_cp --window: windowed programs, windowed FLOPs, the halo named
+  in the record (xla, tiny sizes)."""
+  import json
+
+  from benchmarks import bench_cp
+
+  path = bench_cp.main([
+      "--backend", "xla", "--tokens", "256", "--hq", "2", "--hkv", "1",
+      "--head-dim", "8", "--dtype", "float32", "--cp", "1", "2",
+      "--strategies", "no_load_balance", "--dists", "one_doc",
+      "--passes", "fwd_bwd", "--reps", "1", "--warmup", "1",
+      "--compile-workers", "1", "--no-references", "--window", "15",
+      "--out", str(tmp_path)])
+  with open(path) as f:
+    records = json.load(f)["records"]
+  cp2 = [r for r in records if r["kind"] == "cp_attention" and r["cp"] == 2]
+  assert cp2 and cp2[0]["window"] == 15
+  assert cp2[0]["exchange"] == "halo (15 tokens)"
+  assert cp2[0]["flops"] == 4.0 * 2 * 8 * (136 + 240 * 16) * 3.5
