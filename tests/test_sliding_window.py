@@ -412,6 +412,7 @@ def test_benchmarks_take_a_window(tmp_path):
   assert rec["window"] == 15 and rec["ms_other"] > 0
 
 
+@pytest.mark.slow
 def test_bench_cp_takes_a_window(tmp_path):
   """bench_cp --window: windowed programs, windowed FLOPs, the halo named
   in the record (xla, tiny sizes)."""
