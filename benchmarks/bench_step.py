@@ -35,6 +35,7 @@ import argparse
 import collections
 import datetime
 import glob
+import importlib.util
 import json
 import os
 import re
@@ -45,11 +46,26 @@ from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_REPO = os.path.dirname(_HERE)
-sys.path.insert(0, _REPO)
-sys.path.insert(0, os.path.join(_REPO, "examples"))
+_EXAMPLES = os.path.join(os.path.dirname(_HERE), "examples")
 
-import xla_flags  # noqa: E402  (no jax import)
+
+def example(name: str):
+  """The module of ``examples/<name>.py``, imported by its path.
+
+  The examples are scripts (each finds its siblings itself), not a package;
+  a module already imported under that name is reused, so the benchmark and
+  the example share one copy of it.
+  """
+  if name not in sys.modules:
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(_EXAMPLES, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+  return sys.modules[name]
+
+
+xla_flags = example("xla_flags")   # no jax import: flags are set before it
 
 STRATEGIES = ("dual_chunk_swap", "no_load_balance")
 
@@ -272,9 +288,9 @@ def build_program(args, strategy: str, cp: int | None, rows, max_seqlen):
   is placed once."""
   import jax  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
-  import train_packed_lm as lm  # pylint: disable=import-outside-toplevel
 
   import jax_cp  # pylint: disable=import-outside-toplevel
+  lm = example("train_packed_lm")
   margs = _model_args(args, strategy)
   mesh = lm.make_mesh(1, cp or 1, args.device)
   tx = lm.make_optimizer(lm.default_lr(args.d_model), 10, 1000)
@@ -300,8 +316,8 @@ def build_program(args, strategy: str, cp: int | None, rows, max_seqlen):
 
 def run_bench(args) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
-  import packed_data  # pylint: disable=import-outside-toplevel
-  import train_packed_lm as lm  # pylint: disable=import-outside-toplevel
+  lm = example("train_packed_lm")
+  packed_data = lm.packed_data
   cps = sorted(set(args.cp))
   if cps[0] != 1:
     raise SystemExit("--cp must include 1 (the base of every pair)")
