@@ -347,6 +347,17 @@ def check_max_seqlen_bound(cu_seqlens_padded: Any, max_seqlen: Any) -> None:
         f"document ({longest} tokens) in cu_seqlens_padded")
 
 
+#: What a step does when its traced metadata breaks the ``max_seqlen``
+#: bound (:mod:`jax_cp.seqlen_guard`).
+MAX_SEQLEN_VIOLATIONS = ("fallback", "error")
+
+
+def check_max_seqlen_violation(max_seqlen_violation: Any) -> None:
+  if max_seqlen_violation not in MAX_SEQLEN_VIOLATIONS:
+    raise ValueError(f"max_seqlen_violation={max_seqlen_violation!r} is not "
+                     f"one of {list(MAX_SEQLEN_VIOLATIONS)}")
+
+
 def check_batch_axis_rank(batch_axis: Any, q_shape) -> None:
   """A batch (data-parallel) axis needs inputs ``[B, T, H, D]``."""
   if batch_axis and len(q_shape) != 4:

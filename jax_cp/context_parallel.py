@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_cp import checks
+from jax_cp import checks, seqlen_guard
 from jax_cp.cp_config import CPConfig, make_config
 from jax_cp.cp_vjp import cp_attention_vjp
 from jax_cp.strategy import CPLoadBalancingStrategy
@@ -49,7 +49,8 @@ def cp_attention_local(q, k, v, cu_seqlens, cu_seqlens_padded, *,
                        backend: str = "auto",
                        max_seqlen: Optional[int] = None,
                        window_size=None,
-                       split_causal_backward: Optional[bool] = None):
+                       split_causal_backward: Optional[bool] = None,
+                       max_seqlen_violation: str = "fallback"):
   """CP attention on this rank's chunk, inside the caller's ``shard_map``.
 
   Args:
@@ -69,9 +70,10 @@ def cp_attention_local(q, k, v, cu_seqlens, cu_seqlens_padded, *,
     softmax_scale: defaults to ``1/sqrt(D)``.
     backend: ``"auto"``, ``"cudnn"`` or ``"xla"``.
     max_seqlen: static bound on every padded document length (None = T).
-      Kernels size their grids by it; a document longer than the bound gives
-      undefined results on the cuDNN backend (checked when the metadata is
-      concrete).
+      Kernels size their grids by it and NO_LOAD_BALANCE exchanges only the
+      ``max_seqlen - 1`` tokens before each chunk. Concrete metadata with a
+      longer document raises ``ValueError``; traced metadata is checked in
+      the step, as ``max_seqlen_violation`` says.
     window_size: ``None``/``(-1, 0)`` (plain causal) or a causal sliding
       window ``(left, 0)``, ``left >= 0``: a query at document position
       ``i`` sees keys ``[i - left, i]``. Both strategies; NO_LOAD_BALANCE
@@ -85,6 +87,20 @@ def cp_attention_local(q, k, v, cu_seqlens, cu_seqlens_padded, *,
       (at most ``max_seqlen - 1`` rows) is split only when
       ``max_seqlen > 8192``, below which the extra call costs more than it
       saves. Same result either way.
+    max_seqlen_violation: what a step with traced metadata does when a
+      padded document is longer than ``max_seqlen``: ``"fallback"`` (the
+      default) runs that step as with ``max_seqlen=None`` (the all-gather
+      exchange, or a sliding window's halo, and kernel bounds of the row
+      length: right results, slower; decided in-graph by a
+      ``lax.cond`` on the metadata: only a step that breaks the bound runs
+      the all-gather; none where the bounded program is exact anyway,
+      e.g. DUAL_CHUNK_SWAP on the xla backend); ``"error"`` adds a
+      ``jax.experimental.checkify.check`` instead: wrap the step in
+      ``checkify.checkify`` to get the error (without it, tracing raises).
+      JAX's checkify fails while tracing where an error would flow into a
+      ``shard_map``: into a later CP attention call of the same function,
+      or into one traced under ``jax.set_mesh`` (pass ``mesh=``); see the
+      README.
 
   Returns:
     The local output, shaped and typed like ``q``.
@@ -98,7 +114,8 @@ def cp_attention_local(q, k, v, cu_seqlens, cu_seqlens_padded, *,
                     softmax_scale=softmax_scale, backend=backend,
                     max_seqlen=max_seqlen, window_size=window_size,
                     split_causal_backward=split_causal_backward,
-                    total_tokens=q.shape[-3] * cp_size)
+                    total_tokens=q.shape[-3] * cp_size,
+                    max_seqlen_violation=max_seqlen_violation)
   return _run_local(cfg, q, k, v, cu_seqlens, cu_seqlens_padded)
 
 
@@ -107,6 +124,10 @@ def _run_local(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded):
   q4, k4, v4, cu, cuP, squeeze = _as_batched(
       q, k, v, jnp.asarray(cu_seqlens, jnp.int32),
       jnp.asarray(cu_seqlens_padded, jnp.int32))
+  # Inside the shard_map: checkify carries an error from one such
+  # shard_map into the next (a layer after this one), not one raised
+  # outside into it.
+  seqlen_guard.check(cfg, cuP)
   out = cp_attention_vjp(q4, k4, v4, cu, cuP, cfg)
   return out[0] if squeeze else out
 
@@ -139,7 +160,8 @@ def cp_attention(q, k, v, cu_seqlens, cu_seqlens_padded, *, mesh=None,
                  head_axis: Optional[str] = None,
                  max_seqlen: Optional[int] = None,
                  window_size=None,
-                 split_causal_backward: Optional[bool] = None):
+                 split_causal_backward: Optional[bool] = None,
+                 max_seqlen_violation: str = "fallback"):
   """CP attention, global view: ``jit``-friendly over sharded arrays.
 
   Args:
@@ -178,7 +200,8 @@ def cp_attention(q, k, v, cu_seqlens, cu_seqlens_padded, *, mesh=None,
                     softmax_scale=softmax_scale, backend=backend,
                     max_seqlen=max_seqlen, window_size=window_size,
                     split_causal_backward=split_causal_backward,
-                    total_tokens=q.shape[-3], platform=_platform(mesh))
+                    total_tokens=q.shape[-3], platform=_platform(mesh),
+                    max_seqlen_violation=max_seqlen_violation)
   if head_axis is not None:
     checks.check_head_axis_divides(head_axis, mesh.shape[head_axis], q.shape,
                                    k.shape)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from jax_cp import checks
+from jax_cp import checks, seqlen_guard
 from jax_cp.attention.api import default_scale
 from jax_cp.attention.backend import AttentionBackend
 from jax_cp.attention.registry import resolve_backend
@@ -46,6 +46,15 @@ class CPConfig:
     split_straddle: the same split for NO_LOAD_BALANCE's straddle call.
     window_left: the left bound of a causal sliding window (a query at
       document position ``i`` sees keys ``[i - window_left, i]``); -1: none.
+    bound_check: what a step does in-graph when its metadata holds a padded
+      document longer than ``max_seqlen`` (:mod:`jax_cp.seqlen_guard`):
+      ``"fallback"`` (run ``unbounded``), ``"error"`` (a ``checkify``
+      check), or None: nothing to check (no bound below T, concrete
+      metadata, checked by value already, or a bounded program that is
+      exact for longer documents too).
+    unbounded: with ``bound_check="fallback"``, the same call with
+      ``max_seqlen = T`` (the all-gather, or a sliding window's halo;
+      bounds of the row length).
   """
 
   strategy: CPLoadBalancingStrategy
@@ -60,6 +69,8 @@ class CPConfig:
   exchange: KVExchange
   split_straddle: bool = False
   window_left: int = -1
+  bound_check: Optional[str] = None
+  unbounded: Optional[CPConfig] = None
 
   @property
   def local_tokens(self) -> int:
@@ -73,12 +84,15 @@ def make_config(q_shape, k_shape, v_shape, dtype, cu_seqlens,
                 attn_mask_type: str, softmax_scale: Optional[float],
                 backend: str, max_seqlen: Optional[int], window_size: Any,
                 split_causal_backward: Optional[bool], total_tokens: int,
-                platform: Optional[str] = None) -> CPConfig:
+                platform: Optional[str] = None,
+                max_seqlen_violation: str = "fallback") -> CPConfig:
   """Validates everything that can be checked now and builds the config.
 
   Shapes are the global ``[.., T, H, D]`` ones (or the local ones with
   ``total_tokens = Tl * cp``); ``cu_seqlens``/``cu_seqlens_padded`` the row
-  metadata, checked by value when concrete.
+  metadata, checked by value when concrete. With traced metadata and a
+  bound below T, the step checks the bound in-graph as
+  ``max_seqlen_violation`` says (:attr:`CPConfig.bound_check`).
   """
   strategy = as_strategy(load_balancing_strategy)
   checks.check_qkv_shapes(q_shape, k_shape, v_shape)
@@ -93,28 +107,42 @@ def make_config(q_shape, k_shape, v_shape, dtype, cu_seqlens,
   if strategy is _DCS and cp_size > 1:
     checks.check_dual_chunk_divisible(cu_seqlens_padded, cp_size)
   bound = checks.check_max_seqlen(max_seqlen, cu_seqlens_padded, total_tokens)
+  checks.check_max_seqlen_violation(max_seqlen_violation)
   resolved = resolve_backend(backend, platform)
-  if split_causal_backward is None:
-    split_causal_backward = resolved.name == "cudnn"
-    # NO_LOAD_BALANCE's straddle block is at most W-1 rows: below the
-    # threshold the extra call of a split costs more than the slower
-    # bottom-right backward saves.
-    split_straddle = split_causal_backward and bound > SPLIT_STRADDLE_ABOVE
-  else:
-    split_straddle = bool(split_causal_backward)
-  if window_left >= 0:
-    # The rectangle of a split bottom-right block would need the band too:
-    # windowed blocks run their backward whole.
-    split_causal_backward = split_straddle = False
-  exchange = choose_exchange(
-      strategy is _NLB, cp_axis, cp_size, total_tokens, bound,
-      communicate=cp_comm_type != checks.CP_COMM_LOCAL_COPIES,
-      window_left=window_left)
-  return CPConfig(strategy=strategy, cp_axis=cp_axis, cp_size=cp_size,
-                  causal=attn_mask_type == "causal",
-                  scale=default_scale(q_shape[-1], softmax_scale),
-                  backend=resolved, total_tokens=total_tokens,
-                  max_seqlen=bound,
-                  split_causal_backward=bool(split_causal_backward),
-                  exchange=exchange, split_straddle=split_straddle,
-                  window_left=window_left)
+
+  def config(w: int) -> CPConfig:
+    """The layout for the bound ``w``."""
+    split, split_straddle = split_causal_backward, None
+    if split is None:
+      split = resolved.name == "cudnn"
+      # NO_LOAD_BALANCE's straddle block is at most W-1 rows: below the
+      # threshold the extra call of a split costs more than the slower
+      # bottom-right backward saves.
+      split_straddle = split and w > SPLIT_STRADDLE_ABOVE
+    split_straddle = bool(split if split_straddle is None else
+                          split_straddle)
+    if window_left >= 0:
+      # The rectangle of a split bottom-right block would need the band too:
+      # windowed blocks run their backward whole.
+      split = split_straddle = False
+    exchange = choose_exchange(
+        strategy is _NLB, cp_axis, cp_size, total_tokens, w,
+        communicate=cp_comm_type != checks.CP_COMM_LOCAL_COPIES,
+        window_left=window_left)
+    return CPConfig(strategy=strategy, cp_axis=cp_axis, cp_size=cp_size,
+                    causal=attn_mask_type == "causal",
+                    scale=default_scale(q_shape[-1], softmax_scale),
+                    backend=resolved, total_tokens=total_tokens,
+                    max_seqlen=w, split_causal_backward=bool(split),
+                    exchange=exchange, split_straddle=split_straddle,
+                    window_left=window_left)
+
+  cfg = config(bound)
+  if bound >= total_tokens or checks.concrete(cu_seqlens_padded) is not None:
+    return cfg    # no bound, or one checked by value above
+  if max_seqlen_violation == "error":
+    return dataclasses.replace(cfg, bound_check="error")
+  unbounded = config(total_tokens)
+  if seqlen_guard.bounded_program_is_exact(cfg, unbounded):
+    return cfg
+  return dataclasses.replace(cfg, bound_check="fallback", unbounded=unbounded)

@@ -12,6 +12,10 @@ must, run :func:`jax_cp.call_plan.backward_calls` with dq written as
 (reduce-scatter, or reverse halo permutes merged with the backend's
 ``merge_rows``). docs/design.md, Call plans and Exchange.
 
+With traced metadata and a ``max_seqlen`` bound, forward and backward each
+run under :func:`jax_cp.seqlen_guard.run`: a step whose padded documents
+break the bound takes the unbounded program (:attr:`CPConfig.unbounded`).
+
 Inputs are batched: q ``[B, Tl, Hq, D]``, k/v ``[B, Tl, Hkv, D]``, row
 metadata ``[B, N+1]`` int32.
 """
@@ -24,7 +28,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jax_cp import call_plan
+from jax_cp import call_plan, seqlen_guard
 from jax_cp.attention.api import window_kwargs
 from jax_cp.attention.merge import GradSum, add
 from jax_cp.cp_config import CPConfig
@@ -116,21 +120,57 @@ def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
                                     None)
 
 
+def _guarded_forward(q, k, v, cu_seqlens, cu_seqlens_padded,
+                     cfg: CPConfig):
+  """:func:`_forward` under the bound check (:mod:`jax_cp.seqlen_guard`).
+  Both branches give a halo of the bounded exchange's shape: the unbounded
+  one gives zeros, which its backward does not read."""
+
+  def branch(c: CPConfig, q, k, v, cu, cuP):
+    out, lse, halo = _forward(q, k, v, cu, cuP, c)
+    if c is cfg.unbounded:
+      # Its backward exchanges again (with a sliding window it may keep a
+      # halo of another size, dropped here); the residual takes the
+      # bounded forward's shape: zeros shaped (and, in a shard_map checking
+      # types, varying) like its halo, at most half a chunk, so a prefix of
+      # the local K|V.
+      halo = None
+      if cfg.exchange.keeps_halo:
+        h = cfg.exchange.halo_tokens
+        halo = jnp.zeros_like(jnp.concatenate([k[:, :h], v[:, :h]], axis=2))
+    return out, lse, halo
+
+  return seqlen_guard.run(cfg, cu_seqlens_padded, branch, q, k, v,
+                          cu_seqlens, cu_seqlens_padded)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def cp_attention_vjp(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
   """This rank's attention output ``[B, Tl, Hq, D]``, differentiable in
   q, k, v."""
-  return _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg)[0]
+  return _guarded_forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg)[0]
 
 
 def _vjp_forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
-  out, lse, halo = _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg)
+  out, lse, halo = _guarded_forward(q, k, v, cu_seqlens, cu_seqlens_padded,
+                                    cfg)
   # Residuals are local, plus a small received halo (KVExchange.keeps_halo):
   # all-gathered K/V are rebuilt in the backward.
   return out, (q, k, v, cu_seqlens, cu_seqlens_padded, out, lse, halo)
 
 
 def _vjp_backward(cfg: CPConfig, residuals, dout):
+  def branch(c: CPConfig, residuals, dout):
+    if c is cfg.unbounded:   # its forward kept no halo
+      residuals = residuals[:-1] + (None,)
+    return _backward(c, residuals, dout)
+
+  dq, dk, dv = seqlen_guard.run(cfg, residuals[4], branch, residuals, dout)
+  return dq, dk, dv, None, None
+
+
+def _backward(cfg: CPConfig, residuals, dout):
+  """(dq, dk, dv) of this rank's chunk."""
   q, k, v, cu_seqlens, cu_seqlens_padded, out, lse, halo = residuals
   backend = cfg.backend
   kx = vx = None
@@ -175,8 +215,7 @@ def _vjp_backward(cfg: CPConfig, residuals, dout):
     # call).
     dk, dv = cfg.exchange.scatter(dkx, dvx, cu_seqlens_padded, into=(dk, dv),
                                   merge_rows=merge)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None,
-          None)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 cp_attention_vjp.defvjp(_vjp_forward, _vjp_backward)

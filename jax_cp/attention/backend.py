@@ -47,6 +47,11 @@ buffers ``[B, rows, Hkv, D]`` of a call reading ``[halo; local chunk]``
 the backend's own attention must tolerate anything elsewhere
 (:mod:`jax_cp.attention.assemble` has the portable version).
 
+``exact_past_bounds``: True when results do not depend on the static
+bounds ``max_seqlen_q``/``max_seqlen_kv`` (a longer segment is attended in
+full); False when kernels are sized by them, as cuDNN's are, and a longer
+segment gives wrong results.
+
 In-place writes are an optional capability (``supports_in_place``, the
 :class:`InPlaceAttentionBackend` protocol). Such a backend also takes:
 
@@ -124,6 +129,9 @@ class AttentionBackend(Protocol):
   @property
   def supports_in_place(self) -> bool: ...
 
+  @property
+  def exact_past_bounds(self) -> bool: ...
+
   def is_available(self, platform: str) -> bool: ...
 
   def forward(self, q: jax.Array, k: jax.Array, v: jax.Array,
@@ -173,6 +181,8 @@ class Backend:
       fills every row.
     supports_in_place: ``forward``/``backward`` take ``into``/``dq_into``/
       ``dq_fill`` (see :class:`InPlaceAttentionBackend`).
+    exact_past_bounds: results do not depend on the segments' static
+      bounds (see the module docstring).
   """
 
   name: str
@@ -182,3 +192,4 @@ class Backend:
   merge_rows: Callable[..., jax.Array] = merge_rows_jnp
   assemble_kv: Callable[..., Pair] = assemble_kv_jnp
   supports_in_place: bool = False
+  exact_past_bounds: bool = False

@@ -120,4 +120,4 @@ def is_available(platform: str) -> bool:
 
 
 BACKEND = Backend(name="xla", forward=forward, backward=backward,
-                  is_available=is_available)
+                  is_available=is_available, exact_past_bounds=True)

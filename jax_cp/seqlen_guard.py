@@ -1,0 +1,80 @@
+"""The in-graph guard of the ``max_seqlen`` bound (docs/design.md, Exchange).
+
+A bound W below the row length lets a step exchange only a halo of
+``W - 1`` tokens and size its kernels by W; a padded document longer than
+W would silently lose keys. Concrete metadata is checked by value
+(:func:`jax_cp.checks.check_max_seqlen`); traced metadata is checked here,
+in the step, as :attr:`jax_cp.cp_config.CPConfig.bound_check` says:
+
+* ``"fallback"``: :func:`run` picks between the bounded program and the
+  unbounded one (all-gather exchange, bounds of the row length) with a
+  ``lax.cond``. The predicate is a few integer ops on the metadata, which
+  every rank of the cp axis holds replicated, so all of them take the same
+  branch and the collectives inside it match. A step that breaks the bound
+  is right, only slower. Where the bounded program is exact for longer
+  documents anyway (:func:`bounded_program_is_exact`), there is no
+  ``cond``.
+* ``"error"``: :func:`check` adds a :func:`jax.experimental.checkify.check`;
+  the caller wraps the step in :func:`jax.experimental.checkify.checkify`
+  and gets the error back (untransformed, tracing it raises and says so).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
+
+from jax_cp.strategy import CPLoadBalancingStrategy
+
+
+def bounded_program_is_exact(cfg, unbounded) -> bool:
+  """Whether the program of ``cfg`` gives the results of ``unbounded``
+  (its config with ``max_seqlen = T``) for documents of any length, so no
+  fallback is needed: the same exchange, no call reading a prefix sized by
+  the bound (NO_LOAD_BALANCE's straddle call reads the first ``min(W-1,
+  Tl)`` rows; docs/design.md, Call plans), and a backend whose results do
+  not depend on the kernels' static bounds."""
+  if not cfg.backend.exact_past_bounds or cfg.exchange != unbounded.exchange:
+    return False
+  prefix = (cfg.strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE
+            and cfg.cp_size > 1 and cfg.max_seqlen - 1 < cfg.local_tokens)
+  return not prefix
+
+
+def longest_padded(cu_seqlens_padded):
+  """The longest padded document of all rows (int32 scalar)."""
+  cu_seqlens_padded = jnp.asarray(cu_seqlens_padded, jnp.int32)
+  lengths = cu_seqlens_padded[..., 1:] - cu_seqlens_padded[..., :-1]
+  return jnp.max(lengths).astype(jnp.int32)
+
+
+def exceeds_bound(cu_seqlens_padded, max_seqlen: int):
+  """bool scalar: some padded document is longer than ``max_seqlen``."""
+  return longest_padded(cu_seqlens_padded) > max_seqlen
+
+
+def check(cfg, cu_seqlens_padded) -> None:
+  """With ``bound_check="error"``: a ``checkify`` check that no padded
+  document is longer than the bound."""
+  if cfg.bound_check != "error":
+    return
+  longest = longest_padded(cu_seqlens_padded)
+  checkify.check(
+      longest <= cfg.max_seqlen,
+      "a padded document of {longest} tokens is longer than max_seqlen="
+      f"{cfg.max_seqlen} (max_seqlen_violation='error'); raise max_seqlen "
+      "or pass max_seqlen_violation='fallback'", longest=longest)
+
+
+def run(cfg, cu_seqlens_padded, branch, *operands):
+  """``branch(cfg, *operands)``, or with ``bound_check="fallback"``
+  ``branch(cfg.unbounded, *operands)`` for a step whose padded documents
+  exceed the bound. Both branches must return the same pytree of shapes."""
+  if cfg.bound_check != "fallback":
+    return branch(cfg, *operands)
+  return jax.lax.cond(exceeds_bound(cu_seqlens_padded, cfg.max_seqlen),
+                      functools.partial(branch, cfg.unbounded),
+                      functools.partial(branch, cfg), *operands)
