@@ -155,6 +155,11 @@ def _take(x, idx, seq_dim: int, batched: bool):
   if seq_dim == 0:
     raise ValueError("with batched cu_seqlens_padded [B, N+1], seq_dim must "
                      "point past the leading batch dim (seq_dim >= 1)")
+  if x.ndim <= seq_dim or x.shape[0] != idx.shape[0]:
+    raise ValueError(
+        f"batched cu_seqlens_padded has {idx.shape[0]} rows, so the "
+        f"tensors must be [B={idx.shape[0]}, ...] with the tokens on "
+        f"seq_dim={seq_dim}; got shape {tuple(x.shape)}")
   shape = [1] * x.ndim
   shape[0] = idx.shape[0]
   shape[seq_dim] = idx.shape[1]
