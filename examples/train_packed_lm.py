@@ -69,6 +69,7 @@ import json
 import math
 import os
 import pathlib
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -554,6 +555,29 @@ def place_batch(rows: packed_data.PackedRows, mesh,
           "cu_seqlens_padded": cu_seqlens_padded}
 
 
+#: Test-only hook (the recovery test): the save of the step named here
+#: SIGKILLs the process once every file of the checkpoint is written and
+#: before orbax commits it (the rename of its temporary directory).
+KILL_IN_SAVE_ENV = "JAX_CP_EXAMPLE_KILL_IN_SAVE"
+
+
+def _kill_in_save_hook(ocp):
+  """With ``$JAX_CP_EXAMPLE_KILL_IN_SAVE`` set, orbax's atomic-rename
+  temporary path, killing the process at the commit of that step; else
+  None (orbax's default)."""
+  step = os.environ.get(KILL_IN_SAVE_ENV)
+  if not step:
+    return None
+
+  class KillBeforeCommit(ocp.path.atomicity.AtomicRenameTemporaryPath):
+    async def finalize(self, *args, **kwargs):
+      if self.get_final().name == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+      return await super().finalize(*args, **kwargs)
+
+  return KillBeforeCommit
+
+
 class Checkpointer:
   """Orbax checkpoints of ``{step, params, opt_state}`` plus the run's
   config (a resumed run must use the same model and data settings).
@@ -591,7 +615,8 @@ class Checkpointer:
       cfg_file.write_text(json.dumps(config, indent=1))
     self.manager = ocp.CheckpointManager(
         self.path / "state", options=ocp.CheckpointManagerOptions(
-            max_to_keep=2, create=True))
+            max_to_keep=2, create=True,
+            temporary_path_class=_kill_in_save_hook(ocp)))
     self._last_saved = self.manager.latest_step()
 
   def latest_step(self) -> int | None:
