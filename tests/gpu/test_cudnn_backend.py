@@ -280,7 +280,8 @@ def test_errors_are_reported_not_crashes():
   s = layout.q_lens.shape[0]
   meta = jnp.zeros((5, s), jnp.int32)
   attrs = dict(segments=np.int64(s), mask=np.int64(0), scale=np.float32(1.0),
-               max_seqlen_q=np.int64(2), max_seqlen_kv=np.int64(2))
+               max_seqlen_q=np.int64(2), max_seqlen_kv=np.int64(2),
+               window_left=np.int64(-1))
   run = jax.jit(lambda *a: call(*a, **attrs))
   with pytest.raises(Exception, match=cudnn_backend.FWD_TARGET):
     jax.block_until_ready(run(q, k, v, meta))
