@@ -349,7 +349,7 @@ def check_max_seqlen_bound(cu_seqlens_padded: Any, max_seqlen: Any) -> None:
 
 #: What a step does when its traced metadata breaks the ``max_seqlen``
 #: bound (:mod:`jax_cp.seqlen_guard`).
-MAX_SEQLEN_VIOLATIONS = ("fallback", "error")
+MAX_SEQLEN_VIOLATIONS = ("fallback", "error", "checked_on_host")
 
 
 def check_max_seqlen_violation(max_seqlen_violation: Any) -> None:

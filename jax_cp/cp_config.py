@@ -140,6 +140,8 @@ def make_config(q_shape, k_shape, v_shape, dtype, cu_seqlens,
   cfg = config(bound)
   if bound >= total_tokens or checks.concrete(cu_seqlens_padded) is not None:
     return cfg    # no bound, or one checked by value above
+  if max_seqlen_violation == "checked_on_host":
+    return cfg    # the caller checked the values (no in-graph check)
   if max_seqlen_violation == "error":
     return dataclasses.replace(cfg, bound_check="error")
   unbounded = config(total_tokens)

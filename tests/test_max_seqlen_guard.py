@@ -221,7 +221,7 @@ def test_concrete_metadata_is_checked_by_value_not_in_graph():
                         load_balancing_strategy=NLB, backend="xla",
                         max_seqlen=8)
   with pytest.raises(ValueError, match="max_seqlen_violation='ignore' is not "
-                     "one of \\['fallback', 'error'\\]"):
+                     "one of \\['fallback', 'error', 'checked_on_host'\\]"):
     jax_cp.cp_attention(q, k, v, cu, cuP, mesh=cp_mesh(2),
                         load_balancing_strategy=NLB, backend="xla",
                         max_seqlen=40, max_seqlen_violation="ignore")
@@ -410,3 +410,24 @@ def test_predicate():
   assert int(seqlen_guard.longest_padded(cuP)) == 32
   assert bool(seqlen_guard.exceeds_bound(cuP, 31))
   assert not bool(seqlen_guard.exceeds_bound(cuP, 32))
+
+
+def test_checked_on_host_has_no_guard():
+  """``"checked_on_host"``: the caller vouches for the bound, so the step
+  carries no check and no conditional, and a batch within the bound gives
+  the reference results."""
+  cfg = traced_config(NLB, 4, 12, "checked_on_host")
+  assert cfg.bound_check is None and cfg.unbounded is None
+  assert cfg.exchange.kind == "halo"
+  q, k, v, w = qkv(5)
+  cu, cuP = WITHIN
+  assert jax_cp.longest_padded_document(cuP) <= 12     # the host check
+  fn = step(NLB, 4, 12, "checked_on_host")
+  text = fn.lower(q, k, v, w, *map(jnp.asarray, WITHIN)).compiler_ir(
+      "hlo").as_hlo_text()
+  assert " conditional(" not in text and "all-gather" not in text
+  grads, out = fn(q, k, v, w, *map(jnp.asarray, WITHIN))
+  want, want_grads = reference(q, k, v, w, cu, cuP)
+  np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+  for g, gw in zip(grads, want_grads):
+    np.testing.assert_allclose(g, gw, atol=5e-5, rtol=5e-5)
