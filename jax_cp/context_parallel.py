@@ -29,9 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jax_cp import checks, seqlen_guard
 from jax_cp.cp_config import CPConfig, make_config
 from jax_cp.cp_vjp import cp_attention_vjp
-from jax_cp.strategy import CPLoadBalancingStrategy
-
-_DCS = CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
+from jax_cp.layout import CPBatch, CPLayout, unpack_metadata
 
 
 def _as_batched(q, k, v, cu, cuP):
@@ -40,40 +38,39 @@ def _as_batched(q, k, v, cu, cuP):
   return q[None], k[None], v[None], cu[None], cuP[None], True
 
 
-def cp_attention_local(q, k, v, cu_seqlens, cu_seqlens_padded, *,
-                       cp_axis: Optional[str] = "cp",
-                       load_balancing_strategy=_DCS,
-                       cp_comm_type: str = "all_gather",
+def cp_attention_local(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
+                       layout: Optional[CPLayout] = None,
                        attn_mask_type: str = "causal",
                        softmax_scale: Optional[float] = None,
-                       backend: str = "auto",
-                       max_seqlen: Optional[int] = None,
                        window_size=None,
                        split_causal_backward: Optional[bool] = None,
-                       max_seqlen_violation: str = "fallback"):
+                       max_seqlen_violation: str = "fallback",
+                       **layout_kwargs):
   """CP attention on this rank's chunk, inside the caller's ``shard_map``.
 
   Args:
     q: local queries ``[Tl, Hq, D]`` or ``[B, Tl, Hq, D]`` (``Tl = T/cp``), in
       the layout of :func:`jax_cp.get_batch_on_this_cp_rank` with the same
-      strategy.
+      :class:`jax_cp.CPLayout`.
     k, v: local keys/values ``[.., Tl, Hkv, D]``, ``Hq % Hkv == 0``.
     cu_seqlens, cu_seqlens_padded: the *global* row metadata ``[N+1]`` or
-      ``[B, N+1]`` (replicated over the cp axis; may be traced).
-    cp_axis: the mesh axis the row is split over (``None``: no CP).
-    load_balancing_strategy: :class:`CPLoadBalancingStrategy` or its string.
-    cp_comm_type: ``"all_gather"`` (the only exchange implemented), or
-      ``"local_copies"``: the same exchange with every collective replaced
-      by a local copy of the same shape (no communication; wrong results
-      for cp > 1), to time a step without its communication.
+      ``[B, N+1]`` (replicated over the cp axis; may be traced). Or a
+      :class:`jax_cp.CPBatch` in place of ``cu_seqlens`` (and no
+      ``cu_seqlens_padded``): its metadata, its layout checked against
+      ``layout`` (and used when ``layout`` is not given).
+    layout: the :class:`jax_cp.CPLayout`: ``cp_axis`` (``None``: no CP),
+      strategy, ``comm_type`` (``"all_gather"``, or ``"local_copies"``: the
+      same exchange with every collective replaced by a local copy of the
+      same shape, no communication, wrong results for cp > 1, to time a
+      step without its communication), ``backend`` (``"auto"``,
+      ``"cudnn"``, ``"xla"``) and ``max_seqlen`` (static bound on every
+      padded document length, None = T; kernels size their grids by it and
+      NO_LOAD_BALANCE exchanges only the ``max_seqlen - 1`` tokens before
+      each chunk; concrete metadata with a longer document raises
+      ``ValueError``, traced metadata is checked in the step, as
+      ``max_seqlen_violation`` says).
     attn_mask_type: ``"causal"`` or ``"no_mask"`` (DUAL_CHUNK_SWAP only).
     softmax_scale: defaults to ``1/sqrt(D)``.
-    backend: ``"auto"``, ``"cudnn"`` or ``"xla"``.
-    max_seqlen: static bound on every padded document length (None = T).
-      Kernels size their grids by it and NO_LOAD_BALANCE exchanges only the
-      ``max_seqlen - 1`` tokens before each chunk. Concrete metadata with a
-      longer document raises ``ValueError``; traced metadata is checked in
-      the step, as ``max_seqlen_violation`` says.
     window_size: ``None``/``(-1, 0)`` (plain causal) or a causal sliding
       window ``(left, 0)``, ``left >= 0``: a query at document position
       ``i`` sees keys ``[i - left, i]``. Both strategies; NO_LOAD_BALANCE
@@ -101,22 +98,59 @@ def cp_attention_local(q, k, v, cu_seqlens, cu_seqlens_padded, *,
       ``shard_map``: into a later CP attention call of the same function,
       or into one traced under ``jax.set_mesh`` (pass ``mesh=``); see the
       README.
+    **layout_kwargs: the keyword form of ``layout``, exclusive with it:
+      ``cp_axis`` (default ``"cp"``), ``load_balancing_strategy``,
+      ``cp_comm_type``, ``backend``, ``max_seqlen``, ``cp_size``.
 
   Returns:
     The local output, shaped and typed like ``q``.
+
+  Raises:
+    ValueError: ``layout`` and keyword settings together, a batch laid out
+      with another layout, or any input the checks of
+      :func:`jax_cp.cp_config.make_config` reject.
   """
-  cp_size = 1 if cp_axis is None else jax.lax.axis_size(cp_axis)
+  layout, cu_seqlens, cu_seqlens_padded = _layout_and_metadata(
+      "cp_attention_local", layout, layout_kwargs, cu_seqlens,
+      cu_seqlens_padded)
+  cp_axis = layout.cp_axis
+  cp_size = 1 if cp_axis is None else _bound_axis_size(cp_axis)
+  if layout.cp_size is not None and cp_size != layout.cp_size:
+    raise ValueError(f"the layout's cp_size={layout.cp_size} disagrees with "
+                     f"the size {cp_size} of axis {cp_axis!r} here")
   checks.check_qkv_dtypes(q.dtype, k.dtype, v.dtype)
   cfg = make_config(q.shape, k.shape, v.shape, q.dtype, cu_seqlens,
                     cu_seqlens_padded, cp_size=cp_size, cp_axis=cp_axis,
-                    load_balancing_strategy=load_balancing_strategy,
-                    cp_comm_type=cp_comm_type, attn_mask_type=attn_mask_type,
-                    softmax_scale=softmax_scale, backend=backend,
-                    max_seqlen=max_seqlen, window_size=window_size,
+                    load_balancing_strategy=layout.strategy,
+                    cp_comm_type=layout.comm_type,
+                    attn_mask_type=attn_mask_type,
+                    softmax_scale=softmax_scale, backend=layout.backend,
+                    max_seqlen=layout.max_seqlen, window_size=window_size,
                     split_causal_backward=split_causal_backward,
                     total_tokens=q.shape[-3] * cp_size,
                     max_seqlen_violation=max_seqlen_violation)
   return _run_local(cfg, q, k, v, cu_seqlens, cu_seqlens_padded)
+
+
+def _layout_and_metadata(what, layout, layout_kwargs, cu_seqlens,
+                         cu_seqlens_padded):
+  """The call's layout (given, built from the keywords, or the batch's) and
+  its row metadata (arrays, or those of a :class:`CPBatch`)."""
+  if isinstance(cu_seqlens, CPBatch) and layout is None and not layout_kwargs:
+    layout = cu_seqlens.layout
+  layout = CPLayout.build(layout, what, **layout_kwargs)
+  cu, cuP = unpack_metadata(cu_seqlens, cu_seqlens_padded, layout, what)
+  return layout, cu, cuP
+
+
+def _bound_axis_size(cp_axis: str) -> int:
+  try:
+    return int(jax.lax.axis_size(cp_axis))
+  except NameError:
+    raise ValueError(
+        f"cp_axis={cp_axis!r} is not bound: cp_attention_local runs inside a "
+        "jax.shard_map over a mesh that has this axis (cp_attention is the "
+        "global view)") from None
 
 
 def _run_local(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded):
@@ -149,43 +183,53 @@ def _platform(mesh) -> Optional[str]:
     return getattr(getattr(mesh, "abstract_device", None), "platform", None)
 
 
-def cp_attention(q, k, v, cu_seqlens, cu_seqlens_padded, *, mesh=None,
-                 cp_axis: str = "cp",
-                 load_balancing_strategy=_DCS,
-                 cp_comm_type: str = "all_gather",
+def cp_attention(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
+                 layout: Optional[CPLayout] = None,
                  attn_mask_type: str = "causal",
                  softmax_scale: Optional[float] = None,
-                 backend: str = "auto",
-                 batch_axis: Optional[str] = None,
-                 head_axis: Optional[str] = None,
-                 max_seqlen: Optional[int] = None,
                  window_size=None,
                  split_causal_backward: Optional[bool] = None,
-                 max_seqlen_violation: str = "fallback"):
+                 max_seqlen_violation: str = "fallback",
+                 **layout_kwargs):
   """CP attention, global view: ``jit``-friendly over sharded arrays.
 
   Args:
     q: ``[T, Hq, D]`` or ``[B, T, Hq, D]`` in :func:`jax_cp.reorder_for_cp`
-      layout (same strategy), token axis sharded over ``cp_axis``.
+      layout (same :class:`jax_cp.CPLayout`), token axis sharded over
+      ``cp_axis``.
     k, v: ``[.., T, Hkv, D]``, same layout.
     cu_seqlens, cu_seqlens_padded: ``[N+1]`` or ``[B, N+1]`` int metadata of
-      the rows in physical order (not reordered).
-    mesh: a ``Mesh``; ``None`` takes the context mesh (``jax.set_mesh``).
-    cp_axis: mesh axis the tokens are split over.
-    batch_axis: optional mesh axis (or tuple of axes) the batch dim is
-      sharded over (data parallel); needs 4-D inputs.
-    head_axis: optional mesh axis the heads are sharded over (tensor
-      parallel); needs ``Hkv`` divisible by its size.
+      the rows in physical order (not reordered); or a
+      :class:`jax_cp.CPBatch` in place of ``cu_seqlens``.
+    layout: the :class:`jax_cp.CPLayout`: its ``mesh`` (``None`` takes the
+      context mesh, ``jax.set_mesh``), ``cp_axis``, ``batch_axis`` (the
+      batch dim sharded over it, data parallel; needs 4-D inputs),
+      ``head_axis`` (heads sharded over it, tensor parallel; needs ``Hkv``
+      divisible by its size), strategy, exchange, backend, ``max_seqlen``.
+    **layout_kwargs: its keyword form, exclusive with ``layout``: ``mesh``,
+      ``cp_axis`` (default ``"cp"``), ``batch_axis``, ``head_axis``,
+      ``load_balancing_strategy``, ``cp_comm_type``, ``backend``,
+      ``max_seqlen``.
     The other arguments are those of :func:`cp_attention_local`.
 
   Returns:
     The output, same shape, dtype and layout as ``q``. Differentiable in
     q, k, v.
   """
-  mesh = _resolve_mesh(mesh)
+  layout, cu_seqlens, cu_seqlens_padded = _layout_and_metadata(
+      "cp_attention", layout, layout_kwargs, cu_seqlens, cu_seqlens_padded)
+  if layout.cp_axis is None:
+    raise ValueError("cp_attention needs a cp_axis; attention without CP is "
+                     "cp_attention_local with cp_axis=None")
+  mesh = _resolve_mesh(layout.mesh)
+  cp_axis, batch_axis, head_axis = (layout.cp_axis, layout.batch_axis,
+                                    layout.head_axis)
   checks.check_mesh_axis(mesh, cp_axis, "cp_axis")
-  batch_axes = (batch_axis,) if isinstance(batch_axis, str) else tuple(
-      batch_axis or ())
+  batch_axes = layout.batch_axes
+  if layout.cp_size is not None and layout.cp_size != mesh.shape[cp_axis]:
+    raise ValueError(f"the layout's cp_size={layout.cp_size} disagrees with "
+                     f"the mesh, whose axis {cp_axis!r} has size "
+                     f"{mesh.shape[cp_axis]}")
   for ax in batch_axes:
     checks.check_mesh_axis(mesh, ax, "batch_axis")
   checks.check_mesh_axis(mesh, head_axis, "head_axis")
@@ -195,10 +239,11 @@ def cp_attention(q, k, v, cu_seqlens, cu_seqlens_padded, *, mesh=None,
   cfg = make_config(q.shape, k.shape, v.shape, q.dtype, cu_seqlens,
                     cu_seqlens_padded, cp_size=mesh.shape[cp_axis],
                     cp_axis=cp_axis,
-                    load_balancing_strategy=load_balancing_strategy,
-                    cp_comm_type=cp_comm_type, attn_mask_type=attn_mask_type,
-                    softmax_scale=softmax_scale, backend=backend,
-                    max_seqlen=max_seqlen, window_size=window_size,
+                    load_balancing_strategy=layout.strategy,
+                    cp_comm_type=layout.comm_type,
+                    attn_mask_type=attn_mask_type,
+                    softmax_scale=softmax_scale, backend=layout.backend,
+                    max_seqlen=layout.max_seqlen, window_size=window_size,
                     split_causal_backward=split_causal_backward,
                     total_tokens=q.shape[-3], platform=_platform(mesh),
                     max_seqlen_violation=max_seqlen_violation)

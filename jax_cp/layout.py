@@ -1,0 +1,416 @@
+"""One static object for the token layout of a CP run, and batches that
+carry it.
+
+:class:`CPLayout` holds every setting that decides where the tokens of a
+packed row live and how attention exchanges them: the cp mesh axis (and the
+mesh), the cp size, the load-balancing strategy, the K/V exchange, the
+``max_seqlen`` bound, the attention backend, the batch and head mesh axes,
+and the view (``"global"``: whole rows under ``jit`` with a mesh;
+``"local"``: this rank's chunk inside a ``shard_map``). It is validated
+once, when built, is frozen and hashable (a static argument of ``jax.jit``
+and static module configuration), and every function that produces or
+consumes the layout takes it: :func:`jax_cp.get_batch_on_this_cp_rank`,
+:func:`jax_cp.reorder_for_cp`, :func:`jax_cp.make_global_batch`,
+:func:`jax_cp.cp_attention`, the modules of :mod:`jax_cp.flax` and
+:mod:`jax_cp.nnx`. Built once and passed everywhere, it cannot partition
+with one strategy and attend with another.
+
+:class:`CPBatch` is a pytree of packed rows and their metadata with the
+layout as static data. A consumer given a batch made with a different
+layout raises ``ValueError`` (:meth:`CPLayout.check_matches`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
+
+import jax
+import numpy as np
+
+from jax_cp import checks
+from jax_cp.strategy import (
+  DEFAULT_STRATEGY,
+  CPLoadBalancingStrategy,
+  as_strategy,
+)
+
+MeshLike = Union[jax.sharding.Mesh, jax.sharding.AbstractMesh]
+VIEWS = ("global", "local")
+
+# The keyword forms of the public functions, by argument name: the
+# CPLayout field each sets.
+KEYWORDS: Mapping[str, str] = {
+    "cp_axis": "cp_axis",
+    "cp_size": "cp_size",
+    "load_balancing_strategy": "strategy",
+    "strategy": "strategy",
+    "cp_comm_type": "comm_type",
+    "comm_type": "comm_type",
+    "max_seqlen": "max_seqlen",
+    "backend": "backend",
+    "mesh": "mesh",
+    "batch_axis": "batch_axis",
+    "head_axis": "head_axis",
+    "view": "view",
+}
+
+# The fields that decide which tokens a rank holds: two layouts that agree
+# on them partition a row identically.
+_TOKEN_FIELDS = ("cp_axis", "strategy", "cp_size")
+
+
+def _axes(value, argname: str) -> Tuple[str, ...]:
+  if value is None:
+    return ()
+  axes = (value,) if isinstance(value, str) else tuple(value)
+  for ax in axes:
+    if not isinstance(ax, str):
+      raise ValueError(f"{argname} must be a mesh axis name or a tuple of "
+                       f"names, got {value!r}")
+  return axes
+
+
+def _check_comm_type(value, argname: str) -> None:
+  if value not in (*checks.CP_COMM_TYPES, checks.CP_COMM_LOCAL_COPIES):
+    raise ValueError(f"{argname}={value!r} is not supported; jax_cp "
+                     f"implements {list(checks.CP_COMM_TYPES)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CPLayout:
+  """The token layout and exchange of a context-parallel run.
+
+  Build it once (``CPLayout(mesh=mesh, strategy="no_load_balance", ...)``)
+  and hand the same object to the data loading, the attention calls and the
+  modules. Arguments are validated by the constructor; strings are
+  converted (``strategy`` to :class:`jax_cp.CPLoadBalancingStrategy`, a list
+  of batch axes to a tuple), so equal settings give equal, equally hashed
+  layouts.
+
+  Attributes:
+    cp_axis: the mesh axis the token dim is split over; ``None``: no CP
+      (every row attended whole on one rank).
+    cp_size: the size of ``cp_axis``. Taken from ``mesh`` when that is
+      given (and then checked against it); needed by host-side data
+      functions without a mesh; otherwise read from the context mesh or the
+      enclosing ``shard_map`` when attention runs (:meth:`resolve_cp_size`).
+    strategy: the load-balancing strategy (:class:`CPLoadBalancingStrategy`
+      or its string), default DUAL_CHUNK_SWAP.
+    comm_type: the K/V exchange, ``"all_gather"``.
+    max_seqlen: static bound on every padded document length (``None``: the
+      row length). Data functions check concrete rows against it.
+    backend: varlen attention backend: ``"auto"``, ``"xla"`` or ``"cudnn"``.
+    mesh: the mesh of the global view; ``None`` takes the context mesh
+      (``jax.set_mesh``) where one is needed.
+    batch_axis: mesh axis (or tuple of axes) the batch dim is sharded over
+      (data parallel), global view.
+    head_axis: mesh axis the heads are sharded over (tensor parallel),
+      global view.
+    view: ``"global"``: arrays hold whole rows in
+      :func:`jax_cp.reorder_for_cp` order, sharded over ``cp_axis``, and
+      attention opens its own ``shard_map``. ``"local"``: arrays hold this
+      rank's chunk (:func:`jax_cp.get_batch_on_this_cp_rank`) inside the
+      caller's ``shard_map``.
+  """
+
+  cp_axis: Optional[str] = "cp"
+  cp_size: Optional[int] = None
+  strategy: Union[CPLoadBalancingStrategy, str] = DEFAULT_STRATEGY
+  comm_type: str = "all_gather"
+  max_seqlen: Optional[int] = None
+  backend: str = "auto"
+  mesh: Optional[MeshLike] = None
+  batch_axis: Union[str, Tuple[str, ...], None] = None
+  head_axis: Optional[str] = None
+  view: str = "global"
+
+  def __post_init__(self):
+    set_ = lambda name, value: object.__setattr__(self, name, value)
+    set_("strategy", as_strategy(self.strategy, "strategy"))
+    if self.cp_axis is not None and not isinstance(self.cp_axis, str):
+      raise ValueError(f"cp_axis must be a mesh axis name or None, got "
+                       f"{self.cp_axis!r}")
+    _check_comm_type(self.comm_type, "comm_type")
+    if not isinstance(self.backend, str):
+      raise ValueError(f"backend must be a string, got {self.backend!r}")
+    w = self.max_seqlen
+    if w is not None and (isinstance(w, bool) or not isinstance(
+        w, (int, np.integer)) or w < 1):
+      raise ValueError(f"max_seqlen must be None or a positive int, got "
+                       f"{w!r}")
+    if w is not None:
+      set_("max_seqlen", int(w))
+    if self.view not in VIEWS:
+      raise ValueError(f"view={self.view!r} is not one of {list(VIEWS)}")
+    batch = _axes(self.batch_axis, "batch_axis")
+    set_("batch_axis", None if not batch else
+         batch[0] if len(batch) == 1 else batch)
+    if self.head_axis is not None and not isinstance(self.head_axis, str):
+      raise ValueError(f"head_axis must be a mesh axis name or None, got "
+                       f"{self.head_axis!r}")
+    size = self.cp_size
+    if size is not None:
+      checks.check_cp_size(size)
+      set_("cp_size", int(size))
+    if self.cp_axis is None:
+      if size not in (None, 1):
+        raise ValueError(f"cp_size={size} needs a cp_axis; cp_axis=None "
+                         "means no CP (cp_size 1)")
+      set_("cp_size", 1)
+    if self.mesh is not None:
+      checks.check_mesh_axis(self.mesh, self.cp_axis, "cp_axis")
+      for ax in batch:
+        checks.check_mesh_axis(self.mesh, ax, "batch_axis")
+      checks.check_mesh_axis(self.mesh, self.head_axis, "head_axis")
+      if self.cp_axis is not None:
+        on_mesh = int(self.mesh.shape[self.cp_axis])
+        if size is not None and int(size) != on_mesh:
+          raise ValueError(f"cp_size={size} disagrees with the mesh, whose "
+                           f"axis {self.cp_axis!r} has size {on_mesh}")
+        set_("cp_size", on_mesh)
+
+  # ------------------------------------------------------------ building
+
+  @classmethod
+  def build(cls, layout: Optional[CPLayout], what: str,
+            **keywords: Any) -> CPLayout:
+    """The layout of a call that takes either ``layout=`` or the keyword
+    settings (:data:`KEYWORDS`), never both.
+
+    Args:
+      layout: the caller's layout, or None.
+      what: the function's name, for errors.
+      **keywords: the keyword settings the caller passed (absent ones
+        left out).
+
+    Raises:
+      ValueError: both a layout and keyword settings, or an unknown
+        keyword.
+    """
+    unknown = sorted(set(keywords) - set(KEYWORDS))
+    if unknown:
+      raise ValueError(f"{what} got unknown layout settings {unknown}; "
+                       f"accepted: {sorted(KEYWORDS)}")
+    if layout is not None:
+      if not isinstance(layout, CPLayout):
+        raise ValueError(f"{what}: layout must be a jax_cp.CPLayout, got "
+                         f"{type(layout).__name__}")
+      if keywords:
+        raise ValueError(
+            f"{what} got layout= and the layout settings {sorted(keywords)}:"
+            " pass one of them (the layout already holds every setting; "
+            "use layout.replace(...) to change one)")
+      return layout
+    fields: Dict[str, Any] = {}
+    for name, value in keywords.items():
+      field = KEYWORDS[name]
+      # Errors name the argument the caller wrote.
+      if field == "strategy":
+        value = as_strategy(value, name)
+      elif field == "comm_type":
+        _check_comm_type(value, name)
+      if field in fields and fields[field] != value:
+        raise ValueError(f"{what}: {name}={value!r} repeats the {field} "
+                         f"setting with another value")
+      fields[field] = value
+    return cls(**fields)
+
+  def replace(self, **changes: Any) -> CPLayout:
+    """A copy with some fields changed (validated again)."""
+    return dataclasses.replace(self, **changes)
+
+  # -------------------------------------------------------------- queries
+
+  @property
+  def is_local(self) -> bool:
+    """True when arrays hold this rank's chunk (local view with CP)."""
+    return self.view == "local" and self.cp_axis is not None
+
+  @property
+  def batch_axes(self) -> Tuple[str, ...]:
+    """``batch_axis`` as a tuple (empty without data parallelism)."""
+    return _axes(self.batch_axis, "batch_axis")
+
+  def context_mesh(self) -> MeshLike:
+    """``mesh``, or the context mesh (``jax.set_mesh``).
+
+    Raises:
+      ValueError: neither is set.
+    """
+    if self.mesh is not None:
+      return self.mesh
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+      raise ValueError(
+          f"the global view of cp_axis={self.cp_axis!r} needs a mesh: build "
+          "the CPLayout with mesh=... or run under `with jax.set_mesh(mesh):`"
+          " (or use view='local' inside your own shard_map)")
+    return mesh
+
+  def resolve_cp_size(self) -> int:
+    """The cp size where the layout is used, checking the axis exists there.
+
+    ``cp_size`` when known; else, local view, the size of ``cp_axis`` in
+    the enclosing ``shard_map``; global view, its size on the context mesh.
+
+    Raises:
+      ValueError: ``cp_axis`` is not bound (local view) or not on the mesh
+        (global view), or its size disagrees with ``cp_size``.
+    """
+    if self.cp_axis is None:
+      return 1
+    if self.is_local:
+      try:
+        size = int(jax.lax.axis_size(self.cp_axis))
+      except NameError:
+        raise ValueError(
+            f"cp_axis={self.cp_axis!r} is not bound: a layout with "
+            "view='local' is used inside a jax.shard_map over a mesh that "
+            "has this axis") from None
+    else:
+      mesh = self.context_mesh()
+      checks.check_mesh_axis(mesh, self.cp_axis, "cp_axis")
+      for ax in self.batch_axes:
+        checks.check_mesh_axis(mesh, ax, "batch_axis")
+      checks.check_mesh_axis(mesh, self.head_axis, "head_axis")
+      size = int(mesh.shape[self.cp_axis])
+    if self.cp_size is not None and size != self.cp_size:
+      raise ValueError(f"the layout's cp_size={self.cp_size} disagrees with "
+                       f"the size {size} of axis {self.cp_axis!r} here")
+    return size
+
+  def host_cp_size(self, what: str) -> int:
+    """The cp size for host-side data functions: ``cp_size`` (set or taken
+    from ``mesh``).
+
+    Raises:
+      ValueError: the layout knows no cp size.
+    """
+    if self.cp_size is None:
+      raise ValueError(f"{what} needs the cp size: build the CPLayout with "
+                       "mesh=... or cp_size=...")
+    return self.cp_size
+
+  def token_fields(self) -> Dict[str, Any]:
+    """The settings that decide which tokens each rank holds."""
+    return {name: getattr(self, name) for name in _TOKEN_FIELDS}
+
+  def check_matches(self, other: CPLayout, what: str) -> None:
+    """Raises unless ``other`` puts every token where this layout does.
+
+    Two layouts match when they have the same ``cp_axis`` and strategy and
+    their cp sizes agree (where both are known); the exchange, backend or
+    bounds may differ.
+
+    Raises:
+      ValueError: naming ``what`` and the fields that differ.
+    """
+    if not isinstance(other, CPLayout):
+      raise ValueError(f"{what} carries no CPLayout (got "
+                       f"{type(other).__name__})")
+    if self.cp_axis is None and other.cp_axis is None:
+      return
+    mine, theirs = self.token_fields(), other.token_fields()
+    if mine["cp_size"] is None or theirs["cp_size"] is None:
+      mine.pop("cp_size")
+      theirs.pop("cp_size")
+    bad = {k: (mine[k], theirs[k]) for k in mine if mine[k] != theirs[k]}
+    if bad:
+      detail = ", ".join(f"{k}: {a!s} here, {b!s} in the data"
+                         for k, (a, b) in bad.items())
+      raise ValueError(
+          f"{what} was laid out with another CPLayout ({detail}); partition "
+          "the data and attend with the same layout")
+
+  def attention_kwargs(self) -> Dict[str, Any]:
+    """The layout as keyword arguments of :func:`jax_cp.cp_attention`
+    (global view) or :func:`jax_cp.cp_attention_local`."""
+    out = dict(cp_axis=self.cp_axis, load_balancing_strategy=self.strategy,
+               cp_comm_type=self.comm_type, backend=self.backend,
+               max_seqlen=self.max_seqlen)
+    if not self.is_local and self.cp_axis is not None:
+      out.update(mesh=self.mesh, batch_axis=self.batch_axis,
+                 head_axis=self.head_axis)
+    return out
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CPBatch:
+  """Packed rows in a CP layout, with their metadata and the layout.
+
+  A pytree: the arrays are leaves, ``layout`` is static (auxiliary) data,
+  so a batch passes through ``jit``, ``shard_map`` and the modules and
+  keeps its layout. :func:`jax_cp.make_global_batch` returns one; pass it
+  where the row metadata is expected (``cp_attention(q, k, v, batch)``,
+  ``layer(x, batch)``, ``MultiHeadAttention(attention_fn=...)(x,
+  mask=batch)``): the metadata are read from it and its layout is checked
+  against the consumer's (:meth:`CPLayout.check_matches`).
+
+  Unpacks as the pair ``(tensors, cu_seqlens_padded)``.
+
+  Attributes:
+    tensors: the token arrays (one array, or a dict / tuple of arrays) in
+      the layout, or None when the batch carries only metadata.
+    cu_seqlens_padded: int ``[B, N+1]`` (or ``[N+1]``) cumulative padded
+      document lengths of the rows, in physical order.
+    cu_seqlens: int, same shape: cumulative valid lengths (None when not
+      given; attention then needs it).
+    layout: the :class:`CPLayout` the tensors are in (static).
+  """
+
+  tensors: Any
+  cu_seqlens_padded: Any
+  cu_seqlens: Any = None
+  layout: CPLayout = dataclasses.field(
+      default_factory=CPLayout, metadata=dict(static=True))
+
+  def __post_init__(self):
+    if not isinstance(self.layout, CPLayout):
+      raise ValueError(f"CPBatch.layout must be a CPLayout, got "
+                       f"{type(self.layout).__name__}")
+
+  def __iter__(self):
+    return iter((self.tensors, self.cu_seqlens_padded))
+
+  def metadata(self, layout: Optional[CPLayout], what: str
+               ) -> Tuple[Any, Any]:
+    """``(cu_seqlens, cu_seqlens_padded)`` for a consumer with ``layout``
+    (None: no layout to check against).
+
+    Raises:
+      ValueError: the batch has no ``cu_seqlens``, or was laid out with a
+        layout that does not match ``layout``.
+    """
+    if layout is not None:
+      layout.check_matches(self.layout, what)
+    if self.cu_seqlens is None:
+      raise ValueError(f"{what} has no cu_seqlens: attention needs the "
+                       "valid lengths (make_global_batch(..., cu_seqlens=...)"
+                       " or CPBatch(cu_seqlens=...))")
+    return self.cu_seqlens, self.cu_seqlens_padded
+
+
+def unpack_metadata(cu_seqlens, cu_seqlens_padded, layout: Optional[CPLayout],
+                    what: str) -> Tuple[Any, Any]:
+  """The row metadata of a call that takes ``(cu_seqlens,
+  cu_seqlens_padded)`` arrays or a :class:`CPBatch` in place of
+  ``cu_seqlens``.
+
+  Raises:
+    ValueError: a batch together with ``cu_seqlens_padded``, a batch with
+      another layout or without ``cu_seqlens``, or missing metadata.
+  """
+  if isinstance(cu_seqlens, CPBatch):
+    if cu_seqlens_padded is not None:
+      raise ValueError(f"{what}: pass a CPBatch alone, without "
+                       "cu_seqlens_padded (the batch holds it)")
+    return cu_seqlens.metadata(layout, what)
+  if cu_seqlens is None or cu_seqlens_padded is None:
+    raise ValueError(f"{what} needs the packing metadata: cu_seqlens and "
+                     "cu_seqlens_padded arrays, or a jax_cp.CPBatch")
+  return cu_seqlens, cu_seqlens_padded
+
+
+NO_CP = CPLayout(cp_axis=None)
