@@ -2,7 +2,7 @@
 
 Public API::
 
-    from jax_cp import CPLoadBalancingStrategy
+    from jax_cp import CPLayout, CPBatch, CPLoadBalancingStrategy
     jax_cp.get_partition_indices / get_batch_on_this_cp_rank
     jax_cp.reorder_for_cp / restore_from_cp / get_position_ids
     jax_cp.cp_attention (global view) / cp_attention_local (inside shard_map)
@@ -25,6 +25,7 @@ from jax_cp.data import (
                                make_global_metadata,
                                process_batch_rows,
 )
+from jax_cp.layout import CPBatch, CPLayout
 from jax_cp.partition import (
                                get_batch_on_this_cp_rank,
                                get_partition_indices,
@@ -38,6 +39,8 @@ from jax_cp.strategy import CPLoadBalancingStrategy
 __version__ = "0.1.0"
 
 __all__ = [
+    "CPBatch",
+    "CPLayout",
     "CPCostEstimate",
     "CPLoadBalancingStrategy",
     "GlobalBatch",

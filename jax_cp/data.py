@@ -26,7 +26,7 @@ NamedSharding(mesh, P(batch_axis, cp_axis)))``.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import jax
 import numpy as np
@@ -34,24 +34,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_cp import checks
+from jax_cp.layout import CPBatch, CPLayout
 from jax_cp.partition import check_max_seqlen_bound, get_batch_on_this_cp_rank
-from jax_cp.strategy import CPLoadBalancingStrategy, as_strategy
 
 AxisNames = Union[None, str, Sequence[str]]
 
 
-class GlobalBatch(NamedTuple):
-  """What :func:`make_global_batch` returns (unpacks as a pair).
-
-  Attributes:
-    tensors: the global arrays, in the container the rows came in (a dict,
-      a tuple, or one array), ``[B, T, ...]`` in ``reorder_for_cp`` layout.
-    cu_seqlens_padded: int32 ``[B, N+1]`` global metadata in physical order,
-      sharded over the batch axes, replicated over every other axis.
-  """
-
-  tensors: Any
-  cu_seqlens_padded: jax.Array
+# What make_global_batch returns: a CPBatch, whose layout travels with it.
+GlobalBatch = CPBatch
 
 
 # ------------------------------------------------------------------ helpers
@@ -268,16 +258,16 @@ def _check_tokens(items, cuP: np.ndarray, seq_dim: int, batched: bool):
 def make_global_batch(
     local_rows,
     cu_seqlens_padded,
-    mesh,
+    layout: Union[CPLayout, Any],
     *,
-    cp_axis: str = "cp",
-    batch_axis: AxisNames = None,
-    load_balancing_strategy=CPLoadBalancingStrategy.DUAL_CHUNK_SWAP,
     seq_dim: int = 1,
-    max_seqlen: Optional[int] = None,
     global_batch_size: Optional[int] = None,
     cu_seqlens=None,
-) -> GlobalBatch:
+    cp_axis: Optional[str] = None,
+    batch_axis: AxisNames = None,
+    load_balancing_strategy=None,
+    max_seqlen: Optional[int] = None,
+) -> CPBatch:
   """Global CP-sharded arrays from this process's packed rows.
 
   For each device this process owns, the device's batch shard and cp rank
@@ -291,45 +281,63 @@ def make_global_batch(
       the whole rows listed by :func:`process_batch_rows` (the rows of every
       batch shard any of this process's devices holds, increasing global row
       order). With 1-D metadata ``[N+1]`` (no batch dim), ``[T, ...]`` arrays
-      with ``seq_dim=0``; ``batch_axis`` must then be ``None``.
+      with ``seq_dim=0``; the layout's ``batch_axis`` must then be ``None``.
     cu_seqlens_padded: int ``[B_local, N+1]``: the metadata of those rows,
       in physical order (never reordered).
-    mesh: a ``jax.sharding.Mesh`` (Explicit or Auto axes) spanning the
-      devices of every process.
-    cp_axis: the mesh axis the tokens are split over.
-    batch_axis: mesh axis (or tuple of axes) the batch dim is sharded over;
-      ``None`` replicates the rows over every non-cp axis.
-    load_balancing_strategy: the layout; use the same in
-      :func:`jax_cp.cp_attention`.
+    layout: the :class:`jax_cp.CPLayout`, with its ``mesh`` (a
+      ``jax.sharding.Mesh``, Explicit or Auto axes, spanning the devices of
+      every process), ``cp_axis``, ``batch_axis`` (``None`` replicates the
+      rows over every non-cp axis), strategy and ``max_seqlen`` (checked
+      here against the longest padded document). Or the mesh itself, with
+      the keyword settings below.
     seq_dim: the token dim of the arrays (1 for ``[B, T, ...]``).
-    max_seqlen: the bound you pass to :func:`jax_cp.cp_attention`, checked
-      here against the longest padded document.
     global_batch_size: optional ``B``; when given the number of local rows is
       checked against it (without it ``B`` is inferred from ``B_local``, which
       cannot catch a process passing the rows of other processes too).
     cu_seqlens: optional int ``[B_local, N+1]``, the valid-length metadata of
       the same rows; checked here against ``cu_seqlens_padded`` (same shape,
-      starts at 0, no document longer than its padded slot). In
+      starts at 0, no document longer than its padded slot; in
       multi-process runs ``cp_attention`` sees only the global, sharded
-      metadata and cannot check the values, so pass it here. Make the global
-      array with :func:`make_global_metadata`.
+      metadata and cannot check the values) and assembled into the batch.
+    cp_axis, batch_axis, load_balancing_strategy, max_seqlen: with a mesh
+      as ``layout`` only: the keyword form of the layout (``cp_axis``
+      defaults to ``"cp"``).
 
   Returns:
-    :class:`GlobalBatch` ``(tensors, cu_seqlens_padded)``: the arrays
-    ``[B, T, ...]`` in :func:`jax_cp.reorder_for_cp` layout with sharding
-    ``P(batch_axis, cp_axis)`` on ``(0, seq_dim)``, in the container of
-    ``local_rows``; and the int32 metadata ``[B, N+1]``, sharded over
-    ``batch_axis``, replicated over the cp axis. Build other per-row metadata
-    (``cu_seqlens``) with :func:`make_global_metadata`.
+    A :class:`jax_cp.CPBatch` (unpacks as ``(tensors,
+    cu_seqlens_padded)``): the arrays ``[B, T, ...]`` in
+    :func:`jax_cp.reorder_for_cp` layout with sharding ``P(batch_axis,
+    cp_axis)`` on ``(0, seq_dim)``, in the container of ``local_rows``; the
+    int32 metadata ``[B, N+1]`` (``cu_seqlens_padded``, and ``cu_seqlens``
+    when given), sharded over ``batch_axis``, replicated over the cp axis;
+    and the layout. Pass the batch to the attention and the modules: they
+    check that their layout matches it.
 
   Raises:
     ValueError: the row count is not what this process's devices hold, a
       token length differs from ``cu_seqlens_padded[..., -1]``, the layout
       breaks the strategy's rules (``T % cp``, DUAL_CHUNK_SWAP's ``2*cp``
       divisibility), ``max_seqlen`` is exceeded, ``cu_seqlens`` disagrees
-      with ``cu_seqlens_padded``, or an axis is unknown.
+      with ``cu_seqlens_padded``, an axis is unknown, or the layout has no
+      mesh.
   """
-  strategy = as_strategy(load_balancing_strategy)
+  keywords = {k: v for k, v in dict(
+      cp_axis=cp_axis, batch_axis=batch_axis,
+      load_balancing_strategy=load_balancing_strategy,
+      max_seqlen=max_seqlen).items() if v is not None}
+  if not isinstance(layout, CPLayout):
+    layout = CPLayout.build(None, "make_global_batch", mesh=layout,
+                            **keywords)
+  else:
+    layout = CPLayout.build(layout, "make_global_batch", **keywords)
+  mesh = layout.mesh
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise ValueError("make_global_batch needs the layout's mesh, a "
+                     f"jax.sharding.Mesh (got {mesh!r})")
+  if layout.cp_axis is None:
+    raise ValueError("make_global_batch needs a layout with a cp_axis")
+  cp_axis, batch_axis = layout.cp_axis, layout.batch_axis
+  max_seqlen = layout.max_seqlen
   checks.check_mesh_axis(mesh, cp_axis, "cp_axis")
   axes = _batch_axes(mesh, batch_axis, cp_axis)
   cp = mesh.shape[cp_axis]
@@ -370,8 +378,8 @@ def make_global_batch(
     key = (rows.start, rows.stop, rank_of(index))
     if key not in slices:
       slices[key] = get_batch_on_this_cp_rank(
-          cuP[rows], *(x[rows] for _, x in items), cp_size=cp,
-          cp_rank=key[2], load_balancing_strategy=strategy, seq_dim=seq_dim)
+          cuP[rows], *(x[rows] for _, x in items),
+          cp_rank=key[2], layout=layout, seq_dim=seq_dim)
     return slices[key]
 
   out = []
@@ -386,10 +394,16 @@ def make_global_batch(
                          lambda idx, i=i: local_slices(idx)[i]))
   meta_spec = P(_batch_entry(axes), None) if batched else P(None)
   meta_shape = (b, cuP.shape[1]) if batched else cuP.shape
-  meta = _assemble(meta_shape, NamedSharding(mesh, meta_spec),
-                   lambda idx: cuP.astype(np.int32)[
-                       locate(idx[0], b) if batched else slice(None)])
-  return GlobalBatch(rebuild(out), meta)
+  def global_meta(host):
+    return _assemble(meta_shape, NamedSharding(mesh, meta_spec),
+                     lambda idx: host.astype(np.int32)[
+                         locate(idx[0], b) if batched else slice(None)])
+
+  return CPBatch(
+      tensors=rebuild(out), cu_seqlens_padded=global_meta(cuP),
+      cu_seqlens=(None if cu_seqlens is None
+                  else global_meta(np.asarray(cu_seqlens))),
+      layout=layout)
 
 
 __all__: Sequence[str] = ("GlobalBatch", "make_global_batch",

@@ -22,14 +22,15 @@ The layouts (docs/design.md, Strategies):
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_cp import checks
-from jax_cp.strategy import CPLoadBalancingStrategy, as_strategy
+from jax_cp.layout import CPLayout
+from jax_cp.strategy import CPLoadBalancingStrategy
 
 
 def _is_jax(*xs: Any) -> bool:
@@ -58,6 +59,52 @@ def _dcs_physical_index(xp, cu_seqlens_padded, cp_size: int, rank, t):
   return (cuP[b] + chunk * chunk_len + i % chunk_len).astype(xp.int32)
 
 
+def _given(**keywords: Any) -> dict:
+  """The keyword settings a caller passed (those not None)."""
+  return {k: v for k, v in keywords.items() if v is not None}
+
+
+def as_layout(layout: Union[CPLayout, int], what: str,
+              **keywords: Any) -> CPLayout:
+  """A :class:`CPLayout`, or a cp size with keyword settings (None: not
+  given) made into one (cp axis ``"cp"``, no mesh).
+
+  Raises:
+    ValueError: a layout together with keyword settings, or a bad cp size.
+  """
+  keywords = _given(**keywords)
+  if isinstance(layout, CPLayout):
+    return CPLayout.build(layout, what, **keywords)
+  checks.check_cp_size(layout)
+  return CPLayout.build(None, what, cp_size=int(layout), **keywords)
+
+
+def _cp_size(layout: CPLayout, what: str) -> int:
+  """The layout's cp size: as set (or read from its mesh), else the size of
+  its axis where it runs (context mesh, enclosing ``shard_map``)."""
+  if layout.cp_size is not None:
+    return layout.cp_size
+  if layout.cp_axis is None:
+    return 1
+  try:
+    return layout.resolve_cp_size()
+  except ValueError as e:
+    raise ValueError(f"{what} needs the cp size: build the CPLayout with "
+                     f"mesh=... or cp_size=... ({e})") from None
+
+
+def _traced_rank(layout: CPLayout, what: str):
+  """``lax.axis_index(cp_axis)``, inside a ``shard_map``."""
+  if layout.cp_axis is None:
+    return 0
+  try:
+    return jax.lax.axis_index(layout.cp_axis)
+  except NameError:
+    raise ValueError(
+        f"{what}: cp_rank is needed outside a shard_map over "
+        f"{layout.cp_axis!r}") from None
+
+
 def _local_tokens(cu_seqlens_padded, cp_size: int,
                   total_tokens: Optional[int]) -> int:
   if total_tokens is None:
@@ -72,9 +119,9 @@ def _local_tokens(cu_seqlens_padded, cp_size: int,
 
 def get_partition_indices(
     cu_seqlens_padded,
-    cp_size: int,
+    layout: Union[CPLayout, int],
     cp_rank,
-    load_balancing_strategy=CPLoadBalancingStrategy.DUAL_CHUNK_SWAP,
+    load_balancing_strategy=None,
     *,
     total_tokens: Optional[int] = None,
 ):
@@ -83,18 +130,22 @@ def get_partition_indices(
   Args:
     cu_seqlens_padded: int ``[N+1]`` (or ``[B, N+1]`` for a batch of rows)
       cumulative padded document lengths, ``cuP[-1] == T``.
-    cp_size: size of the CP axis (static).
+    layout: the :class:`jax_cp.CPLayout` (its cp size and strategy), or the
+      cp size (static) with the strategy in ``load_balancing_strategy``.
     cp_rank: this rank, a Python int or a (traced) JAX scalar.
-    load_balancing_strategy: a :class:`CPLoadBalancingStrategy` or its
-      string.
+    load_balancing_strategy: with an int ``layout`` only: a
+      :class:`CPLoadBalancingStrategy` or its string (default
+      DUAL_CHUNK_SWAP).
     total_tokens: ``T``; needed only when ``cu_seqlens_padded`` is traced.
 
   Returns:
     int32 ``[T // cp_size]`` (``[B, T // cp_size]`` for batched metadata):
     numpy for host inputs, a JAX array when any input is a JAX array.
   """
-  strategy = as_strategy(load_balancing_strategy)
-  checks.check_cp_size(cp_size)
+  layout = as_layout(layout, "get_partition_indices",
+                     load_balancing_strategy=load_balancing_strategy)
+  strategy = layout.strategy
+  cp_size = _cp_size(layout, "get_partition_indices")
   xp = _xp(cu_seqlens_padded, cp_rank)
   if xp is np:
     checks.check_cp_rank(cp_rank, cp_size)
@@ -169,32 +220,46 @@ def _take(x, idx, seq_dim: int, batched: bool):
 def get_batch_on_this_cp_rank(
     cu_seqlens_padded,
     *tensors,
-    cp_size: int,
-    cp_rank,
-    load_balancing_strategy=CPLoadBalancingStrategy.DUAL_CHUNK_SWAP,
+    cp_rank=None,
+    layout: Optional[CPLayout] = None,
     seq_dim: int = 0,
+    cp_size: Optional[int] = None,
+    load_balancing_strategy=None,
     max_seqlen: Optional[int] = None,
 ) -> Tuple[Any, ...]:
   """Slices each tensor along ``seq_dim`` to the tokens of ``cp_rank``.
 
   The usual data-loader step: ``input_ids, labels, position_ids =
-  get_batch_on_this_cp_rank(cuP, input_ids, labels, position_ids, cp_size=4,
-  cp_rank=r)``. With batched metadata ``[B, N+1]`` each row is sliced with its
-  own layout (``seq_dim`` must then be >= 1). Use the same strategy here and
-  in :func:`jax_cp.cp_attention`.
+  get_batch_on_this_cp_rank(cuP, input_ids, labels, position_ids,
+  cp_rank=r, layout=layout)``, then attend with the same ``layout``. With
+  batched metadata ``[B, N+1]`` each row is sliced with its own layout
+  (``seq_dim`` must then be >= 1).
 
-  ``max_seqlen``: the bound you will pass to :func:`jax_cp.cp_attention`;
-  when given (and the metadata is concrete) it is checked against the
-  longest padded document here, on the host, where a violation can still be
-  reported (under ``jit`` it cannot).
+  Args:
+    cu_seqlens_padded: int ``[N+1]`` / ``[B, N+1]`` row metadata.
+    *tensors: arrays with the whole rows along ``seq_dim``.
+    cp_rank: the rank, an int or a (traced) scalar; default, inside a
+      ``shard_map``: ``lax.axis_index(layout.cp_axis)``.
+    layout: the :class:`jax_cp.CPLayout` (cp size, strategy, and
+      ``max_seqlen``: when set and the metadata is concrete it is checked
+      against the longest padded document here, on the host, where a
+      violation can still be reported; under ``jit`` it cannot).
+    seq_dim: the token dim of the tensors.
+    cp_size, load_balancing_strategy, max_seqlen: the keyword form of
+      ``layout`` (exclusive with it).
 
   Raises:
     ValueError: a tensor's length along ``seq_dim`` is not ``cuP[-1]``, the
       layout breaks the strategy's rules, or a document is longer than
       ``max_seqlen``.
   """
-  if max_seqlen is not None:
-    check_max_seqlen_bound(cu_seqlens_padded, max_seqlen)
+  layout = CPLayout.build(layout, "get_batch_on_this_cp_rank", **_given(
+      cp_size=cp_size, load_balancing_strategy=load_balancing_strategy,
+      max_seqlen=max_seqlen))
+  if cp_rank is None:
+    cp_rank = _traced_rank(layout, "get_batch_on_this_cp_rank")
+  if layout.max_seqlen is not None:
+    check_max_seqlen_bound(cu_seqlens_padded, layout.max_seqlen)
   if not tensors:
     return ()
   batched = np.ndim(cu_seqlens_padded) == 2
@@ -206,14 +271,14 @@ def get_batch_on_this_cp_rank(
       raise ValueError(
           f"tensors[{i}] has {x.shape[seq_dim]} tokens along seq_dim="
           f"{seq_dim}, tensors[0] has {total}")
-  idx = get_partition_indices(cu_seqlens_padded, cp_size, cp_rank,
-                              load_balancing_strategy, total_tokens=total)
+  idx = get_partition_indices(cu_seqlens_padded, layout, cp_rank,
+                              total_tokens=total)
   return tuple(_take(x, idx, seq_dim, batched) for x in tensors)
 
 
-def _cp_permutation(cu_seqlens_padded, cp_size, strategy, total_tokens):
+def _cp_permutation(cu_seqlens_padded, layout, cp_size, total_tokens):
   """Concatenation over ranks of their partition indices: ``[.., T]``."""
-  parts = [get_partition_indices(cu_seqlens_padded, cp_size, r, strategy,
+  parts = [get_partition_indices(cu_seqlens_padded, layout, r,
                                  total_tokens=total_tokens)
            for r in range(cp_size)]
   xp = _xp(*parts)
@@ -231,42 +296,52 @@ def _inverse_permutation(perm):
   return jnp.argsort(perm, axis=-1).astype(jnp.int32)
 
 
-def reorder_for_cp(x, cu_seqlens_padded, cp_size: int,
-                   load_balancing_strategy=CPLoadBalancingStrategy.DUAL_CHUNK_SWAP,
-                   seq_dim: int = 0):
+def reorder_for_cp(x, cu_seqlens_padded, layout: Union[CPLayout, int],
+                   load_balancing_strategy=None, seq_dim: int = 0):
   """Global view: permutes the tokens so that a contiguous split of
   ``seq_dim`` over the cp axis gives rank ``r`` exactly
   ``get_partition_indices(..., r)``.
 
   After this, shard ``seq_dim`` over the cp mesh axis (``NamedSharding`` with
-  ``P(..., "cp", ...)``) and call :func:`jax_cp.cp_attention`.
-  NO_LOAD_BALANCE is the identity.
+  ``P(..., "cp", ...)``) and call :func:`jax_cp.cp_attention` with the same
+  ``layout``. NO_LOAD_BALANCE is the identity.
+
+  Args:
+    x: the whole rows, tokens along ``seq_dim``.
+    cu_seqlens_padded: int ``[N+1]`` / ``[B, N+1]`` row metadata.
+    layout: the :class:`jax_cp.CPLayout`, or the cp size with the strategy
+      in ``load_balancing_strategy`` (default DUAL_CHUNK_SWAP).
+    load_balancing_strategy: with an int ``layout`` only.
+    seq_dim: the token dim of ``x``.
   """
-  strategy = as_strategy(load_balancing_strategy)
+  layout = as_layout(layout, "reorder_for_cp",
+                     load_balancing_strategy=load_balancing_strategy)
+  return _permute(x, cu_seqlens_padded, layout, seq_dim, inverse=False)
+
+
+def restore_from_cp(x, cu_seqlens_padded, layout: Union[CPLayout, int],
+                    load_balancing_strategy=None, seq_dim: int = 0):
+  """Inverse of :func:`reorder_for_cp`: back to physical token order (same
+  arguments)."""
+  layout = as_layout(layout, "restore_from_cp",
+                     load_balancing_strategy=load_balancing_strategy)
+  return _permute(x, cu_seqlens_padded, layout, seq_dim, inverse=True)
+
+
+def _permute(x, cu_seqlens_padded, layout: CPLayout, seq_dim: int,
+             inverse: bool):
+  cp_size = _cp_size(layout, "reorder_for_cp")
   total = x.shape[seq_dim]
   checks.check_seq_len_matches(total, cu_seqlens_padded, "x")
-  if strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE or cp_size == 1:
+  if layout.strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE or (
+      cp_size == 1):
     checks.check_cu_seqlens_padded(cu_seqlens_padded, total)
     checks.check_divisible_tokens(total, cp_size)
     return x
-  perm = _cp_permutation(cu_seqlens_padded, cp_size, strategy, total)
+  perm = _cp_permutation(cu_seqlens_padded, layout, cp_size, total)
+  if inverse:
+    perm = _inverse_permutation(perm)
   return _take(x, perm, seq_dim, np.ndim(cu_seqlens_padded) == 2)
-
-
-def restore_from_cp(x, cu_seqlens_padded, cp_size: int,
-                    load_balancing_strategy=CPLoadBalancingStrategy.DUAL_CHUNK_SWAP,
-                    seq_dim: int = 0):
-  """Inverse of :func:`reorder_for_cp`: back to physical token order."""
-  strategy = as_strategy(load_balancing_strategy)
-  total = x.shape[seq_dim]
-  checks.check_seq_len_matches(total, cu_seqlens_padded, "x")
-  if strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE or cp_size == 1:
-    checks.check_cu_seqlens_padded(cu_seqlens_padded, total)
-    checks.check_divisible_tokens(total, cp_size)
-    return x
-  perm = _cp_permutation(cu_seqlens_padded, cp_size, strategy, total)
-  return _take(x, _inverse_permutation(perm), seq_dim,
-               np.ndim(cu_seqlens_padded) == 2)
 
 
 def longest_padded_document(cu_seqlens_padded) -> int:
@@ -290,14 +365,35 @@ def check_max_seqlen_bound(cu_seqlens_padded, max_seqlen) -> None:
   checks.check_max_seqlen_bound(cuP, max_seqlen)
 
 
-def get_position_ids(cu_seqlens_padded, total_tokens: Optional[int] = None):
+def get_position_ids(cu_seqlens_padded, total_tokens: Optional[int] = None,
+                     *, layout: Optional[CPLayout] = None, cp_rank=None):
   """Per-token position inside its document, restarting at 0 per document.
 
-  Returns int32 ``[T]`` (``[B, T]`` for batched metadata), numpy for host
-  input, JAX otherwise. Padding tokens continue their document's count.
-  Slice the result with :func:`get_batch_on_this_cp_rank` together with the
-  tokens (rotary embeddings need the original positions).
+  Without ``layout``: int32 ``[T]`` (``[B, T]`` for batched metadata) in
+  physical order, numpy for host input, JAX otherwise; slice it with
+  :func:`get_batch_on_this_cp_rank` together with the tokens (rotary
+  embeddings need the original positions). Padding tokens continue their
+  document's count.
+
+  With ``layout``: the positions in that layout, ready to go with tokens
+  laid out by it: the whole row in :func:`reorder_for_cp` order (view
+  ``"global"``), or rank ``cp_rank``'s chunk ``[.., T / cp]`` (view
+  ``"local"``; ``cp_rank`` defaults to ``lax.axis_index(cp_axis)`` inside a
+  ``shard_map``). ``total_tokens`` is always the whole row's ``T``.
   """
+  pos = _physical_position_ids(cu_seqlens_padded, total_tokens)
+  if layout is None:
+    return pos
+  seq_dim = pos.ndim - 1
+  if layout.is_local:
+    if cp_rank is None:
+      cp_rank = _traced_rank(layout, "get_position_ids")
+    return get_batch_on_this_cp_rank(cu_seqlens_padded, pos, cp_rank=cp_rank,
+                                     layout=layout, seq_dim=seq_dim)[0]
+  return reorder_for_cp(pos, cu_seqlens_padded, layout, seq_dim=seq_dim)
+
+
+def _physical_position_ids(cu_seqlens_padded, total_tokens):
   xp = _xp(cu_seqlens_padded)
   checks.check_cu_seqlens_padded(cu_seqlens_padded, total_tokens)
   cuP = xp.asarray(cu_seqlens_padded).astype(xp.int32)
