@@ -1,4 +1,4 @@
-"""jax_cp.flax: CP settings propagate from the outer module to cp_attention;
+"""jax_cp.flax: the layout propagates from the outer module to cp_attention;
 with CP (both strategies, global and local view) a 2-layer model gives the
 loss and gradients of the same model without CP; bad input raises early."""
 
@@ -14,16 +14,15 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cp
+from jax_cp import CPLayout, context_parallel
 from jax_cp import CPLoadBalancingStrategy as S
-from jax_cp import context_parallel
 from jax_cp.flax import (
-  CP_FIELDS,
   DotProductAttention,
   MultiHeadAttention,
   TransformerLayer,
   strategy_from_code,
 )
-from jax_cp.flax.attention import default_position_ids
+from jax_cp.flax.settings import default_position_ids
 from tests import reference as ref
 
 CP, DP = 4, 2
@@ -32,12 +31,18 @@ B, T, E = 2, 64, 16
 # empty slot. Documents straddle the NO_LOAD_BALANCE chunk borders.
 CU_P = np.array([[0, 16, 48, 64, 64], [0, 24, 32, 64, 64]], np.int32)
 CU = np.array([[0, 13, 40, 50, 50], [0, 20, 25, 56, 56]], np.int32)
-LAYER = dict(num_heads=2, num_kv_heads=1, head_dim=8, mlp_dim=32,
-             attn_backend="xla")
+LAYER = dict(num_heads=2, num_kv_heads=1, head_dim=8, mlp_dim=32)
+
+
+def _layout(**kwargs):
+  return CPLayout(backend="xla", **kwargs)
+
+
+NO_CP = _layout(cp_axis=None)
 
 
 class Stack(nn.Module):
-  """Two TransformerLayers; CP settings given once, on this module."""
+  """Two TransformerLayers; the layout given once, on this module."""
 
   layer_kwargs: dict
 
@@ -71,7 +76,7 @@ def data():
 @pytest.fixture(scope="module")
 def baseline(data):
   """Params, loss and gradients without CP (cp_axis=None), one device."""
-  model = Stack(LAYER)
+  model = Stack(dict(LAYER, layout=NO_CP))
   # Random values for every parameter (norm scales included): no init to
   # compile, and a less symmetric test than the initializers' values.
   shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), data["x"],
@@ -124,57 +129,50 @@ def _trace(model, mesh, *args):
     jax.eval_shape(lambda: model.init(jax.random.key(0), *args))
 
 
-@pytest.mark.parametrize("given, expected", [
-    (S.NO_LOAD_BALANCE, S.NO_LOAD_BALANCE),
-    ("no_load_balance", S.NO_LOAD_BALANCE),
-    ("DUAL_CHUNK_SWAP", S.DUAL_CHUNK_SWAP),
-    (None, S.DUAL_CHUNK_SWAP),                  # field left at its default
-])
-def test_outer_strategy_reaches_cp_attention(data, given, expected):
+@pytest.mark.parametrize("strategy", [S.NO_LOAD_BALANCE, "no_load_balance",
+                                      "DUAL_CHUNK_SWAP", None])
+def test_outer_layout_reaches_cp_attention(data, strategy):
   mesh = _mesh("explicit")
-  kwargs = dict(LAYER, cp_axis="cp", batch_axis="data", max_seqlen=32)
-  if given is not None:
-    kwargs["cp_strategy"] = given
+  kwargs = dict(batch_axis="data", max_seqlen=32)
+  if strategy is not None:
+    kwargs["strategy"] = strategy
+  layout = _layout(**kwargs)
   with _spy("cp_attention") as spy:
-    _trace(Stack(kwargs), mesh, data["x"], CU, CU_P, data["pos"])
+    _trace(Stack(dict(LAYER, layout=layout)), mesh, data["x"], CU, CU_P,
+           data["pos"])
   assert spy.call_count == 2                    # one per layer
   for call in spy.call_args_list:
-    assert call.kwargs["load_balancing_strategy"] is expected
-    # Every other CP setting set on the outer module arrives too.
-    assert call.kwargs["cp_axis"] == "cp"
-    assert call.kwargs["batch_axis"] == "data"
-    assert call.kwargs["max_seqlen"] == 32
-    assert call.kwargs["backend"] == "xla"
+    # The outer module's layout object itself, with every setting in it.
+    assert call.kwargs["layout"] is layout
+  want = S.DUAL_CHUNK_SWAP if strategy is None else S(strategy)
+  assert layout.strategy is want
 
 
 def test_local_view_and_no_cp_use_cp_attention_local(data):
-  layer = TransformerLayer(**LAYER, cp_strategy="no_load_balance")
+  layer = TransformerLayer(**LAYER, layout=NO_CP)
   with _spy("cp_attention_local") as spy, _spy("cp_attention") as glob:
     jax.eval_shape(lambda: layer.init(jax.random.key(0), data["x"], CU,
                                       CU_P, data["pos"]))
   assert glob.call_count == 0
-  assert spy.call_args.kwargs["cp_axis"] is None
-  assert spy.call_args.kwargs["load_balancing_strategy"] is S.NO_LOAD_BALANCE
+  assert spy.call_args.kwargs["layout"] is NO_CP
 
 
-def test_children_receive_every_cp_field():
+def test_children_receive_the_layout():
   mesh = _mesh("auto")
-  mha = MultiHeadAttention(num_heads=2, cp_axis="cp",
-                           cp_strategy="no_load_balance", attn_backend="xla",
-                           max_seqlen=32, mesh=mesh, batch_axis="data",
-                           local_view=False)
+  layout = _layout(strategy="no_load_balance", max_seqlen=32, mesh=mesh,
+                   batch_axis="data")
+  mha = MultiHeadAttention(num_heads=2, layout=layout)
   x = jnp.zeros((B, T, E))
   with _spy("cp_attention") as spy:
     jax.eval_shape(lambda: mha.init(jax.random.key(0), x, CU, CU_P))
-  kw = spy.call_args.kwargs
-  assert kw["mesh"] is mesh and kw["max_seqlen"] == 32
-  assert kw["load_balancing_strategy"] is S.NO_LOAD_BALANCE
+  assert spy.call_args.kwargs["layout"] is layout
+  assert layout.mesh is mesh and layout.cp_size == CP
 
 
 def test_gqa_alias_and_head_shapes():
   x = jnp.zeros((B, T, E))
   for kwargs in (dict(num_kv_heads=1), dict(num_gqa_groups=1)):
-    mha = MultiHeadAttention(num_heads=2, head_dim=8, **kwargs)
+    mha = MultiHeadAttention(num_heads=2, head_dim=8, layout=NO_CP, **kwargs)
     shapes = jax.eval_shape(
         lambda m=mha: m.init(jax.random.key(0), x, CU, CU_P))["params"]
     assert shapes["query"]["kernel"].shape == (E, 2, 8)
@@ -188,7 +186,7 @@ def test_no_cp_attention_matches_reference():
   q = rng.standard_normal((B, T, 4, 8)).astype(np.float32)
   k = rng.standard_normal((B, T, 2, 8)).astype(np.float32)
   v = rng.standard_normal((B, T, 2, 8)).astype(np.float32)
-  dpa = DotProductAttention(attn_backend="xla")
+  dpa = DotProductAttention(layout=NO_CP)
   out = jax.jit(lambda q, k, v: dpa.apply({}, q, k, v, CU, CU_P))(q, k, v)
   want = ref.batched_attention(q, k, v, CU, CU_P)
   np.testing.assert_allclose(out, want, atol=1e-5)
@@ -201,8 +199,8 @@ def test_no_cp_attention_matches_reference():
     (S.DUAL_CHUNK_SWAP, "explicit"), (S.NO_LOAD_BALANCE, "auto")])
 def test_global_view_matches_no_cp(data, baseline, strategy, axis_types):
   mesh = _mesh(axis_types)
-  model = Stack(dict(LAYER, cp_axis="cp", cp_strategy=strategy.value,
-                     batch_axis="data", mesh=mesh))
+  model = Stack(dict(LAYER, layout=_layout(strategy=strategy.value,
+                                            batch_axis="data", mesh=mesh)))
   tok = NamedSharding(mesh, P("data", "cp"))
   feat = NamedSharding(mesh, P("data", "cp", None))
   meta = NamedSharding(mesh, P("data", None))
@@ -227,7 +225,7 @@ def test_global_view_matches_no_cp(data, baseline, strategy, axis_types):
 def test_local_view_in_shard_map_matches_no_cp(data, baseline):
   strategy = S.DUAL_CHUNK_SWAP
   mesh = _mesh("explicit")
-  model = Stack(dict(LAYER, cp_axis="cp", local_view=True))
+  model = Stack(dict(LAYER, layout=_layout(view="local")))
   tok, feat = P("data", "cp"), P("data", "cp", None)
   meta = P("data", None)
 
@@ -256,12 +254,11 @@ def test_local_view_in_shard_map_matches_no_cp(data, baseline):
 def test_default_position_ids(data, strategy):
   """Without position_ids, the modules derive them from the metadata in
   their own layout: reordered (global view) or sliced (local view)."""
-  glob = TransformerLayer(**LAYER, cp_axis="cp", cp_strategy=strategy)
+  glob = _layout(strategy=strategy)
   got = default_position_ids(glob, CU_P, T, CP)
   np.testing.assert_array_equal(got, _reordered(data["pos"], strategy))
 
-  local = TransformerLayer(**LAYER, cp_axis="cp", cp_strategy=strategy,
-                           local_view=True)
+  local = _layout(strategy=strategy, view="local")
   mesh = jax.make_mesh((CP,), ("cp",), axis_types=(AxisType.Auto,))
   per_rank = jax.jit(jax.shard_map(
       lambda cuP: default_position_ids(local, cuP, T // CP, CP), mesh=mesh,
@@ -275,15 +272,16 @@ def test_default_position_ids(data, strategy):
 def test_token_count_must_match_cu_seqlens_padded(data):
   mesh = _mesh("explicit")
   x = data["x"][:, :56]                       # 56 tokens, cuP[-1] == 64
-  layer = TransformerLayer(**LAYER, cp_axis="cp", mesh=mesh)
+  layer = TransformerLayer(**LAYER, layout=_layout(mesh=mesh))
   with pytest.raises(ValueError, match="cu_seqlens_padded"):
     layer.init(jax.random.key(0), x, CU, CU_P, data["pos"][:, :56])
   with pytest.raises(ValueError, match="cu_seqlens_padded"):
-    TransformerLayer(**LAYER).init(jax.random.key(0), x, CU, CU_P)
+    TransformerLayer(**LAYER, layout=NO_CP).init(jax.random.key(0), x, CU,
+                                                 CU_P)
 
   # Local view: T_local * cp must equal cuP[-1] (checked when the metadata
   # is concrete, here closed over as numpy).
-  local = TransformerLayer(**LAYER, cp_axis="cp", local_view=True)
+  local = TransformerLayer(**LAYER, layout=_layout(view="local"))
 
   def body(x):
     return local.init(jax.random.key(0), x, CU, CU_P)
@@ -299,44 +297,72 @@ def test_token_count_must_match_cu_seqlens_padded(data):
 
 def test_cp_axis_missing_from_mesh(data):
   mesh = _mesh("explicit")
-  layer = TransformerLayer(**LAYER, cp_axis="context", mesh=mesh)
   with pytest.raises(ValueError, match="cp_axis='context'"):
-    layer.init(jax.random.key(0), data["x"], CU, CU_P, data["pos"])
-  # Context mesh (mesh=None) too, and the local view outside a shard_map.
+    _layout(cp_axis="context", mesh=mesh)
+  # Context mesh (no mesh in the layout) too, and the local view outside a
+  # shard_map.
   with jax.set_mesh(mesh), pytest.raises(ValueError, match="cp_axis"):
-    jax.eval_shape(lambda: TransformerLayer(**LAYER, cp_axis="context").init(
-        jax.random.key(0), data["x"], CU, CU_P))
+    jax.eval_shape(lambda: TransformerLayer(
+        **LAYER, layout=_layout(cp_axis="context")).init(
+            jax.random.key(0), data["x"], CU, CU_P))
   with pytest.raises(ValueError, match="cp_axis"):
-    TransformerLayer(**LAYER, cp_axis="cp", local_view=True).init(
+    TransformerLayer(**LAYER, layout=_layout(view="local")).init(
         jax.random.key(0), data["x"], CU, CU_P)
-  bad_batch = TransformerLayer(**LAYER, cp_axis="cp", batch_axis="dp",
-                               mesh=mesh)
   with pytest.raises(ValueError, match="batch_axis"):
-    bad_batch.init(jax.random.key(0), data["x"], CU, CU_P)
+    _layout(batch_axis="dp", mesh=mesh)
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match="batch_axis"):
+    jax.eval_shape(lambda: TransformerLayer(
+        **LAYER, layout=_layout(batch_axis="dp")).init(
+            jax.random.key(0), data["x"], CU, CU_P))
 
 
 @pytest.mark.parametrize("cls", [DotProductAttention, MultiHeadAttention,
                                  TransformerLayer])
-def test_unknown_strategy_string(cls):
+def test_layout_field_is_checked(cls):
   kwargs = {} if cls is DotProductAttention else dict(num_heads=2)
-  with pytest.raises(ValueError, match="cp_strategy='round_robin'"):
-    cls(**kwargs, cp_strategy="round_robin")
+  with pytest.raises(ValueError, match="strategy='round_robin'"):
+    cls(**kwargs, layout=_layout(strategy="round_robin"))
+  with pytest.raises(ValueError, match="layout must be a jax_cp.CPLayout"):
+    cls(**kwargs, layout="dual_chunk_swap")
+
+
+def test_module_rejects_a_batch_of_another_layout(data):
+  """A CPBatch laid out with one strategy, given to a module with the
+  other, raises before any kernel."""
+  mesh = _mesh("explicit")
+  made = _layout(mesh=mesh, batch_axis="data")
+  batch = jax_cp.make_global_batch(dict(x=data["x"]), CU_P, made,
+                                   cu_seqlens=CU)
+  other = TransformerLayer(**LAYER, layout=made.replace(
+      strategy="no_load_balance"))
+  with jax.set_mesh(mesh), pytest.raises(ValueError,
+                                         match="another CPLayout"):
+    jax.eval_shape(lambda: other.init(jax.random.key(0),
+                                      batch.tensors["x"], batch))
+  same = TransformerLayer(**LAYER, layout=made)
+  with jax.set_mesh(mesh):
+    out = jax.eval_shape(lambda: same.init_with_output(
+        jax.random.key(0), batch.tensors["x"], batch)[0])
+  assert out.shape == (B, T, E)
 
 
 def test_context_mesh_global_view(data):
-  """mesh=None takes the mesh of `jax.set_mesh`."""
+  """A layout without a mesh takes the mesh of `jax.set_mesh`."""
   mesh = _mesh("explicit")
-  layer = TransformerLayer(**LAYER, cp_axis="cp", batch_axis="data")
+  layout = _layout(batch_axis="data")
+  layer = TransformerLayer(**LAYER, layout=layout)
   x = jax.device_put(_reordered(data["x"], S.DUAL_CHUNK_SWAP),
                      NamedSharding(mesh, P("data", "cp", None)))
   with _spy("cp_attention") as spy, jax.set_mesh(mesh):
     out = jax.eval_shape(lambda x: layer.init_with_output(
         jax.random.key(0), x, CU, CU_P)[0], x)
   assert out.shape == (B, T, E)
-  assert spy.call_args.kwargs["mesh"] is None
+  assert spy.call_args.kwargs["layout"].mesh is None
 
 
-def test_every_module_declares_every_cp_field():
+def test_every_module_has_one_layout_field():
+  cp_names = {"cp_axis", "cp_strategy", "cp_comm_type", "attn_backend",
+              "max_seqlen", "mesh", "batch_axis", "local_view"}
   for cls in (DotProductAttention, MultiHeadAttention, TransformerLayer):
     names = {f.name for f in dataclasses.fields(cls)}
-    assert set(CP_FIELDS) <= names, (cls.__name__, set(CP_FIELDS) - names)
+    assert "layout" in names and not names & cp_names, cls.__name__

@@ -1,40 +1,74 @@
 """Linen attention modules over packed THD rows with context parallelism.
 
-Two ways to run them (the ``local_view`` field):
+Every module takes one static ``layout`` field, a :class:`jax_cp.CPLayout`
+(``None``: no CP), and hands it to its children. Two views (the layout's
+``view``):
 
-* **global view** (``local_view=False``, the default): call the module under
-  ``jit`` with a mesh (the ``mesh`` field or ``jax.set_mesh``). Token arrays
-  hold the *whole* row in :func:`jax_cp.reorder_for_cp` layout, their token
-  axis sharded over ``cp_axis``; attention goes through
+* **global view** (``view="global"``, the default): call the module under
+  ``jit`` with a mesh (the layout's ``mesh`` or ``jax.set_mesh``). Token
+  arrays hold the *whole* row in :func:`jax_cp.reorder_for_cp` layout, their
+  token axis sharded over ``cp_axis``; attention goes through
   :func:`jax_cp.cp_attention`, which opens its own ``shard_map``.
-* **local view** (``local_view=True``): call the module inside your own
+* **local view** (``view="local"``): call the module inside your own
   ``jax.shard_map``; token arrays hold this rank's chunk (as produced by
   :func:`jax_cp.get_batch_on_this_cp_rank`) and attention goes through
   :func:`jax_cp.cp_attention_local`.
 
 In both views ``cu_seqlens`` / ``cu_seqlens_padded`` are the *global* row
-metadata ``[B, N+1]`` (``[N+1]`` for unbatched inputs). With
-``cp_axis=None`` there is no CP: the row is attended whole, through
-:func:`jax_cp.cp_attention_local` with ``cp_axis=None``.
+metadata ``[B, N+1]`` (``[N+1]`` for unbatched inputs), or a
+:class:`jax_cp.CPBatch` in place of ``cu_seqlens``, whose layout must match
+the module's. Without a layout the row is attended whole, through
+:func:`jax_cp.cp_attention_local` with no cp axis.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Callable, Optional, Tuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jax_cp import checks, partition
-from jax_cp import context_parallel as _cp
+from jax_cp import checks
 from jax_cp.flax import settings
 from jax_cp.flax.rotary import apply_rotary
-from jax_cp.strategy import DEFAULT_STRATEGY, CPLoadBalancingStrategy
+from jax_cp.layout import CPLayout
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
-MeshLike = Union[jax.sharding.Mesh, jax.sharding.AbstractMesh]
+
+
+def kv_heads(num_heads: int, num_kv_heads: Optional[int],
+             num_gqa_groups: Optional[int]) -> int:
+  """The number of key/value heads from ``num_kv_heads`` or its alias
+  ``num_gqa_groups`` (default ``num_heads``).
+
+  Raises:
+    ValueError: the two disagree, or the result does not divide
+      ``num_heads``.
+  """
+  a, b = num_kv_heads, num_gqa_groups
+  if a is not None and b is not None and a != b:
+    raise ValueError(f"num_kv_heads={a} and its alias num_gqa_groups={b} "
+                     "disagree; set one of them")
+  kv = a if a is not None else b if b is not None else num_heads
+  if kv < 1 or num_heads % kv:
+    raise ValueError(f"num_kv_heads={kv} must divide num_heads={num_heads}")
+  return kv
+
+
+def head_features(features: int, num_heads: int,
+                  head_dim: Optional[int]) -> int:
+  """``head_dim``, default ``features // num_heads``.
+
+  Raises:
+    ValueError: the result is not positive.
+  """
+  d = head_dim or features // num_heads
+  if d < 1:
+    raise ValueError(f"head_dim must be positive; got E={features} with "
+                     f"num_heads={num_heads}")
+  return d
 
 
 class DotProductAttention(nn.Module):
@@ -54,44 +88,24 @@ class DotProductAttention(nn.Module):
       layers.
     softmax_scale: scale of ``q @ k^T`` (default ``1/sqrt(D)``).
     dtype: computation dtype; q, k, v are cast to it (default: unchanged).
-    cp_axis: the mesh axis the token dim is split over; ``None``: no CP.
-    cp_strategy: :class:`jax_cp.CPLoadBalancingStrategy` or its string
-      (default DUAL_CHUNK_SWAP); an unknown string raises ``ValueError``.
-    cp_comm_type: K/V exchange, ``"all_gather"``.
-    attn_backend: varlen attention backend: ``"auto"``, ``"xla"``,
-      ``"cudnn"``.
-    max_seqlen: static bound on the longest padded document (None = the
-      row length); kernels size their grids by it.
-    mesh: mesh of the global view; ``None`` takes the context mesh
-      (``jax.set_mesh``). Ignored in the local view.
-    batch_axis: mesh axis (or axes) the batch dim is sharded over in the
-      global view (data parallel); ignored in the local view.
-    local_view: ``False``: global view under ``jit`` with a mesh, through
-      :func:`jax_cp.cp_attention`. ``True``: called inside the caller's
-      ``shard_map`` on local chunks, through
-      :func:`jax_cp.cp_attention_local`.
+    layout: the :class:`jax_cp.CPLayout` (static): cp axis and size,
+      strategy, exchange, backend, ``max_seqlen``, mesh, batch/head axes and
+      view. ``None``: no CP.
   """
 
   attn_mask_type: str = "causal"
   window_size: Optional[Tuple[int, int]] = None
   softmax_scale: Optional[float] = None
   dtype: Optional[Dtype] = None
-  cp_axis: Optional[str] = None
-  cp_strategy: Union[CPLoadBalancingStrategy, str] = DEFAULT_STRATEGY
-  cp_comm_type: str = "all_gather"
-  attn_backend: str = "auto"
-  max_seqlen: Optional[int] = None
-  mesh: Optional[MeshLike] = None
-  batch_axis: Union[str, Tuple[str, ...], None] = None
-  local_view: bool = False
+  layout: Optional[CPLayout] = None
 
   def __post_init__(self):
-    settings.validate_fields(self)
+    settings.check_layout(self.layout)
     checks.check_window_size(self.window_size, self.attn_mask_type)
     super().__post_init__()
 
   @nn.compact
-  def __call__(self, query, key, value, cu_seqlens, cu_seqlens_padded):
+  def __call__(self, query, key, value, cu_seqlens, cu_seqlens_padded=None):
     """Attends packed queries to keys/values of the same documents.
 
     Args:
@@ -99,56 +113,27 @@ class DotProductAttention(nn.Module):
         global view, this rank's chunk in the local view).
       key: ``[.., T, Hkv, D]``.
       value: ``[.., T, Hkv, D]``.
-      cu_seqlens: int ``[B, N+1]`` / ``[N+1]`` global valid lengths.
-      cu_seqlens_padded: int ``[B, N+1]`` / ``[N+1]`` global padded lengths.
+      cu_seqlens: int ``[B, N+1]`` / ``[N+1]`` global valid lengths, or a
+        :class:`jax_cp.CPBatch` holding both metadata arrays.
+      cu_seqlens_padded: int ``[B, N+1]`` / ``[N+1]`` global padded lengths
+        (omitted with a batch).
 
     Returns:
       ``[.., T, Hq, D]`` in the layout of ``query``; 0 on padding tokens.
     """
-    strategy = settings.strategy_of(self)
-    settings.check_tokens(self, query.shape[-3], cu_seqlens_padded, "query")
+    layout = settings.check_layout(self.layout)
+    cu_seqlens, cu_seqlens_padded = settings.metadata(
+        layout, cu_seqlens, cu_seqlens_padded, "DotProductAttention's batch")
+    settings.check_tokens(layout, query.shape[-3], cu_seqlens_padded, "query")
     self.sow("intermediates", "cp_strategy_code",
-             jnp.int32(settings.STRATEGY_CODES[strategy]))
+             jnp.int32(settings.STRATEGY_CODES[layout.strategy]))
     if self.dtype is not None:
       query, key, value = (x.astype(self.dtype) for x in (query, key, value))
-    kwargs = dict(load_balancing_strategy=strategy,
-                  cp_comm_type=self.cp_comm_type,
-                  attn_mask_type=self.attn_mask_type,
-                  window_size=self.window_size,
-                  softmax_scale=self.softmax_scale,
-                  backend=self.attn_backend, max_seqlen=self.max_seqlen)
-    if self.cp_axis is None or self.local_view:
-      return _cp.cp_attention_local(query, key, value, cu_seqlens,
-                                    cu_seqlens_padded, cp_axis=self.cp_axis,
-                                    **kwargs)
-    return _cp.cp_attention(query, key, value, cu_seqlens, cu_seqlens_padded,
-                            mesh=self.mesh, cp_axis=self.cp_axis,
-                            batch_axis=self.batch_axis, **kwargs)
-
-
-def default_position_ids(module, cu_seqlens_padded, n_tokens: int,
-                         cp_size: int):
-  """Per-document positions in the module's token layout, from the metadata.
-
-  Global view: :func:`jax_cp.get_position_ids` permuted by
-  :func:`jax_cp.reorder_for_cp`; local view: this rank's slice
-  (:func:`jax_cp.get_batch_on_this_cp_rank` with the traced rank).
-  """
-  strategy = settings.strategy_of(module)
-  local = module.local_view and module.cp_axis is not None
-  total = n_tokens * cp_size if local else n_tokens
-  cuP = jnp.asarray(cu_seqlens_padded, jnp.int32)
-  pos = partition.get_position_ids(cuP, total_tokens=total)
-  seq_dim = pos.ndim - 1
-  if cp_size == 1:
-    return pos
-  if local:
-    rank = jax.lax.axis_index(module.cp_axis)
-    return partition.get_batch_on_this_cp_rank(
-        cuP, pos, cp_size=cp_size, cp_rank=rank,
-        load_balancing_strategy=strategy, seq_dim=seq_dim)[0]
-  return partition.reorder_for_cp(pos, cuP, cp_size, strategy,
-                                  seq_dim=seq_dim)
+    return settings.attend(layout, query, key, value, cu_seqlens,
+                           cu_seqlens_padded,
+                           attn_mask_type=self.attn_mask_type,
+                           window_size=self.window_size,
+                           softmax_scale=self.softmax_scale)
 
 
 class MultiHeadAttention(nn.Module):
@@ -178,9 +163,8 @@ class MultiHeadAttention(nn.Module):
     param_dtype: dtype of the parameters.
     kernel_init: initializer of the projection kernels.
     bias_init: initializer of the projection biases.
-    cp_axis, cp_strategy, cp_comm_type, attn_backend, max_seqlen, mesh,
-      batch_axis, local_view: CP settings, as in
-      :class:`DotProductAttention`, passed to it unchanged.
+    layout: the :class:`jax_cp.CPLayout` (static; ``None``: no CP), passed
+      to :class:`DotProductAttention` unchanged.
   """
 
   num_heads: int
@@ -197,17 +181,10 @@ class MultiHeadAttention(nn.Module):
   param_dtype: Dtype = jnp.float32
   kernel_init: Initializer = nn.initializers.lecun_normal()
   bias_init: Initializer = nn.initializers.zeros_init()
-  cp_axis: Optional[str] = None
-  cp_strategy: Union[CPLoadBalancingStrategy, str] = DEFAULT_STRATEGY
-  cp_comm_type: str = "all_gather"
-  attn_backend: str = "auto"
-  max_seqlen: Optional[int] = None
-  mesh: Optional[MeshLike] = None
-  batch_axis: Union[str, Tuple[str, ...], None] = None
-  local_view: bool = False
+  layout: Optional[CPLayout] = None
 
   def __post_init__(self):
-    settings.validate_fields(self)
+    settings.check_layout(self.layout)
     checks.check_window_size(self.window_size, self.attn_mask_type)
     self.kv_heads  # noqa: B018  (reading the property validates the heads)
     super().__post_init__()
@@ -215,38 +192,34 @@ class MultiHeadAttention(nn.Module):
   @property
   def kv_heads(self) -> int:
     """The number of key/value heads (``num_kv_heads``/``num_gqa_groups``)."""
-    a, b = self.num_kv_heads, self.num_gqa_groups
-    if a is not None and b is not None and a != b:
-      raise ValueError(f"num_kv_heads={a} and its alias num_gqa_groups={b} "
-                       "disagree; set one of them")
-    kv = a if a is not None else b if b is not None else self.num_heads
-    if kv < 1 or self.num_heads % kv:
-      raise ValueError(f"num_kv_heads={kv} must divide num_heads="
-                       f"{self.num_heads}")
-    return kv
+    return kv_heads(self.num_heads, self.num_kv_heads, self.num_gqa_groups)
 
   @nn.compact
-  def __call__(self, x, cu_seqlens, cu_seqlens_padded, position_ids=None):
+  def __call__(self, x, cu_seqlens, cu_seqlens_padded=None,
+               position_ids=None):
     """Projects, rotates, attends (context parallel) and projects back.
 
     Args:
       x: ``[B, T, E]`` or ``[T, E]``: the whole row in ``reorder_for_cp``
         layout (global view) or this rank's chunk (local view).
-      cu_seqlens: int ``[B, N+1]`` / ``[N+1]`` global valid lengths.
-      cu_seqlens_padded: int ``[B, N+1]`` / ``[N+1]`` global padded lengths.
+      cu_seqlens: int ``[B, N+1]`` / ``[N+1]`` global valid lengths, or a
+        :class:`jax_cp.CPBatch` holding both metadata arrays.
+      cu_seqlens_padded: int ``[B, N+1]`` / ``[N+1]`` global padded lengths
+        (omitted with a batch).
       position_ids: int ``[B, T]`` / ``[T]`` per-document positions in the
         layout of ``x``; default: derived from ``cu_seqlens_padded``.
 
     Returns:
       ``[.., T, out_features]``.
     """
-    cp_size = settings.check_tokens(self, x.shape[-2], cu_seqlens_padded, "x")
+    layout = settings.check_layout(self.layout)
+    cu_seqlens, cu_seqlens_padded = settings.metadata(
+        layout, cu_seqlens, cu_seqlens_padded, "MultiHeadAttention's batch")
+    cp_size = settings.check_tokens(layout, x.shape[-2], cu_seqlens_padded,
+                                    "x")
     settings.check_position_ids(position_ids, x.shape)
     features = x.shape[-1]
-    head_dim = self.head_dim or features // self.num_heads
-    if head_dim < 1:
-      raise ValueError(f"head_dim must be positive; got E={features} with "
-                       f"num_heads={self.num_heads}")
+    head_dim = head_features(features, self.num_heads, self.head_dim)
     dense = lambda heads, name: nn.DenseGeneral(
         (heads, head_dim), use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, kernel_init=self.kernel_init,
@@ -256,15 +229,14 @@ class MultiHeadAttention(nn.Module):
     v = dense(self.kv_heads, "value")(x)
     if self.rope_theta is not None:
       if position_ids is None:
-        position_ids = default_position_ids(self, cu_seqlens_padded,
-                                            x.shape[-2], cp_size)
+        position_ids = settings.default_position_ids(
+            layout, cu_seqlens_padded, x.shape[-2], cp_size)
       q = apply_rotary(q, position_ids, self.rope_theta)
       k = apply_rotary(k, position_ids, self.rope_theta)
     out = DotProductAttention(attn_mask_type=self.attn_mask_type,
                               window_size=self.window_size,
                               softmax_scale=self.softmax_scale,
-                              dtype=self.dtype,
-                              **settings.cp_settings(self),
+                              dtype=self.dtype, layout=self.layout,
                               name="attention")(q, k, v, cu_seqlens,
                                                 cu_seqlens_padded)
     return nn.DenseGeneral(self.out_features or features, axis=(-2, -1),

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple, Union
+from typing import Callable, Optional, Tuple
 
 import flax.linen as nn
 import jax.numpy as jnp
 
 from jax_cp import checks
 from jax_cp.flax import settings
-from jax_cp.flax.attention import (
-  Dtype,
-  Initializer,
-  MeshLike,
-  MultiHeadAttention,
-)
-from jax_cp.strategy import DEFAULT_STRATEGY, CPLoadBalancingStrategy
+from jax_cp.flax.attention import Dtype, Initializer, MultiHeadAttention
+from jax_cp.layout import CPLayout
 
 _ACTIVATIONS = {"gelu": nn.gelu, "relu": nn.relu, "silu": nn.silu}
 _NORMS = ("rmsnorm", "layernorm")
@@ -65,10 +60,9 @@ class TransformerLayer(nn.Module):
   """Pre-norm decoder layer: ``x + attn(norm(x))``, then ``h + mlp(norm(h))``.
 
   Causal self-attention over packed documents with rotary embeddings and
-  GQA; context parallel through the CP fields, which the layer passes
-  unchanged to its :class:`MultiHeadAttention` (and on to
-  :class:`DotProductAttention`): setting them here is enough.
-  No dropout.
+  GQA; context parallel through the ``layout`` field, which the layer
+  passes unchanged to its :class:`MultiHeadAttention` (and on to
+  :class:`DotProductAttention`): setting it here is enough. No dropout.
 
   Attributes:
     num_heads: number of query heads.
@@ -88,11 +82,9 @@ class TransformerLayer(nn.Module):
     dtype: computation dtype.
     param_dtype: dtype of the parameters.
     kernel_init: initializer of all kernels.
-    cp_axis, cp_strategy, cp_comm_type, attn_backend, max_seqlen, mesh,
-      batch_axis, local_view: CP settings, as in
-      :class:`jax_cp.flax.DotProductAttention` (``local_view=False``: global
-      view under ``jit`` with a mesh; ``True``: inside the caller's
-      ``shard_map``).
+    layout: the :class:`jax_cp.CPLayout` (static; ``None``: no CP): its
+      view ``"global"`` runs under ``jit`` with a mesh, ``"local"`` inside
+      the caller's ``shard_map``.
   """
 
   num_heads: int
@@ -109,17 +101,10 @@ class TransformerLayer(nn.Module):
   dtype: Optional[Dtype] = None
   param_dtype: Dtype = jnp.float32
   kernel_init: Initializer = nn.initializers.lecun_normal()
-  cp_axis: Optional[str] = None
-  cp_strategy: Union[CPLoadBalancingStrategy, str] = DEFAULT_STRATEGY
-  cp_comm_type: str = "all_gather"
-  attn_backend: str = "auto"
-  max_seqlen: Optional[int] = None
-  mesh: Optional[MeshLike] = None
-  batch_axis: Union[str, Tuple[str, ...], None] = None
-  local_view: bool = False
+  layout: Optional[CPLayout] = None
 
   def __post_init__(self):
-    settings.validate_fields(self)
+    settings.check_layout(self.layout)
     checks.check_window_size(self.window_size, "causal")
     if self.norm_type not in _NORMS:
       raise ValueError(f"norm_type={self.norm_type!r} is not one of "
@@ -132,22 +117,28 @@ class TransformerLayer(nn.Module):
                param_dtype=self.param_dtype, name=name)
 
   @nn.compact
-  def __call__(self, x, cu_seqlens, cu_seqlens_padded, position_ids=None):
+  def __call__(self, x, cu_seqlens, cu_seqlens_padded=None,
+               position_ids=None):
     """Applies the layer.
 
     Args:
       x: ``[B, T, E]`` (or ``[T, E]``): the whole row in
         :func:`jax_cp.reorder_for_cp` layout sharded over ``cp_axis``
         (global view), or this rank's chunk (local view).
-      cu_seqlens: int ``[B, N+1]`` global valid lengths.
-      cu_seqlens_padded: int ``[B, N+1]`` global padded lengths.
+      cu_seqlens: int ``[B, N+1]`` global valid lengths, or a
+        :class:`jax_cp.CPBatch` holding both metadata arrays.
+      cu_seqlens_padded: int ``[B, N+1]`` global padded lengths (omitted
+        with a batch).
       position_ids: int ``[B, T]`` per-document positions in the layout of
         ``x`` (default: derived from ``cu_seqlens_padded``).
 
     Returns:
       ``[B, T, E]``, same layout as ``x``.
     """
-    settings.check_tokens(self, x.shape[-2], cu_seqlens_padded, "x")
+    layout = settings.check_layout(self.layout)
+    cu_seqlens, cu_seqlens_padded = settings.metadata(
+        layout, cu_seqlens, cu_seqlens_padded, "TransformerLayer's batch")
+    settings.check_tokens(layout, x.shape[-2], cu_seqlens_padded, "x")
     settings.check_position_ids(position_ids, x.shape)
     attn = MultiHeadAttention(
         num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
@@ -155,7 +146,7 @@ class TransformerLayer(nn.Module):
         rope_theta=self.rope_theta, window_size=self.window_size,
         use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-        **settings.cp_settings(self), name="attention")
+        layout=self.layout, name="attention")
     h = x + attn(self._norm("pre_attention_norm")(x), cu_seqlens,
                  cu_seqlens_padded, position_ids)
     mlp = MlpBlock(self.mlp_dim or 4 * x.shape[-1],
