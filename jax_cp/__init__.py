@@ -7,11 +7,15 @@ Public API::
     jax_cp.reorder_for_cp / restore_from_cp / get_position_ids
     jax_cp.cp_attention (global view) / cp_attention_local (inside shard_map)
     jax_cp.fused_attention (the varlen primitive, no CP)
+    jax_cp.cp_attention_fn (attention_fn of Flax's own attention modules)
+    from jax_cp.nnx import (DotProductAttention, MultiHeadAttention,
+                            TransformerLayer)                  # Flax NNX
     from jax_cp.flax import (DotProductAttention, MultiHeadAttention,
-                             TransformerLayer)
+                             TransformerLayer)                 # Flax Linen
 """
 
 from jax_cp.attention.api import fused_attention
+from jax_cp.attention_fn import cp_attention_fn
 from jax_cp.context_parallel import cp_attention, cp_attention_local
 from jax_cp.cost_model import (
                                CPCostEstimate,
@@ -46,6 +50,7 @@ __all__ = [
     "GlobalBatch",
     "StrategyRecommendation",
     "cp_attention",
+    "cp_attention_fn",
     "cp_attention_local",
     "estimate_cp_imbalance",
     "fused_attention",

@@ -12,8 +12,11 @@ from jax_cp.flax import settings
 from jax_cp.flax.attention import Dtype, Initializer, MultiHeadAttention
 from jax_cp.layout import CPLayout
 
-_ACTIVATIONS = {"gelu": nn.gelu, "relu": nn.relu, "silu": nn.silu}
-_NORMS = ("rmsnorm", "layernorm")
+# The MLP activations (shared with jax_cp.nnx): plain, and gated
+# (``act(gate(x)) * up(x)``).
+ACTIVATIONS = {"gelu": nn.gelu, "relu": nn.relu, "silu": nn.silu}
+GATED = {"swiglu": nn.silu, "geglu": nn.gelu}
+NORMS = ("rmsnorm", "layernorm")
 
 
 class MlpBlock(nn.Module):
@@ -38,9 +41,9 @@ class MlpBlock(nn.Module):
   kernel_init: Initializer = nn.initializers.lecun_normal()
 
   def __post_init__(self):
-    if self.activation not in (*_ACTIVATIONS, "swiglu", "geglu"):
+    if self.activation not in (*ACTIVATIONS, *GATED):
       raise ValueError(f"activation={self.activation!r} is not one of "
-                       f"{[*_ACTIVATIONS, 'swiglu', 'geglu']}")
+                       f"{[*ACTIVATIONS, *GATED]}")
     super().__post_init__()
 
   @nn.compact
@@ -48,11 +51,11 @@ class MlpBlock(nn.Module):
     dense = lambda n, name: nn.Dense(
         n, use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, kernel_init=self.kernel_init, name=name)
-    if self.activation in ("swiglu", "geglu"):
-      act = nn.silu if self.activation == "swiglu" else nn.gelu
-      h = act(dense(self.mlp_dim, "gate")(x)) * dense(self.mlp_dim, "up")(x)
+    if self.activation in GATED:
+      h = GATED[self.activation](dense(self.mlp_dim, "gate")(x)) * dense(
+          self.mlp_dim, "up")(x)
     else:
-      h = _ACTIVATIONS[self.activation](dense(self.mlp_dim, "up")(x))
+      h = ACTIVATIONS[self.activation](dense(self.mlp_dim, "up")(x))
     return dense(x.shape[-1], "down")(h)
 
 
@@ -106,9 +109,9 @@ class TransformerLayer(nn.Module):
   def __post_init__(self):
     settings.check_layout(self.layout)
     checks.check_window_size(self.window_size, "causal")
-    if self.norm_type not in _NORMS:
+    if self.norm_type not in NORMS:
       raise ValueError(f"norm_type={self.norm_type!r} is not one of "
-                       f"{list(_NORMS)}")
+                       f"{list(NORMS)}")
     super().__post_init__()
 
   def _norm(self, name: str) -> Callable:

@@ -1,0 +1,21 @@
+"""Flax NNX modules for context-parallel attention over packed rows.
+
+``DotProductAttention`` -> ``MultiHeadAttention`` -> ``TransformerLayer``,
+the NNX counterparts of :mod:`jax_cp.flax`: same math, same parameter names
+and shapes (:func:`load_linen_params`, :func:`linen_params` convert). Each
+holds its :class:`jax_cp.CPLayout` as static configuration and hands it to
+its children.
+"""
+
+from jax_cp.nnx.attention import DotProductAttention, MultiHeadAttention
+from jax_cp.nnx.convert import linen_params, load_linen_params
+from jax_cp.nnx.transformer import MlpBlock, TransformerLayer
+
+__all__ = [
+    "DotProductAttention",
+    "MlpBlock",
+    "MultiHeadAttention",
+    "TransformerLayer",
+    "linen_params",
+    "load_linen_params",
+]

@@ -1,0 +1,188 @@
+"""Flax NNX attention modules over packed THD rows with context parallelism.
+
+The NNX counterparts of :mod:`jax_cp.flax.attention`: the same math, the
+same parameter names and shapes (a checkpoint converts with
+:mod:`jax_cp.nnx.convert`). The layout, a :class:`jax_cp.CPLayout`, is
+static module configuration (a plain attribute, not an ``nnx.Variable``):
+``nnx.split`` puts it in the graph definition, so ``nnx.jit`` and
+``nnx.value_and_grad`` trace one program per layout and forward and
+backward see the same one. Views as in the Linen modules: ``"global"``
+under ``jit`` with a mesh (:func:`jax_cp.cp_attention`), ``"local"`` inside
+the caller's ``shard_map`` (:func:`jax_cp.cp_attention_local`); without a
+layout, no CP.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_cp.flax import settings
+from jax_cp.flax.attention import head_features, kv_heads
+from jax_cp.flax.rotary import apply_rotary
+from jax_cp.layout import CPLayout
+
+Dtype = Any
+Initializer = Callable[..., jax.Array]
+default_kernel_init = nnx.initializers.lecun_normal()
+default_bias_init = nnx.initializers.zeros_init()
+
+
+class DotProductAttention(nnx.Module):
+  """Causal dot-product attention over packed documents, context parallel.
+
+  No parameters. Queries ``[B, T, Hq, D]`` (or ``[T, Hq, D]``), keys and
+  values ``[.., T, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA/MQA); returns the
+  attention output shaped like the queries.
+
+  Args:
+    attn_mask_type: ``"causal"`` (default) or ``"no_mask"``.
+    softmax_scale: scale of ``q @ k^T`` (default ``1/sqrt(D)``).
+    dtype: computation dtype; q, k, v are cast to it (default: unchanged).
+    layout: the :class:`jax_cp.CPLayout` (``None``: no CP).
+  """
+
+  def __init__(self, *, attn_mask_type: str = "causal",
+               softmax_scale: Optional[float] = None,
+               dtype: Optional[Dtype] = None,
+               layout: Optional[CPLayout] = None):
+    settings.check_layout(layout)
+    self.attn_mask_type = attn_mask_type
+    self.softmax_scale = softmax_scale
+    self.dtype = dtype
+    self.layout = layout
+
+  def __call__(self, query, key, value, cu_seqlens, cu_seqlens_padded=None):
+    """Attends packed queries to keys/values of the same documents.
+
+    Args:
+      query: ``[B, T, Hq, D]`` or ``[T, Hq, D]`` (T: the whole row in the
+        global view, this rank's chunk in the local view).
+      key: ``[.., T, Hkv, D]``.
+      value: ``[.., T, Hkv, D]``.
+      cu_seqlens: int ``[B, N+1]`` / ``[N+1]`` global valid lengths, or a
+        :class:`jax_cp.CPBatch` holding both metadata arrays.
+      cu_seqlens_padded: int ``[B, N+1]`` / ``[N+1]`` global padded lengths
+        (omitted with a batch).
+
+    Returns:
+      ``[.., T, Hq, D]`` in the layout of ``query``; 0 on padding tokens.
+    """
+    layout = settings.check_layout(self.layout)
+    cu_seqlens, cu_seqlens_padded = settings.metadata(
+        layout, cu_seqlens, cu_seqlens_padded, "DotProductAttention's batch")
+    settings.check_tokens(layout, query.shape[-3], cu_seqlens_padded, "query")
+    if self.dtype is not None:
+      query, key, value = (x.astype(self.dtype) for x in (query, key, value))
+    return settings.attend(layout, query, key, value, cu_seqlens,
+                           cu_seqlens_padded,
+                           attn_mask_type=self.attn_mask_type,
+                           softmax_scale=self.softmax_scale)
+
+
+class MultiHeadAttention(nnx.Module):
+  """Self-attention with Q/K/V/out projections, GQA and rotary embeddings,
+  over packed documents, context parallel.
+
+  ``x [B, T, in_features] -> [B, T, out_features or in_features]`` (also
+  ``[T, E]``). Parameters ``query``/``key``/``value`` (kernels ``[E, H,
+  D]``) and ``out`` (``[H, D, E_out]``), as in
+  :class:`jax_cp.flax.MultiHeadAttention`.
+
+  Args:
+    num_heads: number of query heads.
+    in_features: features of ``x`` (``E``).
+    num_kv_heads: number of key/value heads (GQA/MQA); must divide
+      ``num_heads``. Default: ``num_heads``.
+    num_gqa_groups: alias of ``num_kv_heads``.
+    head_dim: per-head features (default ``in_features // num_heads``).
+    out_features: output features (default ``in_features``).
+    rope_theta: rotary base; ``None`` disables rotary embeddings.
+    use_bias: whether the projections have biases.
+    softmax_scale: attention scale (default ``1/sqrt(head_dim)``).
+    attn_mask_type: ``"causal"`` (default) or ``"no_mask"``.
+    dtype: computation dtype (default: inferred from inputs and params).
+    param_dtype: dtype of the parameters.
+    kernel_init: initializer of the projection kernels.
+    bias_init: initializer of the projection biases.
+    layout: the :class:`jax_cp.CPLayout` (``None``: no CP), passed to the
+      :class:`DotProductAttention` unchanged.
+    rngs: the random streams of the initializers.
+  """
+
+  def __init__(self, num_heads: int, in_features: int, *,
+               num_kv_heads: Optional[int] = None,
+               num_gqa_groups: Optional[int] = None,
+               head_dim: Optional[int] = None,
+               out_features: Optional[int] = None,
+               rope_theta: Optional[float] = 10000.0,
+               use_bias: bool = False,
+               softmax_scale: Optional[float] = None,
+               attn_mask_type: str = "causal",
+               dtype: Optional[Dtype] = None,
+               param_dtype: Dtype = jnp.float32,
+               kernel_init: Initializer = default_kernel_init,
+               bias_init: Initializer = default_bias_init,
+               layout: Optional[CPLayout] = None,
+               rngs: nnx.Rngs):
+    settings.check_layout(layout)
+    self.num_heads = num_heads
+    self.num_kv_heads = kv_heads(num_heads, num_kv_heads, num_gqa_groups)
+    self.in_features = in_features
+    self.head_dim = head_features(in_features, num_heads, head_dim)
+    self.out_features = out_features or in_features
+    self.rope_theta = rope_theta
+    self.layout = layout
+    dense = lambda heads: nnx.LinearGeneral(
+        in_features, (heads, self.head_dim), use_bias=use_bias, dtype=dtype,
+        param_dtype=param_dtype, kernel_init=kernel_init,
+        bias_init=bias_init, rngs=rngs)
+    self.query = dense(num_heads)
+    self.key = dense(self.num_kv_heads)
+    self.value = dense(self.num_kv_heads)
+    self.attention = DotProductAttention(
+        attn_mask_type=attn_mask_type, softmax_scale=softmax_scale,
+        dtype=dtype, layout=layout)
+    self.out = nnx.LinearGeneral(
+        (num_heads, self.head_dim), self.out_features, axis=(-2, -1),
+        use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+        kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
+
+  def __call__(self, x, cu_seqlens, cu_seqlens_padded=None,
+               position_ids=None):
+    """Projects, rotates, attends (context parallel) and projects back.
+
+    Args:
+      x: ``[B, T, E]`` or ``[T, E]``: the whole row in ``reorder_for_cp``
+        layout (global view) or this rank's chunk (local view).
+      cu_seqlens: int ``[B, N+1]`` / ``[N+1]`` global valid lengths, or a
+        :class:`jax_cp.CPBatch` holding both metadata arrays.
+      cu_seqlens_padded: int ``[B, N+1]`` / ``[N+1]`` global padded lengths
+        (omitted with a batch).
+      position_ids: int ``[B, T]`` / ``[T]`` per-document positions in the
+        layout of ``x``; default: derived from ``cu_seqlens_padded``.
+
+    Returns:
+      ``[.., T, out_features]``.
+    """
+    layout = settings.check_layout(self.layout)
+    cu_seqlens, cu_seqlens_padded = settings.metadata(
+        layout, cu_seqlens, cu_seqlens_padded, "MultiHeadAttention's batch")
+    cp_size = settings.check_tokens(layout, x.shape[-2], cu_seqlens_padded,
+                                    "x")
+    settings.check_position_ids(position_ids, x.shape)
+    if x.shape[-1] != self.in_features:
+      raise ValueError(f"x has {x.shape[-1]} features, the module was built "
+                       f"for in_features={self.in_features}")
+    q, k, v = self.query(x), self.key(x), self.value(x)
+    if self.rope_theta is not None:
+      if position_ids is None:
+        position_ids = settings.default_position_ids(
+            layout, cu_seqlens_padded, x.shape[-2], cp_size)
+      q = apply_rotary(q, position_ids, self.rope_theta)
+      k = apply_rotary(k, position_ids, self.rope_theta)
+    out = self.attention(q, k, v, cu_seqlens, cu_seqlens_padded)
+    return self.out(out)

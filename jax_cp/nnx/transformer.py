@@ -1,0 +1,159 @@
+"""A pre-norm transformer layer over packed documents, context parallel,
+as a Flax NNX module (the counterpart of :mod:`jax_cp.flax.transformer`)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_cp.flax import settings
+from jax_cp.flax.transformer import ACTIVATIONS, GATED, NORMS
+from jax_cp.layout import CPLayout
+from jax_cp.nnx.attention import (
+  Dtype,
+  Initializer,
+  MultiHeadAttention,
+  default_kernel_init,
+)
+
+
+class MlpBlock(nnx.Module):
+  """Position-wise feed-forward block ``E -> mlp_dim -> E``; with a
+  ``"swiglu"``/``"geglu"`` activation the hidden layer is gated.
+
+  Parameters ``up``, ``down`` (and ``gate`` when gated), as in
+  :class:`jax_cp.flax.MlpBlock`.
+
+  Args:
+    in_features: features of the input (and output).
+    mlp_dim: hidden features.
+    activation: ``"gelu"``, ``"relu"``, ``"silu"``, ``"swiglu"`` or
+      ``"geglu"``.
+    use_bias: whether the dense layers have biases.
+    dtype: computation dtype.
+    param_dtype: dtype of the parameters.
+    kernel_init: initializer of the kernels.
+    rngs: the random streams of the initializers.
+  """
+
+  def __init__(self, in_features: int, mlp_dim: int, *,
+               activation: str = "gelu", use_bias: bool = False,
+               dtype: Optional[Dtype] = None,
+               param_dtype: Dtype = jnp.float32,
+               kernel_init: Initializer = default_kernel_init,
+               rngs: nnx.Rngs):
+    if activation not in (*ACTIVATIONS, *GATED):
+      raise ValueError(f"activation={activation!r} is not one of "
+                       f"{[*ACTIVATIONS, *GATED]}")
+    self.activation = activation
+    dense = lambda i, o: nnx.Linear(
+        i, o, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+        kernel_init=kernel_init, rngs=rngs)
+    if activation in GATED:
+      self.gate = dense(in_features, mlp_dim)
+    self.up = dense(in_features, mlp_dim)
+    self.down = dense(mlp_dim, in_features)
+
+  def __call__(self, x):
+    if self.activation in GATED:
+      h = GATED[self.activation](self.gate(x)) * self.up(x)
+    else:
+      h = ACTIVATIONS[self.activation](self.up(x))
+    return self.down(h)
+
+
+class TransformerLayer(nnx.Module):
+  """Pre-norm decoder layer: ``x + attn(norm(x))``, then ``h + mlp(norm(h))``.
+
+  Causal self-attention over packed documents with rotary embeddings and
+  GQA; context parallel through ``layout``, which the layer passes
+  unchanged to its :class:`MultiHeadAttention` (and on to its
+  :class:`jax_cp.nnx.DotProductAttention`). No dropout. Parameters
+  ``pre_attention_norm``, ``attention``, ``pre_mlp_norm``, ``mlp``, as in
+  :class:`jax_cp.flax.TransformerLayer`.
+
+  Args:
+    num_heads: number of query heads.
+    in_features: features of ``x`` (``E``).
+    num_kv_heads: number of key/value heads (default ``num_heads``).
+    num_gqa_groups: alias of ``num_kv_heads``.
+    head_dim: per-head features (default ``E // num_heads``).
+    mlp_dim: hidden features of the MLP (default ``4 * E``).
+    mlp_activation: see :class:`MlpBlock`.
+    norm_type: ``"rmsnorm"`` (default) or ``"layernorm"``.
+    norm_epsilon: epsilon of the norms.
+    rope_theta: rotary base; ``None`` disables rotary embeddings.
+    use_bias: biases in the projections and the MLP.
+    dtype: computation dtype.
+    param_dtype: dtype of the parameters.
+    kernel_init: initializer of all kernels.
+    layout: the :class:`jax_cp.CPLayout` (``None``: no CP): its view
+      ``"global"`` runs under ``jit`` with a mesh, ``"local"`` inside the
+      caller's ``shard_map``.
+    rngs: the random streams of the initializers.
+  """
+
+  def __init__(self, num_heads: int, in_features: int, *,
+               num_kv_heads: Optional[int] = None,
+               num_gqa_groups: Optional[int] = None,
+               head_dim: Optional[int] = None,
+               mlp_dim: Optional[int] = None,
+               mlp_activation: str = "gelu",
+               norm_type: str = "rmsnorm",
+               norm_epsilon: float = 1e-6,
+               rope_theta: Optional[float] = 10000.0,
+               use_bias: bool = False,
+               dtype: Optional[Dtype] = None,
+               param_dtype: Dtype = jnp.float32,
+               kernel_init: Initializer = default_kernel_init,
+               layout: Optional[CPLayout] = None,
+               rngs: nnx.Rngs):
+    settings.check_layout(layout)
+    if norm_type not in NORMS:
+      raise ValueError(f"norm_type={norm_type!r} is not one of "
+                       f"{list(NORMS)}")
+    self.layout = layout
+    norm_cls = nnx.RMSNorm if norm_type == "rmsnorm" else nnx.LayerNorm
+    norm = lambda: norm_cls(in_features, epsilon=norm_epsilon, dtype=dtype,
+                            param_dtype=param_dtype, rngs=rngs)
+    self.pre_attention_norm = norm()
+    self.attention = MultiHeadAttention(
+        num_heads, in_features, num_kv_heads=num_kv_heads,
+        num_gqa_groups=num_gqa_groups, head_dim=head_dim,
+        rope_theta=rope_theta, use_bias=use_bias, dtype=dtype,
+        param_dtype=param_dtype, kernel_init=kernel_init, layout=layout,
+        rngs=rngs)
+    self.pre_mlp_norm = norm()
+    self.mlp = MlpBlock(in_features, mlp_dim or 4 * in_features,
+                        activation=mlp_activation, use_bias=use_bias,
+                        dtype=dtype, param_dtype=param_dtype,
+                        kernel_init=kernel_init, rngs=rngs)
+
+  def __call__(self, x, cu_seqlens, cu_seqlens_padded=None,
+               position_ids=None):
+    """Applies the layer.
+
+    Args:
+      x: ``[B, T, E]`` (or ``[T, E]``): the whole row in
+        :func:`jax_cp.reorder_for_cp` layout sharded over the cp axis
+        (global view), or this rank's chunk (local view).
+      cu_seqlens: int ``[B, N+1]`` global valid lengths, or a
+        :class:`jax_cp.CPBatch` holding both metadata arrays.
+      cu_seqlens_padded: int ``[B, N+1]`` global padded lengths (omitted
+        with a batch).
+      position_ids: int ``[B, T]`` per-document positions in the layout of
+        ``x`` (default: derived from ``cu_seqlens_padded``).
+
+    Returns:
+      ``[B, T, E]``, same layout as ``x``.
+    """
+    layout = settings.check_layout(self.layout)
+    cu_seqlens, cu_seqlens_padded = settings.metadata(
+        layout, cu_seqlens, cu_seqlens_padded, "TransformerLayer's batch")
+    settings.check_tokens(layout, x.shape[-2], cu_seqlens_padded, "x")
+    settings.check_position_ids(position_ids, x.shape)
+    h = x + self.attention(self.pre_attention_norm(x), cu_seqlens,
+                           cu_seqlens_padded, position_ids)
+    return h + self.mlp(self.pre_mlp_norm(h))
