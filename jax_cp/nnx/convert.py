@@ -53,7 +53,7 @@ def load_linen_params(model: nnx.Module, variables: Mapping[str, Any]
         f"the Linen parameters do not fit the NNX model: missing {missing}, "
         f"unexpected {extra} (build both modules with the same "
         "configuration)")
-  for path, w in want.items():
+  for path, w in sorted(want.items()):
     g = got[path]
     if tuple(np.shape(g)) != tuple(w.shape) or jax.numpy.result_type(
         g) != w.dtype:
