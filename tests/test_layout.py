@@ -1,0 +1,237 @@
+"""jax_cp.CPLayout and CPBatch: built and validated once, frozen and
+hashable; every layout function takes it; one layout object partitions and
+attends consistently (checked against the reference); a mismatch attempt
+through the public API raises."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_cp
+from jax_cp import CPBatch, CPLayout
+from jax_cp import CPLoadBalancingStrategy as S
+from tests import reference as ref
+
+CP, DP = 4, 2
+B, T, H, D = 2, 64, 2, 8
+CU_P = np.array([[0, 16, 48, 64, 64], [0, 24, 32, 64, 64]], np.int32)
+CU = np.array([[0, 13, 40, 50, 50], [0, 20, 25, 56, 56]], np.int32)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return jax.make_mesh((DP, CP), ("data", "cp"))
+
+
+@pytest.fixture(scope="module")
+def qkv():
+  rng = np.random.default_rng(0)
+  return tuple(rng.standard_normal((B, T, H, D)).astype(np.float32)
+               for _ in range(3))
+
+
+# ------------------------------------------------------------ the object
+
+
+def test_layout_is_normalised_frozen_and_hashable(mesh):
+  a = CPLayout(strategy="NO_LOAD_BALANCE", batch_axis=["data"], mesh=mesh)
+  b = CPLayout(strategy=S.NO_LOAD_BALANCE, batch_axis="data", mesh=mesh)
+  assert a == b and hash(a) == hash(b)
+  assert a.strategy is S.NO_LOAD_BALANCE and a.batch_axis == "data"
+  assert a.cp_size == CP                       # read from the mesh
+  with pytest.raises(AttributeError):
+    a.strategy = S.DUAL_CHUNK_SWAP             # frozen
+  assert a.replace(strategy="dual_chunk_swap").strategy is S.DUAL_CHUNK_SWAP
+  assert CPLayout(cp_axis=None).cp_size == 1
+
+  traces = []
+
+  @functools.partial(jax.jit, static_argnums=1)
+  def f(x, layout):
+    traces.append(layout)
+    return x + layout.cp_size
+  f(1.0, a)
+  f(2.0, b)                                    # equal layout: one trace
+  assert len(traces) == 1
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(strategy="ring"), "strategy='ring'"),
+    (dict(comm_type="p2p"), "comm_type='p2p'"),
+    (dict(view="sideways"), "view='sideways'"),
+    (dict(max_seqlen=0), "max_seqlen"),
+    (dict(cp_size=0), "cp_size"),
+    (dict(cp_axis=None, cp_size=2), "cp_size=2 needs a cp_axis"),
+    (dict(cp_axis=3), "cp_axis must be a mesh axis name"),
+    (dict(batch_axis=("data", 1)), "batch_axis"),
+])
+def test_bad_settings_raise_when_built(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    CPLayout(**kwargs)
+
+
+def test_settings_checked_against_the_mesh(mesh):
+  with pytest.raises(ValueError, match="cp_axis='seq' is not an axis"):
+    CPLayout(cp_axis="seq", mesh=mesh)
+  with pytest.raises(ValueError, match="batch_axis='dp' is not an axis"):
+    CPLayout(batch_axis="dp", mesh=mesh)
+  with pytest.raises(ValueError, match="cp_size=2 disagrees with the mesh"):
+    CPLayout(cp_size=2, mesh=mesh)
+
+
+# ------------------------------------------------------------ data functions
+
+
+@pytest.mark.parametrize("strategy", list(S))
+def test_data_functions_take_the_layout(strategy):
+  layout = CPLayout(cp_size=CP, strategy=strategy)
+  x = np.arange(B * T).reshape(B, T)
+  for r in range(CP):
+    (by_layout,) = jax_cp.get_batch_on_this_cp_rank(
+        CU_P, x, cp_rank=r, layout=layout, seq_dim=1)
+    (by_keywords,) = jax_cp.get_batch_on_this_cp_rank(
+        CU_P, x, cp_rank=r, cp_size=CP, load_balancing_strategy=strategy,
+        seq_dim=1)
+    np.testing.assert_array_equal(by_layout, by_keywords)
+    np.testing.assert_array_equal(
+        jax_cp.get_partition_indices(CU_P, layout, r),
+        jax_cp.get_partition_indices(CU_P, CP, r, strategy))
+  xr = jax_cp.reorder_for_cp(x, CU_P, layout, seq_dim=1)
+  np.testing.assert_array_equal(
+      xr, jax_cp.reorder_for_cp(x, CU_P, CP, strategy, seq_dim=1))
+  np.testing.assert_array_equal(
+      jax_cp.restore_from_cp(xr, CU_P, layout, seq_dim=1), x)
+
+  # Positions in the layout: the physical ones, reordered (global view) or
+  # sliced for a rank (local view).
+  pos = jax_cp.get_position_ids(CU_P)
+  np.testing.assert_array_equal(
+      jax_cp.get_position_ids(CU_P, layout=layout),
+      jax_cp.reorder_for_cp(pos, CU_P, layout, seq_dim=1))
+  local = layout.replace(view="local")
+  np.testing.assert_array_equal(
+      jax_cp.get_position_ids(CU_P, layout=local, cp_rank=1),
+      jax_cp.get_batch_on_this_cp_rank(CU_P, pos, cp_rank=1, layout=layout,
+                                       seq_dim=1)[0])
+
+
+def test_layout_and_keywords_are_exclusive(qkv):
+  layout = CPLayout(cp_size=CP)
+  with pytest.raises(ValueError, match="got layout= and the layout "
+                     r"settings \['load_balancing_strategy'\]"):
+    jax_cp.get_batch_on_this_cp_rank(CU_P, np.zeros((B, T)), cp_rank=0,
+                                     layout=layout, seq_dim=1,
+                                     load_balancing_strategy="dual_chunk_swap")
+  with pytest.raises(ValueError, match="got layout= and the layout"):
+    jax_cp.reorder_for_cp(np.zeros((B, T)), CU_P, layout, "no_load_balance",
+                          seq_dim=1)
+  q, k, v = qkv
+  with pytest.raises(ValueError, match="got layout= and the layout"):
+    jax_cp.cp_attention(q, k, v, CU, CU_P, layout=layout,
+                        load_balancing_strategy="no_load_balance")
+  with pytest.raises(ValueError, match="unknown layout settings"):
+    jax_cp.cp_attention(q, k, v, CU, CU_P, strategi="no_load_balance")
+
+
+# ------------------------------------------------------------ one layout
+
+
+@pytest.mark.parametrize("strategy", list(S))
+def test_one_layout_partitions_and_attends(mesh, qkv, strategy):
+  """Global view: make_global_batch and cp_attention with the same layout
+  object give the reference attention."""
+  layout = CPLayout(mesh=mesh, strategy=strategy, batch_axis="data",
+                    backend="xla")
+  q, k, v = qkv
+  batch = jax_cp.make_global_batch(dict(q=q, k=k, v=v), CU_P, layout,
+                                   cu_seqlens=CU)
+  assert batch.layout is layout
+  with jax.set_mesh(mesh):
+    out = jax.jit(lambda b: jax_cp.cp_attention(
+        b.tensors["q"], b.tensors["k"], b.tensors["v"], b))(batch)
+  got = jax_cp.restore_from_cp(np.asarray(out), CU_P, layout, seq_dim=1)
+  want = ref.batched_attention(q, k, v, CU, CU_P)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("strategy", list(S))
+def test_one_layout_local_view(mesh, qkv, strategy):
+  """Local view: get_batch_on_this_cp_rank and cp_attention_local with the
+  same layout (the rank read from the shard_map) give the reference."""
+  layout = CPLayout(strategy=strategy, view="local", backend="xla")
+  q, k, v = qkv
+
+  def body(q, k, v, cu, cuP):
+    ql, kl, vl = jax_cp.get_batch_on_this_cp_rank(
+        cuP, q, k, v, layout=layout, seq_dim=1)
+    return jax_cp.cp_attention_local(ql, kl, vl, cu, cuP, layout=layout)
+
+  spec = P("data")
+  args = [jax.device_put(a, NamedSharding(mesh, spec))
+          for a in (q, k, v, CU, CU_P)]
+  out = jax.jit(jax.shard_map(
+      body, mesh=mesh, in_specs=(spec,) * 5, out_specs=P("data", "cp"),
+      check_vma=False))(*args)
+  # The ranks' chunks side by side: the rows in the layout's order.
+  got = jax_cp.restore_from_cp(np.asarray(out), CU_P,
+                               layout.replace(cp_size=CP), seq_dim=1)
+  want = ref.batched_attention(q, k, v, CU, CU_P)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+# ------------------------------------------------------------ mismatches
+
+
+def test_attention_rejects_a_batch_of_another_layout(mesh, qkv):
+  """The issue's mismatch, data in DUAL_CHUNK_SWAP attended with
+  NO_LOAD_BALANCE, through every public entry point that sees the batch."""
+  made = CPLayout(mesh=mesh, batch_axis="data", backend="xla")
+  q, k, v = qkv
+  batch = jax_cp.make_global_batch(dict(q=q, k=k, v=v), CU_P, made,
+                                   cu_seqlens=CU)
+  other = made.replace(strategy="no_load_balance")
+  t = batch.tensors
+  with jax.set_mesh(mesh), pytest.raises(
+      ValueError, match="strategy: no_load_balance here, dual_chunk_swap "
+      "in the data"):
+    jax_cp.cp_attention(t["q"], t["k"], t["v"], batch, layout=other)
+
+  local = CPLayout(strategy="no_load_balance", view="local", backend="xla")
+
+  def body(q, k, v, b):
+    return jax_cp.cp_attention_local(q, k, v, b, layout=local)
+
+  spec = P("data", "cp")
+  with pytest.raises(ValueError, match="another CPLayout"):
+    jax.eval_shape(jax.shard_map(
+        body, mesh=mesh, in_specs=(spec, spec, spec, P("data")),
+        out_specs=spec, check_vma=False), t["q"], t["k"], t["v"],
+        CPBatch(None, batch.cu_seqlens_padded, batch.cu_seqlens, made))
+
+  # Same strategy, another cp size: also a different layout of the tokens.
+  with pytest.raises(ValueError, match="cp_size: 2 here, 4 in the data"):
+    made.replace(mesh=None, cp_size=2).check_matches(made, "the batch")
+  # The layout's backend or bound may differ: the tokens sit alike.
+  made.replace(backend="auto", max_seqlen=64).check_matches(made, "the batch")
+
+
+def test_batch_unpacks_and_is_a_pytree(mesh):
+  layout = CPLayout(mesh=mesh, batch_axis="data")
+  batch = jax_cp.make_global_batch(np.zeros((B, T), np.int32), CU_P, layout)
+  tokens, cuP = batch
+  assert tokens.shape == (B, T) and cuP.shape == CU_P.shape
+  assert batch.cu_seqlens is None
+  leaves, treedef = jax.tree.flatten(batch)
+  assert len(leaves) == 2
+  assert jax.tree.unflatten(treedef, leaves).layout is layout
+  doubled = jax.tree.map(lambda a: a * 2, batch)
+  assert doubled.layout is layout
+  np.testing.assert_array_equal(doubled.cu_seqlens_padded, 2 * CU_P)
+  with pytest.raises(ValueError, match="has no cu_seqlens"):
+    jax_cp.cp_attention(jnp.zeros((B, T, H, D)), jnp.zeros((B, T, H, D)),
+                        jnp.zeros((B, T, H, D)), batch)
