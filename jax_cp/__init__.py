@@ -24,7 +24,6 @@ from jax_cp.cost_model import (
                                recommend_strategy,
 )
 from jax_cp.data import (
-                               GlobalBatch,
                                make_global_batch,
                                make_global_metadata,
                                process_batch_rows,
@@ -47,7 +46,6 @@ __all__ = [
     "CPLayout",
     "CPCostEstimate",
     "CPLoadBalancingStrategy",
-    "GlobalBatch",
     "StrategyRecommendation",
     "cp_attention",
     "cp_attention_fn",

@@ -40,10 +40,6 @@ from jax_cp.partition import check_max_seqlen_bound, get_batch_on_this_cp_rank
 AxisNames = Union[None, str, Sequence[str]]
 
 
-# What make_global_batch returns: a CPBatch, whose layout travels with it.
-GlobalBatch = CPBatch
-
-
 # ------------------------------------------------------------------ helpers
 
 
@@ -406,5 +402,5 @@ def make_global_batch(
       layout=layout)
 
 
-__all__: Sequence[str] = ("GlobalBatch", "make_global_batch",
+__all__: Sequence[str] = ("make_global_batch",
                           "make_global_metadata", "process_batch_rows")

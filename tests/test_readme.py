@@ -4,6 +4,7 @@ import pathlib
 import re
 
 import jax
+import numpy as np
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
@@ -18,3 +19,13 @@ def test_readme_api_tour_runs(capsys):
   assert out.shape == (2, 192, 8, 64)
   assert jax.numpy.isfinite(out).all()
   assert namespace["ids_r"].shape == (48,)
+  # The NNX layer's loss and gradients, Flax's attention with the drop-in
+  # attention_fn, and the Linen layer on the NNX parameters.
+  assert jax.numpy.isfinite(namespace["loss"])
+  assert namespace["y"].shape == (2, 192, 256)
+  batch = namespace["batch"]
+  with jax.set_mesh(namespace["mesh"]):
+    y_nnx = namespace["model"](batch.tensors["x"], batch)
+  np.testing.assert_allclose(namespace["y_linen"], y_nnx, rtol=1e-5,
+                             atol=1e-5)
+  assert "another CPLayout" in capsys.readouterr().out
