@@ -296,12 +296,13 @@ def build_program(args, strategy: str, cp: int | None, rows, max_seqlen):
   tx = lm.make_optimizer(lm.default_lr(args.d_model), 10, 1000)
   if cp is None:
     model = lm.build_model(margs, max_seqlen=max_seqlen, cp_axis=None)
-    batch = jax.device_put(rows.as_dict(), jax.devices()[0])
+    batch = jax.device_put(lm.host_batch(rows, model.layout),
+                           jax.devices()[0])
     mode = "replicated"
   else:
     model = lm.build_model(margs, mesh=mesh, max_seqlen=max_seqlen)
     local = jax_cp.process_batch_rows(mesh, rows.num_rows, lm.DATA)
-    batch = lm.place_batch(rows, mesh, local, strategy, max_seqlen)
+    batch = lm.place_batch(rows, model.layout, local)
     mode = args.param_sharding
   state, shardings = lm.init_state(model, tx, batch, args.seed, mesh, mode)
   step = lm.make_train_step(model, tx, shardings, mesh)

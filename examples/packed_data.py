@@ -221,7 +221,7 @@ def rows_on_cp_rank(rows: PackedRows, cp_size: int, cp_rank: int,
   """Per-rank view: the tokens rank ``cp_rank`` holds (``[R, T/cp]`` per
   token field, via :func:`jax_cp.get_batch_on_this_cp_rank`), with the
   global metadata. This is what a data loader feeding one device (or a
-  ``shard_map`` body with ``TransformerLayer(local_view=True)``) uses."""
+  ``shard_map`` body with a ``view="local"`` layout) uses."""
   fields = rows.as_dict()
   sliced = jax_cp.get_batch_on_this_cp_rank(
       rows.cu_seqlens_padded, *(fields[k] for k in PackedRows.TOKEN_FIELDS),

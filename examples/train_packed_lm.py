@@ -6,9 +6,13 @@ variable-length text, no download; see ``packed_data.py``), packed into rows
 of ``--seq-len`` tokens. Each row is split over the ``cp`` axis of a
 ``(data, cp)`` mesh with the chosen load-balancing strategy, and a
 ``jit``-compiled AdamW step trains a stack of
-:class:`jax_cp.flax.TransformerLayer` in the *global view*: arrays hold whole
-rows in :func:`jax_cp.reorder_for_cp` layout, sharded over the mesh, and
-:func:`jax_cp.cp_attention` opens its own ``shard_map``. At the end, the
+:class:`jax_cp.nnx.TransformerLayer` (Flax NNX; ``--api linen`` trains the
+same model built from :class:`jax_cp.flax.TransformerLayer`, with the same
+parameters) in the *global view*: arrays hold whole rows in
+:func:`jax_cp.reorder_for_cp` layout, sharded over the mesh, and
+:func:`jax_cp.cp_attention` opens its own ``shard_map``. One
+:class:`jax_cp.CPLayout`, made in :func:`build_model`, lays out the batches
+(:func:`place_batch`) and configures the model's attention. At the end, the
 final parameters are evaluated on the last batch both with CP and without it
 (``cp_axis=None`` on one device): the two losses must agree.
 
@@ -25,6 +29,7 @@ Run (CPU, 8 virtual devices, dp=2 x cp=4; a couple of minutes on 2 cores)::
 
     python examples/train_packed_lm.py
     python examples/train_packed_lm.py --strategy no_load_balance
+    python examples/train_packed_lm.py --api linen
     python examples/train_packed_lm.py --checkpoint-dir /tmp/lm  # rerun resumes
     python examples/train_packed_lm.py --device gpu --dp 1 --cp 2 \\
         --dtype bfloat16 --seq-len 8192 --d-model 512 --layers 4
@@ -83,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
       description=__doc__.split("\n\n")[0],
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+  p.add_argument("--api", choices=("nnx", "linen"), default="nnx",
+                 help="Flax API of the model (same parameters either way)")
   p.add_argument("--dtype", choices=("float32", "bfloat16"),
                  default="float32", help="computation dtype")
   p.add_argument("--layers", type=int, default=2)
@@ -206,6 +213,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -217,8 +225,8 @@ except ImportError:  # running from a checkout without installing
 import multihost  # noqa: E402
 import packed_data  # noqa: E402
 
-from jax_cp.flax import TransformerLayer  # noqa: E402
-from jax_cp.flax.settings import cp_settings  # noqa: E402
+import jax_cp.flax  # noqa: E402
+import jax_cp.nnx  # noqa: E402
 
 DATA, CP = "data", "cp"
 
@@ -254,14 +262,23 @@ class ByteEmbed(nn.Module):
     return one_hot @ table.astype(self.dtype)
 
 
-class PackedLM(nn.Module):
-  """Byte embedding, ``num_layers`` CP transformer layers, RMSNorm, logits.
+def _pin(layout: jax_cp.CPLayout, x):
+  """In the global view with CP, ``x [B, T, ...]`` constrained to the
+  batch's sharding ``P(batch_axis, cp_axis)``."""
+  if layout.mesh is None or layout.is_local or layout.cp_axis is None:
+    return x
+  return jax.lax.with_sharding_constraint(
+      x, NamedSharding(layout.mesh, P(layout.batch_axis, layout.cp_axis)))
 
-  In the global view (``mesh`` set, ``local_view=False``), the activations
-  between layers are pinned to the batch's sharding, ``P(batch_axis,
-  cp_axis)``: every device keeps its own tokens from layer to layer, and
-  sharded weights are gathered to the tokens rather than tokens to the
-  weights.
+
+class PackedLM(nn.Module):
+  """Byte embedding, ``num_layers`` CP transformer layers, RMSNorm, logits
+  (Flax Linen).
+
+  In the global view, the activations between layers are pinned to the
+  batch's sharding, ``P(batch_axis, cp_axis)``: every device keeps its own
+  tokens from layer to layer, and sharded weights are gathered to the
+  tokens rather than tokens to the weights.
 
   Attributes:
     num_layers: transformer layers.
@@ -270,8 +287,7 @@ class PackedLM(nn.Module):
     num_kv_heads: key/value heads.
     vocab_size: output classes (256 bytes).
     dtype: computation dtype (parameters are float32).
-    cp_axis, cp_strategy, attn_backend, max_seqlen, mesh, batch_axis,
-      cp_comm_type, local_view: CP settings handed to every layer.
+    layout: the :class:`jax_cp.CPLayout`, handed to every layer.
   """
 
   num_layers: int
@@ -280,58 +296,134 @@ class PackedLM(nn.Module):
   num_kv_heads: int
   vocab_size: int = packed_data.VOCAB_SIZE
   dtype: jnp.dtype = jnp.float32
-  cp_axis: str | None = None
-  cp_strategy: str = "dual_chunk_swap"
-  cp_comm_type: str = "all_gather"
-  attn_backend: str = "auto"
-  max_seqlen: int | None = None
-  mesh: jax.sharding.Mesh | None = None
-  batch_axis: str | None = None
-  local_view: bool = False
-
-  def _pin(self, x):
-    if self.mesh is None or self.local_view or self.cp_axis is None:
-      return x
-    return jax.lax.with_sharding_constraint(
-        x, NamedSharding(self.mesh, P(self.batch_axis, self.cp_axis)))
+  layout: jax_cp.CPLayout = jax_cp.CPLayout(cp_axis=None)
 
   @nn.compact
   def __call__(self, tokens, cu_seqlens, cu_seqlens_padded, position_ids):
-    x = self._pin(ByteEmbed(self.vocab_size, self.d_model, dtype=self.dtype,
-                            name="embed")(tokens))
+    pin = lambda x: _pin(self.layout, x)
+    x = pin(ByteEmbed(self.vocab_size, self.d_model, dtype=self.dtype,
+                      name="embed")(tokens))
     for i in range(self.num_layers):
-      x = self._pin(TransformerLayer(
+      x = pin(jax_cp.flax.TransformerLayer(
           num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-          dtype=self.dtype, **cp_settings(self), name=f"layer_{i}")(
+          dtype=self.dtype, layout=self.layout, name=f"layer_{i}")(
               x, cu_seqlens, cu_seqlens_padded, position_ids))
     x = nn.RMSNorm(dtype=self.dtype, name="final_norm")(x)
-    return self._pin(nn.Dense(self.vocab_size, dtype=self.dtype,
-                              name="logits")(x).astype(jnp.float32))
+    return pin(nn.Dense(self.vocab_size, dtype=self.dtype,
+                        name="logits")(x).astype(jnp.float32))
+
+
+class NnxByteEmbed(nnx.Module):
+  """:class:`ByteEmbed` in Flax NNX (the same ``embedding`` table)."""
+
+  def __init__(self, num_embeddings: int, features: int, *,
+               dtype=jnp.float32, rngs: nnx.Rngs):
+    self.num_embeddings, self.dtype = num_embeddings, dtype
+    self.embedding = nnx.Param(jax.random.normal(
+        rngs.params(), (num_embeddings, features), jnp.float32))
+
+  def __call__(self, tokens):
+    one_hot = jax.nn.one_hot(tokens, self.num_embeddings, dtype=self.dtype)
+    return one_hot @ self.embedding[...].astype(self.dtype)
+
+
+class NnxPackedLM(nnx.Module):
+  """:class:`PackedLM` in Flax NNX: the same layers, parameter names and
+  shapes (``embed``, ``layer_i``, ``final_norm``, ``logits``); the layout is
+  static configuration of every layer."""
+
+  def __init__(self, num_layers: int, d_model: int, num_heads: int,
+               num_kv_heads: int, *, vocab_size: int = packed_data.VOCAB_SIZE,
+               dtype=jnp.float32, layout: jax_cp.CPLayout, rngs: nnx.Rngs):
+    self.num_layers, self.layout = num_layers, layout
+    self.embed = NnxByteEmbed(vocab_size, d_model, dtype=dtype, rngs=rngs)
+    for i in range(num_layers):
+      setattr(self, f"layer_{i}", jax_cp.nnx.TransformerLayer(
+          num_heads, d_model, num_kv_heads=num_kv_heads, dtype=dtype,
+          layout=layout, rngs=rngs))
+    self.final_norm = nnx.RMSNorm(d_model, dtype=dtype, rngs=rngs)
+    self.logits = nnx.Linear(d_model, vocab_size, dtype=dtype, rngs=rngs)
+
+  def __call__(self, tokens, cu_seqlens, cu_seqlens_padded, position_ids):
+    pin = lambda x: _pin(self.layout, x)
+    x = pin(self.embed(tokens))
+    for i in range(self.num_layers):
+      x = pin(getattr(self, f"layer_{i}")(x, cu_seqlens, cu_seqlens_padded,
+                                          position_ids))
+    return pin(self.logits(self.final_norm(x)).astype(jnp.float32))
+
+
+class NnxModel:
+  """An NNX model behind Linen's ``init``/``apply``: the training step,
+  the optimizer, the FSDP shardings and the checkpoints are the same code
+  for both APIs, and the parameters the same pure dicts
+  (``{"params": {...}}``, Linen's names), so a checkpoint of one API
+  restores into the other.
+
+  ``make(rngs)`` builds the module; :meth:`apply` merges the parameters
+  into its graph definition (where the static layout lives) and calls it.
+  """
+
+  def __init__(self, make: Callable[[nnx.Rngs], nnx.Module], layout):
+    self.make, self.layout = make, layout
+    self.graphdef, self.abstract = nnx.split(
+        nnx.eval_shape(lambda: make(nnx.Rngs(0))))
+
+  def init(self, key, *args) -> dict:
+    del args   # NNX modules know their shapes when built
+    return {"params": nnx.to_pure_dict(nnx.state(self.make(nnx.Rngs(key)),
+                                                 nnx.Param))}
+
+  def apply(self, variables, *args):
+    state = jax.tree.map(lambda x: x, self.abstract)   # a fresh copy
+    nnx.replace_by_pure_dict(state, variables["params"])
+    return nnx.merge(self.graphdef, state)(*args)
+
+
+def make_layout(*, mesh=None, strategy: str = "dual_chunk_swap",
+                backend: str = "auto", max_seqlen: int | None = None,
+                cp_axis: str | None = CP) -> jax_cp.CPLayout:
+  """The run's one layout: rows split over ``cp_axis`` of ``mesh`` (batch
+  over ``data``) with ``strategy``; ``cp_axis=None``: no CP."""
+  if cp_axis is None:
+    return jax_cp.CPLayout(cp_axis=None, backend=backend,
+                           max_seqlen=max_seqlen)
+  return jax_cp.CPLayout(mesh=mesh, cp_axis=cp_axis, batch_axis=DATA,
+                         strategy=strategy, backend=backend,
+                         max_seqlen=max_seqlen)
 
 
 def build_model(args, *, mesh=None, max_seqlen: int | None = None,
-                cp_axis: str | None = CP) -> PackedLM:
-  """The model of ``args`` (``layers``, ``d_model``, ``heads``,
-  ``kv_heads``, ``dtype``, ``backend``, ``strategy``): context parallel over
-  ``cp_axis`` of ``mesh`` (batch over ``data``), or with ``cp_axis=None``
-  the plain model on one device. The one place where the model is made."""
-  common = {"num_layers": args.layers, "d_model": args.d_model,
-            "num_heads": args.heads, "num_kv_heads": args.kv_heads,
-            "dtype": jnp.dtype(args.dtype), "attn_backend": args.backend,
-            "max_seqlen": max_seqlen}
-  if cp_axis is None:
-    return PackedLM(cp_axis=None, **common)
-  return PackedLM(cp_axis=cp_axis, cp_strategy=args.strategy, mesh=mesh,
-                  batch_axis=DATA, **common)
+                cp_axis: str | None = CP):
+  """The model of ``args`` (``api``, default ``"nnx"``; ``layers``,
+  ``d_model``, ``heads``, ``kv_heads``, ``dtype``, ``backend``,
+  ``strategy``): context parallel over ``cp_axis`` of ``mesh`` (batch over
+  ``data``), or with ``cp_axis=None`` the plain model on one device. The one
+  place where the model and its layout (``model.layout``, for
+  :func:`place_batch`) are made. Either API's model has ``init`` and
+  ``apply`` with the same parameters."""
+  layout = make_layout(mesh=mesh, strategy=args.strategy,
+                       backend=args.backend, max_seqlen=max_seqlen,
+                       cp_axis=cp_axis)
+  sizes = (args.layers, args.d_model, args.heads, args.kv_heads)
+  dtype = jnp.dtype(args.dtype)
+  api = getattr(args, "api", "nnx")
+  if api == "linen":
+    return PackedLM(*sizes, dtype=dtype, layout=layout)
+  if api != "nnx":
+    raise ValueError(f"api={api!r} is not one of ['nnx', 'linen']")
+  return NnxModel(lambda rngs: NnxPackedLM(*sizes, dtype=dtype,
+                                           layout=layout, rngs=rngs), layout)
 
 
-def loss_fn(model: PackedLM, params, batch: dict[str, jax.Array]):
-  """Mean next-byte cross entropy over the real targets of the batch."""
-  logits = model.apply(params, batch["tokens"], batch["cu_seqlens"],
-                       batch["cu_seqlens_padded"], batch["position_ids"])
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits,
-                                                       batch["labels"])
-  mask = batch["loss_mask"]
+def loss_fn(model, params, batch: jax_cp.CPBatch):
+  """Mean next-byte cross entropy over the real targets of the batch (its
+  metadata and layout go to the model as one argument; a batch laid out
+  otherwise than the model's layout raises)."""
+  t = batch.tensors
+  logits = model.apply(params, t["tokens"], batch, None, t["position_ids"])
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, t["labels"])
+  mask = t["loss_mask"]
   return jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
@@ -397,14 +489,14 @@ def state_shardings(abstract, mesh, mode: str = "fsdp"):
                       abstract)
 
 
-def init_state(model: PackedLM, tx, batch, seed: int, mesh,
+def init_state(model, tx, batch, seed: int, mesh,
                mode: str = "fsdp"):
   """``({step, params, opt_state}, shardings)``: the state initialised
   directly in its shardings (no full copy on one device first)."""
   def init(batch):
-    params = model.init(jax.random.key(seed), batch["tokens"],
-                        batch["cu_seqlens"], batch["cu_seqlens_padded"],
-                        batch["position_ids"])
+    t = batch.tensors
+    params = model.init(jax.random.key(seed), t["tokens"], batch, None,
+                        t["position_ids"])
     return {"step": jnp.int32(0), "params": params,
             "opt_state": tx.init(params)}
   shardings = state_shardings(jax.eval_shape(init, batch), mesh, mode)
@@ -413,7 +505,7 @@ def init_state(model: PackedLM, tx, batch, seed: int, mesh,
   return state, shardings
 
 
-def make_train_step(model: PackedLM, tx, shardings, mesh) -> Callable:
+def make_train_step(model, tx, shardings, mesh) -> Callable:
   """The jitted step ``(state, batch) -> (state, loss)``; the state is
   donated and keeps ``shardings``. The gradients are constrained to the
   parameters' shardings, so with FSDP each is reduce-scattered to its
@@ -533,26 +625,33 @@ def make_mesh(dp: int, cp: int, device: str):
                              devices=chosen)
 
 
-def place_batch(rows: packed_data.PackedRows, mesh,
-                local: np.ndarray, strategy: str,
-                max_seqlen: int) -> dict[str, jax.Array]:
-  """Global view on the mesh from *this process's* rows ``local`` (global
-  row indices of :func:`jax_cp.process_batch_rows`): token arrays
-  ``[B, T]`` in :func:`jax_cp.reorder_for_cp` layout sharded ``P(data,
-  cp)`` (each device gets only its cp slice), metadata ``[B, N+1]`` sharded
-  ``P(data)``. ``rows`` is the whole global batch in physical order; only
-  ``rows[local]`` is read."""
+def place_batch(rows: packed_data.PackedRows, layout: jax_cp.CPLayout,
+                local: np.ndarray) -> jax_cp.CPBatch:
+  """Global view on the layout's mesh from *this process's* rows ``local``
+  (global row indices of :func:`jax_cp.process_batch_rows`): a
+  :class:`jax_cp.CPBatch` of token arrays ``[B, T]`` in the layout
+  (:func:`jax_cp.reorder_for_cp` order, sharded ``P(data, cp)``; each
+  device gets only its cp slice) and metadata ``[B, N+1]`` sharded
+  ``P(data)``, carrying ``layout``. ``rows`` is the whole global batch in
+  physical order; only ``rows[local]`` is read."""
   mine = {k: v[local] for k, v in rows.as_dict().items()}
-  tokens, cu_seqlens_padded = jax_cp.make_global_batch(
+  return jax_cp.make_global_batch(
       {k: mine[k] for k in packed_data.PackedRows.TOKEN_FIELDS},
-      mine["cu_seqlens_padded"], mesh, cp_axis=CP, batch_axis=DATA,
-      load_balancing_strategy=strategy, max_seqlen=max_seqlen,
+      mine["cu_seqlens_padded"], layout, cu_seqlens=mine["cu_seqlens"],
       global_batch_size=rows.num_rows)
-  cu_seqlens = jax_cp.make_global_metadata(
-      mine["cu_seqlens"], mesh, batch_axis=DATA,
-      global_batch_size=rows.num_rows)
-  return {**tokens, "cu_seqlens": cu_seqlens,
-          "cu_seqlens_padded": cu_seqlens_padded}
+
+
+def host_batch(rows: packed_data.PackedRows,
+               layout: jax_cp.CPLayout) -> jax_cp.CPBatch:
+  """The rows on the host, whole and in physical order: the batch of a
+  model without CP (``layout.cp_axis is None``)."""
+  if layout.cp_axis is not None:
+    raise ValueError("host_batch is the batch of a layout without CP")
+  d = rows.as_dict()
+  return jax_cp.CPBatch(
+      tensors={k: d[k] for k in packed_data.PackedRows.TOKEN_FIELDS},
+      cu_seqlens_padded=d["cu_seqlens_padded"], cu_seqlens=d["cu_seqlens"],
+      layout=layout)
 
 
 #: Test-only hook (the recovery test): the save of the step named here
@@ -703,10 +802,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
   max_seqlen = args.max_seqlen or rows.max_seqlen
   # Every process makes the same rows (same seed) but passes on only its
   # own (place_batch). Global view: make_global_batch puts the tokens in
-  # reorder_for_cp layout, so that a contiguous split over the cp axis gives
-  # every rank its strategy's tokens, and hands each device only its slice
-  # (jax_cp.get_batch_on_this_cp_rank). (A per-rank model would instead
-  # feed TransformerLayer with local_view=True inside a shard_map.)
+  # the layout's reorder_for_cp order, so that a contiguous split over the
+  # cp axis gives every rank its strategy's tokens, and hands each device
+  # only its slice (jax_cp.get_batch_on_this_cp_rank). (A per-rank model
+  # would instead use layout.replace(view="local") inside a shard_map.)
   docs = int((np.diff(rows.cu_seqlens, axis=1) > 0).sum())
   log(f"data: {rows.num_rows} rows x {rows.seq_len} tokens, {docs} documents "
       f"from the stdlib, max_seqlen={max_seqlen}, "
@@ -719,7 +818,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     # The metadata are global arrays too: arguments of the jitted step (a
     # jit cannot close over arrays spanning other processes).
     return place_batch(rows.rows(step * args.batch, (step + 1) * args.batch),
-                       mesh, local, args.strategy, max_seqlen)
+                       model.layout, local)
 
   ckpt = (Checkpointer(args.checkpoint_dir, args, args.checkpoint_every)
           if args.checkpoint_dir else None)
@@ -750,7 +849,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                          num_layers=args.layers, num_heads=args.heads,
                          head_dim=head_dim)
 
-    log(f"model: {args.layers} layers, d_model {args.d_model}, "
+    log(f"model ({args.api}): {args.layers} layers, d_model {args.d_model}, "
         f"{args.heads} heads / {args.kv_heads} kv heads, {n_params:,} params"
         f" ({args.param_sharding}); mesh dp={args.dp} x cp={args.cp} "
         f"({args.strategy}), {args.dtype}, backend {args.backend}; AdamW lr "
@@ -815,10 +914,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
   if not args.no_compare and is_main:
     # Process 0 alone, on one device, with the whole parameters.
     nocp_model = build_model(args, max_seqlen=max_seqlen, cp_axis=None)
-    host_batch = rows.rows(last * args.batch,
-                           (last + 1) * args.batch).as_dict()
+    last_rows = host_batch(rows.rows(last * args.batch,
+                                     (last + 1) * args.batch),
+                           nocp_model.layout)
     eval_loss_nocp = float(jax.jit(lambda p, b: loss_fn(nocp_model, p, b))(
-        full_params, host_batch))
+        full_params, last_rows))
 
   if losses:
     k = min(10, len(losses))
@@ -837,7 +937,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "eval_loss_cp": eval_loss_cp, "eval_loss_nocp": eval_loss_nocp,
             "tokens_per_s": tok_s, "mfu": mfu, "max_seqlen": max_seqlen,
             "dp": args.dp, "cp": args.cp, "lr": lr, "warmup": warmup,
-            "param_sharding": args.param_sharding,
+            "param_sharding": args.param_sharding, "api": args.api,
             "process_index": jax.process_index(),
             "num_processes": jax.process_count(),
             "local_rows": local.tolist()}

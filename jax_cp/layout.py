@@ -251,8 +251,9 @@ class CPLayout:
   def resolve_cp_size(self) -> int:
     """The cp size where the layout is used, checking the axis exists there.
 
-    ``cp_size`` when known; else, local view, the size of ``cp_axis`` in
-    the enclosing ``shard_map``; global view, its size on the context mesh.
+    Local view: the size of ``cp_axis`` in the enclosing ``shard_map``;
+    global view: its size on ``mesh`` or the context mesh. Either is
+    checked against ``cp_size`` when that is set.
 
     Raises:
       ValueError: ``cp_axis`` is not bound (local view) or not on the mesh
@@ -279,18 +280,6 @@ class CPLayout:
       raise ValueError(f"the layout's cp_size={self.cp_size} disagrees with "
                        f"the size {size} of axis {self.cp_axis!r} here")
     return size
-
-  def host_cp_size(self, what: str) -> int:
-    """The cp size for host-side data functions: ``cp_size`` (set or taken
-    from ``mesh``).
-
-    Raises:
-      ValueError: the layout knows no cp size.
-    """
-    if self.cp_size is None:
-      raise ValueError(f"{what} needs the cp size: build the CPLayout with "
-                       "mesh=... or cp_size=...")
-    return self.cp_size
 
   def token_fields(self) -> Dict[str, Any]:
     """The settings that decide which tokens each rank holds."""
@@ -322,17 +311,6 @@ class CPLayout:
       raise ValueError(
           f"{what} was laid out with another CPLayout ({detail}); partition "
           "the data and attend with the same layout")
-
-  def attention_kwargs(self) -> Dict[str, Any]:
-    """The layout as keyword arguments of :func:`jax_cp.cp_attention`
-    (global view) or :func:`jax_cp.cp_attention_local`."""
-    out = dict(cp_axis=self.cp_axis, load_balancing_strategy=self.strategy,
-               cp_comm_type=self.comm_type, backend=self.backend,
-               max_seqlen=self.max_seqlen)
-    if not self.is_local and self.cp_axis is not None:
-      out.update(mesh=self.mesh, batch_axis=self.batch_axis,
-                 head_axis=self.head_axis)
-    return out
 
 
 @jax.tree_util.register_dataclass

@@ -96,6 +96,22 @@ def test_training_runs_decreases_and_resumes(tmp_path):
                                                  rel=1e-4)
 
 
+def test_linen_api_resumes_an_nnx_checkpoint(tmp_path):
+  """--api linen trains the same model: the NNX run's checkpoint (the same
+  parameter tree) resumes in Linen, and its CP and no-CP losses agree."""
+  ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
+  first = train_packed_lm.main(TINY + ckpt + ["--steps", "2", "--no-compare"])
+  assert first["api"] == "nnx"
+  second = train_packed_lm.main(TINY + ckpt + ["--steps", "3", "--api",
+                                               "linen", "--strategy",
+                                               "dual_chunk_swap"])
+  assert second["api"] == "linen" and second["start_step"] == 2
+  assert np.isfinite(second["losses"]).all()
+  assert second["losses"][0] < first["losses"][0]
+  assert second["eval_loss_cp"] == pytest.approx(second["eval_loss_nocp"],
+                                                 rel=1e-4)
+
+
 def test_checkpoint_dir_of_another_run_is_refused(tmp_path):
   d = tmp_path / "ckpt"
   d.mkdir()

@@ -51,8 +51,8 @@ def _compiled_step(mode: str):
                                       strategy=MODEL.strategy, seed=1,
                                       max_doc_len=T // 2)
   local = jax_cp.process_batch_rows(mesh, 2, lm.DATA)
-  batch = lm.place_batch(rows, mesh, local, MODEL.strategy, rows.max_seqlen)
   model = lm.build_model(MODEL, mesh=mesh, max_seqlen=rows.max_seqlen)
+  batch = lm.place_batch(rows, model.layout, local)
   tx = lm.make_optimizer(1e-3, 2, 10)
   state, shardings = lm.init_state(model, tx, batch, 0, mesh, mode)
   step = lm.make_train_step(model, tx, shardings, mesh)
