@@ -30,11 +30,12 @@ inside ``jit``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 import numpy as np
 
 from jax_cp import checks
+from jax_cp.layout import CPLayout
 from jax_cp.strategy import CPLoadBalancingStrategy, as_strategy
 
 _DCS = CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
@@ -236,8 +237,9 @@ def _rank_pairs(lens, starts, plens, cp: int, total: int,
 # ----------------------------------------------------------------- public API
 
 
-def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded, cp_size: int,
-                          strategy=_DCS, *, num_heads_q: int = 1,
+def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded,
+                          cp_size: Union[int, CPLayout],
+                          strategy=None, *, num_heads_q: int = 1,
                           num_heads_kv: int = 1, head_dim: int = 128,
                           dtype_bytes: int = 2,
                           max_seqlen: Optional[int] = None,
@@ -248,8 +250,10 @@ def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded, cp_size: int,
     cu_seqlens: int ``[N+1]`` or ``[B, N+1]`` cumulative valid lengths.
     cu_seqlens_padded: int, same shape, cumulative padded lengths
       (``cuP[-1] == T`` in every row).
-    cp_size: number of CP ranks.
-    strategy: :class:`CPLoadBalancingStrategy` or its string.
+    cp_size: number of CP ranks, or a :class:`jax_cp.CPLayout` with a
+      known ``cp_size`` (its strategy and ``max_seqlen`` are then used).
+    strategy: :class:`CPLoadBalancingStrategy` or its string (default
+      DUAL_CHUNK_SWAP); with an int ``cp_size`` only.
     num_heads_q: query heads (scales FLOPs).
     num_heads_kv: key/value heads (scales bytes).
     head_dim: head dimension ``D``.
@@ -269,6 +273,16 @@ def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded, cp_size: int,
       with a padded length not divisible by ``2*cp_size``, a document longer
       than ``max_seqlen``, or bad sizes.
   """
+  if isinstance(cp_size, CPLayout):
+    layout = CPLayout.build(cp_size, "estimate_cp_imbalance", **{
+        k: v for k, v in dict(strategy=strategy,
+                              max_seqlen=max_seqlen).items()
+        if v is not None})
+    if layout.cp_size is None:
+      raise ValueError("estimate_cp_imbalance needs the layout's cp size: "
+                       "build the CPLayout with mesh=... or cp_size=...")
+    cp_size, strategy, max_seqlen = (layout.cp_size, layout.strategy,
+                                     layout.max_seqlen)
   strategy = as_strategy(strategy, "strategy")
   checks.check_cp_size(cp_size)
   cp = int(cp_size)

@@ -197,14 +197,22 @@ def make_global_metadata(local_meta, mesh, *, batch_axis: AxisNames = None,
   Args:
     local_meta: one array or a dict / tuple of arrays ``[B_local, ...]`` for
       the rows of :func:`process_batch_rows`, in that order.
-    mesh: the mesh.
-    batch_axis: as in :func:`make_global_batch`.
+    mesh: the mesh, or a :class:`jax_cp.CPLayout` (its mesh and batch
+      axes).
+    batch_axis: the batch mesh axis (or axes); with a mesh only.
     global_batch_size: optional ``B``; when given, ``B_local`` is checked
       against it.
 
   Returns:
     Global arrays ``[B, ...]`` in the container of ``local_meta``.
   """
+  if isinstance(mesh, CPLayout):
+    layout = CPLayout.build(mesh, "make_global_metadata", **(
+        {} if batch_axis is None else {"batch_axis": batch_axis}))
+    if not isinstance(layout.mesh, jax.sharding.Mesh):
+      raise ValueError("make_global_metadata needs the layout's mesh, a "
+                       f"jax.sharding.Mesh (got {layout.mesh!r})")
+    mesh, batch_axis = layout.mesh, layout.batch_axis
   axes = _batch_axes(mesh, batch_axis)
   items, rebuild = _as_items(local_meta)
   b_local = _local_batch_size(items, "metadata")

@@ -120,6 +120,20 @@ def test_data_functions_take_the_layout(strategy):
                                        seq_dim=1)[0])
 
 
+def test_cost_model_and_metadata_take_the_layout(mesh):
+  layout = CPLayout(mesh=mesh, strategy="no_load_balance", batch_axis="data",
+                    max_seqlen=40)
+  by_layout = jax_cp.estimate_cp_imbalance(CU, CU_P, layout)
+  by_keywords = jax_cp.estimate_cp_imbalance(CU, CU_P, CP, "no_load_balance",
+                                             max_seqlen=40)
+  assert by_layout == by_keywords
+  with pytest.raises(ValueError, match="got layout= and the layout"):
+    jax_cp.estimate_cp_imbalance(CU, CU_P, layout, "dual_chunk_swap")
+  cu = jax_cp.make_global_metadata(CU, layout)
+  np.testing.assert_array_equal(cu, CU)
+  assert cu.sharding.spec == P("data")
+
+
 def test_layout_and_keywords_are_exclusive(qkv):
   layout = CPLayout(cp_size=CP)
   with pytest.raises(ValueError, match="got layout= and the layout "
