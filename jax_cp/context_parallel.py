@@ -221,6 +221,10 @@ def cp_attention(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
   if layout.cp_axis is None:
     raise ValueError("cp_attention needs a cp_axis; attention without CP is "
                      "cp_attention_local with cp_axis=None")
+  if layout.view == "local":
+    raise ValueError("cp_attention is the global view; a layout with "
+                     "view='local' goes to cp_attention_local inside your "
+                     "shard_map")
   mesh = _resolve_mesh(layout.mesh)
   cp_axis, batch_axis, head_axis = (layout.cp_axis, layout.batch_axis,
                                     layout.head_axis)

@@ -150,6 +150,10 @@ def test_layout_and_keywords_are_exclusive(qkv):
                         load_balancing_strategy="no_load_balance")
   with pytest.raises(ValueError, match="unknown layout settings"):
     jax_cp.cp_attention(q, k, v, CU, CU_P, strategi="no_load_balance")
+  with pytest.raises(ValueError, match="view='local' goes to "
+                     "cp_attention_local"):
+    jax_cp.cp_attention(q, k, v, CU, CU_P, layout=layout.replace(
+        view="local"))
 
 
 # ------------------------------------------------------------ one layout
