@@ -13,14 +13,16 @@ each document.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
+from jax_cp import checks
 from jax_cp.flax import settings
 from jax_cp.layout import CPBatch, CPLayout
 
 
 def cp_attention_fn(layout: Optional[CPLayout] = None, *,
                     attn_mask_type: str = "causal",
+                    window_size: Optional[Tuple[int, int]] = None,
                     softmax_scale: Optional[float] = None) -> Callable:
   """An ``attention_fn`` for Flax's multi-head attention modules.
 
@@ -29,6 +31,8 @@ def cp_attention_fn(layout: Optional[CPLayout] = None, *,
       layout of the batch given as ``mask``.
     attn_mask_type: ``"causal"`` (default) or ``"no_mask"``, within each
       document.
+    window_size: ``None`` or a causal sliding window ``(left, 0)``: a query
+      at document position ``i`` sees keys ``[i - left, i]``.
     softmax_scale: scale of ``q @ k^T`` (default ``1/sqrt(D)``).
 
   Returns:
@@ -46,6 +50,7 @@ def cp_attention_fn(layout: Optional[CPLayout] = None, *,
   """
   if layout is not None:
     settings.check_layout(layout)
+  checks.check_window_size(window_size, attn_mask_type)
 
   def attention_fn(query, key, value, bias=None, mask=None,
                    broadcast_dropout: bool = True, dropout_rng=None,
@@ -82,6 +87,7 @@ def cp_attention_fn(layout: Optional[CPLayout] = None, *,
       query, key, value = (x.astype(dtype) for x in (query, key, value))
     return settings.attend(use, query, key, value, cu_seqlens,
                            cu_seqlens_padded, attn_mask_type=attn_mask_type,
+                           window_size=window_size,
                            softmax_scale=softmax_scale)
 
   return attention_fn

@@ -99,6 +99,21 @@ def test_nnx_attention_fn_with_cp_matches_no_cp(x, strategy):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_attention_fn_sliding_window_matches_reference(x):
+  batch = jax_cp.CPBatch(None, CU_P, CU, NO_CP)
+  mha = _flax_nnx_mha(jax_cp.cp_attention_fn(NO_CP, window_size=(3, 0)))
+  got = np.asarray(mha(x, mask=batch))
+  dense = _flax_nnx_mha()
+  nnx.update(dense, nnx.state(mha, nnx.Param))
+  mask = np.stack([ref.doc_mask(CU[r], CU_P[r], window=3)[None]
+                   for r in range(B)])
+  want = np.asarray(dense(x, mask=mask))
+  valid = _valid()
+  np.testing.assert_allclose(got[valid], want[valid], rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="window_size"):
+    jax_cp.cp_attention_fn(NO_CP, window_size=(3, 1))
+
+
 def test_attention_fn_rejects_missing_or_wrong_metadata(x):
   mha = _flax_nnx_mha(jax_cp.cp_attention_fn(NO_CP))
   with pytest.raises(ValueError, match="needs the packing metadata"):

@@ -30,13 +30,16 @@ NO_CP = CPLayout(cp_axis=None, backend="xla")
 
 
 class NnxStack(nnx.Module):
-  """Two NNX TransformerLayers; the layout given once, here."""
+  """Two NNX TransformerLayers; the layout given once, here; ``windows``:
+  each layer's sliding window (None: global)."""
 
-  def __init__(self, layout, rngs, **kwargs):
+  def __init__(self, layout, rngs, windows=(None, None), **kwargs):
     kwargs = dict(LAYER, **kwargs)
     self.layer_0 = cp_nnx.TransformerLayer(in_features=E, layout=layout,
+                                           window_size=windows[0],
                                            rngs=rngs, **kwargs)
     self.layer_1 = cp_nnx.TransformerLayer(in_features=E, layout=layout,
+                                           window_size=windows[1],
                                            rngs=rngs, **kwargs)
 
   def __call__(self, x, cu, cuP, pos=None):
@@ -46,11 +49,13 @@ class NnxStack(nnx.Module):
 class LinenStack(nn.Module):
   layout: CPLayout
   kwargs: dict
+  windows: tuple = (None, None)
 
   @nn.compact
   def __call__(self, x, cu, cuP, pos=None):
     for i in range(2):
       x = cp_linen.TransformerLayer(**LAYER, **self.kwargs,
+                                    window_size=self.windows[i],
                                     layout=self.layout, name=f"layer_{i}")(
                                         x, cu, cuP, pos)
     return x
@@ -115,13 +120,14 @@ def _assert_close(value, grads, baseline, rtol=1e-4):
 # ------------------------------------------------------------ NNX vs Linen
 
 
-@pytest.mark.parametrize("kwargs", [
-    {},
-    dict(norm_type="layernorm", mlp_activation="swiglu", use_bias=True),
+@pytest.mark.parametrize("kwargs, windows", [
+    ({}, (None, None)),
+    (dict(norm_type="layernorm", mlp_activation="swiglu", use_bias=True),
+     ((5, 0), None)),
 ])
-def test_nnx_matches_linen_forward_and_gradients(data, kwargs):
-  model = _randomize(NnxStack(NO_CP, nnx.Rngs(0), **kwargs), 2)
-  linen = LinenStack(NO_CP, kwargs)
+def test_nnx_matches_linen_forward_and_gradients(data, kwargs, windows):
+  model = _randomize(NnxStack(NO_CP, nnx.Rngs(0), windows, **kwargs), 2)
+  linen = LinenStack(NO_CP, kwargs, windows)
   variables = cp_nnx.linen_params(model)
   # The same parameter tree as Linen's own init.
   shapes = jax.eval_shape(lambda: linen.init(
@@ -246,3 +252,27 @@ def test_orbax_checkpoint_round_trip(data, tmp_path):
                   jax.tree.leaves(nnx.state(model))):
     np.testing.assert_array_equal(a, b)
   np.testing.assert_array_equal(restored(data["x"], CU, CU_P), want)
+
+
+def test_windowed_layers_with_cp_match_no_cp(data):
+  """A windowed layer then a global one: NO_LOAD_BALANCE cp=4 (global view)
+  gives the loss and gradients of the same NNX model without CP."""
+  windows = ((5, 0), None)
+  plain = _randomize(NnxStack(NO_CP, nnx.Rngs(0), windows), 5)
+  args = (data["w"], CU, CU_P, data["pos"])
+  value, grads = nnx.jit(nnx.value_and_grad(_loss))(plain, data["x"], *args)
+  want = (plain, float(value), nnx.to_pure_dict(grads))
+
+  mesh = jax.make_mesh((DP, CP), ("data", "cp"))
+  layout = CPLayout(mesh=mesh, strategy="no_load_balance", batch_axis="data",
+                    backend="xla")
+  model = NnxStack(layout, nnx.Rngs(0), windows)
+  nnx.update(model, nnx.state(plain, nnx.Param))
+  batch = jax_cp.make_global_batch(
+      dict(x=data["x"], w=data["w"], pos=data["pos"]), CU_P, layout,
+      cu_seqlens=CU)
+  t = batch.tensors
+  with jax.set_mesh(mesh):
+    value, grads = nnx.jit(nnx.value_and_grad(_loss))(
+        model, t["x"], t["w"], batch, None, t["pos"])
+  _assert_close(float(value), nnx.to_pure_dict(grads), want)

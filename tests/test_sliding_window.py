@@ -336,24 +336,26 @@ def test_flax_layers_alternate_local_and_global():
 
   class Model(nn.Module):
     windows: tuple
-    cp_kwargs: dict
+    layout: jax_cp.CPLayout
 
     @nn.compact
     def __call__(self, x, pos):
       for i, window in enumerate(self.windows):
         x = TransformerLayer(num_heads=HQ, num_kv_heads=HKV, head_dim=D,
-                             mlp_dim=32, attn_backend="xla",
-                             window_size=window, name=f"layer_{i}",
-                             **self.cp_kwargs)(x, cu, cuP, pos)
+                             mlp_dim=32, window_size=window,
+                             name=f"layer_{i}", layout=self.layout)(
+                                 x, cu, cuP, pos)
       return x
 
   windows = ((5, 0), None)
-  plain = Model(windows, {})
+  no_cp = jax_cp.CPLayout(cp_axis=None, backend="xla")
+  plain = Model(windows, no_cp)
   params = plain.init(jax.random.key(0), x, pos)
   want = plain.apply(params, x, pos)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:cp]), ("cp",))
-  model = Model(windows, dict(cp_axis="cp", mesh=mesh,
-                              cp_strategy="no_load_balance"))
+  model = Model(windows, jax_cp.CPLayout(mesh=mesh,
+                                         strategy="no_load_balance",
+                                         backend="xla"))
   re = lambda a: jax_cp.reorder_for_cp(a, cuP, cp, S.NO_LOAD_BALANCE,
                                        seq_dim=1)
   got = jax.jit(model.apply)(params, re(x), re(pos))
@@ -361,7 +363,7 @@ def test_flax_layers_alternate_local_and_global():
   valid = np.stack([ref.valid_token_mask(a, b) for a, b in zip(cu, cuP)])
   np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid],
                              rtol=1e-4, atol=1e-4)
-  global_only = Model((None, None), {}).apply(params, x, pos)
+  global_only = Model((None, None), no_cp).apply(params, x, pos)
   assert not np.allclose(np.asarray(global_only)[valid],
                          np.asarray(want)[valid], atol=1e-3)
 
@@ -371,7 +373,9 @@ def test_flax_dot_product_attention_window_matches_reference():
 
   cu, cuP, rng = rows(12, 1, S.NO_LOAD_BALANCE)
   q, k, v = qkv(rng)
-  mod = DotProductAttention(window_size=(3, 0), attn_backend="xla")
+  mod = DotProductAttention(window_size=(3, 0),
+                            layout=jax_cp.CPLayout(cp_axis=None,
+                                                   backend="xla"))
   got = mod.apply({}, q, k, v, cu, cuP)
   want = ref.batched_attention(q, k, v, cu, cuP, window=3)
   valid = np.stack([ref.valid_token_mask(a, b) for a, b in zip(cu, cuP)])

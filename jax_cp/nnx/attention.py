@@ -14,12 +14,13 @@ layout, no CP.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_cp import checks
 from jax_cp.flax import settings
 from jax_cp.flax.attention import head_features, kv_heads
 from jax_cp.flax.rotary import apply_rotary
@@ -40,17 +41,24 @@ class DotProductAttention(nnx.Module):
 
   Args:
     attn_mask_type: ``"causal"`` (default) or ``"no_mask"``.
+    window_size: ``None`` (default; plain causal) or a causal sliding window
+      ``(left, 0)``: a query at document position ``i`` sees keys
+      ``[i - left, i]``. Per module, so one model can mix local and global
+      layers.
     softmax_scale: scale of ``q @ k^T`` (default ``1/sqrt(D)``).
     dtype: computation dtype; q, k, v are cast to it (default: unchanged).
     layout: the :class:`jax_cp.CPLayout` (``None``: no CP).
   """
 
   def __init__(self, *, attn_mask_type: str = "causal",
+               window_size: Optional[Tuple[int, int]] = None,
                softmax_scale: Optional[float] = None,
                dtype: Optional[Dtype] = None,
                layout: Optional[CPLayout] = None):
     settings.check_layout(layout)
+    checks.check_window_size(window_size, attn_mask_type)
     self.attn_mask_type = attn_mask_type
+    self.window_size = None if window_size is None else tuple(window_size)
     self.softmax_scale = softmax_scale
     self.dtype = dtype
     self.layout = layout
@@ -80,6 +88,7 @@ class DotProductAttention(nnx.Module):
     return settings.attend(layout, query, key, value, cu_seqlens,
                            cu_seqlens_padded,
                            attn_mask_type=self.attn_mask_type,
+                           window_size=self.window_size,
                            softmax_scale=self.softmax_scale)
 
 
@@ -104,6 +113,8 @@ class MultiHeadAttention(nnx.Module):
     use_bias: whether the projections have biases.
     softmax_scale: attention scale (default ``1/sqrt(head_dim)``).
     attn_mask_type: ``"causal"`` (default) or ``"no_mask"``.
+    window_size: ``None`` or a causal sliding window ``(left, 0)``, as in
+      :class:`DotProductAttention`.
     dtype: computation dtype (default: inferred from inputs and params).
     param_dtype: dtype of the parameters.
     kernel_init: initializer of the projection kernels.
@@ -122,6 +133,7 @@ class MultiHeadAttention(nnx.Module):
                use_bias: bool = False,
                softmax_scale: Optional[float] = None,
                attn_mask_type: str = "causal",
+               window_size: Optional[Tuple[int, int]] = None,
                dtype: Optional[Dtype] = None,
                param_dtype: Dtype = jnp.float32,
                kernel_init: Initializer = default_kernel_init,
@@ -144,8 +156,8 @@ class MultiHeadAttention(nnx.Module):
     self.key = dense(self.num_kv_heads)
     self.value = dense(self.num_kv_heads)
     self.attention = DotProductAttention(
-        attn_mask_type=attn_mask_type, softmax_scale=softmax_scale,
-        dtype=dtype, layout=layout)
+        attn_mask_type=attn_mask_type, window_size=window_size,
+        softmax_scale=softmax_scale, dtype=dtype, layout=layout)
     self.out = nnx.LinearGeneral(
         (num_heads, self.head_dim), self.out_features, axis=(-2, -1),
         use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,

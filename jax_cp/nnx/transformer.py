@@ -3,7 +3,7 @@ as a Flax NNX module (the counterpart of :mod:`jax_cp.flax.transformer`)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import jax.numpy as jnp
 from flax import nnx
@@ -85,6 +85,10 @@ class TransformerLayer(nnx.Module):
     norm_type: ``"rmsnorm"`` (default) or ``"layernorm"``.
     norm_epsilon: epsilon of the norms.
     rope_theta: rotary base; ``None`` disables rotary embeddings.
+    window_size: ``None`` (global attention) or a causal sliding window
+      ``(left, 0)`` for this layer: a query at document position ``i`` sees
+      keys ``[i - left, i]`` (alternate it per layer for local/global
+      models).
     use_bias: biases in the projections and the MLP.
     dtype: computation dtype.
     param_dtype: dtype of the parameters.
@@ -104,6 +108,7 @@ class TransformerLayer(nnx.Module):
                norm_type: str = "rmsnorm",
                norm_epsilon: float = 1e-6,
                rope_theta: Optional[float] = 10000.0,
+               window_size: Optional[Tuple[int, int]] = None,
                use_bias: bool = False,
                dtype: Optional[Dtype] = None,
                param_dtype: Dtype = jnp.float32,
@@ -122,7 +127,8 @@ class TransformerLayer(nnx.Module):
     self.attention = MultiHeadAttention(
         num_heads, in_features, num_kv_heads=num_kv_heads,
         num_gqa_groups=num_gqa_groups, head_dim=head_dim,
-        rope_theta=rope_theta, use_bias=use_bias, dtype=dtype,
+        rope_theta=rope_theta, window_size=window_size, use_bias=use_bias,
+        dtype=dtype,
         param_dtype=param_dtype, kernel_init=kernel_init, layout=layout,
         rngs=rngs)
     self.pre_mlp_norm = norm()
