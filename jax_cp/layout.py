@@ -335,14 +335,15 @@ class CPBatch:
       document lengths of the rows, in physical order.
     cu_seqlens: int, same shape: cumulative valid lengths (None when not
       given; attention then needs it).
-    layout: the :class:`CPLayout` the tensors are in (static).
+    layout: the :class:`CPLayout` the tensors are in (static; keyword
+      only, never assumed).
   """
 
   tensors: Any
   cu_seqlens_padded: Any
   cu_seqlens: Any = None
-  layout: CPLayout = dataclasses.field(
-      default_factory=CPLayout, metadata=dict(static=True))
+  layout: CPLayout = dataclasses.field(kw_only=True,
+                                       metadata=dict(static=True))
 
   def __post_init__(self):
     if not isinstance(self.layout, CPLayout):

@@ -95,12 +95,12 @@ def test_nnx_attention_fn_with_cp_matches_no_cp(x, strategy):
 
   no_cp = _flax_nnx_mha(jax_cp.cp_attention_fn(NO_CP))
   nnx.update(no_cp, nnx.state(mha, nnx.Param))
-  want = no_cp(x, mask=jax_cp.CPBatch(None, CU_P, CU, NO_CP))
+  want = no_cp(x, mask=jax_cp.CPBatch(None, CU_P, CU, layout=NO_CP))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_attention_fn_sliding_window_matches_reference(x):
-  batch = jax_cp.CPBatch(None, CU_P, CU, NO_CP)
+  batch = jax_cp.CPBatch(None, CU_P, CU, layout=NO_CP)
   mha = _flax_nnx_mha(jax_cp.cp_attention_fn(NO_CP, window_size=(3, 0)))
   got = np.asarray(mha(x, mask=batch))
   dense = _flax_nnx_mha()
@@ -126,7 +126,7 @@ def test_attention_fn_rejects_missing_or_wrong_metadata(x):
   with pytest.raises(ValueError, match="another CPLayout"):
     mha(x, mask=jax_cp.CPBatch(None, CU_P, CU, layout=other))
   with pytest.raises(ValueError, match="sow attention weights"):
-    mha(x, mask=jax_cp.CPBatch(None, CU_P, CU, NO_CP), sow_weights=True)
+    mha(x, mask=jax_cp.CPBatch(None, CU_P, CU, layout=NO_CP), sow_weights=True)
   linen = nn.MultiHeadDotProductAttention(
       num_heads=H, qkv_features=E, attention_fn=jax_cp.cp_attention_fn())
   with pytest.raises(ValueError, match="needs the packing metadata"):
@@ -135,4 +135,5 @@ def test_attention_fn_rejects_missing_or_wrong_metadata(x):
                                 attention_fn=jax_cp.cp_attention_fn(NO_CP),
                                 rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="dropout"):
-    drop(x, mask=jax_cp.CPBatch(None, CU_P, CU, NO_CP), deterministic=False)
+    drop(x, mask=jax_cp.CPBatch(None, CU_P, CU, layout=NO_CP),
+         deterministic=False)

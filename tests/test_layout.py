@@ -229,7 +229,8 @@ def test_attention_rejects_a_batch_of_another_layout(mesh, qkv):
     jax.eval_shape(jax.shard_map(
         body, mesh=mesh, in_specs=(spec, spec, spec, P("data")),
         out_specs=spec, check_vma=False), t["q"], t["k"], t["v"],
-        CPBatch(None, batch.cu_seqlens_padded, batch.cu_seqlens, made))
+        CPBatch(None, batch.cu_seqlens_padded, batch.cu_seqlens,
+                layout=made))
 
   # Same strategy, another cp size: also a different layout of the tokens.
   with pytest.raises(ValueError, match="cp_size: 2 here, 4 in the data"):
