@@ -384,13 +384,21 @@ def make_layout(*, mesh=None, strategy: str = "dual_chunk_swap",
                 backend: str = "auto", max_seqlen: int | None = None,
                 cp_axis: str | None = CP) -> jax_cp.CPLayout:
   """The run's one layout: rows split over ``cp_axis`` of ``mesh`` (batch
-  over ``data``) with ``strategy``; ``cp_axis=None``: no CP."""
+  over ``data``) with ``strategy``; ``cp_axis=None``: no CP.
+
+  Every batch is checked against ``max_seqlen`` on the host when it is
+  built (:func:`place_batch`, :func:`host_batch`), so attention needs no
+  in-graph check of the bound (``max_seqlen_violation="checked_on_host"``:
+  no ``lax.cond`` per layer, each of which would make the host wait for the
+  GPU)."""
   if cp_axis is None:
     return jax_cp.CPLayout(cp_axis=None, backend=backend,
-                           max_seqlen=max_seqlen)
+                           max_seqlen=max_seqlen,
+                           max_seqlen_violation="checked_on_host")
   return jax_cp.CPLayout(mesh=mesh, cp_axis=cp_axis, batch_axis=DATA,
                          strategy=strategy, backend=backend,
-                         max_seqlen=max_seqlen)
+                         max_seqlen=max_seqlen,
+                         max_seqlen_violation="checked_on_host")
 
 
 def build_model(args, *, mesh=None, max_seqlen: int | None = None,
@@ -648,6 +656,9 @@ def host_batch(rows: packed_data.PackedRows,
   if layout.cp_axis is not None:
     raise ValueError("host_batch is the batch of a layout without CP")
   d = rows.as_dict()
+  if layout.max_seqlen is not None:
+    jax_cp.partition.check_max_seqlen_bound(d["cu_seqlens_padded"],
+                                            layout.max_seqlen)
   return jax_cp.CPBatch(
       tensors={k: d[k] for k in packed_data.PackedRows.TOKEN_FIELDS},
       cu_seqlens_padded=d["cu_seqlens_padded"], cu_seqlens=d["cu_seqlens"],

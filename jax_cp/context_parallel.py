@@ -44,7 +44,6 @@ def cp_attention_local(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
                        softmax_scale: Optional[float] = None,
                        window_size=None,
                        split_causal_backward: Optional[bool] = None,
-                       max_seqlen_violation: str = "fallback",
                        **layout_kwargs):
   """CP attention on this rank's chunk, inside the caller's ``shard_map``.
 
@@ -67,8 +66,18 @@ def cp_attention_local(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
       padded document length, None = T; kernels size their grids by it and
       NO_LOAD_BALANCE exchanges only the ``max_seqlen - 1`` tokens before
       each chunk; concrete metadata with a longer document raises
-      ``ValueError``, traced metadata is checked in the step, as
-      ``max_seqlen_violation`` says).
+      ``ValueError``, traced metadata is checked in the step, as the
+      layout's ``max_seqlen_violation`` says: ``"fallback"``, the default,
+      runs a step that breaks the bound as with ``max_seqlen=None``, right
+      and slower, chosen in-graph by a ``lax.cond`` on the metadata (none
+      where the bounded program is exact anyway, e.g. DUAL_CHUNK_SWAP on
+      the xla backend); ``"error"``, a ``jax.experimental.checkify`` check
+      (wrap the step in ``checkify.checkify``; JAX's checkify fails while
+      tracing where an error would flow into a later ``shard_map``, see the
+      README); ``"checked_on_host"``, no in-graph check and no ``cond`` (on
+      GPU each ``cond`` makes the host wait for the device) for a pipeline
+      that checks its batches on the host, as
+      :func:`jax_cp.make_global_batch` does).
     attn_mask_type: ``"causal"`` or ``"no_mask"`` (DUAL_CHUNK_SWAP only).
     softmax_scale: defaults to ``1/sqrt(D)``.
     window_size: ``None``/``(-1, 0)`` (plain causal) or a causal sliding
@@ -84,23 +93,10 @@ def cp_attention_local(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
       (at most ``max_seqlen - 1`` rows) is split only when
       ``max_seqlen > 8192``, below which the extra call costs more than it
       saves. Same result either way.
-    max_seqlen_violation: what a step with traced metadata does when a
-      padded document is longer than ``max_seqlen``: ``"fallback"`` (the
-      default) runs that step as with ``max_seqlen=None`` (the all-gather
-      exchange, or a sliding window's halo, and kernel bounds of the row
-      length: right results, slower; decided in-graph by a
-      ``lax.cond`` on the metadata: only a step that breaks the bound runs
-      the all-gather; none where the bounded program is exact anyway,
-      e.g. DUAL_CHUNK_SWAP on the xla backend); ``"error"`` adds a
-      ``jax.experimental.checkify.check`` instead: wrap the step in
-      ``checkify.checkify`` to get the error (without it, tracing raises).
-      JAX's checkify fails while tracing where an error would flow into a
-      ``shard_map``: into a later CP attention call of the same function,
-      or into one traced under ``jax.set_mesh`` (pass ``mesh=``); see the
-      README.
     **layout_kwargs: the keyword form of ``layout``, exclusive with it:
       ``cp_axis`` (default ``"cp"``), ``load_balancing_strategy``,
-      ``cp_comm_type``, ``backend``, ``max_seqlen``, ``cp_size``.
+      ``cp_comm_type``, ``backend``, ``max_seqlen``,
+      ``max_seqlen_violation``, ``cp_size``.
 
   Returns:
     The local output, shaped and typed like ``q``.
@@ -128,7 +124,7 @@ def cp_attention_local(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
                     max_seqlen=layout.max_seqlen, window_size=window_size,
                     split_causal_backward=split_causal_backward,
                     total_tokens=q.shape[-3] * cp_size,
-                    max_seqlen_violation=max_seqlen_violation)
+                    max_seqlen_violation=layout.max_seqlen_violation)
   return _run_local(cfg, q, k, v, cu_seqlens, cu_seqlens_padded)
 
 
@@ -189,7 +185,6 @@ def cp_attention(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
                  softmax_scale: Optional[float] = None,
                  window_size=None,
                  split_causal_backward: Optional[bool] = None,
-                 max_seqlen_violation: str = "fallback",
                  **layout_kwargs):
   """CP attention, global view: ``jit``-friendly over sharded arrays.
 
@@ -209,7 +204,7 @@ def cp_attention(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
     **layout_kwargs: its keyword form, exclusive with ``layout``: ``mesh``,
       ``cp_axis`` (default ``"cp"``), ``batch_axis``, ``head_axis``,
       ``load_balancing_strategy``, ``cp_comm_type``, ``backend``,
-      ``max_seqlen``.
+      ``max_seqlen``, ``max_seqlen_violation``.
     The other arguments are those of :func:`cp_attention_local`.
 
   Returns:
@@ -250,7 +245,7 @@ def cp_attention(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
                     max_seqlen=layout.max_seqlen, window_size=window_size,
                     split_causal_backward=split_causal_backward,
                     total_tokens=q.shape[-3], platform=_platform(mesh),
-                    max_seqlen_violation=max_seqlen_violation)
+                    max_seqlen_violation=layout.max_seqlen_violation)
   if head_axis is not None:
     checks.check_head_axis_divides(head_axis, mesh.shape[head_axis], q.shape,
                                    k.shape)

@@ -48,6 +48,7 @@ KEYWORDS: Mapping[str, str] = {
     "cp_comm_type": "comm_type",
     "comm_type": "comm_type",
     "max_seqlen": "max_seqlen",
+    "max_seqlen_violation": "max_seqlen_violation",
     "backend": "backend",
     "mesh": "mesh",
     "batch_axis": "batch_axis",
@@ -100,6 +101,14 @@ class CPLayout:
     comm_type: the K/V exchange, ``"all_gather"``.
     max_seqlen: static bound on every padded document length (``None``: the
       row length). Data functions check concrete rows against it.
+    max_seqlen_violation: what attention does with traced metadata whose
+      padded document is longer than ``max_seqlen`` (concrete metadata is
+      checked by value): ``"fallback"`` (default: an in-graph ``cond`` runs
+      that step unbounded, right and slower), ``"error"`` (a
+      ``jax.experimental.checkify`` check), or ``"checked_on_host"`` (the
+      data pipeline checks every batch on the host, as
+      :func:`jax_cp.make_global_batch` does: no in-graph check and no
+      ``cond``, which on GPU makes the host wait for the device).
     backend: varlen attention backend: ``"auto"``, ``"xla"`` or ``"cudnn"``.
     mesh: the mesh of the global view; ``None`` takes the context mesh
       (``jax.set_mesh``) where one is needed.
@@ -119,6 +128,7 @@ class CPLayout:
   strategy: Union[CPLoadBalancingStrategy, str] = DEFAULT_STRATEGY
   comm_type: str = "all_gather"
   max_seqlen: Optional[int] = None
+  max_seqlen_violation: str = "fallback"
   backend: str = "auto"
   mesh: Optional[MeshLike] = None
   batch_axis: Union[str, Tuple[str, ...], None] = None
@@ -141,6 +151,7 @@ class CPLayout:
                        f"{w!r}")
     if w is not None:
       set_("max_seqlen", int(w))
+    checks.check_max_seqlen_violation(self.max_seqlen_violation)
     if self.view not in VIEWS:
       raise ValueError(f"view={self.view!r} is not one of {list(VIEWS)}")
     batch = _axes(self.batch_axis, "batch_axis")
