@@ -13,17 +13,17 @@ each document.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from collections.abc import Callable
 
 from jax_cp import checks
 from jax_cp.flax import settings
 from jax_cp.layout import CPBatch, CPLayout
 
 
-def cp_attention_fn(layout: Optional[CPLayout] = None, *,
+def cp_attention_fn(layout: CPLayout | None = None, *,
                     attn_mask_type: str = "causal",
-                    window_size: Optional[Tuple[int, int]] = None,
-                    softmax_scale: Optional[float] = None) -> Callable:
+                    window_size: tuple[int, int] | None = None,
+                    softmax_scale: float | None = None) -> Callable:
   """An ``attention_fn`` for Flax's multi-head attention modules.
 
   Args:

@@ -15,7 +15,6 @@ the row metadata ``[B, N+1]`` (valid and padded document boundaries),
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Tuple
 
 import jax.numpy as jnp
 
@@ -26,7 +25,7 @@ from jax_cp.strategy import CPLoadBalancingStrategy
 
 _NLB = CPLoadBalancingStrategy.NO_LOAD_BALANCE
 
-RowRange = Tuple[int, int]
+RowRange = tuple[int, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,10 +61,10 @@ class Call:
   max_q: int
   max_kv: int
   exchanged: bool
-  q_rows: Optional[int] = None
-  kv_rows: Optional[int] = None
+  q_rows: int | None = None
+  kv_rows: int | None = None
   overlaps_previous: bool = False
-  kv_range: Optional[tuple] = None
+  kv_range: tuple | None = None
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -100,7 +99,7 @@ def _cut_to_window(call: Call, window_left: int) -> Call:
 
 
 def forward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
-                  ) -> List[Call]:
+                  ) -> list[Call]:
   """The varlen attention calls of this rank's forward, in order.
 
   With a sliding window every call keeps its rows and mask and runs with
@@ -111,7 +110,7 @@ def forward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
 
 
 def _unwindowed_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
-                      ) -> List[Call]:
+                      ) -> list[Call]:
   # w: the bound on a padded document, cp: the number of ranks.
   w, cp = cfg.max_seqlen, cfg.cp_size
   cu, cuP = cu_seqlens, cu_seqlens_padded
@@ -137,7 +136,7 @@ def _unwindowed_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
   return calls
 
 
-def _no_load_balance_calls(cfg: CPConfig, cu, cuP, rank) -> List[Call]:
+def _no_load_balance_calls(cfg: CPConfig, cu, cuP, rank) -> list[Call]:
   """Documents inside the chunk need only local K/V (and can run while the
   exchange is in flight): one top-left call. The one straddling document
   per row needs the exchanged buffer: one bottom-right call. It reaches at
@@ -161,7 +160,7 @@ def _no_load_balance_calls(cfg: CPConfig, cu, cuP, rank) -> List[Call]:
 
 
 def backward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
-                   ) -> List[Call]:
+                   ) -> list[Call]:
   """The forward's calls in reverse order (NO_LOAD_BALANCE's straddle call
   first, so the halo's gradients travel back while the local call runs),
   bottom-right blocks split into an unmasked rectangle followed by a
@@ -199,12 +198,12 @@ class DqWrite:
   """
 
   into: bool = False
-  q_rows: Optional[int] = None
-  fill: Optional[RowRange] = None
+  q_rows: int | None = None
+  fill: RowRange | None = None
 
 
-def dq_writes(calls: List[Call], local_tokens: int, in_place: bool
-              ) -> List[DqWrite]:
+def dq_writes(calls: list[Call], local_tokens: int, in_place: bool
+              ) -> list[DqWrite]:
   """One :class:`DqWrite` per backward call.
 
   The first non-triangle call makes the full-size dq; with an in-place
@@ -215,7 +214,7 @@ def dq_writes(calls: List[Call], local_tokens: int, in_place: bool
   """
   writes = []
   have_dq = False
-  rest: Optional[RowRange] = None  # rows the first call left to the next
+  rest: RowRange | None = None  # rows the first call left to the next
   for call in calls:
     if call.overlaps_previous:
       writes.append(DqWrite(q_rows=call.q_rows))

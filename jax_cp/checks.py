@@ -8,7 +8,7 @@ checks still run at trace time.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import numpy as np
@@ -22,7 +22,7 @@ CP_COMM_LOCAL_COPIES = "local_copies"
 CP_MASK_TYPES = ("causal", "no_mask")
 
 
-def concrete(x: Any) -> Optional[np.ndarray]:
+def concrete(x: Any) -> np.ndarray | None:
   """``x`` as a numpy array if its value is known now, else None."""
   if x is None or isinstance(x, jax.core.Tracer):
     return None
@@ -52,7 +52,7 @@ def check_divisible_tokens(total_tokens: int, cp_size: int,
 
 
 def check_cu_seqlens_padded(cu_seqlens_padded: Any,
-                            total_tokens: Optional[int] = None) -> None:
+                            total_tokens: int | None = None) -> None:
   """Shape ``[N+1]``/``[B, N+1]``; if concrete: starts at 0, never
   decreases, ends at ``total_tokens`` (when given) in every row."""
   ndim = np.ndim(cu_seqlens_padded)
@@ -296,7 +296,7 @@ def check_segments(q_seqlens: Any, kv_seqlens: Any, q_offsets: Any,
             f"every Q row may belong to one segment only")
 
 
-def check_mesh_axis(mesh: Any, axis: Optional[str], argname: str) -> None:
+def check_mesh_axis(mesh: Any, axis: str | None, argname: str) -> None:
   if axis is None:
     return
   names = tuple(getattr(mesh, "axis_names", ()) or ())
@@ -365,7 +365,7 @@ def check_batch_axis_rank(batch_axis: Any, q_shape) -> None:
                      f"got q {tuple(q_shape)}")
 
 
-def check_head_axis_divides(head_axis: Optional[str], size: int,
+def check_head_axis_divides(head_axis: str | None, size: int,
                             q_shape, k_shape) -> None:
   """A head (tensor-parallel) axis must divide ``Hq`` and ``Hkv``."""
   if head_axis is not None and (k_shape[-2] % size or q_shape[-2] % size):

@@ -19,7 +19,6 @@ plans and the exchange.
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -39,11 +38,11 @@ def _as_batched(q, k, v, cu, cuP):
 
 
 def cp_attention_local(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
-                       layout: Optional[CPLayout] = None,
+                       layout: CPLayout | None = None,
                        attn_mask_type: str = "causal",
-                       softmax_scale: Optional[float] = None,
+                       softmax_scale: float | None = None,
                        window_size=None,
-                       split_causal_backward: Optional[bool] = None,
+                       split_causal_backward: bool | None = None,
                        **layout_kwargs):
   """CP attention on this rank's chunk, inside the caller's ``shard_map``.
 
@@ -171,7 +170,7 @@ def _resolve_mesh(mesh):
   return mesh
 
 
-def _platform(mesh) -> Optional[str]:
+def _platform(mesh) -> str | None:
   """The platform of the mesh's devices ("cpu", "gpu", ...), if known."""
   try:
     return mesh.devices.flat[0].platform
@@ -180,11 +179,11 @@ def _platform(mesh) -> Optional[str]:
 
 
 def cp_attention(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
-                 layout: Optional[CPLayout] = None,
+                 layout: CPLayout | None = None,
                  attn_mask_type: str = "causal",
-                 softmax_scale: Optional[float] = None,
+                 softmax_scale: float | None = None,
                  window_size=None,
-                 split_causal_backward: Optional[bool] = None,
+                 split_causal_backward: bool | None = None,
                  **layout_kwargs):
   """CP attention, global view: ``jit``-friendly over sharded arrays.
 
@@ -259,7 +258,7 @@ def cp_attention(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
                        out_specs=x_spec, check_vma=False)(*args)
 
 
-def _specs(ndim: int, batch_axes, cp_axis: str, head_axis: Optional[str]):
+def _specs(ndim: int, batch_axes, cp_axis: str, head_axis: str | None):
   """The ``PartitionSpec`` of q/k/v and of the row metadata."""
   bspec = None
   if batch_axes:

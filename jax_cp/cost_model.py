@@ -30,7 +30,7 @@ inside ``jit``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any
 
 import numpy as np
 
@@ -86,18 +86,18 @@ class CPCostEstimate:
 
   strategy: CPLoadBalancingStrategy
   cp_size: int
-  pairs_per_rank: Tuple[int, ...]
-  flops_per_rank: Tuple[int, ...]
+  pairs_per_rank: tuple[int, ...]
+  flops_per_rank: tuple[int, ...]
   imbalance: float
   calls_per_rank: int
   allgather_bytes: int
-  halo_bytes_per_rank: Optional[Tuple[int, ...]]
-  halo_bytes: Optional[int]
+  halo_bytes_per_rank: tuple[int, ...] | None
+  halo_bytes: int | None
   longest_padded_doc: int
   total_tokens: int
   num_rows: int
   valid_tokens: int
-  max_seqlen: Optional[int]
+  max_seqlen: int | None
   window_left: int = -1
 
   @property
@@ -168,8 +168,8 @@ class StrategyRecommendation:
   """
 
   strategy: CPLoadBalancingStrategy
-  predicted_time_s: Dict[str, float]
-  estimates: Dict[str, CPCostEstimate]
+  predicted_time_s: dict[str, float]
+  estimates: dict[str, CPCostEstimate]
   reason: str
 
 
@@ -238,11 +238,11 @@ def _rank_pairs(lens, starts, plens, cp: int, total: int,
 
 
 def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded,
-                          cp_size: Union[int, CPLayout],
+                          cp_size: int | CPLayout,
                           strategy=None, *, num_heads_q: int = 1,
                           num_heads_kv: int = 1, head_dim: int = 128,
                           dtype_bytes: int = 2,
-                          max_seqlen: Optional[int] = None,
+                          max_seqlen: int | None = None,
                           window_size=None) -> CPCostEstimate:
   """Predicts per-rank causal attention work and K/V traffic of a batch.
 
@@ -361,7 +361,7 @@ def pad_cu_seqlens(cu_seqlens, multiple: int) -> np.ndarray:
 def recommend_strategy(cu_seqlens, cu_seqlens_padded, cp_size: int, *,
                        num_heads_q: int = 1, num_heads_kv: int = 1,
                        head_dim: int = 128, dtype_bytes: int = 2,
-                       max_seqlen: Optional[int] = None,
+                       max_seqlen: int | None = None,
                        window_size=None,
                        cu_seqlens_padded_dcs=None,
                        peak_flops: float = H200_ATTENTION_FLOPS,

@@ -10,7 +10,7 @@ forward and backward read the same instance.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 from jax_cp import checks, seqlen_guard
 from jax_cp.attention.api import default_scale
@@ -58,7 +58,7 @@ class CPConfig:
   """
 
   strategy: CPLoadBalancingStrategy
-  cp_axis: Optional[str]
+  cp_axis: str | None
   cp_size: int
   causal: bool
   scale: float
@@ -69,8 +69,8 @@ class CPConfig:
   exchange: KVExchange
   split_straddle: bool = False
   window_left: int = -1
-  bound_check: Optional[str] = None
-  unbounded: Optional[CPConfig] = None
+  bound_check: str | None = None
+  unbounded: CPConfig | None = None
 
   @property
   def local_tokens(self) -> int:
@@ -79,12 +79,12 @@ class CPConfig:
 
 
 def make_config(q_shape, k_shape, v_shape, dtype, cu_seqlens,
-                cu_seqlens_padded, *, cp_size: int, cp_axis: Optional[str],
+                cu_seqlens_padded, *, cp_size: int, cp_axis: str | None,
                 load_balancing_strategy: Any, cp_comm_type: str,
-                attn_mask_type: str, softmax_scale: Optional[float],
-                backend: str, max_seqlen: Optional[int], window_size: Any,
-                split_causal_backward: Optional[bool], total_tokens: int,
-                platform: Optional[str] = None,
+                attn_mask_type: str, softmax_scale: float | None,
+                backend: str, max_seqlen: int | None, window_size: Any,
+                split_causal_backward: bool | None, total_tokens: int,
+                platform: str | None = None,
                 max_seqlen_violation: str = "fallback") -> CPConfig:
   """Validates everything that can be checked now and builds the config.
 

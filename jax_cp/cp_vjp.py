@@ -23,7 +23,6 @@ metadata ``[B, N+1]`` int32.
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +33,7 @@ from jax_cp.attention.merge import GradSum, add
 from jax_cp.cp_config import CPConfig
 
 
-def _prefix(x, rows: Optional[int]):
+def _prefix(x, rows: int | None):
   """The first ``rows`` rows of axis 1 (all when None)."""
   return x if rows is None else x[:, :rows]
 

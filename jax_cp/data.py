@@ -26,7 +26,8 @@ NamedSharding(mesh, P(batch_axis, cp_axis)))``.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -37,14 +38,14 @@ from jax_cp import checks
 from jax_cp.layout import CPBatch, CPLayout
 from jax_cp.partition import check_max_seqlen_bound, get_batch_on_this_cp_rank
 
-AxisNames = Union[None, str, Sequence[str]]
+AxisNames = str | Sequence[str] | None
 
 
 # ------------------------------------------------------------------ helpers
 
 
 def _batch_axes(mesh, batch_axis: AxisNames,
-                cp_axis: Optional[str] = None) -> Tuple[str, ...]:
+                cp_axis: str | None = None) -> tuple[str, ...]:
   axes = (batch_axis,) if isinstance(batch_axis, str) else tuple(
       batch_axis or ())
   for ax in axes:
@@ -57,15 +58,15 @@ def _batch_axes(mesh, batch_axis: AxisNames,
   return axes
 
 
-def _batch_entry(axes: Tuple[str, ...]):
+def _batch_entry(axes: tuple[str, ...]):
   """The PartitionSpec entry of the batch dim."""
   if not axes:
     return None
   return axes[0] if len(axes) == 1 else axes
 
 
-def _local_batch_shards(mesh, axes: Tuple[str, ...],
-                        process_index: Optional[int]) -> Tuple[list, int]:
+def _local_batch_shards(mesh, axes: tuple[str, ...],
+                        process_index: int | None) -> tuple[list, int]:
   """Sorted indices of the batch shards held by a process's devices, and
   the number of batch shards."""
   n = math.prod(mesh.shape[a] for a in axes)
@@ -87,7 +88,7 @@ def _rows_of_shards(shards, n_shards: int, global_batch: int) -> np.ndarray:
 
 
 def process_batch_rows(mesh, global_batch: int, batch_axis: AxisNames = None,
-                       *, process_index: Optional[int] = None) -> np.ndarray:
+                       *, process_index: int | None = None) -> np.ndarray:
   """The global row indices a process must load and pass, in order.
 
   Args:
@@ -117,7 +118,7 @@ def process_batch_rows(mesh, global_batch: int, batch_axis: AxisNames = None,
   return _rows_of_shards(shards, n, global_batch)
 
 
-def _as_items(tensors) -> Tuple[list, Any]:
+def _as_items(tensors) -> tuple[list, Any]:
   """(name, numpy array) pairs of a dict / tuple / list / single array, and
   a function rebuilding the caller's container from a list of values."""
   if isinstance(tensors, dict):
@@ -141,7 +142,7 @@ def _local_batch_size(items, what: str) -> int:
 
 
 def _infer_global_batch(b_local: int, shards, n_shards: int,
-                        global_batch_size: Optional[int], batch_axis) -> int:
+                        global_batch_size: int | None, batch_axis) -> int:
   k = len(shards)
   expected = None
   if global_batch_size is not None:
@@ -164,7 +165,7 @@ def _infer_global_batch(b_local: int, shards, n_shards: int,
 def _assemble(global_shape, sharding, local_of_device):
   """A global array from ``local_of_device(index) -> numpy`` per
   addressable device (``index``: the device's slices of the global array)."""
-  cache: Dict[Any, np.ndarray] = {}
+  cache: dict[Any, np.ndarray] = {}
   arrays = []
   for device, index in sharding.addressable_devices_indices_map(
       global_shape).items():
@@ -190,7 +191,7 @@ def _row_locator(rows: np.ndarray):
 
 
 def make_global_metadata(local_meta, mesh, *, batch_axis: AxisNames = None,
-                         global_batch_size: Optional[int] = None):
+                         global_batch_size: int | None = None):
   """Assembles per-row arrays (``cu_seqlens``, ...) of this process's rows
   into global arrays sharded over the batch axes, replicated elsewhere.
 
@@ -262,15 +263,15 @@ def _check_tokens(items, cuP: np.ndarray, seq_dim: int, batched: bool):
 def make_global_batch(
     local_rows,
     cu_seqlens_padded,
-    layout: Union[CPLayout, Any],
+    layout: CPLayout | Any,
     *,
     seq_dim: int = 1,
-    global_batch_size: Optional[int] = None,
+    global_batch_size: int | None = None,
     cu_seqlens=None,
-    cp_axis: Optional[str] = None,
+    cp_axis: str | None = None,
     batch_axis: AxisNames = None,
     load_balancing_strategy=None,
-    max_seqlen: Optional[int] = None,
+    max_seqlen: int | None = None,
 ) -> CPBatch:
   """Global CP-sharded arrays from this process's packed rows.
 
@@ -374,7 +375,7 @@ def make_global_batch(
     assert stop - start == local_tokens and start % local_tokens == 0
     return start // local_tokens
 
-  slices: Dict[Any, Tuple[np.ndarray, ...]] = {}
+  slices: dict[Any, tuple[np.ndarray, ...]] = {}
 
   def local_slices(index):
     """All tensors' pieces for one (row range, cp rank): computed once."""

@@ -29,7 +29,6 @@ both.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +57,7 @@ class KVExchange:
   """
 
   kind: str
-  cp_axis: Optional[str]
+  cp_axis: str | None
   cp_size: int
   total_tokens: int
   restore_dual_chunk: bool = False
@@ -138,7 +137,7 @@ class KVExchange:
       pieces.append(self._permute(kv[:, tl - size:], perm))
     return jnp.concatenate(pieces, axis=1)
 
-  def assemble(self, halo, k, v, rows: Optional[int] = None, first=None,
+  def assemble(self, halo, k, v, rows: int | None = None, first=None,
                count=None, assemble_kv=assemble_kv_jnp):
     """The exchanged buffers ``[B, halo + Tl, Hkv, D]`` from a received
     halo and the local chunk (no communication), or only their first
@@ -210,7 +209,7 @@ class KVExchange:
 
 
 def choose_exchange(strategy_is_nlb: bool, cp_axis, cp_size: int,
-                    total_tokens: int, max_seqlen: Optional[int],
+                    total_tokens: int, max_seqlen: int | None,
                     communicate: bool = True, window_left: int = -1
                     ) -> KVExchange:
   """The cheapest correct exchange for the layout, chosen statically.

@@ -23,7 +23,8 @@ layout raises ``ValueError`` (:meth:`CPLayout.check_matches`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -35,7 +36,7 @@ from jax_cp.strategy import (
   as_strategy,
 )
 
-MeshLike = Union[jax.sharding.Mesh, jax.sharding.AbstractMesh]
+MeshLike = jax.sharding.Mesh | jax.sharding.AbstractMesh
 VIEWS = ("global", "local")
 
 # The keyword forms of the public functions, by argument name: the
@@ -61,7 +62,7 @@ KEYWORDS: Mapping[str, str] = {
 _TOKEN_FIELDS = ("cp_axis", "strategy", "cp_size")
 
 
-def _axes(value, argname: str) -> Tuple[str, ...]:
+def _axes(value, argname: str) -> tuple[str, ...]:
   if value is None:
     return ()
   axes = (value,) if isinstance(value, str) else tuple(value)
@@ -123,16 +124,16 @@ class CPLayout:
       caller's ``shard_map``.
   """
 
-  cp_axis: Optional[str] = "cp"
-  cp_size: Optional[int] = None
-  strategy: Union[CPLoadBalancingStrategy, str] = DEFAULT_STRATEGY
+  cp_axis: str | None = "cp"
+  cp_size: int | None = None
+  strategy: CPLoadBalancingStrategy | str = DEFAULT_STRATEGY
   comm_type: str = "all_gather"
-  max_seqlen: Optional[int] = None
+  max_seqlen: int | None = None
   max_seqlen_violation: str = "fallback"
   backend: str = "auto"
-  mesh: Optional[MeshLike] = None
-  batch_axis: Union[str, Tuple[str, ...], None] = None
-  head_axis: Optional[str] = None
+  mesh: MeshLike | None = None
+  batch_axis: str | tuple[str, ...] | None = None
+  head_axis: str | None = None
   view: str = "global"
 
   def __post_init__(self):
@@ -184,7 +185,7 @@ class CPLayout:
   # ------------------------------------------------------------ building
 
   @classmethod
-  def build(cls, layout: Optional[CPLayout], what: str,
+  def build(cls, layout: CPLayout | None, what: str,
             **keywords: Any) -> CPLayout:
     """The layout of a call that takes either ``layout=`` or the keyword
     settings (:data:`KEYWORDS`), never both.
@@ -213,7 +214,7 @@ class CPLayout:
             " pass one of them (the layout already holds every setting; "
             "use layout.replace(...) to change one)")
       return layout
-    fields: Dict[str, Any] = {}
+    fields: dict[str, Any] = {}
     for name, value in keywords.items():
       field = KEYWORDS[name]
       # Errors name the argument the caller wrote.
@@ -239,7 +240,7 @@ class CPLayout:
     return self.view == "local" and self.cp_axis is not None
 
   @property
-  def batch_axes(self) -> Tuple[str, ...]:
+  def batch_axes(self) -> tuple[str, ...]:
     """``batch_axis`` as a tuple (empty without data parallelism)."""
     return _axes(self.batch_axis, "batch_axis")
 
@@ -292,7 +293,7 @@ class CPLayout:
                        f"the size {size} of axis {self.cp_axis!r} here")
     return size
 
-  def token_fields(self) -> Dict[str, Any]:
+  def token_fields(self) -> dict[str, Any]:
     """The settings that decide which tokens each rank holds."""
     return {name: getattr(self, name) for name in _TOKEN_FIELDS}
 
@@ -364,8 +365,8 @@ class CPBatch:
   def __iter__(self):
     return iter((self.tensors, self.cu_seqlens_padded))
 
-  def metadata(self, layout: Optional[CPLayout], what: str
-               ) -> Tuple[Any, Any]:
+  def metadata(self, layout: CPLayout | None, what: str
+               ) -> tuple[Any, Any]:
     """``(cu_seqlens, cu_seqlens_padded)`` for a consumer with ``layout``
     (None: no layout to check against).
 
@@ -382,8 +383,8 @@ class CPBatch:
     return self.cu_seqlens, self.cu_seqlens_padded
 
 
-def unpack_metadata(cu_seqlens, cu_seqlens_padded, layout: Optional[CPLayout],
-                    what: str) -> Tuple[Any, Any]:
+def unpack_metadata(cu_seqlens, cu_seqlens_padded, layout: CPLayout | None,
+                    what: str) -> tuple[Any, Any]:
   """The row metadata of a call that takes ``(cu_seqlens,
   cu_seqlens_padded)`` arrays or a :class:`CPBatch` in place of
   ``cu_seqlens``.

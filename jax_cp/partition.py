@@ -22,7 +22,8 @@ The layouts (docs/design.md, Strategies):
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +65,7 @@ def _given(**keywords: Any) -> dict:
   return {k: v for k, v in keywords.items() if v is not None}
 
 
-def as_layout(layout: Union[CPLayout, int], what: str,
+def as_layout(layout: CPLayout | int, what: str,
               **keywords: Any) -> CPLayout:
   """A :class:`CPLayout`, or a cp size with keyword settings (None: not
   given) made into one (cp axis ``"cp"``, no mesh).
@@ -106,7 +107,7 @@ def _traced_rank(layout: CPLayout, what: str):
 
 
 def _local_tokens(cu_seqlens_padded, cp_size: int,
-                  total_tokens: Optional[int]) -> int:
+                  total_tokens: int | None) -> int:
   if total_tokens is None:
     if isinstance(cu_seqlens_padded, jax.core.Tracer):
       raise ValueError(
@@ -119,11 +120,11 @@ def _local_tokens(cu_seqlens_padded, cp_size: int,
 
 def get_partition_indices(
     cu_seqlens_padded,
-    layout: Union[CPLayout, int],
+    layout: CPLayout | int,
     cp_rank,
     load_balancing_strategy=None,
     *,
-    total_tokens: Optional[int] = None,
+    total_tokens: int | None = None,
 ):
   """Physical token indices that CP rank ``cp_rank`` holds, in local order.
 
@@ -221,12 +222,12 @@ def get_batch_on_this_cp_rank(
     cu_seqlens_padded,
     *tensors,
     cp_rank=None,
-    layout: Optional[CPLayout] = None,
+    layout: CPLayout | None = None,
     seq_dim: int = 0,
-    cp_size: Optional[int] = None,
+    cp_size: int | None = None,
     load_balancing_strategy=None,
-    max_seqlen: Optional[int] = None,
-) -> Tuple[Any, ...]:
+    max_seqlen: int | None = None,
+) -> tuple[Any, ...]:
   """Slices each tensor along ``seq_dim`` to the tokens of ``cp_rank``.
 
   The usual data-loader step: ``input_ids, labels, position_ids =
@@ -296,7 +297,7 @@ def _inverse_permutation(perm):
   return jnp.argsort(perm, axis=-1).astype(jnp.int32)
 
 
-def reorder_for_cp(x, cu_seqlens_padded, layout: Union[CPLayout, int],
+def reorder_for_cp(x, cu_seqlens_padded, layout: CPLayout | int,
                    load_balancing_strategy=None, seq_dim: int = 0):
   """Global view: permutes the tokens so that a contiguous split of
   ``seq_dim`` over the cp axis gives rank ``r`` exactly
@@ -319,7 +320,7 @@ def reorder_for_cp(x, cu_seqlens_padded, layout: Union[CPLayout, int],
   return _permute(x, cu_seqlens_padded, layout, seq_dim, inverse=False)
 
 
-def restore_from_cp(x, cu_seqlens_padded, layout: Union[CPLayout, int],
+def restore_from_cp(x, cu_seqlens_padded, layout: CPLayout | int,
                     load_balancing_strategy=None, seq_dim: int = 0):
   """Inverse of :func:`reorder_for_cp`: back to physical token order (same
   arguments)."""
@@ -365,8 +366,8 @@ def check_max_seqlen_bound(cu_seqlens_padded, max_seqlen) -> None:
   checks.check_max_seqlen_bound(cuP, max_seqlen)
 
 
-def get_position_ids(cu_seqlens_padded, total_tokens: Optional[int] = None,
-                     *, layout: Optional[CPLayout] = None, cp_rank=None):
+def get_position_ids(cu_seqlens_padded, total_tokens: int | None = None,
+                     *, layout: CPLayout | None = None, cp_rank=None):
   """Per-token position inside its document, restarting at 0 per document.
 
   Without ``layout``: int32 ``[T]`` (``[B, T]`` for batched metadata) in

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,7 @@ def check_mask_type(attn_mask_type: str) -> str:
   return mask
 
 
-def default_scale(head_dim: int, softmax_scale: Optional[float]) -> float:
+def default_scale(head_dim: int, softmax_scale: float | None) -> float:
   if softmax_scale is None:
     return 1.0 / math.sqrt(head_dim)
   scale = float(softmax_scale)
@@ -37,7 +36,7 @@ def default_scale(head_dim: int, softmax_scale: Optional[float]) -> float:
   return scale
 
 
-def check_metadata_shapes(batch: Optional[int], **arrays) -> int:
+def check_metadata_shapes(batch: int | None, **arrays) -> int:
   """All per-segment arrays have one shape, ``[N]`` or ``[B, N]``."""
   shapes = {name: np.shape(a) for name, a in arrays.items()}
   first = next(iter(shapes.values()))
@@ -122,10 +121,10 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets, kv_offsets, *,
                     attn_mask_type: str = "causal_bottom_right",
-                    softmax_scale: Optional[float] = None,
+                    softmax_scale: float | None = None,
                     backend: str = "auto",
-                    max_seqlen_q: Optional[int] = None,
-                    max_seqlen_kv: Optional[int] = None,
+                    max_seqlen_q: int | None = None,
+                    max_seqlen_kv: int | None = None,
                     window_size=None,
                     return_lse: bool = False):
   """Attention over ragged segments of packed (THD) buffers, no CP.

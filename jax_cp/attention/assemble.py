@@ -12,12 +12,10 @@ the portable ``jnp`` version, which concatenates everything.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import jax.numpy as jnp
 
 
-def check_assemble_kv(halo, k, v, rows: Optional[int], first, count) -> int:
+def check_assemble_kv(halo, k, v, rows: int | None, first, count) -> int:
   """``halo [B, H0, 2*Hkv, D]`` (K heads first), ``k = v [B, Tl, Hkv, D]``
   of one dtype, static ``0 <= rows <= H0 + Tl`` (None: ``H0 + Tl``),
   integer ``first`` and ``count`` ``[B]``. Returns ``rows``."""
@@ -43,7 +41,7 @@ def check_assemble_kv(halo, k, v, rows: Optional[int], first, count) -> int:
   return rows
 
 
-def assemble_kv_jnp(halo, k, v, rows: Optional[int] = None, first=None,
+def assemble_kv_jnp(halo, k, v, rows: int | None = None, first=None,
                     count=None):
   """Portable ``assemble_kv``: every row of ``[halo; local]`` up to
   ``rows`` (``first``/``count`` are accepted and not needed). The local

@@ -76,7 +76,8 @@ dq adds).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Protocol, Tuple
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import jax
 
@@ -115,8 +116,8 @@ class Segments:
                                           metadata=dict(static=True))
 
 
-Pair = Tuple[jax.Array, jax.Array]
-Triple = Tuple[jax.Array, jax.Array, jax.Array]
+Pair = tuple[jax.Array, jax.Array]
+Triple = tuple[jax.Array, jax.Array, jax.Array]
 
 
 class AttentionBackend(Protocol):
@@ -147,7 +148,7 @@ class AttentionBackend(Protocol):
                  op: str = "add") -> jax.Array: ...
 
   def assemble_kv(self, halo: jax.Array, k: jax.Array, v: jax.Array,
-                  rows: Optional[int], first: Any, count: Any) -> Pair: ...
+                  rows: int | None, first: Any, count: Any) -> Pair: ...
 
 
 class InPlaceAttentionBackend(AttentionBackend, Protocol):
@@ -157,14 +158,14 @@ class InPlaceAttentionBackend(AttentionBackend, Protocol):
   def forward(self, q: jax.Array, k: jax.Array, v: jax.Array,
               seg: Segments, *, mask: str, scale: float,
               window_left: int = -1,
-              into: Optional[Pair] = None) -> Pair: ...
+              into: Pair | None = None) -> Pair: ...
 
   def backward(self, q: jax.Array, k: jax.Array, v: jax.Array,
                out: jax.Array, lse: jax.Array, dout: jax.Array,
                seg: Segments, *, mask: str, scale: float,
                window_left: int = -1,
-               dq_into: Optional[jax.Array] = None,
-               dq_fill: Optional[Tuple[int, int]] = None) -> Triple: ...
+               dq_into: jax.Array | None = None,
+               dq_fill: tuple[int, int] | None = None) -> Triple: ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Dict, Tuple
+from typing import Any
 
 import jax  # Before the extension: JAX's CUDA plugin loads cuDNN/cudart.
 import jax.numpy as jnp
@@ -81,7 +81,7 @@ MERGE_DTYPES = (jnp.dtype(jnp.float32),) + SUPPORTED_DTYPES
 _INT32_LIMIT = 2**31
 
 
-def graph_cache_stats() -> Dict[str, int]:
+def graph_cache_stats() -> dict[str, int]:
   """``dict(builds=, hits=, entries=)`` of the process-wide graph cache."""
   return dict(_jax_cp_cuda.graph_cache_stats())
 
@@ -91,7 +91,7 @@ def reset_graph_cache_stats() -> None:
   _jax_cp_cuda.reset_graph_cache_stats()
 
 
-def build_info() -> Dict[str, Any]:
+def build_info() -> dict[str, Any]:
   """Compile-time versions of the cuDNN frontend, cuDNN and CUDA headers."""
   return dict(_jax_cp_cuda.build_info())
 
@@ -228,7 +228,7 @@ def _scale_value(scale, head_dim: int) -> np.float32:
 # ----------------------------------------------------------------------------
 
 
-def _graph_bounds(seg: Segments, tq: int, tkv: int) -> Tuple[int, int]:
+def _graph_bounds(seg: Segments, tq: int, tkv: int) -> tuple[int, int]:
   """The graph's s dims: the static bounds, capped by the token counts."""
   return min(int(seg.max_seqlen_q), tq), min(int(seg.max_seqlen_kv), tkv)
 
@@ -301,7 +301,7 @@ def _attributes(seg: Segments, mask: str, scale: np.float32, max_q: int,
 # ----------------------------------------------------------------------------
 
 
-def check_dq_fill(dq_fill, tq: int, into: bool) -> Tuple[int, int]:
+def check_dq_fill(dq_fill, tq: int, into: bool) -> tuple[int, int]:
   """``dq_fill`` as static ``(lo, hi)`` with ``0 <= lo <= hi <= Tq``;
   None gives ``(0, Tq)`` for a fresh dq and ``(0, 0)`` with ``dq_into``."""
   if dq_fill is None:

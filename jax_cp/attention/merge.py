@@ -17,7 +17,7 @@ backend's ``merge_rows``.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -88,10 +88,10 @@ class GradSum:
   """
 
   def __init__(self):
-    self.full: Optional[jax.Array] = None
-    self.prefix: Optional[jax.Array] = None
+    self.full: jax.Array | None = None
+    self.prefix: jax.Array | None = None
 
-  def add(self, part, rows: Optional[int]) -> None:
+  def add(self, part, rows: int | None) -> None:
     """Adds ``part``: full-size when ``rows`` is None, else the first
     ``rows`` rows of axis 1."""
     if rows is None:

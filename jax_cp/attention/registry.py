@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import warnings
-from typing import Dict, Optional, Tuple
 
 import jax
 
@@ -31,7 +30,7 @@ from jax_cp.attention.backend import (  # noqa: F401
 )
 
 #: name -> (module defining ``BACKEND``, extension module it needs or None).
-BUILTIN_BACKENDS: Dict[str, Tuple[str, Optional[str]]] = {
+BUILTIN_BACKENDS: dict[str, tuple[str, str | None]] = {
     "xla": ("jax_cp.attention.xla", None),
     "cudnn": ("jax_cp.attention.cudnn", "jax_cp._jax_cp_cuda"),
 }
@@ -43,7 +42,7 @@ BUILD_HINT = ('on a GPU machine with a C++ compiler (no CUDA toolkit '
               '(README: Building the cuDNN extension)')
 
 # Backends loaded so far or registered by users, and the warnings given.
-_BACKENDS: Dict[str, AttentionBackend] = {}
+_BACKENDS: dict[str, AttentionBackend] = {}
 _WARNED: set = set()
 
 
@@ -52,7 +51,7 @@ def register_backend(backend: AttentionBackend) -> None:
   _BACKENDS[backend.name] = backend
 
 
-def _extension_exists(module: Optional[str]) -> bool:
+def _extension_exists(module: str | None) -> bool:
   if module is None:
     return True
   try:
@@ -61,7 +60,7 @@ def _extension_exists(module: Optional[str]) -> bool:
     return False
 
 
-def _load(name: str) -> Optional[AttentionBackend]:
+def _load(name: str) -> AttentionBackend | None:
   """The backend ``name``: from the table of loaded ones, else imported
   from :data:`BUILTIN_BACKENDS`. None when it is unknown or its extension
   does not exist; the import's own error when the module fails to load."""
@@ -77,13 +76,13 @@ def _load(name: str) -> Optional[AttentionBackend]:
   return backend
 
 
-def registered_backends() -> Tuple[str, ...]:
+def registered_backends() -> tuple[str, ...]:
   """Names of the backends that load in this installation."""
   names = [n for n in BUILTIN_BACKENDS if _try_load(n) is not None]
   return tuple(names + [n for n in _BACKENDS if n not in names])
 
 
-def _try_load(name: str) -> Optional[AttentionBackend]:
+def _try_load(name: str) -> AttentionBackend | None:
   try:
     return _load(name)
   except ImportError:

@@ -23,7 +23,8 @@ the module's. Without a layout the row is attended whole, through
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -38,8 +39,8 @@ Dtype = Any
 Initializer = Callable[..., jax.Array]
 
 
-def kv_heads(num_heads: int, num_kv_heads: Optional[int],
-             num_gqa_groups: Optional[int]) -> int:
+def kv_heads(num_heads: int, num_kv_heads: int | None,
+             num_gqa_groups: int | None) -> int:
   """The number of key/value heads from ``num_kv_heads`` or its alias
   ``num_gqa_groups`` (default ``num_heads``).
 
@@ -58,7 +59,7 @@ def kv_heads(num_heads: int, num_kv_heads: Optional[int],
 
 
 def head_features(features: int, num_heads: int,
-                  head_dim: Optional[int]) -> int:
+                  head_dim: int | None) -> int:
   """``head_dim``, default ``features // num_heads``.
 
   Raises:
@@ -94,10 +95,10 @@ class DotProductAttention(nn.Module):
   """
 
   attn_mask_type: str = "causal"
-  window_size: Optional[Tuple[int, int]] = None
-  softmax_scale: Optional[float] = None
-  dtype: Optional[Dtype] = None
-  layout: Optional[CPLayout] = None
+  window_size: tuple[int, int] | None = None
+  softmax_scale: float | None = None
+  dtype: Dtype | None = None
+  layout: CPLayout | None = None
 
   def __post_init__(self):
     settings.check_layout(self.layout)
@@ -168,20 +169,20 @@ class MultiHeadAttention(nn.Module):
   """
 
   num_heads: int
-  num_kv_heads: Optional[int] = None
-  num_gqa_groups: Optional[int] = None
-  head_dim: Optional[int] = None
-  out_features: Optional[int] = None
-  rope_theta: Optional[float] = 10000.0
+  num_kv_heads: int | None = None
+  num_gqa_groups: int | None = None
+  head_dim: int | None = None
+  out_features: int | None = None
+  rope_theta: float | None = 10000.0
   use_bias: bool = False
-  softmax_scale: Optional[float] = None
+  softmax_scale: float | None = None
   attn_mask_type: str = "causal"
-  window_size: Optional[Tuple[int, int]] = None
-  dtype: Optional[Dtype] = None
+  window_size: tuple[int, int] | None = None
+  dtype: Dtype | None = None
   param_dtype: Dtype = jnp.float32
   kernel_init: Initializer = nn.initializers.lecun_normal()
   bias_init: Initializer = nn.initializers.zeros_init()
-  layout: Optional[CPLayout] = None
+  layout: CPLayout | None = None
 
   def __post_init__(self):
     settings.check_layout(self.layout)

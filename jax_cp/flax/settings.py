@@ -9,7 +9,7 @@ unchanged. The checks here run before any projection or attention kernel.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +21,7 @@ from jax_cp.strategy import CPLoadBalancingStrategy
 
 # Int codes ``DotProductAttention`` sows into "intermediates" (strings cannot
 # be sown): the position of the strategy in the enum.
-STRATEGY_CODES: Dict[CPLoadBalancingStrategy, int] = {
+STRATEGY_CODES: dict[CPLoadBalancingStrategy, int] = {
     s: i for i, s in enumerate(CPLoadBalancingStrategy)}
 
 
@@ -30,7 +30,7 @@ def strategy_from_code(code: Any) -> CPLoadBalancingStrategy:
   return list(CPLoadBalancingStrategy)[int(np.asarray(code).reshape(-1)[0])]
 
 
-def check_layout(layout: Optional[CPLayout]) -> CPLayout:
+def check_layout(layout: CPLayout | None) -> CPLayout:
   """The module's layout (``None``: :data:`jax_cp.layout.NO_CP`).
 
   Raises:
@@ -45,7 +45,7 @@ def check_layout(layout: Optional[CPLayout]) -> CPLayout:
 
 
 def metadata(layout: CPLayout, cu_seqlens, cu_seqlens_padded, what: str
-             ) -> Tuple[Any, Any]:
+             ) -> tuple[Any, Any]:
   """``(cu_seqlens, cu_seqlens_padded)`` of a module call, from the arrays
   or from a :class:`jax_cp.CPBatch` (whose layout must match the module's).
   """

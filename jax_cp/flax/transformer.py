@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -36,7 +36,7 @@ class MlpBlock(nn.Module):
   mlp_dim: int
   activation: str = "gelu"
   use_bias: bool = False
-  dtype: Optional[Dtype] = None
+  dtype: Dtype | None = None
   param_dtype: Dtype = jnp.float32
   kernel_init: Initializer = nn.initializers.lecun_normal()
 
@@ -91,20 +91,20 @@ class TransformerLayer(nn.Module):
   """
 
   num_heads: int
-  num_kv_heads: Optional[int] = None
-  num_gqa_groups: Optional[int] = None
-  head_dim: Optional[int] = None
-  mlp_dim: Optional[int] = None
+  num_kv_heads: int | None = None
+  num_gqa_groups: int | None = None
+  head_dim: int | None = None
+  mlp_dim: int | None = None
   mlp_activation: str = "gelu"
   norm_type: str = "rmsnorm"
   norm_epsilon: float = 1e-6
-  rope_theta: Optional[float] = 10000.0
-  window_size: Optional[Tuple[int, int]] = None
+  rope_theta: float | None = 10000.0
+  window_size: tuple[int, int] | None = None
   use_bias: bool = False
-  dtype: Optional[Dtype] = None
+  dtype: Dtype | None = None
   param_dtype: Dtype = jnp.float32
   kernel_init: Initializer = nn.initializers.lecun_normal()
-  layout: Optional[CPLayout] = None
+  layout: CPLayout | None = None
 
   def __post_init__(self):
     settings.check_layout(self.layout)

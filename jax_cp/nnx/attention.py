@@ -14,7 +14,8 @@ layout, no CP.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,10 +52,10 @@ class DotProductAttention(nnx.Module):
   """
 
   def __init__(self, *, attn_mask_type: str = "causal",
-               window_size: Optional[Tuple[int, int]] = None,
-               softmax_scale: Optional[float] = None,
-               dtype: Optional[Dtype] = None,
-               layout: Optional[CPLayout] = None):
+               window_size: tuple[int, int] | None = None,
+               softmax_scale: float | None = None,
+               dtype: Dtype | None = None,
+               layout: CPLayout | None = None):
     settings.check_layout(layout)
     checks.check_window_size(window_size, attn_mask_type)
     self.attn_mask_type = attn_mask_type
@@ -125,20 +126,20 @@ class MultiHeadAttention(nnx.Module):
   """
 
   def __init__(self, num_heads: int, in_features: int, *,
-               num_kv_heads: Optional[int] = None,
-               num_gqa_groups: Optional[int] = None,
-               head_dim: Optional[int] = None,
-               out_features: Optional[int] = None,
-               rope_theta: Optional[float] = 10000.0,
+               num_kv_heads: int | None = None,
+               num_gqa_groups: int | None = None,
+               head_dim: int | None = None,
+               out_features: int | None = None,
+               rope_theta: float | None = 10000.0,
                use_bias: bool = False,
-               softmax_scale: Optional[float] = None,
+               softmax_scale: float | None = None,
                attn_mask_type: str = "causal",
-               window_size: Optional[Tuple[int, int]] = None,
-               dtype: Optional[Dtype] = None,
+               window_size: tuple[int, int] | None = None,
+               dtype: Dtype | None = None,
                param_dtype: Dtype = jnp.float32,
                kernel_init: Initializer = default_kernel_init,
                bias_init: Initializer = default_bias_init,
-               layout: Optional[CPLayout] = None,
+               layout: CPLayout | None = None,
                rngs: nnx.Rngs):
     settings.check_layout(layout)
     self.num_heads = num_heads

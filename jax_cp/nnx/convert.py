@@ -8,18 +8,19 @@ so converting is a check of paths and shapes and a copy of the arrays.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Tuple
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx, traverse_util
 
 
-def _flat(tree: Mapping[str, Any]) -> Dict[Tuple[str, ...], Any]:
+def _flat(tree: Mapping[str, Any]) -> dict[tuple[str, ...], Any]:
   return traverse_util.flatten_dict(dict(tree))
 
 
-def linen_params(model: nnx.Module) -> Dict[str, Any]:
+def linen_params(model: nnx.Module) -> dict[str, Any]:
   """The parameters of an NNX ``model`` as Linen variables,
   ``{"params": {...}}``, for ``linen_module.apply``. The arrays are shared,
   not copied."""

@@ -3,8 +3,6 @@ as a Flax NNX module (the counterpart of :mod:`jax_cp.flax.transformer`)."""
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import jax.numpy as jnp
 from flax import nnx
 
@@ -40,7 +38,7 @@ class MlpBlock(nnx.Module):
 
   def __init__(self, in_features: int, mlp_dim: int, *,
                activation: str = "gelu", use_bias: bool = False,
-               dtype: Optional[Dtype] = None,
+               dtype: Dtype | None = None,
                param_dtype: Dtype = jnp.float32,
                kernel_init: Initializer = default_kernel_init,
                rngs: nnx.Rngs):
@@ -100,20 +98,20 @@ class TransformerLayer(nnx.Module):
   """
 
   def __init__(self, num_heads: int, in_features: int, *,
-               num_kv_heads: Optional[int] = None,
-               num_gqa_groups: Optional[int] = None,
-               head_dim: Optional[int] = None,
-               mlp_dim: Optional[int] = None,
+               num_kv_heads: int | None = None,
+               num_gqa_groups: int | None = None,
+               head_dim: int | None = None,
+               mlp_dim: int | None = None,
                mlp_activation: str = "gelu",
                norm_type: str = "rmsnorm",
                norm_epsilon: float = 1e-6,
-               rope_theta: Optional[float] = 10000.0,
-               window_size: Optional[Tuple[int, int]] = None,
+               rope_theta: float | None = 10000.0,
+               window_size: tuple[int, int] | None = None,
                use_bias: bool = False,
-               dtype: Optional[Dtype] = None,
+               dtype: Dtype | None = None,
                param_dtype: Dtype = jnp.float32,
                kernel_init: Initializer = default_kernel_init,
-               layout: Optional[CPLayout] = None,
+               layout: CPLayout | None = None,
                rngs: nnx.Rngs):
     settings.check_layout(layout)
     if norm_type not in NORMS:
