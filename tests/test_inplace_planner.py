@@ -1,0 +1,278 @@
+"""The CP planner's in-place branch (``supports_in_place``: forward calls
+writing ``into`` the first call's out/lse, backward calls writing
+``dq_into`` with split ``dq_fill`` ranges, ``assemble_kv`` of only the rows
+a call reads) on CPU, through the strict test backend of
+tests/inplace_backend.py, against the float32 reference on the
+unpartitioned rows (tests/reference.py)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_cp
+from jax_cp import CPLoadBalancingStrategy as S
+from jax_cp.attention import registry
+from jax_cp.attention.backend import Segments
+from jax_cp.attention.xla import BACKEND as XLA
+from tests import reference as ref
+from tests.inplace_backend import make_backend
+
+NAME = "inplace_test"
+T, D, HQ, HKV = 64, 8, 4, 2     # GQA
+TOL = 1e-4                      # float32
+DCS, NLB = S.DUAL_CHUNK_SWAP, S.NO_LOAD_BALANCE
+
+
+@pytest.fixture
+def inplace(monkeypatch):
+  """Registers the strict in-place backend as ``NAME`` for one test (the
+  registry's table is restored afterwards); yields its call log."""
+  monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
+  log = []
+  backend = make_backend(NAME, log)
+  registry.register_backend(backend)
+  assert registry.resolve_backend(NAME) is backend
+  assert backend.supports_in_place
+  yield log
+
+
+# ---------------------------------------------------------------------------
+# The test backend itself
+# ---------------------------------------------------------------------------
+
+
+def _seg(sel, tq=32):
+  """Documents at rows [0,6) [8,15) | [18,26) [26,32) (self-attention)."""
+  off, lens = np.array([0, 8, 18, 26]), np.array([6, 7, 8, 6])
+  lens = np.where(sel, lens, 0)
+  i32 = lambda x: jnp.asarray(x, jnp.int32)
+  return Segments(i32(lens), i32(lens), i32(off), i32(off), 8, 8,
+                  rows_see_keys=True)
+
+
+def _qkv(rng, t=32):
+  return [jnp.asarray(rng.standard_normal((t, h, D)), jnp.float32)
+          for h in (HQ, HKV, HKV)]
+
+
+def test_backend_in_place_writes_follow_the_contract():
+  """Two calls on disjoint rows: forward ``into`` and backward
+  ``dq_into``/``dq_fill`` give the xla backend's merged results; a fresh dq
+  is NaN outside its ``dq_fill`` rows."""
+  be = make_backend(NAME)
+  rng = np.random.default_rng(0)
+  q, k, v = _qkv(rng)
+  do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  a, b = _seg([1, 1, 0, 0]), _seg([0, 0, 1, 1])
+  kw = dict(mask="causal_top_left", scale=0.3)
+  o1, l1 = be.forward(q, k, v, a, **kw)
+  out, lse = be.forward(q, k, v, b, into=(o1, l1), **kw)
+  want_o, want_l = XLA.forward(q, k, v, _seg([1, 1, 1, 1]), **kw)
+  np.testing.assert_allclose(out, want_o, rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(want_l))
+  np.testing.assert_allclose(np.where(np.isfinite(lse), lse, 0),
+                             np.where(np.isfinite(want_l), want_l, 0),
+                             rtol=1e-6)
+  r = 16
+  dq1, _, _ = be.backward(q, k, v, out, lse, do, a, dq_fill=(0, r), **kw)
+  assert np.isnan(dq1[r:]).all() and np.isfinite(dq1[:r]).all()
+  dq, _, _ = be.backward(q, k, v, out, lse, do, b, dq_into=dq1,
+                         dq_fill=(r, 32), **kw)
+  want_dq, _, _ = XLA.backward(q, k, v, want_o, want_l, do,
+                               _seg([1, 1, 1, 1]), **kw)
+  np.testing.assert_allclose(dq, want_dq, rtol=1e-5, atol=1e-6)
+
+
+def test_backend_marks_broken_preconditions():
+  be = make_backend(NAME)
+  q, k, v = _qkv(np.random.default_rng(1))
+  kw = dict(mask="causal_top_left", scale=0.3)
+  a, b = _seg([1, 1, 0, 0]), _seg([0, 0, 1, 1])
+  o1, l1 = be.forward(q, k, v, a, **kw)
+  # into rows this call covers that do not hold 0 / -inf.
+  out, _ = be.forward(q, k, v, a, into=(o1, l1), **kw)
+  assert np.isnan(out[:6]).all() and np.isfinite(out[18:]).all()
+  # A segment longer than its static bound.
+  tight = Segments(a.q_lens, a.kv_lens, a.q_offsets, a.kv_offsets, 6, 6,
+                   rows_see_keys=True)
+  assert np.isnan(be.forward(q, k, v, tight, **kw)[0]).all()
+  # rows_see_keys promised, but a bottom-right row sees nothing.
+  short = Segments(b.q_lens, jnp.maximum(b.kv_lens - 2, 0), b.q_offsets,
+                   b.kv_offsets, 8, 8, rows_see_keys=True)
+  out, _ = be.forward(q, k, v, short, mask="causal_bottom_right", scale=0.3)
+  assert np.isnan(out[18:20]).all() and np.isfinite(out[20:26]).all()
+  with pytest.raises(ValueError, match="rows_see_keys"):
+    be.forward(q, k, v, Segments(a.q_lens, a.kv_lens, a.q_offsets,
+                                 a.kv_offsets, 8, 8), into=(o1, l1), **kw)
+  with pytest.raises(ValueError, match="dq_fill must be a static"):
+    be.backward(q, k, v, o1, l1, o1, a, dq_fill=(4, 2), **kw)
+  # assemble_kv: rows outside the range are garbage.
+  halo = jnp.ones((1, 4, 2 * HKV, D))
+  kx, _ = be.assemble_kv(halo, k[None], v[None], 12, jnp.array([2]),
+                         jnp.array([5]))
+  assert np.isfinite(kx[0, 2:7]).all()
+  assert np.isnan(kx[0, :2]).all() and np.isnan(kx[0, 7:]).all()
+
+
+# ---------------------------------------------------------------------------
+# cp_attention on the in-place backend
+# ---------------------------------------------------------------------------
+
+
+def bounded_layout(rng, w, batch, max_docs=32):
+  """Rows of T tokens whose padded documents are at most ``w`` long, one of
+  exactly ``w`` per row, some with padding."""
+  cus, cuPs = [], []
+  for _ in range(batch):
+    plens = [w]
+    while sum(plens) < T:
+      plens.append(int(rng.integers(1, w + 1)))
+    plens[-1] -= sum(plens) - T
+    plens = [p for p in plens if p > 0]
+    rng.shuffle(plens)
+    lens = [p if rng.random() < 0.6 else int(rng.integers(1, p + 1))
+            for p in plens]
+    cuP = np.full(max_docs + 1, T, np.int32)
+    cu = np.zeros(max_docs + 1, np.int32)
+    cuP[0] = 0
+    cuP[1:len(plens) + 1] = np.cumsum(plens)
+    cu[1:len(lens) + 1] = np.cumsum(lens)
+    cu[len(lens) + 1:] = cu[len(lens)]
+    cus.append(cu)
+    cuPs.append(cuP)
+  return np.stack(cus), np.stack(cuPs)
+
+
+def layout(seed, cp, strategy, batch, max_seqlen):
+  """(cu, cuP, rng, max_seqlen): NO_LOAD_BALANCE rows bounded by
+  ``max_seqlen``; random DUAL_CHUNK_SWAP rows, with ``max_seqlen`` (when
+  given) replaced by their longest padded document."""
+  rng = np.random.default_rng(seed)
+  if max_seqlen is not None and strategy is NLB:
+    cu, cuP = bounded_layout(rng, max_seqlen, batch)
+    return cu, cuP, rng, max_seqlen
+  kinds = ("mixed", "many_short", "one_long")
+  cu, cuP = map(np.stack, zip(*[ref.random_layout(
+      rng, T, cp, kinds[i % 3], dual_chunk=strategy is DCS, max_docs=32)
+      for i in range(batch)]))
+  if max_seqlen is not None:
+    max_seqlen = int(np.diff(cuP, axis=-1).max())
+  return cu, cuP, rng, max_seqlen
+
+
+def run_cp(q, k, v, w, cu, cuP, *, cp, strategy, traced=False, **kw):
+  mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  re = lambda x: jax_cp.reorder_for_cp(x, cuP, cp, strategy, seq_dim=1)
+  back = lambda x: jax_cp.restore_from_cp(x, cuP, cp, strategy, seq_dim=1)
+  attn = functools.partial(jax_cp.cp_attention, mesh=mesh, cp_axis="cp",
+                           load_balancing_strategy=strategy, backend=NAME,
+                           **kw)
+
+  def loss(q, k, v, w, cu, cuP):
+    out = attn(q, k, v, cu, cuP)
+    return jnp.sum(out * w), out
+
+  args = (re(q), re(k), re(v), re(w))
+  if traced:
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    (_, out), grads = f(*args, jnp.asarray(cu), jnp.asarray(cuP))
+  else:
+    f = jax.jit(jax.value_and_grad(
+        lambda *a: loss(*a, cu, cuP), argnums=(0, 1, 2), has_aux=True))
+    (_, out), grads = f(*args)
+  return back(out), tuple(back(g) for g in grads)
+
+
+def check_close(got, want, valid, what):
+  got, want = np.asarray(got), np.asarray(want)
+  assert np.all(np.isfinite(got)), f"{what}: non-finite values"
+  err = ref.rel_err(got[valid], want[valid])
+  assert err < TOL, f"{what}: relative error {err:.2e}"
+  np.testing.assert_array_equal(got[~valid], 0.0, err_msg=what)
+
+
+def check_case(log, seed, cp, strategy, batch, max_seqlen=None, window=-1,
+               split=False, traced=False):
+  cu, cuP, rng, max_seqlen = layout(seed, cp, strategy, batch, max_seqlen)
+  q, k, v = (jnp.asarray(rng.standard_normal((batch, T, h, D)), jnp.float32)
+             for h in (HQ, HKV, HKV))
+  w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  kw = dict(split_causal_backward=split, max_seqlen=max_seqlen)
+  if window >= 0:
+    kw["window_size"] = (window, 0)
+  out, grads = run_cp(q, k, v, w, cu, cuP, cp=cp, strategy=strategy,
+                      traced=traced, **kw)
+  f = functools.partial(ref.batched_attention, cu=cu, cuP=cuP, window=window)
+  want = f(q, k, v)
+  want_grads = jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2))(
+      q, k, v)
+  valid = np.stack([ref.valid_token_mask(cu[i], cuP[i])
+                    for i in range(batch)])
+  check_close(out, want, valid, "out")
+  for name, g, gw in zip(("dq", "dk", "dv"), grads, want_grads):
+    check_close(g, gw, valid, name)
+  # The in-place branch ran: with cp > 1 a forward call wrote into the
+  # first's buffers and a backward call into the first's dq.
+  if cp > 1:
+    assert any(c["kind"] == "forward" and c["into"] for c in log), log
+    assert any(c["kind"] == "backward" and c["into"] for c in log), log
+  return log
+
+
+def fills(log):
+  return {c["fill"] for c in log if c["kind"] == "backward"}
+
+
+# (id, strategy, cp, batch, max_seqlen, window, split). T = 64: chunks of
+# 32 (cp 2) and 16 (cp 4) tokens. NO_LOAD_BALANCE with max_seqlen W:
+# halo W-1; kept from the forward when <= Tl/2, else exchanged again;
+# the straddle call's dq_fill ranges are static for one row per rank.
+CASES = [
+    ("cp1", DCS, 1, 2, None, -1, False),
+    ("dcs-cp2-batch", DCS, 2, 2, None, -1, False),
+    ("dcs-cp4-split", DCS, 4, 1, None, -1, True),
+    ("dcs-cp2-window", DCS, 2, 1, None, 5, False),
+    ("nlb-cp2-gather-split-batch", NLB, 2, 2, None, -1, True),
+    ("nlb-cp4-kept-halo-split", NLB, 4, 1, 8, -1, True),
+    ("nlb-cp4-halo-again", NLB, 4, 1, 14, -1, False),
+    ("nlb-cp4-two-hops-batch-split", NLB, 4, 2, 30, -1, True),
+    ("nlb-cp4-window-kept-halo", NLB, 4, 1, None, 6, False),
+    ("nlb-cp2-window-and-bound", NLB, 2, 1, 20, 12, False),
+]
+
+
+@pytest.mark.parametrize("strategy, cp, batch, max_seqlen, window, split",
+                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_cp_attention_in_place(inplace, strategy, cp, batch, max_seqlen,
+                               window, split):
+  log = check_case(inplace, 10 * cp + batch, cp, strategy, batch,
+                   max_seqlen, window, split)
+  tl = T // cp
+  if strategy is NLB and batch == 1 and max_seqlen is not None \
+      and max_seqlen - 1 < tl:
+    # The straddle call zeroes its rows, the local call the rest.
+    r = max_seqlen - 1
+    assert {(0, r), (r, tl)} <= fills(log), log
+
+
+def test_traced_metadata_takes_the_guarded_program(inplace):
+  """Traced metadata and a bound below T: both programs of the guard
+  (the bounded halo one runs here) on the in-place backend."""
+  check_case(inplace, 5, 4, NLB, 1, max_seqlen=8, split=True, traced=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("max_seqlen, window", [
+    (None, -1), (None, 3), (4, -1), (9, -1), (12, 5), (17, -1), (40, -1)])
+@pytest.mark.parametrize("strategy", [DCS, NLB], ids=lambda s: s.value)
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_attention_in_place_grid(inplace, cp, strategy, max_seqlen,
+                                    window, batch, split):
+  check_case(inplace, 1000 + cp * 100 + (max_seqlen or 0) + batch, cp,
+             strategy, batch, max_seqlen, window, split)
