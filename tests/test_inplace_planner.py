@@ -239,6 +239,7 @@ CASES = [
     ("nlb-cp2-gather-split-batch", NLB, 2, 2, None, -1, True),
     ("nlb-cp4-kept-halo-split", NLB, 4, 1, 8, -1, True),
     ("nlb-cp4-halo-again", NLB, 4, 1, 14, -1, False),
+    ("nlb-cp4-halo-again-batch", NLB, 4, 2, 12, -1, True),
     ("nlb-cp4-two-hops-batch-split", NLB, 4, 2, 30, -1, True),
     ("nlb-cp4-window-kept-halo", NLB, 4, 1, None, 6, False),
     ("nlb-cp2-window-and-bound", NLB, 2, 1, 20, 12, False),
