@@ -20,7 +20,10 @@ rows gives non-finite results instead of right ones by luck.
 * Static bounds: a segment longer than ``max_seqlen_q``/``max_seqlen_kv``,
   Q rows covered by two segments, or (backward) two segments reading
   overlapping KV rows turn every result into NaN (kernels sized by the
-  bounds, as cuDNN's are, and cuDNN's per-segment dK/dV writes).
+  bounds, as cuDNN's are, and cuDNN's per-segment dK/dV writes). A segment
+  without Q rows does no work, so its ``kv_len`` may exceed the bound (the
+  planner leaves such segments uncut by a sliding window; cuDNN clips them
+  and counts no KV row of theirs as read).
 * ``assemble_kv``: rows outside ``[first, first + count)`` are NaN. The
   attention calls read only K/V rows inside their segments' KV ranges (NaN
   there propagates, as in a kernel that loads whole ranges) and only the Q,
@@ -61,7 +64,7 @@ def _inspect(seg: Segments, tq: int, tkv: int, mask: str, window_left: int,
   live = (seg.q_lens > 0) & (seg.kv_lens > 0)
   kv_count = _ranges(seg.kv_offsets, seg.kv_lens, tkv, live)
   broken = (jnp.any(seg.q_lens > seg.max_seqlen_q)
-            | jnp.any(seg.kv_lens > seg.max_seqlen_kv)
+            | jnp.any((seg.kv_lens > seg.max_seqlen_kv) & (seg.q_lens > 0))
             | jnp.any(seg.q_lens < 0) | jnp.any(seg.kv_lens < 0)
             | jnp.any(_ranges(seg.q_offsets, seg.q_lens, tq,
                               seg.q_lens > 0) > 1))

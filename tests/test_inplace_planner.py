@@ -235,7 +235,7 @@ CASES = [
     ("cp1", DCS, 1, 2, None, -1, False),
     ("dcs-cp2-batch", DCS, 2, 2, None, -1, False),
     ("dcs-cp4-split", DCS, 4, 1, None, -1, True),
-    ("dcs-cp2-window", DCS, 2, 1, None, 5, False),
+    ("dcs-cp4-window", DCS, 4, 1, None, 5, False),
     ("nlb-cp2-gather-split-batch", NLB, 2, 2, None, -1, True),
     ("nlb-cp4-kept-halo-split", NLB, 4, 1, 8, -1, True),
     ("nlb-cp4-halo-again", NLB, 4, 1, 14, -1, False),
