@@ -98,7 +98,9 @@ class Segments:
     q_offsets: int32 ``[S]`` first Q row (token index) of each segment.
     kv_offsets: int32 ``[S]`` first KV row (token index) of each segment.
     max_seqlen_q: static bound on ``q_lens`` (kernels size grids by it).
-    max_seqlen_kv: static bound on ``kv_lens``.
+    max_seqlen_kv: static bound on the ``kv_lens`` of segments with Q rows
+      (a segment with ``q_len == 0`` reads nothing, whatever its
+      ``kv_len``).
     rows_see_keys: static promise that every covered Q row sees at least
       one key (``kv_len > 0`` where ``q_len > 0``, and ``kv_len >= q_len``
       for the bottom-right mask); backends may then skip zeroing rows that
