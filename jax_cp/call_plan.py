@@ -49,6 +49,12 @@ class Call:
     kv_range: ``(first, count)`` int32 ``[B]``, the rows of the exchanged
       buffer the call reads (the straddle call with a halo exchange): the
       backend's ``assemble_kv`` fills only those.
+    lead_rows: None, or the number of zero *lead rows* in front of the
+      call's Q rows: the call reads Q ``[lead_rows zero rows | its local
+      rows]`` and the planner drops the lead rows' outputs (and gives them
+      zero out/lse/dO in the backward, so they add nothing to dK/dV).
+      NO_LOAD_BALANCE's windowed straddle call has them
+      (:func:`_straddle_square`); its dq is summed like a triangle's.
 
   The calls of a step cover disjoint Q rows, so their outputs merge
   without log-sum-exp rescaling: a later call writes its rows into the
@@ -65,6 +71,7 @@ class Call:
   kv_rows: int | None = None
   overlaps_previous: bool = False
   kv_range: tuple | None = None
+  lead_rows: int | None = None
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -98,15 +105,56 @@ def _cut_to_window(call: Call, window_left: int) -> Call:
       max_kv=_bounded_max_kv(call.max_q, call.max_kv, window_left))
 
 
+def _rows_before_chunk(cfg: CPConfig) -> int:
+  """A static bound on the exchanged buffer's rows before this rank's
+  chunk: the halo, none, or (all-gather) every earlier rank's chunk."""
+  ex = cfg.exchange
+  if ex.kind == "halo":
+    return ex.halo_tokens
+  if ex.kind == "all_gather":
+    return (cfg.cp_size - 1) * cfg.local_tokens
+  return 0
+
+
+def _straddle_square(cfg: CPConfig, call: Call) -> Call:
+  """NO_LOAD_BALANCE's windowed straddle call (already cut to its window)
+  as a top-left call with lead rows.
+
+  After the cut the straddling document's segment has ``q`` Q rows (local
+  rows ``[0, q)``) and ``h + q`` KV rows, ``h = kv_len - q_len <= left``
+  of them before the chunk, so Q row ``j`` sits at KV row ``h + j``.
+  Putting ``h`` zero rows in front of the Q rows makes the segment a square
+  of ``h + q`` rows whose diagonal is the document's: top-left with the
+  band is the window, and the slow bottom-right band (docs/design.md,
+  Sliding window) is not needed. The Q buffer is ``[L zero rows | local
+  rows]`` with the static ``L = lead_rows >= h``; the segment starts at
+  Q row ``L - h``. The extra work is the lead rows' band, ``h`` rows of at
+  most ``left + 1`` keys each."""
+  lead = min(cfg.window_left, _rows_before_chunk(cfg))
+  m = call.meta
+  has = m.q_lens > 0
+  h = jnp.where(has, m.kv_lens - m.q_lens, 0)
+  n = jnp.where(has, m.kv_lens, 0)
+  meta = metadata.StepMetadata(n, m.q_offsets + lead - h, n, m.kv_offsets)
+  return dataclasses.replace(call, meta=meta, mask="causal_top_left",
+                             max_q=call.max_kv, lead_rows=lead)
+
+
 def forward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
                   ) -> list[Call]:
   """The varlen attention calls of this rank's forward, in order.
 
-  With a sliding window every call keeps its rows and mask and runs with
-  the band (the backend's ``window_left``); bottom-right calls also drop
-  the KV rows before the band (:func:`_cut_to_window`)."""
-  return [_cut_to_window(c, cfg.window_left)
-          for c in _unwindowed_calls(cfg, cu_seqlens, cu_seqlens_padded, rank)]
+  With a sliding window every call runs with the band (the backend's
+  ``window_left``); bottom-right calls also drop the KV rows before the
+  band (:func:`_cut_to_window`), and NO_LOAD_BALANCE's straddle call
+  becomes a top-left call with lead rows (:func:`_straddle_square`)."""
+  calls = []
+  for c in _unwindowed_calls(cfg, cu_seqlens, cu_seqlens_padded, rank):
+    c = _cut_to_window(c, cfg.window_left)
+    if cfg.window_left >= 0 and cfg.strategy is _NLB and c.exchanged:
+      c = _straddle_square(cfg, c)
+    calls.append(c)
+  return calls
 
 
 def _unwindowed_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
@@ -189,8 +237,8 @@ class DqWrite:
     into: the call writes its rows into the dq of the calls before it (the
       backend's ``dq_into``, in place) instead of making a fresh one.
     q_rows: the call reads only the first ``q_rows`` rows of Q/out/dO/lse
-      and its dq covers only those (a split block's triangle; its dq is
-      summed into the others'); None: full local rows.
+      and its dq covers only those (a split block's triangle, a call with
+      lead rows; its dq is summed into the others'); None: full local rows.
     fill: the ``dq_fill`` row range handed to the backend (None: its
       default). The first full-size call of NO_LOAD_BALANCE, the straddle
       call, zeroes only rows ``[0, q_rows)``; the next call writing into
@@ -216,7 +264,7 @@ def dq_writes(calls: list[Call], local_tokens: int, in_place: bool
   have_dq = False
   rest: RowRange | None = None  # rows the first call left to the next
   for call in calls:
-    if call.overlaps_previous:
+    if call.overlaps_previous or call.lead_rows is not None:
       writes.append(DqWrite(q_rows=call.q_rows))
       continue
     if not in_place:

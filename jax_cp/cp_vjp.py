@@ -38,6 +38,22 @@ def _prefix(x, rows: int | None):
   return x if rows is None else x[:, :rows]
 
 
+def _lead(x, call: call_plan.Call):
+  """``[call.lead_rows zero rows | x]`` on axis 1: a call's Q-side input
+  (Q, out, dO, lse); ``x`` itself for a call without lead rows. Zero Q,
+  out and dO rows with a zero lse give every gradient 0 (the softmax
+  gradient of such a row, ``P * (dO V^T - rowsum(dO * out))``, is 0)."""
+  if call.lead_rows is None:
+    return x
+  pad = jnp.zeros(x.shape[:1] + (call.lead_rows,) + x.shape[2:], x.dtype)
+  return jnp.concatenate([pad, x], axis=1)
+
+
+def _drop_lead(x, call: call_plan.Call):
+  """A call's Q-side result without its lead rows (see :func:`_lead`)."""
+  return x if call.lead_rows is None else x[:, call.lead_rows:]
+
+
 def _flat(x):
   """``[B, T, ...]`` -> ``[B*T, ...]``: the backend's packed layout."""
   return x.reshape((-1,) + x.shape[2:])
@@ -103,6 +119,20 @@ def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
       # which then hide the exchange (XLA may otherwise schedule it first).
       halo, out, lse = jax.lax.optimization_barrier((halo, out, lse))
     kc, vc = _call_kv(cfg, call, k, v, kx, vx, halo)
+    if call.lead_rows is not None:
+      # A call with lead rows reads its own Q buffer; its rows are merged
+      # into the earlier calls' outputs, which hold 0 / -inf there.
+      assert out is not None, call
+      qc = _lead(_prefix(q, call.q_rows), call)
+      seg = call_plan.segments(call, qc.shape[1], kc.shape[1])
+      o, l = backend.forward(_flat(qc), _flat(kc), _flat(vc), seg,
+                             mask=call.mask, scale=cfg.scale,
+                             **window_kwargs(cfg.window_left))
+      o = _drop_lead(o.reshape(qc.shape), call)
+      l = _drop_lead(l.reshape(qc.shape[:3]), call)
+      out = backend.merge_rows(out, o.astype(out.dtype), 0, "add")
+      lse = backend.merge_rows(lse, l, 0, "max")
+      continue
     seg = call_plan.segments(call, q.shape[1], kc.shape[1])
     in_place = out is not None and backend.supports_in_place
     # The first call's outputs hold 0 / -inf on the other calls' rows.
@@ -187,21 +217,22 @@ def _backward(cfg: CPConfig, residuals, dout):
   for call, write in zip(calls, writes):
     kc, vc = _call_kv(cfg, call, k, v, kx, vx, halo, assembled)
     rows = write.q_rows
-    qc = _prefix(q, rows)
+    qc = _lead(_prefix(q, rows), call)
     extra = window_kwargs(cfg.window_left)
     if backend.supports_in_place:
       extra.update(dq_into=_flat(dq.full) if write.into else None,
                    dq_fill=_flat_row_range(write.fill, q.shape[0]))
     dq_i, dk_i, dv_i = backend.backward(
-        _flat(qc), _flat(kc), _flat(vc), _flat(_prefix(out, rows)),
-        _prefix(lse, rows).reshape(-1, q.shape[2]),
-        _flat(_prefix(dout, rows)),
+        _flat(qc), _flat(kc), _flat(vc),
+        _flat(_lead(_prefix(out, rows), call)),
+        _lead(_prefix(lse, rows), call).reshape(-1, q.shape[2]),
+        _flat(_lead(_prefix(dout, rows), call)),
         call_plan.segments(call, qc.shape[1], kc.shape[1]), mask=call.mask,
         scale=cfg.scale, **extra)
     if write.into:
       dq.full = dq_i.reshape(q.shape)
     else:
-      dq.add(dq_i.reshape(qc.shape), rows)
+      dq.add(_drop_lead(dq_i.reshape(qc.shape), call), rows)
     (dkx if call.exchanged else dk).add(dk_i.reshape(kc.shape), call.kv_rows)
     (dvx if call.exchanged else dv).add(dv_i.reshape(vc.shape), call.kv_rows)
   merge = backend.merge_rows
