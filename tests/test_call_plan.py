@@ -23,13 +23,13 @@ def test_metadata_is_valid():
   checks.check_cu_seqlens(CU, CU_P)
 
 
-def config(strategy, w, split=False, cp=CP):
+def config(strategy, w, split=False, cp=CP, left=-1):
   return CPConfig(strategy=strategy, cp_axis="cp", cp_size=cp, causal=True,
                   scale=0.1, backend=resolve_backend("xla"),
                   total_tokens=T, max_seqlen=w, split_causal_backward=split,
                   exchange=choose_exchange(strategy is S.NO_LOAD_BALANCE,
-                                           "cp", cp, T, w),
-                  split_straddle=split)
+                                           "cp", cp, T, w, window_left=left),
+                  split_straddle=split, window_left=left)
 
 
 def test_no_load_balance_plan():
@@ -113,3 +113,41 @@ def test_single_rank_is_one_top_left_call(cp):
   cfg = config(S.NO_LOAD_BALANCE, w=T, cp=cp)
   (call,) = call_plan.forward_calls(cfg, CU, CU_P, 0)
   assert call.mask == "causal_top_left" and not call.exchanged
+
+
+@pytest.mark.parametrize("left, kind, lead", [
+    (5, "halo", 5), (20, "halo", 20), (60, "all_gather", 48), (0, "none", 0)])
+@pytest.mark.parametrize("split", [False, True])
+def test_no_load_balance_window_has_only_top_left_calls(left, kind, lead,
+                                                        split):
+  """With a window the straddle call is a top-left square with zero lead
+  rows: no call of the forward or backward is bottom-right (its band's
+  cuDNN backward is slow). Rank 2 holds tokens [32, 48); document 1
+  (padded [16, 40), 24 valid tokens) reaches 8 rows into it from 16
+  tokens before the chunk."""
+  cfg = config(S.NO_LOAD_BALANCE, w=T, split=split, left=left)
+  assert cfg.exchange.kind == kind
+  fwd = call_plan.forward_calls(cfg, CU, CU_P, 2)
+  bwd = call_plan.backward_calls(cfg, CU, CU_P, 2)
+  assert [c.mask for c in fwd] == ["causal_top_left"] * 2
+  assert [c.mask for c in bwd] == ["causal_top_left"] * 2
+  assert [c.lead_rows for c in fwd] == [None, lead]
+  assert not any(c.overlaps_previous for c in bwd)
+  m = fwd[1].meta
+  # h = min(16, left) keys before the chunk; the square has h + 8 rows and
+  # starts lead - h rows into the Q buffer [lead zero rows | chunk].
+  h = min(16, left)
+  assert np.asarray(m.q_lens).tolist() == [[h + 8]]
+  assert np.asarray(m.kv_lens).tolist() == [[h + 8]]
+  assert np.asarray(m.q_offsets).tolist() == [[lead - h]]
+  start = 0 if kind == "all_gather" else 32 - cfg.exchange.halo_tokens
+  assert np.asarray(m.kv_offsets).tolist() == [[32 - h - start]]
+  assert fwd[1].max_q == fwd[1].max_kv >= h + 8
+  # Its dq is summed like a triangle's; the local call makes the full dq.
+  W = call_plan.DqWrite
+  assert call_plan.dq_writes(bwd, TL, in_place=True) == [
+      W(q_rows=bwd[0].q_rows), W()]
+  # Without a window the straddle call stays bottom-right.
+  plain = call_plan.forward_calls(config(S.NO_LOAD_BALANCE, w=T), CU, CU_P, 2)
+  assert [c.mask for c in plain] == ["causal_top_left", "causal_bottom_right"]
+  assert plain[1].lead_rows is None

@@ -19,6 +19,7 @@ from jax_cp.attention.backend import Segments
 from jax_cp.attention.xla import BACKEND as XLA
 from tests import reference as ref
 from tests.inplace_backend import make_backend
+from tests.test_sliding_window import STRADDLE_CU, STRADDLE_CU_P
 
 NAME = "inplace_test"
 T, D, HQ, HKV = 64, 8, 4, 2     # GQA
@@ -196,8 +197,14 @@ def check_close(got, want, valid, what):
 
 
 def check_case(log, seed, cp, strategy, batch, max_seqlen=None, window=-1,
-               split=False, traced=False):
-  cu, cuP, rng, max_seqlen = layout(seed, cp, strategy, batch, max_seqlen)
+               split=False, traced=False, rows=None):
+  """cp_attention on the in-place backend against the reference; ``rows``
+  (cu, cuP): given rows instead of random ones."""
+  if rows is None:
+    cu, cuP, rng, max_seqlen = layout(seed, cp, strategy, batch, max_seqlen)
+  else:
+    cu, cuP = (x[:batch] for x in rows)
+    rng = np.random.default_rng(seed)
   q, k, v = (jnp.asarray(rng.standard_normal((batch, T, h, D)), jnp.float32)
              for h in (HQ, HKV, HKV))
   w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
@@ -215,9 +222,14 @@ def check_case(log, seed, cp, strategy, batch, max_seqlen=None, window=-1,
   check_close(out, want, valid, "out")
   for name, g, gw in zip(("dq", "dk", "dv"), grads, want_grads):
     check_close(g, gw, valid, name)
-  # The in-place branch ran: with cp > 1 a forward call wrote into the
-  # first's buffers and a backward call into the first's dq.
-  if cp > 1:
+  if cp > 1 and strategy is NLB and window >= 0:
+    # The windowed straddle call is a top-left square with lead rows: no
+    # call is bottom-right, and its results are merged, not written in.
+    assert all(c["mask"] == "causal_top_left" for c in log), log
+    assert not any(c["into"] for c in log), log
+  elif cp > 1:
+    # The in-place branch ran: a forward call wrote into the first's
+    # buffers and a backward call into the first's dq.
     assert any(c["kind"] == "forward" and c["into"] for c in log), log
     assert any(c["kind"] == "backward" and c["into"] for c in log), log
   return log
@@ -254,10 +266,32 @@ def test_cp_attention_in_place(inplace, strategy, cp, batch, max_seqlen,
                    max_seqlen, window, split)
   tl = T // cp
   if strategy is NLB and batch == 1 and max_seqlen is not None \
-      and max_seqlen - 1 < tl:
+      and max_seqlen - 1 < tl and window < 0:
     # The straddle call zeroes its rows, the local call the rest.
     r = max_seqlen - 1
     assert {(0, r), (r, tl)} <= fills(log), log
+
+
+# (cp, window, batch): the straddle rows of tests/test_sliding_window.py,
+# windows below and above a chunk and the straddling documents, a halo
+# (one or three hops) or the all-gather (cp 2, window 40).
+STRADDLE_CASES = [(2, 12, 2), (2, 40, 1), (4, 5, 2), (4, 20, 1), (4, 40, 2)]
+
+
+@pytest.mark.parametrize("cp, window, batch", STRADDLE_CASES)
+def test_no_load_balance_straddle_with_window_in_place(inplace, cp, window,
+                                                       batch):
+  """The windowed straddle call (a top-left square with zero lead rows) on
+  the strict backend: only the rows it covers are read, its outputs are
+  merged into the local call's and its dq is summed."""
+  log = check_case(inplace, cp + window, cp, NLB, batch, window=window,
+                   rows=(STRADDLE_CU, STRADDLE_CU_P))
+  # Forward and backward ran a local call and a straddle call with a Q
+  # buffer of lead rows + chunk rows.
+  tl = T // cp
+  assert sorted(c["tq"] for c in log if c["kind"] == "forward")[0] == \
+      batch * tl
+  assert max(c["tq"] for c in log) > batch * tl
 
 
 def test_traced_metadata_takes_the_guarded_program(inplace):

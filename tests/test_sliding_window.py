@@ -113,6 +113,49 @@ def test_no_load_balance_window_and_max_seqlen():
   check_cp(4, S.NO_LOAD_BALANCE, 24, seed=3, max_seqlen=longest)
 
 
+# Two rows of padded documents [20, 30, 14] (valid [20, 27, 14]) and
+# [5, 50, 9] (valid [5, 50, 7]): at cp = 2 (chunks of 32) and cp = 4 (16)
+# documents straddle chunk boundaries from 11 to 43 tokens before them,
+# shorter and longer than the windows below.
+STRADDLE_CU = np.array([[0, 20, 47, 61], [0, 5, 55, 62]], np.int32)
+STRADDLE_CU_P = np.array([[0, 20, 50, 64], [0, 5, 55, 64]], np.int32)
+
+
+def check_straddle(cp, left, seed=0, **kw):
+  """cp_attention on the straddle rows against the reference."""
+  cu, cuP = STRADDLE_CU, STRADDLE_CU_P
+  rng = np.random.default_rng(seed)
+  q, k, v = qkv(rng)
+  w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  out, grads = run_cp(q, k, v, cu, cuP, w, cp=cp,
+                      strategy=S.NO_LOAD_BALANCE, left=left, **kw)
+  want, want_grads = reference(q, k, v, cu, cuP, w, left)
+  valid = np.stack([ref.valid_token_mask(a, b) for a, b in zip(cu, cuP)])
+  check(out, want, valid, "out")
+  for name, g, gw in zip(("dq", "dk", "dv"), grads, want_grads):
+    check(g, gw, valid, name)
+
+
+# (cp, window): windows below and above a chunk (32 at cp 2, 16 at cp 4),
+# shorter and longer than the straddling documents; a halo of 3, 5, 12 or
+# 20 tokens, three hops (cp 4, window 40), or the all-gather (cp 2,
+# window 40).
+STRADDLE_CASES = [(2, 3), (2, 12), (2, 40), (4, 5), (4, 20), (4, 40)]
+
+
+@pytest.mark.parametrize("cp,left", STRADDLE_CASES)
+def test_no_load_balance_straddle_with_window(cp, left):
+  """The straddle call of NO_LOAD_BALANCE with a window runs as a top-left
+  square with zero lead rows (jax_cp/call_plan.py, _straddle_square)."""
+  check_straddle(cp, left, seed=cp + left)
+
+
+def test_no_load_balance_straddle_with_window_and_bound():
+  """A max_seqlen bound next to the window: the halo is min(W - 1, left) =
+  9 tokens, and the kernels' bounds are W's."""
+  check_straddle(4, 9, seed=7, max_seqlen=50)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("left", [0, 1, 7, 8, 9, 33])
 @pytest.mark.parametrize("strategy", list(S), ids=lambda s: s.value)
