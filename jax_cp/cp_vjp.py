@@ -5,7 +5,9 @@ Forward: exchange K/V (:mod:`jax_cp.kv_exchange`), then run the calls of
 :func:`jax_cp.call_plan.forward_calls`; their Q rows are disjoint, so each
 later call writes its rows into the first call's outputs (in place with a
 backend that ``supports_in_place``; otherwise its fresh outputs are added,
-``lse`` by maximum). Backward: keep only local residuals (plus a small
+``lse`` by maximum; a call with lead rows,
+:attr:`jax_cp.call_plan.Call.lead_rows`, is merged with the backend's
+``merge_rows``). Backward: keep only local residuals (plus a small
 received halo, :attr:`KVExchange.keeps_halo`), exchange K/V again where it
 must, run :func:`jax_cp.call_plan.backward_calls` with dq written as
 :func:`jax_cp.call_plan.dq_writes` says, and return dK/dV to their owners
