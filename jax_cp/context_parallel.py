@@ -113,18 +113,32 @@ def cp_attention_local(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
   if layout.cp_size is not None and cp_size != layout.cp_size:
     raise ValueError(f"the layout's cp_size={layout.cp_size} disagrees with "
                      f"the size {cp_size} of axis {cp_axis!r} here")
-  checks.check_qkv_dtypes(q.dtype, k.dtype, v.dtype)
-  cfg = make_config(q.shape, k.shape, v.shape, q.dtype, cu_seqlens,
-                    cu_seqlens_padded, cp_size=cp_size, cp_axis=cp_axis,
-                    load_balancing_strategy=layout.strategy,
-                    cp_comm_type=layout.comm_type,
-                    attn_mask_type=attn_mask_type,
-                    softmax_scale=softmax_scale, backend=layout.backend,
-                    max_seqlen=layout.max_seqlen, window_size=window_size,
-                    split_causal_backward=split_causal_backward,
-                    total_tokens=q.shape[-3] * cp_size,
-                    max_seqlen_violation=layout.max_seqlen_violation)
+  cfg = _config(layout, q, k, v, cu_seqlens, cu_seqlens_padded, cp_size,
+                total_tokens=q.shape[-3] * cp_size,
+                attn_mask_type=attn_mask_type, softmax_scale=softmax_scale,
+                window_size=window_size,
+                split_causal_backward=split_causal_backward)
   return _run_local(cfg, q, k, v, cu_seqlens, cu_seqlens_padded)
+
+
+def _config(layout: CPLayout, q, k, v, cu_seqlens, cu_seqlens_padded,
+            cp_size: int, *, total_tokens: int, attn_mask_type: str,
+            softmax_scale: float | None, window_size,
+            split_causal_backward: bool | None,
+            platform: str | None = None) -> CPConfig:
+  """The validated config of one call: the layout's settings plus the
+  call's own (mask, scale, window, backward split)."""
+  checks.check_qkv_dtypes(q.dtype, k.dtype, v.dtype)
+  return make_config(
+      q.shape, k.shape, v.shape, q.dtype, cu_seqlens, cu_seqlens_padded,
+      cp_size=cp_size, cp_axis=layout.cp_axis,
+      load_balancing_strategy=layout.strategy,
+      cp_comm_type=layout.comm_type, attn_mask_type=attn_mask_type,
+      softmax_scale=softmax_scale, backend=layout.backend,
+      max_seqlen=layout.max_seqlen, window_size=window_size,
+      split_causal_backward=split_causal_backward,
+      total_tokens=total_tokens, platform=platform,
+      max_seqlen_violation=layout.max_seqlen_violation)
 
 
 def _layout_and_metadata(what, layout, layout_kwargs, cu_seqlens,
@@ -233,18 +247,12 @@ def cp_attention(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
   checks.check_mesh_axis(mesh, head_axis, "head_axis")
   checks.check_batch_axis_rank(batch_axis if batch_axes else None, q.shape)
   # Validated once, on the global shapes; the shard_map body reuses it.
-  checks.check_qkv_dtypes(q.dtype, k.dtype, v.dtype)
-  cfg = make_config(q.shape, k.shape, v.shape, q.dtype, cu_seqlens,
-                    cu_seqlens_padded, cp_size=mesh.shape[cp_axis],
-                    cp_axis=cp_axis,
-                    load_balancing_strategy=layout.strategy,
-                    cp_comm_type=layout.comm_type,
-                    attn_mask_type=attn_mask_type,
-                    softmax_scale=softmax_scale, backend=layout.backend,
-                    max_seqlen=layout.max_seqlen, window_size=window_size,
-                    split_causal_backward=split_causal_backward,
-                    total_tokens=q.shape[-3], platform=_platform(mesh),
-                    max_seqlen_violation=layout.max_seqlen_violation)
+  cfg = _config(layout, q, k, v, cu_seqlens, cu_seqlens_padded,
+                mesh.shape[cp_axis], total_tokens=q.shape[-3],
+                attn_mask_type=attn_mask_type, softmax_scale=softmax_scale,
+                window_size=window_size,
+                split_causal_backward=split_causal_backward,
+                platform=_platform(mesh))
   if head_axis is not None:
     checks.check_head_axis_divides(head_axis, mesh.shape[head_axis], q.shape,
                                    k.shape)

@@ -109,6 +109,32 @@ def random_layout(rng, total, cp, kind, dual_chunk=True, max_docs=None,
   return cu, cuP
 
 
+def rows_with_longest(rng, total, w, batch, max_docs):
+  """``(cu, cuP)`` ``[batch, max_docs+1]``: rows of ``total`` tokens whose
+  padded documents are at most ``w`` long, one of exactly ``w`` per row
+  (so ``w`` is a tight ``max_seqlen``), about 40 % of them with padding;
+  unused slots are empty documents at the end."""
+  cus, cuPs = [], []
+  for _ in range(batch):
+    plens = [w]
+    while sum(plens) < total:
+      plens.append(int(rng.integers(1, w + 1)))
+    plens[-1] -= sum(plens) - total
+    rng.shuffle(plens)
+    plens = [p for p in plens if p > 0]
+    lens = [p if rng.random() < 0.6 else int(rng.integers(1, p + 1))
+            for p in plens]
+    cuP = np.full(max_docs + 1, total, np.int32)
+    cu = np.zeros(max_docs + 1, np.int32)
+    cuP[0] = 0
+    cuP[1:len(plens) + 1] = np.cumsum(plens)
+    cu[1:len(lens) + 1] = np.cumsum(lens)
+    cu[len(lens) + 1:] = cu[len(lens)]
+    cus.append(cu)
+    cuPs.append(cuP)
+  return np.stack(cus), np.stack(cuPs)
+
+
 def rel_err(a, b):
   a = np.asarray(a, np.float64)
   b = np.asarray(b, np.float64)

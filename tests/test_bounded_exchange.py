@@ -20,25 +20,7 @@ NLB = S.NO_LOAD_BALANCE
 def layout_with_longest(rng, w, batch, max_docs=64):
   """Rows of T tokens whose documents are at most w long (padded), with
   one document of exactly w per row so the bound is tight."""
-  cus, cuPs = [], []
-  for _ in range(batch):
-    plens = [w]
-    while sum(plens) < T:
-      plens.append(int(rng.integers(1, w + 1)))
-    plens[-1] -= sum(plens) - T
-    rng.shuffle(plens)
-    plens = [p for p in plens if p > 0]
-    lens = [p if rng.random() < 0.6 else int(rng.integers(1, p + 1))
-            for p in plens]
-    cuP = np.zeros(max_docs + 1, np.int32)
-    cu = np.zeros(max_docs + 1, np.int32)
-    cuP[1:len(plens) + 1] = np.cumsum(plens)
-    cu[1:len(lens) + 1] = np.cumsum(lens)
-    cuP[len(plens) + 1:] = T
-    cu[len(lens) + 1:] = cu[len(lens)]
-    cus.append(cu)
-    cuPs.append(cuP)
-  return np.stack(cus), np.stack(cuPs)
+  return ref.rows_with_longest(rng, T, w, batch, max_docs)
 
 
 def cp_mesh(cp):

@@ -126,25 +126,7 @@ def test_backend_marks_broken_preconditions():
 def bounded_layout(rng, w, batch, max_docs=32):
   """Rows of T tokens whose padded documents are at most ``w`` long, one of
   exactly ``w`` per row, some with padding."""
-  cus, cuPs = [], []
-  for _ in range(batch):
-    plens = [w]
-    while sum(plens) < T:
-      plens.append(int(rng.integers(1, w + 1)))
-    plens[-1] -= sum(plens) - T
-    plens = [p for p in plens if p > 0]
-    rng.shuffle(plens)
-    lens = [p if rng.random() < 0.6 else int(rng.integers(1, p + 1))
-            for p in plens]
-    cuP = np.full(max_docs + 1, T, np.int32)
-    cu = np.zeros(max_docs + 1, np.int32)
-    cuP[0] = 0
-    cuP[1:len(plens) + 1] = np.cumsum(plens)
-    cu[1:len(lens) + 1] = np.cumsum(lens)
-    cu[len(lens) + 1:] = cu[len(lens)]
-    cus.append(cu)
-    cuPs.append(cuP)
-  return np.stack(cus), np.stack(cuPs)
+  return ref.rows_with_longest(rng, T, w, batch, max_docs)
 
 
 def layout(seed, cp, strategy, batch, max_seqlen):

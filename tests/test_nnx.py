@@ -186,13 +186,9 @@ def test_layout_is_static_configuration():
 # ------------------------------------------------------------ CP vs no CP
 
 
-@pytest.mark.parametrize("strategy", list(S))
-def test_global_view_matches_no_cp(data, baseline, strategy):
-  mesh = jax.make_mesh((DP, CP), ("data", "cp"))
-  layout = CPLayout(mesh=mesh, strategy=strategy, batch_axis="data",
-                    backend="xla")
-  model = NnxStack(layout, nnx.Rngs(0))
-  nnx.update(model, nnx.state(baseline[0], nnx.Param))
+def _global_view_loss_and_grads(model, layout, mesh, data):
+  """Loss and gradients (a pure dict) of ``model`` on ``data`` laid out by
+  ``layout`` (``make_global_batch``), under ``nnx.jit`` on ``mesh``."""
   batch = jax_cp.make_global_batch(
       dict(x=data["x"], w=data["w"], pos=data["pos"]), CU_P, layout,
       cu_seqlens=CU)
@@ -200,7 +196,18 @@ def test_global_view_matches_no_cp(data, baseline, strategy):
   with jax.set_mesh(mesh):
     value, grads = nnx.jit(nnx.value_and_grad(_loss))(
         model, t["x"], t["w"], batch, None, t["pos"])
-  _assert_close(float(value), nnx.to_pure_dict(grads), baseline)
+  return float(value), nnx.to_pure_dict(grads)
+
+
+@pytest.mark.parametrize("strategy", list(S))
+def test_global_view_matches_no_cp(data, baseline, strategy):
+  mesh = jax.make_mesh((DP, CP), ("data", "cp"))
+  layout = CPLayout(mesh=mesh, strategy=strategy, batch_axis="data",
+                    backend="xla")
+  model = NnxStack(layout, nnx.Rngs(0))
+  nnx.update(model, nnx.state(baseline[0], nnx.Param))
+  value, grads = _global_view_loss_and_grads(model, layout, mesh, data)
+  _assert_close(value, grads, baseline)
 
 
 def test_local_view_in_shard_map_matches_no_cp(data, baseline):
@@ -268,11 +275,5 @@ def test_windowed_layers_with_cp_match_no_cp(data):
                     backend="xla")
   model = NnxStack(layout, nnx.Rngs(0), windows)
   nnx.update(model, nnx.state(plain, nnx.Param))
-  batch = jax_cp.make_global_batch(
-      dict(x=data["x"], w=data["w"], pos=data["pos"]), CU_P, layout,
-      cu_seqlens=CU)
-  t = batch.tensors
-  with jax.set_mesh(mesh):
-    value, grads = nnx.jit(nnx.value_and_grad(_loss))(
-        model, t["x"], t["w"], batch, None, t["pos"])
-  _assert_close(float(value), nnx.to_pure_dict(grads), want)
+  value, grads = _global_view_loss_and_grads(model, layout, mesh, data)
+  _assert_close(value, grads, want)
