@@ -237,7 +237,7 @@ def build_plan(args) -> tuple[dict[tuple, Program], list[Measurement]]:
                 ("cp_attention",) + shape + (p, cp, s, n, w, window),
                 lambda p=p, cp=cp, st=st, w=w: with_pass(
                     cp_forward(make_mesh(cp), st, args.backend, w,
-                               window_size=ws), p))
+                               window_size=ws, violation=args.violation), p))
             if cp == 1:
               continue
             if exposed:
@@ -245,7 +245,8 @@ def build_plan(args) -> tuple[dict[tuple, Program], list[Measurement]]:
                   ("cp_attention_nocomm",) + shape + (p, cp, s, n, w, window),
                   lambda p=p, cp=cp, st=st, w=w: with_pass(
                       cp_forward(make_mesh(cp), st, args.backend, w,
-                                 communicate=False, window_size=ws), p),
+                                 communicate=False, window_size=ws,
+                                 violation=args.violation), p),
                   no_collectives=True)
             if standalone:
               add("exchange_standalone", row, cp, s, p, hkv,
@@ -416,6 +417,11 @@ def parse_args(argv: Sequence[str] | None = None):
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--window", type=int, default=None,
                  help="causal sliding window (LEFT, 0) in every program")
+  p.add_argument("--max-seqlen-violation", dest="violation",
+                 choices=("fallback", "checked_on_host"), default="fallback",
+                 help="the layout's guard of the max_seqlen bound in the CP "
+                      "programs\n(fallback: the library's default lax.cond; "
+                      "checked_on_host: none)")
   p.add_argument("--out", default=_RESULTS)
   p.add_argument("--dry-run", action="store_true",
                  help="print the plan (programs, measurements) and exit")

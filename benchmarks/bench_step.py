@@ -188,25 +188,34 @@ def group_kernels(events: Sequence[tuple[int, int, str]], steps: int
   ``collective_overlapped``; ``busy`` is the union of all kernels."""
   groups = collections.defaultdict(float)
   per_kernel = collections.defaultdict(float)
+  launches = collections.Counter()
+  exposed = collections.defaultdict(float)
   compute = _union([(s, s + d) for s, d, n in events
                     if kernel_group(n) != "collective"])
   for s, d, name in events:
     g = kernel_group(name)
     per_kernel[name] += d
+    launches[name] += 1
     if g == "collective":
       hidden = _covered(s, s + d, compute)
       groups["collective_overlapped"] += hidden
       groups["collective_exposed"] += d - hidden
+      exposed[name] += d - hidden
     else:
       groups[g] += d
   busy = sum(e - s for s, e in _union([(s, s + d) for s, d, _ in events]))
   ms = lambda ns: ns / 1e6 / steps
-  top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:25]
+  ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1])
   return {
       "groups_ms": {g: ms(v) for g, v in sorted(groups.items())},
       "busy_ms": ms(busy),
-      "top_kernels": [{"name": n[:160], "group": kernel_group(n),
-                       "ms": ms(v)} for n, v in top]}
+      # Every kernel, heaviest first: per-step ms and launches per step
+      # (collectives: also the ms with no other kernel running).
+      "kernels": [dict({"name": n[:160], "group": kernel_group(n),
+                        "ms": ms(v), "launches": launches[n] / steps},
+                       **({"exposed_ms": ms(exposed[n])}
+                          if n in exposed else {}))
+                  for n, v in ranked]}
 
 
 def profile_program(run: Callable[[int], float], steps: int,

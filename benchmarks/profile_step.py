@@ -43,11 +43,12 @@ def build_step(args: argparse.Namespace):
   cu, cuP = row.cu[None], row.cuP[None]
 
   def attn(q, k, v):
-    return jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh,
-                               backend=args.backend,
-                               load_balancing_strategy=args.strategy,
-                               max_seqlen=row.max_seqlen,
-                               split_causal_backward=args.split)
+    return jax_cp.cp_attention(
+        q, k, v, cu, cuP, mesh=mesh, backend=args.backend,
+        load_balancing_strategy=args.strategy, max_seqlen=row.max_seqlen,
+        split_causal_backward=args.split,
+        window_size=None if args.window is None else (args.window, 0),
+        max_seqlen_violation=args.violation)
   if args.pass_name == "fwd":
     return jax.jit(attn), (q, k, v)
   loss = lambda q, k, v, w: jnp.sum(attn(q, k, v).astype(jnp.float32) * w)
@@ -143,6 +144,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                  help="also print one step's kernels in time order")
   p.add_argument("--split", choices=("auto", "on", "off"), default="auto",
                  help="split_causal_backward (auto: the backend's default)")
+  p.add_argument("--window", type=int, default=None,
+                 help="causal sliding window (LEFT, 0)")
+  p.add_argument("--max-seqlen-violation", dest="violation",
+                 choices=("fallback", "checked_on_host"), default="fallback",
+                 help="the layout's guard of the max_seqlen bound")
   args = p.parse_args(argv)
   args.split = {"auto": None, "on": True, "off": False}[args.split]
   step, inputs = build_step(args)

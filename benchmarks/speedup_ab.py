@@ -9,6 +9,14 @@ From the repository root::
 (NO_LOAD_BALANCE then exchanges a halo of ``min(LEFT, max_seqlen - 1)``
 tokens).
 
+``--max-seqlen-violation`` picks the layout's guard of the ``max_seqlen``
+bound: ``fallback`` (the library's default, a ``lax.cond`` in the forward
+and in the backward) or ``checked_on_host`` (no in-graph check; right here,
+since the rows are built on the host). ``--against fallback`` times the
+guard itself: A is the cp=N program with ``fallback``, B the same program
+with ``--max-seqlen-violation``, so the ratio is what dropping the ``cond``
+gains.
+
 ``bench_cp`` times each configuration in its own stretch of the run, so GPU
 clock and power drift between the cp=1 and the cp=N stretches lands in
 their ratio (a few percent on the H200 machine, run to run). Here the two
@@ -48,11 +56,13 @@ _RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def program(cp: int, row: Row, strategy: str, backend: str, pass_name: str,
-            window: int | None = None):
+            window: int | None = None, violation: str = "fallback"):
   """The jitted step ``(q, k, v, dout, cu, cuP)`` of a row at ``cp``, with
-  the sliding window ``(window, 0)`` unless ``window`` is None."""
+  the sliding window ``(window, 0)`` unless ``window`` is None and the
+  ``max_seqlen_violation`` mode ``violation``."""
   forward = cp_forward(make_mesh(cp), strategy, backend, row.max_seqlen,
-                       window_size=None if window is None else (window, 0))
+                       window_size=None if window is None else (window, 0),
+                       violation=violation)
   return jax.jit(with_pass(forward, pass_name))
 
 
@@ -85,8 +95,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--window", type=int, default=None,
                  help="sliding window (LEFT, 0) in both programs")
+  p.add_argument("--max-seqlen-violation", dest="violation",
+                 choices=("fallback", "checked_on_host"), default="fallback",
+                 help="the layout's guard of the max_seqlen bound")
+  p.add_argument("--against", choices=("cp1", "fallback"), default="cp1",
+                 help="A: cp=1 (default), or the cp=N program with the "
+                      "fallback guard")
   p.add_argument("--out", default=_RESULTS)
   args = p.parse_args(argv)
+  if args.against == "fallback" and args.violation == "fallback":
+    p.error("--against fallback needs --max-seqlen-violation "
+            "checked_on_host")
   if args.cp < 2 or args.cp > jax.device_count():
     p.error(f"--cp must be in [2, {jax.device_count()}] (devices present)")
   if args.tokens % (2 * args.cp):
@@ -103,28 +122,34 @@ def main(argv: Sequence[str] | None = None) -> str:
   args = parse_args(argv)
   dtype = jnp.dtype(args.dtype)
   records = []
-  print(f"{'dist':<14}{'pass':<8}{'cp=1 ms':>9}{f'cp={args.cp} ms':>9}"
-        f"{'speed-up':>10}{'IQR':>14}{'min-max':>14}")
+  a_name = "cp=1" if args.against == "cp1" else "fallback"
+  b_name = f"cp={args.cp}" if args.against == "cp1" else "on host"
+  print(f"{'dist':<14}{'pass':<8}{a_name + ' ms':>12}{b_name + ' ms':>12}"
+        f"{'A/B':>10}{'IQR':>14}{'min-max':>14}")
   for dist in args.dists:
     row = make_row(dist, args.tokens, args.strategy, args.cp, "auto",
                    args.seed)
+    base_cp = 1 if args.against == "cp1" else args.cp
     base_args, other_args = (
         arg_sets(cp, row, args.hq, args.hkv, args.head_dim, dtype, args.seed)
-        for cp in (1, args.cp))
+        for cp in (base_cp, args.cp))
     for pass_name in args.passes:
-      base = program(1, row, args.strategy, args.backend, pass_name,
-                     args.window)
+      base = program(base_cp, row, args.strategy, args.backend, pass_name,
+                     args.window, "fallback" if args.against == "fallback"
+                     else args.violation)
       other = program(args.cp, row, args.strategy, args.backend, pass_name,
-                      args.window)
+                      args.window, args.violation)
       r = pair_record(timing.paired(base, base_args, other, other_args,
                                     reps=args.reps))
       r.update(dist=dist, pass_name=pass_name, cp=args.cp,
                strategy=args.strategy, tokens=args.tokens, hq=args.hq,
                hkv=args.hkv, head_dim=args.head_dim, dtype=args.dtype,
                backend=args.backend, max_seqlen=row.max_seqlen,
-               reps=args.reps, window=args.window)
+               reps=args.reps, window=args.window,
+               max_seqlen_violation=args.violation, against=args.against)
       records.append(r)
-      print(f"{dist:<14}{pass_name:<8}{r['ms_base']:9.3f}{r['ms_other']:9.3f}"
+      print(f"{dist:<14}{pass_name:<8}{r['ms_base']:12.3f}"
+            f"{r['ms_other']:12.3f}"
             f"{r['speedup_median']:9.3f}x"
             f"  {r['speedup_q1']:.3f}-{r['speedup_q3']:.3f}"
             f"  {r['speedup_min']:.3f}-{r['speedup_max']:.3f}", flush=True)

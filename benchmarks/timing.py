@@ -98,13 +98,19 @@ def _synced_depth(fn: Callable, arg_sets: ArgSets,
 
 def steady(fn: Callable, arg_sets: ArgSets, depth: int | None = None,
            pipeline_ms: float = 40.0) -> float:
-  """Seconds per call once the pipeline is full, from one pair of blocks of
-  ``depth`` and ``2*depth`` calls (``depth`` from three synced calls when
-  None)."""
+  """Seconds per call once the pipeline is full: the difference of blocks
+  of ``2*depth`` and ``depth`` calls over ``depth`` (``depth`` from three
+  synced calls when None). Each block length is timed twice, alternately,
+  and the faster of the two kept: a host stall in one block (a garbage
+  collection, another process) would otherwise land in the difference,
+  whole, and can even make it negative."""
   if depth is None:
     depth = _synced_depth(fn, arg_sets, pipeline_ms)
-  t1 = block_seconds(fn, arg_sets, depth)
-  return (block_seconds(fn, arg_sets, 2 * depth) - t1) / depth
+  t1, t2 = [], []
+  for _ in range(2):
+    t1.append(block_seconds(fn, arg_sets, depth))
+    t2.append(block_seconds(fn, arg_sets, 2 * depth))
+  return (min(t2) - min(t1)) / depth
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,12 +49,15 @@ class Call:
     kv_range: ``(first, count)`` int32 ``[B]``, the rows of the exchanged
       buffer the call reads (the straddle call with a halo exchange): the
       backend's ``assemble_kv`` fills only those.
-    lead_rows: None, or the number of zero *lead rows* in front of the
-      call's Q rows: the call reads Q ``[lead_rows zero rows | its local
-      rows]`` and the planner drops the lead rows' outputs (and gives them
-      zero out/lse/dO in the backward, so they add nothing to dK/dV).
-      NO_LOAD_BALANCE's windowed straddle call has them
-      (:func:`_straddle_square`); its dq is summed like a triangle's.
+    halo_rows: None, or this is the *reversed halo call* of
+      NO_LOAD_BALANCE's windowed backward (:func:`_windowed_straddle_backward`)
+      and this is the int32 ``[B]`` number of its first local Q rows that
+      belong to the straddling document. The call reads the first
+      ``q_rows`` local Q rows (zero rows past the chunk) and the
+      ``kv_rows`` exchanged rows before the chunk, both in reverse row
+      order; the planner zeroes out/dO and puts a
+      huge lse on the rows past ``halo_rows``, so they add nothing. Its dq
+      is summed like a triangle's, its dK/dV are the halo's.
 
   The calls of a step cover disjoint Q rows, so their outputs merge
   without log-sum-exp rescaling: a later call writes its rows into the
@@ -71,7 +74,7 @@ class Call:
   kv_rows: int | None = None
   overlaps_previous: bool = False
   kv_range: tuple | None = None
-  lead_rows: int | None = None
+  halo_rows: jnp.ndarray | None = None
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -105,39 +108,66 @@ def _cut_to_window(call: Call, window_left: int) -> Call:
       max_kv=_bounded_max_kv(call.max_q, call.max_kv, window_left))
 
 
-def _rows_before_chunk(cfg: CPConfig) -> int:
-  """A static bound on the exchanged buffer's rows before this rank's
-  chunk: the halo, none, or (all-gather) every earlier rank's chunk."""
+def halo_rows(cfg: CPConfig) -> int:
+  """``H``, the rows before the chunk that a windowed NO_LOAD_BALANCE
+  query can see: the received halo, or with an all-gather the last
+  ``min(left, max_seqlen - 1, rows before the last chunk)`` of them."""
   ex = cfg.exchange
   if ex.kind == "halo":
     return ex.halo_tokens
-  if ex.kind == "all_gather":
-    return (cfg.cp_size - 1) * cfg.local_tokens
-  return 0
+  if ex.kind == "none":
+    return 0
+  return max(min(cfg.window_left, cfg.max_seqlen - 1,
+                 (cfg.cp_size - 1) * cfg.local_tokens), 0)
 
 
-def _straddle_square(cfg: CPConfig, call: Call) -> Call:
-  """NO_LOAD_BALANCE's windowed straddle call (already cut to its window)
-  as a top-left call with lead rows.
+def _windowed_straddle_backward(cfg: CPConfig, call: Call) -> list[Call]:
+  """The backward of NO_LOAD_BALANCE's windowed straddle call (a
+  bottom-right call cut to its window) as two calls cuDNN runs fast.
 
-  After the cut the straddling document's segment has ``q`` Q rows (local
-  rows ``[0, q)``) and ``h + q`` KV rows, ``h = kv_len - q_len <= left``
-  of them before the chunk, so Q row ``j`` sits at KV row ``h + j``.
-  Putting ``h`` zero rows in front of the Q rows makes the segment a square
-  of ``h + q`` rows whose diagonal is the document's: top-left with the
-  band is the window, and the slow bottom-right band (docs/design.md,
-  Sliding window) is not needed. The Q buffer is ``[L zero rows | local
-  rows]`` with the static ``L = lead_rows >= h``; the segment starts at
-  Q row ``L - h``. The extra work is the lead rows' band, ``h`` rows of at
-  most ``left + 1`` keys each."""
-  lead = min(cfg.window_left, _rows_before_chunk(cfg))
+  With cuDNN 9.19 a banded bottom-right backward skips no masked tile (about
+  11x slower; docs/design.md, Sliding window), and so does a top-left band
+  whose diagonal is moved right. Given the forward's lse (and out, dO), the
+  backward is a sum over key blocks, so the straddling document's keys are
+  split where the chunk starts:
+
+  * its local keys: a top-left call with the band on the document's local
+    rows (Q row ``i`` sees local keys ``[i - left, i]``), reading the local
+    chunk only;
+  * its halo keys (the last ``h`` of the ``H`` received rows, halo row
+    ``m`` at chunk position ``m - H``): Q row ``i`` sees ``m >= i + H -
+    left``. Over the first ``Lq = left`` local rows with both axes reversed
+    (``i' = Lq-1-i``, ``m' = H-1-m``) that is ``m' <= i'``, plain top-left
+    causal, and the document's ``h`` halo rows are the first ``h`` reversed
+    ones (KV length ``h``). If every one of the chunk's rows sees the whole
+    halo (``left - Tl >= H - 1``) the call is unmasked over ``Lq = Tl``
+    rows instead.
+
+  Returns ``[halo call, local call]``, the halo call first so that its
+  gradients travel back while the rest of the backward runs."""
+  tl, left = cfg.local_tokens, cfg.window_left
+  halo = halo_rows(cfg)
   m = call.meta
-  has = m.q_lens > 0
-  h = jnp.where(has, m.kv_lens - m.q_lens, 0)
-  n = jnp.where(has, m.kv_lens, 0)
-  meta = metadata.StepMetadata(n, m.q_offsets + lead - h, n, m.kv_offsets)
-  return dataclasses.replace(call, meta=meta, mask="causal_top_left",
-                             max_q=call.max_kv, lead_rows=lead)
+  q_doc = m.q_lens                                  # [B, 1]
+  h = jnp.where(q_doc > 0, m.kv_lens - q_doc, 0)
+  rows = call.q_rows if call.q_rows is not None else tl
+  local = Call(metadata.StepMetadata(q_doc, jnp.zeros_like(q_doc), q_doc,
+                                     jnp.zeros_like(q_doc)),
+               "causal_top_left", call.max_q, call.max_q, False,
+               q_rows=call.q_rows, kv_rows=call.q_rows)
+  if halo == 0:
+    return [local]
+  if left - tl >= halo - 1:
+    mask, lq = "no_mask", tl
+  else:
+    mask, lq = "causal_top_left", left
+  has = h > 0
+  zero = jnp.zeros_like(q_doc)
+  meta = metadata.StepMetadata(jnp.where(has, lq, 0), zero, h, zero)
+  valid = jnp.where(has, jnp.minimum(q_doc, rows), 0)[..., 0]
+  halo_call = Call(meta, mask, lq, halo, True, q_rows=lq, kv_rows=halo,
+                   halo_rows=valid)
+  return [halo_call, local]
 
 
 def forward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
@@ -146,15 +176,12 @@ def forward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
 
   With a sliding window every call runs with the band (the backend's
   ``window_left``); bottom-right calls also drop the KV rows before the
-  band (:func:`_cut_to_window`), and NO_LOAD_BALANCE's straddle call
-  becomes a top-left call with lead rows (:func:`_straddle_square`)."""
-  calls = []
-  for c in _unwindowed_calls(cfg, cu_seqlens, cu_seqlens_padded, rank):
-    c = _cut_to_window(c, cfg.window_left)
-    if cfg.window_left >= 0 and cfg.strategy is _NLB and c.exchanged:
-      c = _straddle_square(cfg, c)
-    calls.append(c)
-  return calls
+  band (:func:`_cut_to_window`). A banded bottom-right forward is as fast
+  as a top-left one with cuDNN; its backward is not, and
+  :func:`backward_calls` replaces it."""
+  return [_cut_to_window(c, cfg.window_left)
+          for c in _unwindowed_calls(cfg, cu_seqlens, cu_seqlens_padded,
+                                     rank)]
 
 
 def _unwindowed_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
@@ -213,11 +240,18 @@ def backward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
   first, so the halo's gradients travel back while the local call runs),
   bottom-right blocks split into an unmasked rectangle followed by a
   top-left triangle where the config says so (the triangle
-  ``overlaps_previous``)."""
+  ``overlaps_previous``). With a sliding window NO_LOAD_BALANCE's straddle
+  call becomes a reversed halo call and a local one
+  (:func:`_windowed_straddle_backward`), so none of its backward calls is
+  bottom-right; DUAL_CHUNK_SWAP's stay bottom-right (docs/design.md,
+  Sliding window)."""
   out = []
   for call in reversed(forward_calls(cfg, cu_seqlens, cu_seqlens_padded,
                                      rank)):
     straddle = cfg.strategy is _NLB and call.exchanged
+    if straddle and cfg.window_left >= 0:
+      out.extend(_windowed_straddle_backward(cfg, call))
+      continue
     split = cfg.split_straddle if straddle else cfg.split_causal_backward
     if call.mask != "causal_bottom_right" or not split:
       out.append(call)
@@ -237,12 +271,13 @@ class DqWrite:
     into: the call writes its rows into the dq of the calls before it (the
       backend's ``dq_into``, in place) instead of making a fresh one.
     q_rows: the call reads only the first ``q_rows`` rows of Q/out/dO/lse
-      and its dq covers only those (a split block's triangle, a call with
-      lead rows; its dq is summed into the others'); None: full local rows.
+      and its dq covers only those (a split block's triangle, a reversed
+      halo call; its dq is summed into the others'); None: full local rows.
     fill: the ``dq_fill`` row range handed to the backend (None: its
       default). The first full-size call of NO_LOAD_BALANCE, the straddle
-      call, zeroes only rows ``[0, q_rows)``; the next call writing into
-      its dq zeroes the rest, ``[q_rows, Tl)``.
+      call (with a window: the straddling document's local call), zeroes
+      only rows ``[0, q_rows)``; the next call writing into its dq zeroes
+      the rest, ``[q_rows, Tl)``.
   """
 
   into: bool = False
@@ -264,7 +299,7 @@ def dq_writes(calls: list[Call], local_tokens: int, in_place: bool
   have_dq = False
   rest: RowRange | None = None  # rows the first call left to the next
   for call in calls:
-    if call.overlaps_previous or call.lead_rows is not None:
+    if call.overlaps_previous or call.halo_rows is not None:
       writes.append(DqWrite(q_rows=call.q_rows))
       continue
     if not in_place:

@@ -55,6 +55,11 @@ class CPConfig:
     unbounded: with ``bound_check="fallback"``, the same call with
       ``max_seqlen = T`` (the all-gather, or a sliding window's halo;
       bounds of the row length).
+    keep_gathered_kv: the forward keeps the all-gathered K/V for the
+      backward instead of gathering them again: when they are at most the
+      size of the local Q (``2 * cp * Hkv <= Hq``, e.g. GQA at cp = 2), so
+      residual memory grows by at most Q's. The backward then has no
+      all-gather to wait for.
   """
 
   strategy: CPLoadBalancingStrategy
@@ -71,6 +76,7 @@ class CPConfig:
   window_left: int = -1
   bound_check: str | None = None
   unbounded: CPConfig | None = None
+  keep_gathered_kv: bool = False
 
   @property
   def local_tokens(self) -> int:
@@ -129,13 +135,15 @@ def make_config(q_shape, k_shape, v_shape, dtype, cu_seqlens,
         strategy is _NLB, cp_axis, cp_size, total_tokens, w,
         communicate=cp_comm_type != checks.CP_COMM_LOCAL_COPIES,
         window_left=window_left)
+    keep = (exchange.kind == "all_gather" and
+            2 * cp_size * k_shape[-2] <= q_shape[-2])
     return CPConfig(strategy=strategy, cp_axis=cp_axis, cp_size=cp_size,
                     causal=attn_mask_type == "causal",
                     scale=default_scale(q_shape[-1], softmax_scale),
                     backend=resolved, total_tokens=total_tokens,
                     max_seqlen=w, split_causal_backward=bool(split),
                     exchange=exchange, split_straddle=split_straddle,
-                    window_left=window_left)
+                    window_left=window_left, keep_gathered_kv=keep)
 
   cfg = config(bound)
   if bound >= total_tokens or checks.concrete(cu_seqlens_padded) is not None:

@@ -5,14 +5,15 @@ Forward: exchange K/V (:mod:`jax_cp.kv_exchange`), then run the calls of
 :func:`jax_cp.call_plan.forward_calls`; their Q rows are disjoint, so each
 later call writes its rows into the first call's outputs (in place with a
 backend that ``supports_in_place``; otherwise its fresh outputs are added,
-``lse`` by maximum; a call with lead rows,
-:attr:`jax_cp.call_plan.Call.lead_rows`, is merged with the backend's
-``merge_rows``). Backward: keep only local residuals (plus a small
-received halo, :attr:`KVExchange.keeps_halo`), exchange K/V again where it
+``lse`` by maximum). Backward: keep only local residuals (plus a small
+received halo, :attr:`KVExchange.keeps_halo`, or all-gathered K/V no larger
+than Q, :attr:`CPConfig.keep_gathered_kv`), exchange K/V again where it
 must, run :func:`jax_cp.call_plan.backward_calls` with dq written as
-:func:`jax_cp.call_plan.dq_writes` says, and return dK/dV to their owners
-(reduce-scatter, or reverse halo permutes merged with the backend's
-``merge_rows``). docs/design.md, Call plans and Exchange.
+:func:`jax_cp.call_plan.dq_writes` says (a reversed halo call,
+:attr:`jax_cp.call_plan.Call.halo_rows`, reads reversed inputs:
+:func:`_halo_call`), and return dK/dV to their owners (reduce-scatter, or
+reverse halo permutes merged with the backend's ``merge_rows``).
+docs/design.md, Call plans and Exchange.
 
 With traced metadata and a ``max_seqlen`` bound, forward and backward each
 run under :func:`jax_cp.seqlen_guard.run`: a step whose padded documents
@@ -38,22 +39,6 @@ from jax_cp.cp_config import CPConfig
 def _prefix(x, rows: int | None):
   """The first ``rows`` rows of axis 1 (all when None)."""
   return x if rows is None else x[:, :rows]
-
-
-def _lead(x, call: call_plan.Call):
-  """``[call.lead_rows zero rows | x]`` on axis 1: a call's Q-side input
-  (Q, out, dO, lse); ``x`` itself for a call without lead rows. Zero Q,
-  out and dO rows with a zero lse give every gradient 0 (the softmax
-  gradient of such a row, ``P * (dO V^T - rowsum(dO * out))``, is 0)."""
-  if call.lead_rows is None:
-    return x
-  pad = jnp.zeros(x.shape[:1] + (call.lead_rows,) + x.shape[2:], x.dtype)
-  return jnp.concatenate([pad, x], axis=1)
-
-
-def _drop_lead(x, call: call_plan.Call):
-  """A call's Q-side result without its lead rows (see :func:`_lead`)."""
-  return x if call.lead_rows is None else x[:, call.lead_rows:]
 
 
 def _flat(x):
@@ -108,8 +93,9 @@ def _exchange(cfg: CPConfig, k, v, cu_seqlens_padded):
 
 
 def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
-  """(out, lse, halo): halo is the received K|V halo when the exchange
-  keeps it for the backward (else None)."""
+  """(out, lse, saved): what the backward reuses of the exchange, the
+  received K|V halo when the exchange keeps it, the all-gathered
+  ``(k, v)`` with :attr:`CPConfig.keep_gathered_kv`, else None."""
   backend = cfg.backend
   kx, vx, halo = _exchange(cfg, k, v, cu_seqlens_padded)
   out = lse = None
@@ -121,20 +107,6 @@ def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
       # which then hide the exchange (XLA may otherwise schedule it first).
       halo, out, lse = jax.lax.optimization_barrier((halo, out, lse))
     kc, vc = _call_kv(cfg, call, k, v, kx, vx, halo)
-    if call.lead_rows is not None:
-      # A call with lead rows reads its own Q buffer; its rows are merged
-      # into the earlier calls' outputs, which hold 0 / -inf there.
-      assert out is not None, call
-      qc = _lead(_prefix(q, call.q_rows), call)
-      seg = call_plan.segments(call, qc.shape[1], kc.shape[1])
-      o, l = backend.forward(_flat(qc), _flat(kc), _flat(vc), seg,
-                             mask=call.mask, scale=cfg.scale,
-                             **window_kwargs(cfg.window_left))
-      o = _drop_lead(o.reshape(qc.shape), call)
-      l = _drop_lead(l.reshape(qc.shape[:3]), call)
-      out = backend.merge_rows(out, o.astype(out.dtype), 0, "add")
-      lse = backend.merge_rows(lse, l, 0, "max")
-      continue
     seg = call_plan.segments(call, q.shape[1], kc.shape[1])
     in_place = out is not None and backend.supports_in_place
     # The first call's outputs hold 0 / -inf on the other calls' rows.
@@ -147,19 +119,25 @@ def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
       out, lse = o, l
     else:
       out, lse = add(out, o), jnp.maximum(lse, l)
-  return out.astype(q.dtype), lse, (halo if cfg.exchange.keeps_halo else
-                                    None)
+  if cfg.keep_gathered_kv:
+    saved = (kx, vx)
+  else:
+    saved = halo if cfg.exchange.keeps_halo else None
+  return out.astype(q.dtype), lse, saved
 
 
 def _guarded_forward(q, k, v, cu_seqlens, cu_seqlens_padded,
                      cfg: CPConfig):
   """:func:`_forward` under the bound check (:mod:`jax_cp.seqlen_guard`).
-  Both branches give a halo of the bounded exchange's shape: the unbounded
-  one gives zeros, which its backward does not read."""
+  Both branches save what the bounded program saves, in its shape: a
+  bounded halo becomes zeros in the unbounded branch (its backward does not
+  read them); all-gathered K/V are all-gathered by both."""
 
   def branch(c: CPConfig, q, k, v, cu, cuP):
     out, lse, halo = _forward(q, k, v, cu, cuP, c)
-    if c is cfg.unbounded:
+    if c is cfg.unbounded and cfg.keep_gathered_kv:
+      assert c.exchange.kind == "all_gather", c.exchange
+    elif c is cfg.unbounded:
       # Its backward exchanges again (with a sliding window it may keep a
       # halo of another size, dropped here); the residual takes the
       # bounded forward's shape: zeros shaped (and, in a shard_map checking
@@ -192,20 +170,81 @@ def _vjp_forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
 
 def _vjp_backward(cfg: CPConfig, residuals, dout):
   def branch(c: CPConfig, residuals, dout):
-    if c is cfg.unbounded:   # its forward kept no halo
-      residuals = residuals[:-1] + (None,)
+    if c is cfg.unbounded and not cfg.keep_gathered_kv:
+      residuals = residuals[:-1] + (None,)   # its forward kept no halo
     return _backward(c, residuals, dout)
 
   dq, dk, dv = seqlen_guard.run(cfg, residuals[4], branch, residuals, dout)
   return dq, dk, dv, None, None
 
 
+# An lse that makes every probability of its row 0 (exp(score - 1e30)):
+# rows a reversed halo call must not count.
+_NO_WEIGHT_LSE = 1e30
+
+
+def _halo_call(cfg: CPConfig, call: call_plan.Call, q, k, v, kx, vx, halo,
+               out, lse, dout):
+  """Runs a reversed halo call (:attr:`jax_cp.call_plan.Call.halo_rows`,
+  built by ``call_plan._windowed_straddle_backward``): its first
+  ``call.q_rows`` local Q rows and the ``H = call.kv_rows`` exchanged rows
+  before the chunk, both in reverse order, with out/dO zeroed and the lse
+  made huge past each row's ``halo_rows``.
+
+  Returns (dq ``[B, min(q_rows, Tl), Hq, D]``, dk, dv): dK/dV ``[B, H, ..]``
+  of the received halo, or, with an all-gather, ``[B, T, ..]`` of the
+  gathered buffer (zero outside the ``H`` rows)."""
+  tl, lq, hb = q.shape[1], call.q_rows, call.kv_rows
+  n = min(lq, tl)
+  valid = jnp.arange(lq)[None, :] < call.halo_rows[:, None]     # [B, lq]
+
+  def rows(x, fill):
+    """The first ``lq`` rows of ``x`` (padded past the chunk), ``fill``
+    where not ``valid``, in reverse order."""
+    x = x[:, :n]
+    if lq > n:
+      x = jnp.pad(x, [(0, 0), (0, lq - n)] + [(0, 0)] * (x.ndim - 2))
+    keep = valid.reshape(valid.shape + (1,) * (x.ndim - 2))
+    return jnp.flip(jnp.where(keep, x, jnp.asarray(fill, x.dtype)), axis=1)
+
+  hk = k.shape[2]
+  if halo is not None:
+    kh, vh = halo[:, :, :hk], halo[:, :, hk:]
+  else:
+    # All-gather: rows [lo - H, lo) of the gathered buffer; zero rows stand
+    # for those before row 0 (no document reaches there).
+    lo = _rank(cfg) * tl
+    pad = lambda x: jnp.pad(x, [(0, 0), (hb, 0), (0, 0), (0, 0)])
+    kh = jax.lax.dynamic_slice_in_dim(pad(kx), lo, hb, axis=1)
+    vh = jax.lax.dynamic_slice_in_dim(pad(vx), lo, hb, axis=1)
+  qr = rows(q, 0)
+  seg = call_plan.segments(call, lq, hb)
+  dq_r, dk_r, dv_r = cfg.backend.backward(
+      _flat(qr), _flat(jnp.flip(kh, axis=1)), _flat(jnp.flip(vh, axis=1)),
+      _flat(rows(out, 0)), rows(lse, _NO_WEIGHT_LSE).reshape(-1, q.shape[2]),
+      _flat(rows(dout, 0)), seg, mask=call.mask, scale=cfg.scale)
+  dq_h = jnp.flip(dq_r.reshape(qr.shape), axis=1)[:, :n]
+  dk_h = jnp.flip(dk_r.reshape(kh.shape), axis=1)
+  dv_h = jnp.flip(dv_r.reshape(vh.shape), axis=1)
+  if halo is None:
+    t = kx.shape[1]
+    place = lambda g: jax.lax.dynamic_update_slice_in_dim(
+        jnp.zeros((g.shape[0], t + hb) + g.shape[2:], g.dtype), g, lo,
+        axis=1)[:, hb:]
+    dk_h, dv_h = place(dk_h), place(dv_h)
+  return dq_h, dk_h, dv_h
+
+
 def _backward(cfg: CPConfig, residuals, dout):
   """(dq, dk, dv) of this rank's chunk."""
-  q, k, v, cu_seqlens, cu_seqlens_padded, out, lse, halo = residuals
+  q, k, v, cu_seqlens, cu_seqlens_padded, out, lse, saved = residuals
   backend = cfg.backend
-  kx = vx = None
-  if halo is None:
+  kx = vx = halo = None
+  if isinstance(saved, tuple):
+    kx, vx = saved           # all-gathered in the forward
+  elif saved is not None:
+    halo = saved
+  else:
     # The barrier keeps XLA from merging this re-gather with the forward's
     # (which would keep the exchanged K/V alive from forward to backward).
     k, v = jax.lax.optimization_barrier((k, v))
@@ -217,24 +256,31 @@ def _backward(cfg: CPConfig, residuals, dout):
                                    _rank(cfg))
   writes = call_plan.dq_writes(calls, q.shape[1], backend.supports_in_place)
   for call, write in zip(calls, writes):
+    if call.halo_rows is not None:
+      dq_h, dk_h, dv_h = _halo_call(cfg, call, q, k, v, kx, vx, halo, out,
+                                    lse, dout)
+      dq.add(dq_h, dq_h.shape[1])
+      dkx.add(dk_h, dk_h.shape[1] if halo is not None else None)
+      dvx.add(dv_h, dv_h.shape[1] if halo is not None else None)
+      continue
     kc, vc = _call_kv(cfg, call, k, v, kx, vx, halo, assembled)
     rows = write.q_rows
-    qc = _lead(_prefix(q, rows), call)
+    qc = _prefix(q, rows)
     extra = window_kwargs(cfg.window_left)
     if backend.supports_in_place:
       extra.update(dq_into=_flat(dq.full) if write.into else None,
                    dq_fill=_flat_row_range(write.fill, q.shape[0]))
     dq_i, dk_i, dv_i = backend.backward(
         _flat(qc), _flat(kc), _flat(vc),
-        _flat(_lead(_prefix(out, rows), call)),
-        _lead(_prefix(lse, rows), call).reshape(-1, q.shape[2]),
-        _flat(_lead(_prefix(dout, rows), call)),
+        _flat(_prefix(out, rows)),
+        _prefix(lse, rows).reshape(-1, q.shape[2]),
+        _flat(_prefix(dout, rows)),
         call_plan.segments(call, qc.shape[1], kc.shape[1]), mask=call.mask,
         scale=cfg.scale, **extra)
     if write.into:
       dq.full = dq_i.reshape(q.shape)
     else:
-      dq.add(_drop_lead(dq_i.reshape(qc.shape), call), rows)
+      dq.add(dq_i.reshape(qc.shape), rows)
     (dkx if call.exchanged else dk).add(dk_i.reshape(kc.shape), call.kv_rows)
     (dvx if call.exchanged else dv).add(dv_i.reshape(vc.shape), call.kv_rows)
   merge = backend.merge_rows

@@ -167,7 +167,8 @@ class KVExchange:
     Args:
       dk, dv: ``[B, rows, Hkv, D]`` gradients of the exchanged K/V. For the
         halo exchange ``rows`` may be a prefix of the buffer (``halo_tokens
-        <= rows``): the calls read only its first rows.
+        <= rows``): the calls read only its first rows (only the halo when
+        ``rows == halo_tokens``).
       into: local ``(dk, dv)`` gradients ``[B, Tl, Hkv, D]`` to add to (None:
         zeros).
       merge_rows: the backend's row merge; the halo's gradients come back
@@ -192,9 +193,10 @@ class KVExchange:
     shape = dk.shape[:1] + (tl,) + dk.shape[2:]
     out_k = jnp.zeros(shape, dk.dtype) if into_k is None else into_k
     out_v = jnp.zeros(shape, dv.dtype) if into_v is None else into_v
-    # This rank's own rows of the buffer (after the halo).
-    out_k = merge_rows(out_k, dk[:, halo:], 0, "add")
-    out_v = merge_rows(out_v, dv[:, halo:], 0, "add")
+    if dk.shape[1] > halo:
+      # This rank's own rows of the buffer (after the halo).
+      out_k = merge_rows(out_k, dk[:, halo:], 0, "add")
+      out_v = merge_rows(out_v, dv[:, halo:], 0, "add")
     start = 0
     for hop, size in self._hops():
       piece = jnp.concatenate([dk[:, start:start + size],

@@ -126,6 +126,35 @@ def test_speedup_ab_pairs(tmp_path):
   assert rec["ms_base"] > 0 and rec["ms_other"] > 0
 
 
+def test_speedup_ab_times_the_guard(tmp_path):
+  """--against fallback pairs the cp=N program with the fallback guard (A)
+  against the same program checked on the host (B); the A program holds
+  the guard's conditional, the B one none."""
+  from benchmarks import speedup_ab
+  tokens = 2048   # 128-1k documents: a bound below the row, so a guard
+  argv = ["--backend", "xla", "--tokens", str(tokens), "--hq", str(HQ), "--hkv",
+          str(HKV), "--head-dim", str(D), "--dtype", "float32", "--cp", "2",
+          "--strategy", "no_load_balance", "--dists", "short_128_1k",
+          "--passes", "fwd", "--reps", "1", "--out", str(tmp_path)]
+  with pytest.raises(SystemExit):
+    speedup_ab.main(argv + ["--against", "fallback"])
+  path = speedup_ab.main(argv + ["--against", "fallback",
+                                 "--max-seqlen-violation", "checked_on_host"])
+  with open(path) as f:
+    rec, = json.load(f)["records"]
+  assert rec["against"] == "fallback"
+  assert rec["max_seqlen_violation"] == "checked_on_host"
+  row = workload.make_row("short_128_1k", tokens, "no_load_balance", 2,
+                          "auto", 0)
+  assert row.max_seqlen < tokens
+  args = workload.arg_sets(2, row, HQ, HKV, D, "float32", 0)[0]
+  hlo = {v: speedup_ab.program(2, row, "no_load_balance", "xla", "fwd",
+                               violation=v).lower(*args).as_text()
+         for v in ("fallback", "checked_on_host")}
+  assert "stablehlo.case" in hlo["fallback"]
+  assert "stablehlo.case" not in hlo["checked_on_host"]
+
+
 def test_no_communication_variant_has_no_collectives(bench_json):
   """The exposed-exchange baseline (cp_comm_type="local_copies") lowers
   without any collective: nothing is left to leak into "exposed"."""
@@ -177,7 +206,8 @@ def test_profile_step_main(capsys):
       "--backend", "xla", "--tokens", str(T), "--hq", str(HQ), "--hkv",
       str(HKV), "--head-dim", str(D), "--cp", "2", "--dist", "one_doc",
       "--iters", "2", "--device-plane", "/host:CPU", "--line-filter",
-      "xla", "--sequence", "--host-top", "2", "--top", "3"])
+      "xla", "--sequence", "--host-top", "2", "--top", "3", "--window", "5",
+      "--max-seqlen-violation", "checked_on_host"])
   out = capsys.readouterr().out
   assert "ms/step" in out and "launches/step" in out
   assert "one step in time order" in out and "host events" in out

@@ -115,39 +115,63 @@ def test_single_rank_is_one_top_left_call(cp):
   assert call.mask == "causal_top_left" and not call.exchanged
 
 
-@pytest.mark.parametrize("left, kind, lead", [
-    (5, "halo", 5), (20, "halo", 20), (60, "all_gather", 48), (0, "none", 0)])
+@pytest.mark.parametrize("left, kind, halo, lq", [
+    (5, "halo", 5, 5), (20, "halo", 20, 20), (60, "all_gather", 48, 60),
+    (0, "none", 0, None)])
 @pytest.mark.parametrize("split", [False, True])
-def test_no_load_balance_window_has_only_top_left_calls(left, kind, lead,
-                                                        split):
-  """With a window the straddle call is a top-left square with zero lead
-  rows: no call of the forward or backward is bottom-right (its band's
-  cuDNN backward is slow). Rank 2 holds tokens [32, 48); document 1
-  (padded [16, 40), 24 valid tokens) reaches 8 rows into it from 16
-  tokens before the chunk."""
+def test_no_load_balance_window_backward_has_no_bottom_right_call(
+    left, kind, halo, lq, split):
+  """With a window the straddle call's forward stays bottom-right (cut to
+  the window); its backward is a reversed halo call (top-left causal over
+  the first ``left`` rows and the ``H`` rows before the chunk, both
+  reversed) plus a top-left call on the document's local rows: no
+  backward call is bottom-right (its band's cuDNN backward is slow).
+  Rank 2 holds tokens [32, 48); document 1 (padded [16, 40), 24 valid
+  tokens) reaches 8 rows into it from 16 tokens before the chunk."""
   cfg = config(S.NO_LOAD_BALANCE, w=T, split=split, left=left)
   assert cfg.exchange.kind == kind
+  assert call_plan.halo_rows(cfg) == halo
   fwd = call_plan.forward_calls(cfg, CU, CU_P, 2)
   bwd = call_plan.backward_calls(cfg, CU, CU_P, 2)
-  assert [c.mask for c in fwd] == ["causal_top_left"] * 2
-  assert [c.mask for c in bwd] == ["causal_top_left"] * 2
-  assert [c.lead_rows for c in fwd] == [None, lead]
-  assert not any(c.overlaps_previous for c in bwd)
-  m = fwd[1].meta
-  # h = min(16, left) keys before the chunk; the square has h + 8 rows and
-  # starts lead - h rows into the Q buffer [lead zero rows | chunk].
+  assert [c.mask for c in fwd] == ["causal_top_left", "causal_bottom_right"]
   h = min(16, left)
-  assert np.asarray(m.q_lens).tolist() == [[h + 8]]
-  assert np.asarray(m.kv_lens).tolist() == [[h + 8]]
-  assert np.asarray(m.q_offsets).tolist() == [[lead - h]]
-  start = 0 if kind == "all_gather" else 32 - cfg.exchange.halo_tokens
-  assert np.asarray(m.kv_offsets).tolist() == [[32 - h - start]]
-  assert fwd[1].max_q == fwd[1].max_kv >= h + 8
-  # Its dq is summed like a triangle's; the local call makes the full dq.
+  assert np.asarray(fwd[1].meta.kv_lens).tolist() == [[h + 8]]
+  assert "causal_bottom_right" not in [c.mask for c in bwd]
+  assert not any(c.overlaps_previous for c in bwd)
+  *halo_call, straddle_local, local = bwd
+  m = straddle_local.meta
+  assert not straddle_local.exchanged
+  assert straddle_local.mask == local.mask == "causal_top_left"
+  assert np.asarray(m.q_lens).tolist() == np.asarray(m.kv_lens).tolist() \
+      == [[8]]
+  assert np.asarray(m.q_offsets).tolist() == np.asarray(
+      m.kv_offsets).tolist() == [[0]]
   W = call_plan.DqWrite
+  if kind == "none":
+    assert not halo_call
+    assert call_plan.dq_writes(bwd, TL, True) == [W(), W(into=True)]
+    return
+  (hc,) = halo_call
+  assert hc.exchanged and hc.mask == "causal_top_left"
+  assert (hc.q_rows, hc.kv_rows, hc.max_q, hc.max_kv) == (lq, halo, lq, halo)
+  assert np.asarray(hc.meta.q_lens).tolist() == [[lq]]
+  assert np.asarray(hc.meta.kv_lens).tolist() == [[h]]
+  assert np.asarray(hc.halo_rows).tolist() == [8]
+  # Its dq is summed like a triangle's; the straddle's local call makes the
+  # full dq and the local call writes into it.
   assert call_plan.dq_writes(bwd, TL, in_place=True) == [
-      W(q_rows=bwd[0].q_rows), W()]
-  # Without a window the straddle call stays bottom-right.
-  plain = call_plan.forward_calls(config(S.NO_LOAD_BALANCE, w=T), CU, CU_P, 2)
-  assert [c.mask for c in plain] == ["causal_top_left", "causal_bottom_right"]
-  assert plain[1].lead_rows is None
+      W(q_rows=lq), W(), W(into=True)]
+  # Without a window the straddle call stays one bottom-right call.
+  plain = call_plan.backward_calls(config(S.NO_LOAD_BALANCE, w=T), CU, CU_P,
+                                   2)
+  assert [c.mask for c in plain] == ["causal_bottom_right", "causal_top_left"]
+  assert all(c.halo_rows is None for c in plain)
+
+
+def test_windowed_halo_call_is_unmasked_when_every_row_sees_the_halo():
+  """left - Tl >= H - 1: every local row sees all H rows before the chunk,
+  so the halo call is unmasked over the Tl local rows."""
+  cfg = config(S.NO_LOAD_BALANCE, w=12, left=30)
+  assert call_plan.halo_rows(cfg) == 11
+  hc = call_plan.backward_calls(cfg, CU, CU_P, 2)[0]
+  assert hc.mask == "no_mask" and hc.q_rows == TL and hc.kv_rows == 11

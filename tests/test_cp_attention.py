@@ -222,3 +222,32 @@ def test_head_axis_tensor_parallel(strategy, record_error):
   check_close(back(out), want, valid, jnp.float32, "out", record_error)
   for name, g, gw in zip(("dq", "dk", "dv"), grads, want_grads):
     check_close(back(g), gw, valid, jnp.float32, name, record_error)
+
+
+@pytest.mark.parametrize("strategy", list(S), ids=lambda s: s.value)
+@pytest.mark.parametrize("hq, kept", [(8, True), (4, False)])
+def test_backward_reuses_gathered_kv_when_small(strategy, hq, kept,
+                                                record_error):
+  """At cp = 2 with Hkv = 2: Hq = 8 keeps the all-gathered K/V for the
+  backward (they are no larger than the local Q), Hq = 4 gathers them
+  again; same gradients either way."""
+  cp, batch = 2, 2
+  cu, cuP, rng = make_rows(31 + hq, cp, strategy, batch)
+  q, k, v = make_qkv(rng, batch, hq, 2, jnp.float32)
+  w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  out, grads = run_global(q, k, v, cu, cuP, w, cp=cp, data=1,
+                          strategy=strategy)
+  want, want_grads = reference_out_and_grads(q, k, v, cu, cuP, w)
+  valid = np.stack([ref.valid_token_mask(cu[i], cuP[i])
+                    for i in range(batch)])
+  check_close(out, want, valid, jnp.float32, "out", record_error)
+  for name, g, gw in zip(("dq", "dk", "dv"), grads, want_grads):
+    check_close(g, gw, valid, jnp.float32, name, record_error)
+  mesh = mesh_for(cp, 1)
+  loss = lambda q, k, v: jnp.sum(jax_cp.cp_attention(
+      q, k, v, cu, cuP, mesh=mesh, cp_axis="cp", batch_axis="data",
+      load_balancing_strategy=strategy, backend="xla"))
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).as_text()
+  # One all-gather of K|V in the forward, one more in the backward unless
+  # kept.
+  assert text.count("stablehlo.all_gather") == (1 if kept else 2)

@@ -18,11 +18,13 @@ import numpy as np
 import pytest
 
 try:
-  from jax_cp import _jax_cp_cuda
+  # A missing extension raises ModuleNotFoundError here (``from jax_cp
+  # import _jax_cp_cuda`` would raise a plain ImportError).
   from jax_cp.attention import cudnn
 except ModuleNotFoundError:  # a present but broken extension fails
   pytest.skip("jax_cp's cuDNN extension is not built", allow_module_level=True)
 
+from jax_cp import _jax_cp_cuda
 from jax_cp.attention.backend import MASK_TYPES, Segments
 
 STUB = (pathlib.Path(__file__).resolve().parents[1] / "jax_cp" /

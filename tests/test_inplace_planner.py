@@ -179,7 +179,7 @@ def check_close(got, want, valid, what):
 
 
 def check_case(log, seed, cp, strategy, batch, max_seqlen=None, window=-1,
-               split=False, traced=False, rows=None):
+               split=False, traced=False, rows=None, hq=HQ):
   """cp_attention on the in-place backend against the reference; ``rows``
   (cu, cuP): given rows instead of random ones."""
   if rows is None:
@@ -188,7 +188,7 @@ def check_case(log, seed, cp, strategy, batch, max_seqlen=None, window=-1,
     cu, cuP = (x[:batch] for x in rows)
     rng = np.random.default_rng(seed)
   q, k, v = (jnp.asarray(rng.standard_normal((batch, T, h, D)), jnp.float32)
-             for h in (HQ, HKV, HKV))
+             for h in (hq, HKV, HKV))
   w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
   kw = dict(split_causal_backward=split, max_seqlen=max_seqlen)
   if window >= 0:
@@ -205,10 +205,14 @@ def check_case(log, seed, cp, strategy, batch, max_seqlen=None, window=-1,
   for name, g, gw in zip(("dq", "dk", "dv"), grads, want_grads):
     check_close(g, gw, valid, name)
   if cp > 1 and strategy is NLB and window >= 0:
-    # The windowed straddle call is a top-left square with lead rows: no
-    # call is bottom-right, and its results are merged, not written in.
-    assert all(c["mask"] == "causal_top_left" for c in log), log
-    assert not any(c["into"] for c in log), log
+    # The windowed straddle call: written into the local call's outputs in
+    # the forward (bottom-right, cut to the window); in the backward no
+    # call is bottom-right, and the straddling document's local call
+    # writes into the local call's dq.
+    bwd = [c for c in log if c["kind"] == "backward"]
+    assert all(c["mask"] != "causal_bottom_right" for c in bwd), log
+    assert any(c["kind"] == "forward" and c["into"] for c in log), log
+    assert any(c["into"] for c in bwd), log
   elif cp > 1:
     # The in-place branch ran: a forward call wrote into the first's
     # buffers and a backward call into the first's dq.
@@ -263,23 +267,48 @@ STRADDLE_CASES = [(2, 12, 2), (2, 40, 1), (4, 5, 2), (4, 20, 1), (4, 40, 2)]
 @pytest.mark.parametrize("cp, window, batch", STRADDLE_CASES)
 def test_no_load_balance_straddle_with_window_in_place(inplace, cp, window,
                                                        batch):
-  """The windowed straddle call (a top-left square with zero lead rows) on
-  the strict backend: only the rows it covers are read, its outputs are
-  merged into the local call's and its dq is summed."""
+  """The windowed straddle call on the strict backend: its forward writes
+  into the local call's outputs; its backward's reversed halo call reads a
+  Q buffer of ``left`` rows (``left`` past ``Tl`` rows padded) and its dq
+  is summed."""
   log = check_case(inplace, cp + window, cp, NLB, batch, window=window,
                    rows=(STRADDLE_CU, STRADDLE_CU_P))
-  # Forward and backward ran a local call and a straddle call with a Q
-  # buffer of lead rows + chunk rows.
   tl = T // cp
-  assert sorted(c["tq"] for c in log if c["kind"] == "forward")[0] == \
-      batch * tl
-  assert max(c["tq"] for c in log) > batch * tl
+  assert all(c["tq"] == batch * tl for c in log if c["kind"] == "forward")
+  bwd = [c for c in log if c["kind"] == "backward"]
+  halo = [c for c in bwd if c["tq"] != batch * tl]
+  assert len(halo) == 1 and not halo[0]["into"], log
+  assert halo[0]["tq"] == batch * window
 
 
 def test_traced_metadata_takes_the_guarded_program(inplace):
   """Traced metadata and a bound below T: both programs of the guard
   (the bounded halo one runs here) on the in-place backend."""
   check_case(inplace, 5, 4, NLB, 1, max_seqlen=8, split=True, traced=True)
+
+
+@pytest.mark.parametrize("strategy", [DCS, NLB], ids=lambda s: s.value)
+def test_traced_metadata_with_gathered_kv_kept(inplace, strategy):
+  """Hq = 4 * Hkv at cp = 2: the forward keeps the all-gathered K/V for the
+  backward (CPConfig.keep_gathered_kv); with traced metadata both programs
+  of the guard keep them (NO_LOAD_BALANCE's bound 40 still all-gathers)."""
+  cfgs = []
+
+  def config(cu, cuP):    # traced metadata
+    cfgs.append(jax_cp.cp_config.make_config(
+        (1, T, 4 * HKV, D), (1, T, HKV, D), (1, T, HKV, D), jnp.float32,
+        cu, cuP, cp_size=2, cp_axis="cp", load_balancing_strategy=strategy,
+        cp_comm_type="all_gather", attn_mask_type="causal",
+        softmax_scale=None, backend=NAME, max_seqlen=40, window_size=None,
+        split_causal_backward=None, total_tokens=T))
+    return cu
+
+  jax.eval_shape(config, *[jax.ShapeDtypeStruct((1, 3), jnp.int32)] * 2)
+  (cfg,) = cfgs
+  assert cfg.keep_gathered_kv and cfg.bound_check == "fallback"
+  assert cfg.unbounded.keep_gathered_kv
+  check_case(inplace, 11, 2, strategy, 2, max_seqlen=40, traced=True,
+             hq=4 * HKV)
 
 
 @pytest.mark.slow

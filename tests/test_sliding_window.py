@@ -145,8 +145,9 @@ STRADDLE_CASES = [(2, 3), (2, 12), (2, 40), (4, 5), (4, 20), (4, 40)]
 
 @pytest.mark.parametrize("cp,left", STRADDLE_CASES)
 def test_no_load_balance_straddle_with_window(cp, left):
-  """The straddle call of NO_LOAD_BALANCE with a window runs as a top-left
-  square with zero lead rows (jax_cp/call_plan.py, _straddle_square)."""
+  """NO_LOAD_BALANCE's straddle call with a window: forward bottom-right,
+  backward a reversed halo call plus a local one (jax_cp/call_plan.py,
+  _windowed_straddle_backward)."""
   check_straddle(cp, left, seed=cp + left)
 
 
@@ -154,6 +155,24 @@ def test_no_load_balance_straddle_with_window_and_bound():
   """A max_seqlen bound next to the window: the halo is min(W - 1, left) =
   9 tokens, and the kernels' bounds are W's."""
   check_straddle(4, 9, seed=7, max_seqlen=50)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_no_load_balance_window_wider_than_chunk_and_bound(seed):
+  """A window (30) wider than a chunk (16) plus the halo (11 = W - 1 for
+  W = 12): every local row sees all the halo rows of its document, and the
+  backward's halo call runs unmasked (call_plan, halo_rows)."""
+  rng = np.random.default_rng(seed)
+  cu, cuP = ref.rows_with_longest(rng, T, 12, 2, T)
+  q, k, v = qkv(rng)
+  w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  out, grads = run_cp(q, k, v, cu, cuP, w, cp=4, strategy=S.NO_LOAD_BALANCE,
+                      left=30, max_seqlen=12)
+  want, want_grads = reference(q, k, v, cu, cuP, w, 30)
+  valid = np.stack([ref.valid_token_mask(a, b) for a, b in zip(cu, cuP)])
+  check(out, want, valid, "out")
+  for name, g, gw in zip(("dq", "dk", "dv"), grads, want_grads):
+    check(g, gw, valid, name)
 
 
 @pytest.mark.slow

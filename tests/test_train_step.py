@@ -204,6 +204,10 @@ def test_group_kernels_splits_exposed_and_overlapped_collectives():
   assert g["elementwise"] == pytest.approx(10e-6)
   assert g["copy"] == pytest.approx(5e-6)
   assert got["busy_ms"] == pytest.approx(165e-6)
+  assert [k["launches"] for k in got["kernels"]] == [1] * 5
+  (nccl,) = [k for k in got["kernels"] if "exposed_ms" in k]
+  assert nccl["exposed_ms"] == pytest.approx(0.0)
+  assert got["kernels"][0]["name"].startswith("cudnn_generated")
   assert bench_step.kernel_group("ncclDevKernel_ReduceScatter") == \
       "collective"
 
