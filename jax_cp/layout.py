@@ -293,6 +293,35 @@ class CPLayout:
                        f"the size {size} of axis {self.cp_axis!r} here")
     return size
 
+  def shard_tokens(self, x):
+    """``x`` (``[B, T, ...]`` or ``[T, ...]``, whole rows of the global
+    view) constrained to keep its token axis sharded over ``cp_axis`` (and
+    the batch axis over ``batch_axis``); its other axes are left to XLA.
+    Without this, XLA's partitioner may all-gather the tokens of an
+    activation to shard a matmul's output features over the cp axis
+    instead (seen at data=1 x cp=2 on an FSDP-sharded MLP: an all-gather of
+    the MLP's input and an all-reduce of its gradient per layer); pinned,
+    it gathers the weight. ``x`` itself in the local view, without CP, or
+    where ``cp_axis`` is an ``Explicit`` mesh axis (the sharding is then
+    part of ``x``'s type and the partitioner chooses nothing).
+    """
+    if self.cp_axis is None or self.is_local:
+      return x
+    mesh = self.context_mesh()
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    if types.get(self.cp_axis) != jax.sharding.AxisType.Auto:
+      return x
+    free = jax.sharding.PartitionSpec.UNCONSTRAINED
+    if x.ndim >= 3:
+      batch = self.batch_axes or None
+      spec = ((batch,) + (None,) * (x.ndim - 3) + (self.cp_axis, free))
+    else:
+      spec = (self.cp_axis,) + (free,) * (x.ndim - 1)
+    spec = jax.sharding.PartitionSpec(*spec)
+    if self.mesh is not None:
+      spec = jax.sharding.NamedSharding(self.mesh, spec)
+    return jax.lax.with_sharding_constraint(x, spec)
+
   def token_fields(self) -> dict[str, Any]:
     """The settings that decide which tokens each rank holds."""
     return {name: getattr(self, name) for name in _TOKEN_FIELDS}

@@ -254,3 +254,32 @@ def test_batch_unpacks_and_is_a_pytree(mesh):
   with pytest.raises(ValueError, match="has no cu_seqlens"):
     jax_cp.cp_attention(jnp.zeros((B, T, H, D)), jnp.zeros((B, T, H, D)),
                         jnp.zeros((B, T, H, D)), batch)
+
+
+def test_shard_tokens_pins_the_token_axis(mesh):
+  """Global view: the token axis stays on cp and the batch axis on data
+  (features left to XLA), with the layout's mesh or the context mesh; no
+  CP, or the local view: ``x`` unchanged."""
+  x = jnp.arange(2 * 16 * 6, dtype=jnp.float32).reshape(2, 16, 6)
+  explicit = CPLayout(mesh=mesh, cp_axis="cp", batch_axis="data")
+  assert explicit.shard_tokens(x) is x   # sharding is in the types there
+  mesh = jax.make_mesh((DP, CP), ("data", "cp"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  layout = CPLayout(mesh=mesh, cp_axis="cp", batch_axis="data")
+  f = jax.jit(lambda x: layout.shard_tokens(x) * 2)
+  y = f(x)
+  np.testing.assert_array_equal(y, 2 * x)
+  assert y.sharding.spec[:2] == ("data", "cp")
+  text = f.lower(x).as_text()
+  assert "sharding_constraint" in text or "mhlo.sharding" in text
+  row = jax.jit(lambda x: layout.shard_tokens(x))(x[0])
+  assert row.sharding.spec[:1] == ("cp",)
+  ctx = CPLayout(cp_axis="cp", batch_axis="data")
+  with jax.set_mesh(mesh):
+    z = jax.jit(lambda x: ctx.shard_tokens(x) + 1)(x)
+  assert z.sharding.spec[:2] == ("data", "cp")
+  for plain in (CPLayout(cp_axis=None), CPLayout(cp_axis="cp", view="local",
+                                                 mesh=mesh)):
+    assert plain.shard_tokens(x) is x
+  with pytest.raises(ValueError, match="needs a mesh"):
+    ctx.shard_tokens(x)

@@ -31,6 +31,9 @@ class MlpBlock(nn.Module):
     dtype: computation dtype.
     param_dtype: dtype of the parameters.
     kernel_init: initializer of the kernels.
+    layout: the :class:`jax_cp.CPLayout` of ``x`` (``None``: no CP); in
+      the global view the hidden activations keep the tokens' sharding
+      (:meth:`jax_cp.CPLayout.shard_tokens`). No parameters depend on it.
   """
 
   mlp_dim: int
@@ -39,6 +42,7 @@ class MlpBlock(nn.Module):
   dtype: Dtype | None = None
   param_dtype: Dtype = jnp.float32
   kernel_init: Initializer = nn.initializers.lecun_normal()
+  layout: CPLayout | None = None
 
   def __post_init__(self):
     if self.activation not in (*ACTIVATIONS, *GATED):
@@ -51,12 +55,13 @@ class MlpBlock(nn.Module):
     dense = lambda n, name: nn.Dense(
         n, use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, kernel_init=self.kernel_init, name=name)
+    pin = settings.check_layout(self.layout).shard_tokens
     if self.activation in GATED:
-      h = GATED[self.activation](dense(self.mlp_dim, "gate")(x)) * dense(
-          self.mlp_dim, "up")(x)
+      h = GATED[self.activation](pin(dense(self.mlp_dim, "gate")(x))) * pin(
+          dense(self.mlp_dim, "up")(x))
     else:
-      h = ACTIVATIONS[self.activation](dense(self.mlp_dim, "up")(x))
-    return dense(x.shape[-1], "down")(h)
+      h = ACTIVATIONS[self.activation](pin(dense(self.mlp_dim, "up")(x)))
+    return pin(dense(x.shape[-1], "down")(h))
 
 
 class TransformerLayer(nn.Module):
@@ -150,10 +155,12 @@ class TransformerLayer(nn.Module):
         use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, kernel_init=self.kernel_init,
         layout=self.layout, name="attention")
-    h = x + attn(self._norm("pre_attention_norm")(x), cu_seqlens,
-                 cu_seqlens_padded, position_ids)
+    h = x + layout.shard_tokens(attn(self._norm("pre_attention_norm")(x),
+                                     cu_seqlens, cu_seqlens_padded,
+                                     position_ids))
     mlp = MlpBlock(self.mlp_dim or 4 * x.shape[-1],
                    activation=self.mlp_activation, use_bias=self.use_bias,
                    dtype=self.dtype, param_dtype=self.param_dtype,
-                   kernel_init=self.kernel_init, name="mlp")
+                   kernel_init=self.kernel_init, layout=self.layout,
+                   name="mlp")
     return h + mlp(self._norm("pre_mlp_norm")(h))

@@ -33,6 +33,9 @@ class MlpBlock(nnx.Module):
     dtype: computation dtype.
     param_dtype: dtype of the parameters.
     kernel_init: initializer of the kernels.
+    layout: the :class:`jax_cp.CPLayout` of ``x`` (``None``: no CP); in
+      the global view the hidden activations keep the tokens' sharding
+      (:meth:`jax_cp.CPLayout.shard_tokens`). No parameters depend on it.
     rngs: the random streams of the initializers.
   """
 
@@ -41,10 +44,13 @@ class MlpBlock(nnx.Module):
                dtype: Dtype | None = None,
                param_dtype: Dtype = jnp.float32,
                kernel_init: Initializer = default_kernel_init,
+               layout: CPLayout | None = None,
                rngs: nnx.Rngs):
     if activation not in (*ACTIVATIONS, *GATED):
       raise ValueError(f"activation={activation!r} is not one of "
                        f"{[*ACTIVATIONS, *GATED]}")
+    self.layout = settings.check_layout(layout) if layout is not None \
+        else None
     self.activation = activation
     dense = lambda i, o: nnx.Linear(
         i, o, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
@@ -55,11 +61,12 @@ class MlpBlock(nnx.Module):
     self.down = dense(mlp_dim, in_features)
 
   def __call__(self, x):
+    pin = settings.check_layout(self.layout).shard_tokens
     if self.activation in GATED:
-      h = GATED[self.activation](self.gate(x)) * self.up(x)
+      h = GATED[self.activation](pin(self.gate(x))) * pin(self.up(x))
     else:
-      h = ACTIVATIONS[self.activation](self.up(x))
-    return self.down(h)
+      h = ACTIVATIONS[self.activation](pin(self.up(x)))
+    return pin(self.down(h))
 
 
 class TransformerLayer(nnx.Module):
@@ -133,7 +140,7 @@ class TransformerLayer(nnx.Module):
     self.mlp = MlpBlock(in_features, mlp_dim or 4 * in_features,
                         activation=mlp_activation, use_bias=use_bias,
                         dtype=dtype, param_dtype=param_dtype,
-                        kernel_init=kernel_init, rngs=rngs)
+                        kernel_init=kernel_init, layout=layout, rngs=rngs)
 
   def __call__(self, x, cu_seqlens, cu_seqlens_padded=None,
                position_ids=None):
@@ -158,6 +165,7 @@ class TransformerLayer(nnx.Module):
         layout, cu_seqlens, cu_seqlens_padded, "TransformerLayer's batch")
     settings.check_tokens(layout, x.shape[-2], cu_seqlens_padded, "x")
     settings.check_position_ids(position_ids, x.shape)
-    h = x + self.attention(self.pre_attention_norm(x), cu_seqlens,
-                           cu_seqlens_padded, position_ids)
+    h = x + layout.shard_tokens(self.attention(
+        self.pre_attention_norm(x), cu_seqlens, cu_seqlens_padded,
+        position_ids))
     return h + self.mlp(self.pre_mlp_norm(h))
