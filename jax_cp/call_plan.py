@@ -108,7 +108,7 @@ def _cut_to_window(call: Call, window_left: int) -> Call:
       max_kv=_bounded_max_kv(call.max_q, call.max_kv, window_left))
 
 
-def halo_rows(cfg: CPConfig) -> int:
+def rows_before_chunk(cfg: CPConfig) -> int:
   """``H``, the rows before the chunk that a windowed NO_LOAD_BALANCE
   query can see: the received halo, or with an all-gather the last
   ``min(left, max_seqlen - 1, rows before the last chunk)`` of them."""
@@ -146,7 +146,7 @@ def _windowed_straddle_backward(cfg: CPConfig, call: Call) -> list[Call]:
   Returns ``[halo call, local call]``, the halo call first so that its
   gradients travel back while the rest of the backward runs."""
   tl, left = cfg.local_tokens, cfg.window_left
-  halo = halo_rows(cfg)
+  halo = rows_before_chunk(cfg)
   m = call.meta
   q_doc = m.q_lens                                  # [B, 1]
   h = jnp.where(q_doc > 0, m.kv_lens - q_doc, 0)

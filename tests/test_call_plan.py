@@ -130,7 +130,7 @@ def test_no_load_balance_window_backward_has_no_bottom_right_call(
   tokens) reaches 8 rows into it from 16 tokens before the chunk."""
   cfg = config(S.NO_LOAD_BALANCE, w=T, split=split, left=left)
   assert cfg.exchange.kind == kind
-  assert call_plan.halo_rows(cfg) == halo
+  assert call_plan.rows_before_chunk(cfg) == halo
   fwd = call_plan.forward_calls(cfg, CU, CU_P, 2)
   bwd = call_plan.backward_calls(cfg, CU, CU_P, 2)
   assert [c.mask for c in fwd] == ["causal_top_left", "causal_bottom_right"]
@@ -172,6 +172,6 @@ def test_windowed_halo_call_is_unmasked_when_every_row_sees_the_halo():
   """left - Tl >= H - 1: every local row sees all H rows before the chunk,
   so the halo call is unmasked over the Tl local rows."""
   cfg = config(S.NO_LOAD_BALANCE, w=12, left=30)
-  assert call_plan.halo_rows(cfg) == 11
+  assert call_plan.rows_before_chunk(cfg) == 11
   hc = call_plan.backward_calls(cfg, CU, CU_P, 2)[0]
   assert hc.mask == "no_mask" and hc.q_rows == TL and hc.kv_rows == 11

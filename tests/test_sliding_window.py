@@ -161,7 +161,7 @@ def test_no_load_balance_straddle_with_window_and_bound():
 def test_no_load_balance_window_wider_than_chunk_and_bound(seed):
   """A window (30) wider than a chunk (16) plus the halo (11 = W - 1 for
   W = 12): every local row sees all the halo rows of its document, and the
-  backward's halo call runs unmasked (call_plan, halo_rows)."""
+  backward's halo call runs unmasked (call_plan.rows_before_chunk)."""
   rng = np.random.default_rng(seed)
   cu, cuP = ref.rows_with_longest(rng, T, 12, 2, T)
   q, k, v = qkv(rng)
