@@ -32,7 +32,6 @@ import jax.numpy as jnp
 
 from jax_cp import checks
 from jax_cp.flax import settings
-from jax_cp.flax.rotary import apply_rotary
 from jax_cp.layout import CPLayout
 
 Dtype = Any
@@ -213,12 +212,9 @@ class MultiHeadAttention(nn.Module):
     Returns:
       ``[.., T, out_features]``.
     """
-    layout = settings.check_layout(self.layout)
-    cu_seqlens, cu_seqlens_padded = settings.metadata(
-        layout, cu_seqlens, cu_seqlens_padded, "MultiHeadAttention's batch")
-    cp_size = settings.check_tokens(layout, x.shape[-2], cu_seqlens_padded,
-                                    "x")
-    settings.check_position_ids(position_ids, x.shape)
+    layout, cu_seqlens, cu_seqlens_padded, cp_size = settings.call_inputs(
+        self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
+        "MultiHeadAttention")
     features = x.shape[-1]
     head_dim = head_features(features, self.num_heads, self.head_dim)
     dense = lambda heads, name: nn.DenseGeneral(
@@ -228,12 +224,8 @@ class MultiHeadAttention(nn.Module):
     q = dense(self.num_heads, "query")(x)
     k = dense(self.kv_heads, "key")(x)
     v = dense(self.kv_heads, "value")(x)
-    if self.rope_theta is not None:
-      if position_ids is None:
-        position_ids = settings.default_position_ids(
-            layout, cu_seqlens_padded, x.shape[-2], cp_size)
-      q = apply_rotary(q, position_ids, self.rope_theta)
-      k = apply_rotary(k, position_ids, self.rope_theta)
+    q, k = settings.rotate_qk(layout, q, k, self.rope_theta, position_ids,
+                              cu_seqlens_padded, cp_size)
     out = DotProductAttention(attn_mask_type=self.attn_mask_type,
                               window_size=self.window_size,
                               softmax_scale=self.softmax_scale,

@@ -16,6 +16,7 @@ import numpy as np
 
 from jax_cp import checks, partition
 from jax_cp import context_parallel as _cp
+from jax_cp.flax import rotary
 from jax_cp.layout import NO_CP, CPLayout, unpack_metadata
 from jax_cp.strategy import CPLoadBalancingStrategy
 
@@ -105,6 +106,36 @@ def default_position_ids(layout: CPLayout, cu_seqlens_padded, n_tokens: int,
     return partition.get_position_ids(cuP, total_tokens=total)
   return partition.get_position_ids(cuP, total_tokens=total,
                                     layout=layout.replace(cp_size=cp_size))
+
+
+def call_inputs(layout: CPLayout | None, x_shape, cu_seqlens,
+                cu_seqlens_padded, position_ids, what: str
+                ) -> tuple[CPLayout, Any, Any, int]:
+  """The checks every layer module runs on ``x [.., T, E]`` first:
+  ``(layout, cu_seqlens, cu_seqlens_padded, cp_size)`` with the metadata
+  unpacked from a batch (:func:`metadata`), the token count checked
+  against them (:func:`check_tokens`) and ``position_ids`` against ``x``.
+  ``what`` names the module in errors."""
+  layout = check_layout(layout)
+  cu_seqlens, cu_seqlens_padded = metadata(
+      layout, cu_seqlens, cu_seqlens_padded, f"{what}'s batch")
+  cp_size = check_tokens(layout, x_shape[-2], cu_seqlens_padded, "x")
+  check_position_ids(position_ids, x_shape)
+  return layout, cu_seqlens, cu_seqlens_padded, cp_size
+
+
+def rotate_qk(layout: CPLayout, q, k, theta: float | None, position_ids,
+              cu_seqlens_padded, cp_size: int):
+  """``q``/``k`` ``[.., T, H, D]`` with rotary embeddings of base ``theta``
+  (unchanged when None) at ``position_ids``, by default the documents'
+  positions from the metadata (:func:`default_position_ids`)."""
+  if theta is None:
+    return q, k
+  if position_ids is None:
+    position_ids = default_position_ids(layout, cu_seqlens_padded,
+                                        q.shape[-3], cp_size)
+  return (rotary.apply_rotary(q, position_ids, theta),
+          rotary.apply_rotary(k, position_ids, theta))
 
 
 def attend(layout: CPLayout, query, key, value, cu_seqlens,

@@ -19,6 +19,15 @@ GATED = {"swiglu": nn.silu, "geglu": nn.gelu}
 NORMS = ("rmsnorm", "layernorm")
 
 
+def mlp_hidden(activation: str, up: Callable, gate: Callable, pin: Callable):
+  """An MLP block's hidden activations from its projections of the input,
+  ``up()`` (and ``gate()`` for a gated activation, called only then), each
+  passed through ``pin`` (:meth:`jax_cp.CPLayout.shard_tokens`)."""
+  if activation in GATED:
+    return GATED[activation](pin(gate())) * pin(up())
+  return ACTIVATIONS[activation](pin(up()))
+
+
 class MlpBlock(nn.Module):
   """Position-wise feed-forward block ``E -> mlp_dim -> E``; with a
   ``"swiglu"``/``"geglu"`` activation the hidden layer is gated.
@@ -56,11 +65,8 @@ class MlpBlock(nn.Module):
         n, use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, kernel_init=self.kernel_init, name=name)
     pin = settings.check_layout(self.layout).shard_tokens
-    if self.activation in GATED:
-      h = GATED[self.activation](pin(dense(self.mlp_dim, "gate")(x))) * pin(
-          dense(self.mlp_dim, "up")(x))
-    else:
-      h = ACTIVATIONS[self.activation](pin(dense(self.mlp_dim, "up")(x)))
+    h = mlp_hidden(self.activation, lambda: dense(self.mlp_dim, "up")(x),
+                   lambda: dense(self.mlp_dim, "gate")(x), pin)
     return pin(dense(x.shape[-1], "down")(h))
 
 
@@ -143,11 +149,9 @@ class TransformerLayer(nn.Module):
     Returns:
       ``[B, T, E]``, same layout as ``x``.
     """
-    layout = settings.check_layout(self.layout)
-    cu_seqlens, cu_seqlens_padded = settings.metadata(
-        layout, cu_seqlens, cu_seqlens_padded, "TransformerLayer's batch")
-    settings.check_tokens(layout, x.shape[-2], cu_seqlens_padded, "x")
-    settings.check_position_ids(position_ids, x.shape)
+    layout, cu_seqlens, cu_seqlens_padded, _ = settings.call_inputs(
+        self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
+        "TransformerLayer")
     attn = MultiHeadAttention(
         num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
         num_gqa_groups=self.num_gqa_groups, head_dim=self.head_dim,

@@ -24,7 +24,6 @@ from flax import nnx
 from jax_cp import checks
 from jax_cp.flax import settings
 from jax_cp.flax.attention import head_features, kv_heads
-from jax_cp.flax.rotary import apply_rotary
 from jax_cp.layout import CPLayout
 
 Dtype = Any
@@ -181,21 +180,15 @@ class MultiHeadAttention(nnx.Module):
     Returns:
       ``[.., T, out_features]``.
     """
-    layout = settings.check_layout(self.layout)
-    cu_seqlens, cu_seqlens_padded = settings.metadata(
-        layout, cu_seqlens, cu_seqlens_padded, "MultiHeadAttention's batch")
-    cp_size = settings.check_tokens(layout, x.shape[-2], cu_seqlens_padded,
-                                    "x")
-    settings.check_position_ids(position_ids, x.shape)
+    layout, cu_seqlens, cu_seqlens_padded, cp_size = settings.call_inputs(
+        self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
+        "MultiHeadAttention")
     if x.shape[-1] != self.in_features:
       raise ValueError(f"x has {x.shape[-1]} features, the module was built "
                        f"for in_features={self.in_features}")
-    q, k, v = self.query(x), self.key(x), self.value(x)
-    if self.rope_theta is not None:
-      if position_ids is None:
-        position_ids = settings.default_position_ids(
-            layout, cu_seqlens_padded, x.shape[-2], cp_size)
-      q = apply_rotary(q, position_ids, self.rope_theta)
-      k = apply_rotary(k, position_ids, self.rope_theta)
+    q, k = settings.rotate_qk(layout, self.query(x), self.key(x),
+                              self.rope_theta, position_ids,
+                              cu_seqlens_padded, cp_size)
+    v = self.value(x)
     out = self.attention(q, k, v, cu_seqlens, cu_seqlens_padded)
     return self.out(out)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_cp.flax import settings
-from jax_cp.flax.transformer import ACTIVATIONS, GATED, NORMS
+from jax_cp.flax.transformer import ACTIVATIONS, GATED, NORMS, mlp_hidden
 from jax_cp.layout import CPLayout
 from jax_cp.nnx.attention import (
   Dtype,
@@ -62,10 +62,8 @@ class MlpBlock(nnx.Module):
 
   def __call__(self, x):
     pin = settings.check_layout(self.layout).shard_tokens
-    if self.activation in GATED:
-      h = GATED[self.activation](pin(self.gate(x))) * pin(self.up(x))
-    else:
-      h = ACTIVATIONS[self.activation](pin(self.up(x)))
+    h = mlp_hidden(self.activation, lambda: self.up(x),
+                   lambda: self.gate(x), pin)
     return pin(self.down(h))
 
 
@@ -160,11 +158,9 @@ class TransformerLayer(nnx.Module):
     Returns:
       ``[B, T, E]``, same layout as ``x``.
     """
-    layout = settings.check_layout(self.layout)
-    cu_seqlens, cu_seqlens_padded = settings.metadata(
-        layout, cu_seqlens, cu_seqlens_padded, "TransformerLayer's batch")
-    settings.check_tokens(layout, x.shape[-2], cu_seqlens_padded, "x")
-    settings.check_position_ids(position_ids, x.shape)
+    layout, cu_seqlens, cu_seqlens_padded, _ = settings.call_inputs(
+        self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
+        "TransformerLayer")
     h = x + layout.shard_tokens(self.attention(
         self.pre_attention_norm(x), cu_seqlens, cu_seqlens_padded,
         position_ids))
