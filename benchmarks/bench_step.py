@@ -25,8 +25,9 @@ time / (``--peak-tflops`` x devices).
 ``--profile`` traces a few steps of every program with ``jax.profiler``
 and groups the first GPU's kernels as attention / matmul / collectives
 (exposed: not overlapped by any other kernel; overlapped) / elementwise /
-copies. Writes ``benchmarks/results/step_<date>_<device>.json`` and prints
-a markdown step table (``--table FILE.json`` prints it again).
+copies, and charges the GPU's idle gaps to the kernels around them.
+Writes ``benchmarks/results/step_<date>_<device>.json`` and prints a
+markdown step table (``--table FILE.json`` prints it again).
 """
 
 from __future__ import annotations
@@ -180,6 +181,47 @@ def _covered(s: int, e: int, union: list[tuple[int, int]]) -> int:
   return sum(max(0, min(e, b) - max(s, a)) for a, b in union)
 
 
+def idle_gaps(events: Sequence[tuple[int, int, str]], steps: int,
+              top: int = 12) -> dict:
+  """Where the device sits idle between its first and last kernel.
+
+  ``events`` are ``(start_ns, duration_ns, name)`` of one device's kernels
+  over ``steps`` steps dispatched back to back. Idle time is the span not
+  covered by any kernel. Each gap is charged to the pair (last kernel to
+  end before it, first kernel to start after it), so the same gap in every
+  step adds up under one pair.
+
+  Returns:
+    ``{"idle_ms": per step, "span_ms": per step, "pairs": [...]}``, the
+    ``top`` pairs by idle time, each ``{"before", "after", "ms"`` (per
+    step), ``"count"`` (per step), ``"max_us"}``.
+  """
+  if not events:
+    return {"idle_ms": 0.0, "span_ms": 0.0, "pairs": []}
+  ends = sorted((s + d, n) for s, d, n in events)
+  starts = sorted((s, n) for s, _, n in events)
+  union = _union([(s, s + d) for s, d, _ in events])
+  pairs = collections.defaultdict(lambda: [0, 0, 0])
+  j = k = 0
+  for (_, end), (start, _) in zip(union, union[1:]):
+    while j + 1 < len(ends) and ends[j + 1][0] <= end:
+      j += 1
+    while k < len(starts) and starts[k][0] < start:
+      k += 1
+    key = (ends[j][1], starts[k][1])
+    gap = start - end
+    pairs[key][0] += gap
+    pairs[key][1] += 1
+    pairs[key][2] = max(pairs[key][2], gap)
+  span = union[-1][1] - union[0][0]
+  idle = span - sum(e - s for s, e in union)
+  ranked = sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]
+  return {"idle_ms": idle / 1e6 / steps, "span_ms": span / 1e6 / steps,
+          "pairs": [{"before": b[:120], "after": a[:120],
+                     "ms": v[0] / 1e6 / steps, "count": v[1] / steps,
+                     "max_us": v[2] / 1e3} for (b, a), v in ranked]}
+
+
 def group_kernels(events: Sequence[tuple[int, int, str]], steps: int
                   ) -> dict:
   """Per-step milliseconds by group from kernel events ``(start_ns,
@@ -209,6 +251,7 @@ def group_kernels(events: Sequence[tuple[int, int, str]], steps: int
   return {
       "groups_ms": {g: ms(v) for g, v in sorted(groups.items())},
       "busy_ms": ms(busy),
+      "idle": idle_gaps(events, steps),
       # Every kernel, heaviest first: per-step ms and launches per step
       # (collectives: also the ms with no other kernel running).
       "kernels": [dict({"name": n[:160], "group": kernel_group(n),
@@ -216,6 +259,17 @@ def group_kernels(events: Sequence[tuple[int, int, str]], steps: int
                        **({"exposed_ms": ms(exposed[n])}
                           if n in exposed else {}))
                   for n, v in ranked]}
+
+
+def print_idle(idle: dict, out=None) -> None:
+  """Prints :func:`idle_gaps`' result, one pair a line."""
+  out = out or sys.stdout
+  print(f"  idle {idle['idle_ms']:.3f} of {idle['span_ms']:.3f} ms/step; "
+        "gaps by (kernel before -> kernel after): ms/step, gaps/step, "
+        "largest us", file=out)
+  for g in idle["pairs"]:
+    print(f"    {g['ms']:7.3f} {g['count']:5.1f} {g['max_us']:8.1f}  "
+          f"{g['before'][:60]} -> {g['after'][:60]}", file=out)
 
 
 def profile_program(run: Callable[[int], float], steps: int,
@@ -390,6 +444,7 @@ def run_bench(args) -> dict:
           print(f"  profile {key}: busy {profiles[key]['busy_ms']:.2f} ms; "
                 + ", ".join(f"{k} {v:.2f}" for k, v in g.items()),
                 flush=True)
+          print_idle(profiles[key]["idle"])
     records.append({"strategy": strategy, "kind": "config",
                     "documents": lens, "max_seqlen": max_seqlen,
                     "model_flops": flops, "matmul_params": n_params,

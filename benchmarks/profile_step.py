@@ -7,7 +7,8 @@ from the JAX profiler, for one configuration.
 Runs the jitted step a few times under ``jax.profiler.trace``, reads the
 XSpace with ``jax.profiler.ProfileData`` and prints, for the first GPU, the
 device time per iteration of each kernel (summed over its launches), the
-number of launches, and the busy time against the wall time of a step.
+number of launches, and the busy time against the wall time of a step;
+``--gaps N`` adds where the device sits idle between kernels.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cp
+from benchmarks.bench_step import idle_gaps, print_idle
 from benchmarks.workload import make_mesh, make_row
 
 
@@ -140,6 +142,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                       "(lower case)")
   p.add_argument("--host-top", type=int, default=0,
                  help="also print this many host events by total time")
+  p.add_argument("--gaps", type=int, default=0,
+                 help="also print the device's idle time per step and this "
+                      "many (kernel before, kernel after) pairs by the idle "
+                      "time between them")
   p.add_argument("--sequence", action="store_true",
                  help="also print one step's kernels in time order")
   p.add_argument("--split", choices=("auto", "on", "off"), default="auto",
@@ -162,9 +168,8 @@ def main(argv: Sequence[str] | None = None) -> None:
   jax.block_until_ready([step(*inputs) for _ in range(4 * args.iters)])
   wall_pipelined = (time.perf_counter() - t0) / (4 * args.iters) * 1e3
   trace_dir = tempfile.mkdtemp(prefix="jax_cp_profile_")
-  with jax.profiler.trace(trace_dir):
-    for _ in range(args.iters):
-      jax.block_until_ready(step(*inputs))
+  with jax.profiler.trace(trace_dir):   # back to back, as timed
+    jax.block_until_ready([step(*inputs) for _ in range(args.iters)])
   data = load_profile(trace_dir)
   name, totals, counts = kernel_table(data, args.device_plane,
                                       args.line_filter)
@@ -183,6 +188,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     for start, dur, line, kname in kernel_sequence(
         data, args.iters, args.device_plane, args.line_filter):
       print(f"{start:8.4f} {dur:8.4f}  {line[-12:]:>12}  {kname[:90]}")
+  if args.gaps:
+    plane = device_plane(data, args.device_plane)
+    events = [(ev.start_ns, ev.duration_ns, ev.name) for line in plane.lines
+              if args.line_filter in line.name.lower() for ev in line.events]
+    print_idle(idle_gaps(events, args.iters, args.gaps))
   if args.host_top:
     htot, hcnt = host_table(data)
     print(f"host events (ms/step, count/step), top {args.host_top}:")

@@ -43,8 +43,8 @@ class Call:
       prefix of Q/out/dO (:attr:`DqWrite.q_rows`).
     kv_rows: the call reads only the first ``kv_rows`` rows of its KV
       buffer; None = all.
-    overlaps_previous: its Q rows are those of the previous call (the
-      triangle of a split bottom-right block); every other call's rows are
+    overlaps_previous: its Q rows are those of earlier calls (the
+      triangles of split bottom-right blocks); every other call's rows are
       disjoint from all others'.
     kv_range: ``(first, count)`` int32 ``[B]``, the rows of the exchanged
       buffer the call reads (the straddle call with a halo exchange): the
@@ -170,18 +170,55 @@ def _windowed_straddle_backward(cfg: CPConfig, call: Call) -> list[Call]:
   return [halo_call, local]
 
 
+def merge_calls(calls: list[Call]) -> Call:
+  """One call running the segments of several calls of the same mask.
+
+  Their Q rows must be disjoint (every CP call's are, but a split block's
+  triangle's and its rectangle's). For a backward call their KV rows must
+  be disjoint too: a fused kernel writes dK/dV per segment, it does not
+  accumulate them. The bounds are the largest of the calls'."""
+  first = calls[0]
+  if len(calls) == 1:
+    return first
+  for c in calls:
+    limits = (c.q_rows, c.kv_rows, c.kv_range, c.halo_rows)
+    if ((c.mask, c.exchanged) != (first.mask, first.exchanged)
+        or any(x is not None for x in limits)):
+      raise ValueError(f"cannot merge calls {calls}: they differ in mask or "
+                       "K/V source, or have row limits")
+  meta = metadata.StepMetadata(*(
+      jnp.concatenate([getattr(c.meta, f) for c in calls], axis=-1)
+      for f in metadata.StepMetadata._fields))
+  return dataclasses.replace(first, meta=meta,
+                             max_q=max(c.max_q for c in calls),
+                             max_kv=max(c.max_kv for c in calls))
+
+
+def _step_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
+                ) -> list[Call]:
+  """One call per step (DUAL_CHUNK_SWAP) or per K/V source
+  (NO_LOAD_BALANCE), cut to the sliding window."""
+  return [_cut_to_window(c, cfg.window_left)
+          for c in _unwindowed_calls(cfg, cu_seqlens, cu_seqlens_padded,
+                                     rank)]
+
+
 def forward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
                   ) -> list[Call]:
   """The varlen attention calls of this rank's forward, in order.
+
+  DUAL_CHUNK_SWAP's two steps run as one call: their Q rows are disjoint
+  and a forward may read the same KV rows from several segments.
 
   With a sliding window every call runs with the band (the backend's
   ``window_left``); bottom-right calls also drop the KV rows before the
   band (:func:`_cut_to_window`). A banded bottom-right forward is as fast
   as a top-left one with cuDNN; its backward is not, and
   :func:`backward_calls` replaces it."""
-  return [_cut_to_window(c, cfg.window_left)
-          for c in _unwindowed_calls(cfg, cu_seqlens, cu_seqlens_padded,
-                                     rank)]
+  calls = _step_calls(cfg, cu_seqlens, cu_seqlens_padded, rank)
+  if cfg.strategy is not _NLB and len(calls) > 1:
+    return [merge_calls(calls)]
+  return calls
 
 
 def _unwindowed_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
@@ -236,18 +273,24 @@ def _no_load_balance_calls(cfg: CPConfig, cu, cuP, rank) -> list[Call]:
 
 def backward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
                    ) -> list[Call]:
-  """The forward's calls in reverse order (NO_LOAD_BALANCE's straddle call
-  first, so the halo's gradients travel back while the local call runs),
-  bottom-right blocks split into an unmasked rectangle followed by a
-  top-left triangle where the config says so (the triangle
-  ``overlaps_previous``). With a sliding window NO_LOAD_BALANCE's straddle
-  call becomes a reversed halo call and a local one
-  (:func:`_windowed_straddle_backward`), so none of its backward calls is
-  bottom-right; DUAL_CHUNK_SWAP's stay bottom-right (docs/design.md,
-  Sliding window)."""
-  out = []
-  for call in reversed(forward_calls(cfg, cu_seqlens, cu_seqlens_padded,
-                                     rank)):
+  """The forward's calls, one per step, in reverse order (NO_LOAD_BALANCE's
+  straddle call first, so the halo's gradients travel back while the local
+  call runs), bottom-right blocks split into an unmasked rectangle followed
+  by a top-left triangle where the config says so (the triangle
+  ``overlaps_previous``).
+
+  DUAL_CHUNK_SWAP's steps read overlapping KV rows (chunks ``0..r`` of
+  every document), so they stay separate calls; their triangles do not
+  (chunk ``r`` against chunk ``2cp-1-r``) and run as one call after both
+  rectangles.
+
+  With a sliding window NO_LOAD_BALANCE's straddle call becomes a reversed
+  halo call and a local one (:func:`_windowed_straddle_backward`), so none
+  of its backward calls is bottom-right; DUAL_CHUNK_SWAP's stay
+  bottom-right (docs/design.md, Sliding window)."""
+  out, triangles = [], []
+  for call in reversed(_step_calls(cfg, cu_seqlens, cu_seqlens_padded,
+                                   rank)):
     straddle = cfg.strategy is _NLB and call.exchanged
     if straddle and cfg.window_left >= 0:
       out.extend(_windowed_straddle_backward(cfg, call))
@@ -258,8 +301,14 @@ def backward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
       continue
     rect, diag = metadata.split_bottom_right(call.meta)
     out.append(dataclasses.replace(call, meta=rect, mask="no_mask"))
-    out.append(dataclasses.replace(call, meta=diag, mask="causal_top_left",
-                                   max_kv=call.max_q, overlaps_previous=True))
+    triangle = dataclasses.replace(call, meta=diag, mask="causal_top_left",
+                                   max_kv=call.max_q, overlaps_previous=True)
+    if cfg.strategy is _NLB:
+      out.append(triangle)
+    else:
+      triangles.append(triangle)
+  if triangles:
+    out.append(merge_calls(triangles))
   return out
 
 

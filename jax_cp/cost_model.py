@@ -68,7 +68,10 @@ class CPCostEstimate:
       pairs``.
     imbalance: ``max(flops_per_rank) / mean(flops_per_rank)`` (1.0 when no
       rank has work).
-    calls_per_rank: attention kernel calls per rank in the forward.
+    calls_per_rank: attention kernel calls per rank in the forward: one
+      (DUAL_CHUNK_SWAP runs both steps in one call), two for
+      NO_LOAD_BALANCE at ``cp > 1`` (documents inside the chunk, and the
+      straddling one).
     allgather_bytes: K+V bytes each rank receives in the all-gather, summed
       over rows.
     halo_bytes_per_rank: NO_LOAD_BALANCE with ``max_seqlen`` or a window:
@@ -337,7 +340,7 @@ def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded,
       pairs_per_rank=tuple(int(p) for p in pairs),
       flops_per_rank=tuple(int(f) for f in flops),
       imbalance=imbalance,
-      calls_per_rank=1 if (cp == 1 or strategy is _NLB) else 2,
+      calls_per_rank=2 if (cp > 1 and strategy is _NLB) else 1,
       allgather_bytes=int(allgather),
       halo_bytes_per_rank=halo_per_rank, halo_bytes=halo,
       longest_padded_doc=longest, total_tokens=total, num_rows=rows,
@@ -382,7 +385,7 @@ def recommend_strategy(cu_seqlens, cu_seqlens_padded, cp_size: int, *,
   window is given and ``bounded_exchange`` is on, else the full all-gather.
   With a window both strategies' work counts only the keys in the window,
   so contiguous chunks are close to balanced and NO_LOAD_BALANCE usually
-  wins (one call, a halo of at most ``left`` tokens). Ties go to
+  wins (a halo of at most ``left`` tokens). Ties go to
   DUAL_CHUNK_SWAP (the default).
 
   Args:

@@ -5,7 +5,7 @@ communication, no backend: metadata on host arrays, rank as an int."""
 import numpy as np
 import pytest
 
-from jax_cp import call_plan, checks
+from jax_cp import call_plan, checks, metadata
 from jax_cp.attention.registry import resolve_backend
 from jax_cp.cp_config import CPConfig
 from jax_cp.kv_exchange import choose_exchange
@@ -53,19 +53,48 @@ def test_no_load_balance_plan():
 
 def test_dual_chunk_swap_plan_and_backward_split():
   cfg = config(S.DUAL_CHUNK_SWAP, w=24, split=True)
-  fwd = call_plan.forward_calls(cfg, CU, CU_P, 0)
-  assert [c.mask for c in fwd] == ["causal_bottom_right"] * 2
-  assert all(c.exchanged for c in fwd)
+  # Both steps in one forward call: per document, chunk r = 0 and chunk
+  # 2cp-1 = 7 of the step formulas, side by side.
+  (fwd,) = call_plan.forward_calls(cfg, CU, CU_P, 0)
+  assert fwd.mask == "causal_bottom_right" and fwd.exchanged
+  steps = [metadata.dual_chunk_swap_step(CU, CU_P, CP, 0, s) for s in (0, 1)]
+  for field in metadata.StepMetadata._fields:
+    np.testing.assert_array_equal(
+        np.asarray(getattr(fwd.meta, field)),
+        np.concatenate([np.asarray(getattr(m, field)) for m in steps], -1))
+  assert fwd.max_q == 3 and fwd.max_kv == 24   # c = ceil(24 / 8), W
   bwd = call_plan.backward_calls(cfg, CU, CU_P, 0)
-  # Reverse order, each bottom-right block as rectangle + triangle.
+  # Reverse order, each step's rectangle, then both triangles in one call.
   assert [(c.mask, c.overlaps_previous) for c in bwd] == [
-      ("no_mask", False), ("causal_top_left", True)] * 2
+      ("no_mask", False), ("no_mask", False), ("causal_top_left", True)]
+  rect1, rect0 = (metadata.split_bottom_right(m)[0] for m in steps[::-1])
+  np.testing.assert_array_equal(np.asarray(bwd[0].meta.kv_lens),
+                                np.asarray(rect1.kv_lens))
+  np.testing.assert_array_equal(np.asarray(bwd[1].meta.kv_lens),
+                                np.asarray(rect0.kv_lens))
+  # The triangles' Q rows and KV rows are disjoint (one dK/dV write each).
+  tri = bwd[2].meta
+  q_lens, q_off = np.asarray(tri.q_lens)[0], np.asarray(tri.q_offsets)[0]
+  kv_off = np.asarray(tri.kv_offsets)[0]
+  live = q_lens > 0
+  for off in (q_off, kv_off):
+    rows = np.concatenate([np.arange(o, o + n) for o, n in
+                           zip(off[live], q_lens[live])])
+    assert len(rows) == len(set(rows.tolist()))
   unsplit = call_plan.backward_calls(config(S.DUAL_CHUNK_SWAP, w=24), CU,
                                      CU_P, 0)
   assert [c.mask for c in unsplit] == ["causal_bottom_right"] * 2
   # The step-1 call comes first in the backward.
   np.testing.assert_array_equal(np.asarray(unsplit[0].meta.q_offsets),
-                                np.asarray(fwd[1].meta.q_offsets))
+                                np.asarray(steps[1].q_offsets))
+
+
+def test_merge_calls_refuses_calls_it_cannot_merge():
+  cfg = config(S.NO_LOAD_BALANCE, w=24)
+  local, straddle = call_plan.forward_calls(cfg, CU, CU_P, 2)
+  with pytest.raises(ValueError, match="cannot merge"):
+    call_plan.merge_calls([local, straddle])
+  assert call_plan.merge_calls([local]) is local
 
 
 def _call(q_rows=None, overlaps=False):

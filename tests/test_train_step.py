@@ -222,6 +222,25 @@ def test_group_kernels_splits_exposed_and_overlapped_collectives():
       "collective"
 
 
+def test_idle_gaps_charges_each_gap_to_the_kernels_around_it():
+  # Two steps: a [0,100), c [120,130), b [150,200); then the same 300 ns
+  # later. Gaps: a->c 20 twice, c->b 20 (only in the second step: a
+  # collective covers it in the first), b->a 100 once.
+  step = [(0, 100, "a"), (120, 10, "c"), (150, 50, "b")]
+  ev = step + [(s + 300, d, n) for s, d, n in step]
+  ev.append((130, 40, "nccl"))          # hides the c->b gap entirely
+  got = bench_step.idle_gaps(ev, steps=2)
+  assert got["span_ms"] == pytest.approx(500e-6 / 2)
+  assert got["idle_ms"] == pytest.approx((20 + 100 + 20 + 20) / 2e6)
+  pairs = {(g["before"], g["after"]): g for g in got["pairs"]}
+  assert pairs[("b", "a")]["ms"] == pytest.approx(100 / 2e6)
+  assert pairs[("b", "a")]["count"] == 0.5
+  assert pairs[("a", "c")]["ms"] == pytest.approx(40 / 2e6)
+  assert pairs[("a", "c")]["max_us"] == pytest.approx(0.02)
+  assert pairs[("c", "b")]["ms"] == pytest.approx(20 / 2e6)  # second step
+  assert got["pairs"][0]["before"] == "b"
+
+
 def test_bench_step_reads_collectives_of_hlo_text():
   hlo = """
   %ag = (f32[4]{0}, f32[8,2]{1,0}) all-gather-start(%a, %b), dimensions={0}
