@@ -173,10 +173,10 @@ def _windowed_straddle_backward(cfg: CPConfig, call: Call) -> list[Call]:
 def merge_calls(calls: list[Call]) -> Call:
   """One call running the segments of several calls of the same mask.
 
-  Their Q rows must be disjoint (every CP call's are, but a split block's
-  triangle's and its rectangle's). For a backward call their KV rows must
-  be disjoint too: a fused kernel writes dK/dV per segment, it does not
-  accumulate them. The bounds are the largest of the calls'."""
+  Their Q rows must be disjoint (those of any two CP calls are, except a
+  split block's rectangle and its triangle). For a backward call their KV
+  rows must be disjoint too: a fused kernel writes dK/dV per segment, it
+  does not accumulate them. The bounds are the largest of the calls'."""
   first = calls[0]
   if len(calls) == 1:
     return first
