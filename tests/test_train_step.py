@@ -130,12 +130,15 @@ def test_step_collectives_are_kv_exchange_and_parameter_traffic(mode, dp, cp,
 def test_fsdp_specs_and_optimizer_state_follow_parameters():
   mesh = lm.make_mesh(2, CP_SIZE, "cpu")
   P = jax.sharding.PartitionSpec
-  assert lm.fsdp_spec((48, 192), mesh) == P(None, ("data", "cp"))
+  # The first dimension divisible by the mesh size (8): gathered shards
+  # are contiguous, no transpose.
+  assert lm.fsdp_spec((48, 192), mesh) == P(("data", "cp"), None)
+  assert lm.fsdp_spec((12, 4, 64), mesh) == P(None, None, ("data", "cp"))
   assert lm.fsdp_spec((256, 48), mesh) == P(("data", "cp"), None)
   assert lm.fsdp_spec((3, 5), mesh) == P()       # nothing divisible by 8
   assert lm.fsdp_spec((), mesh) == P()
-  abstract = {"params": {"w": jax.ShapeDtypeStruct((16, 40), np.float32)},
-              "mu": {"w": jax.ShapeDtypeStruct((16, 40), np.float32)},
+  abstract = {"params": {"w": jax.ShapeDtypeStruct((12, 40), np.float32)},
+              "mu": {"w": jax.ShapeDtypeStruct((12, 40), np.float32)},
               "count": jax.ShapeDtypeStruct((), np.int32)}
   sh = lm.state_shardings(abstract, mesh, "fsdp")
   assert sh["params"]["w"].spec == sh["mu"]["w"].spec == P(None,
