@@ -286,15 +286,23 @@ def backward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
 
   With a sliding window NO_LOAD_BALANCE's straddle call becomes a reversed
   halo call and a local one (:func:`_windowed_straddle_backward`), so none
-  of its backward calls is bottom-right; DUAL_CHUNK_SWAP's stay
-  bottom-right (docs/design.md, Sliding window)."""
+  of its backward calls is bottom-right; that local call runs as part of
+  the chunk's local call (same mask, same K/V, other rows).
+  DUAL_CHUNK_SWAP's stay bottom-right (docs/design.md, Sliding window)."""
   out, triangles = [], []
+  straddle_local = None
   for call in reversed(_step_calls(cfg, cu_seqlens, cu_seqlens_padded,
                                    rank)):
     straddle = cfg.strategy is _NLB and call.exchanged
     if straddle and cfg.window_left >= 0:
-      out.extend(_windowed_straddle_backward(cfg, call))
+      *halo, straddle_local = _windowed_straddle_backward(cfg, call)
+      out.extend(halo)
       continue
+    if straddle_local is not None:
+      # The local call: same mask and K/V, other documents' rows.
+      call = merge_calls([dataclasses.replace(straddle_local, q_rows=None,
+                                              kv_rows=None), call])
+      straddle_local = None
     split = cfg.split_straddle if straddle else cfg.split_causal_backward
     if call.mask != "causal_bottom_right" or not split:
       out.append(call)
@@ -307,6 +315,8 @@ def backward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
       out.append(triangle)
     else:
       triangles.append(triangle)
+  if straddle_local is not None:
+    out.append(straddle_local)
   if triangles:
     out.append(merge_calls(triangles))
   return out
@@ -324,9 +334,8 @@ class DqWrite:
       halo call; its dq is summed into the others'); None: full local rows.
     fill: the ``dq_fill`` row range handed to the backend (None: its
       default). The first full-size call of NO_LOAD_BALANCE, the straddle
-      call (with a window: the straddling document's local call), zeroes
-      only rows ``[0, q_rows)``; the next call writing into its dq zeroes
-      the rest, ``[q_rows, Tl)``.
+      call (without a window), zeroes only rows ``[0, q_rows)``; the next
+      call writing into its dq zeroes the rest, ``[q_rows, Tl)``.
   """
 
   into: bool = False

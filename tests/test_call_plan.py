@@ -167,18 +167,22 @@ def test_no_load_balance_window_backward_has_no_bottom_right_call(
   assert np.asarray(fwd[1].meta.kv_lens).tolist() == [[h + 8]]
   assert "causal_bottom_right" not in [c.mask for c in bwd]
   assert not any(c.overlaps_previous for c in bwd)
-  *halo_call, straddle_local, local = bwd
-  m = straddle_local.meta
-  assert not straddle_local.exchanged
-  assert straddle_local.mask == local.mask == "causal_top_left"
-  assert np.asarray(m.q_lens).tolist() == np.asarray(m.kv_lens).tolist() \
-      == [[8]]
-  assert np.asarray(m.q_offsets).tolist() == np.asarray(
-      m.kv_offsets).tolist() == [[0]]
+  *halo_call, local = bwd
+  # The straddling document's local rows run in the local call: its first
+  # segment (local rows [0, 8), top-left band), then the chunk's own
+  # documents as in the forward's local call.
+  m = local.meta
+  assert not local.exchanged and local.mask == "causal_top_left"
+  assert (local.q_rows, local.kv_rows) == (None, None)
+  assert np.asarray(m.q_lens)[0, 0] == np.asarray(m.kv_lens)[0, 0] == 8
+  assert np.asarray(m.q_offsets)[0, 0] == np.asarray(m.kv_offsets)[0, 0] == 0
+  for field in metadata.StepMetadata._fields:
+    np.testing.assert_array_equal(np.asarray(getattr(m, field))[:, 1:],
+                                  np.asarray(getattr(fwd[0].meta, field)))
   W = call_plan.DqWrite
   if kind == "none":
     assert not halo_call
-    assert call_plan.dq_writes(bwd, TL, True) == [W(), W(into=True)]
+    assert call_plan.dq_writes(bwd, TL, True) == [W()]
     return
   (hc,) = halo_call
   assert hc.exchanged and hc.mask == "causal_top_left"
@@ -186,10 +190,8 @@ def test_no_load_balance_window_backward_has_no_bottom_right_call(
   assert np.asarray(hc.meta.q_lens).tolist() == [[lq]]
   assert np.asarray(hc.meta.kv_lens).tolist() == [[h]]
   assert np.asarray(hc.halo_rows).tolist() == [8]
-  # Its dq is summed like a triangle's; the straddle's local call makes the
-  # full dq and the local call writes into it.
-  assert call_plan.dq_writes(bwd, TL, in_place=True) == [
-      W(q_rows=lq), W(), W(into=True)]
+  # Its dq is summed like a triangle's; the local call makes the full dq.
+  assert call_plan.dq_writes(bwd, TL, in_place=True) == [W(q_rows=lq), W()]
   # Without a window the straddle call stays one bottom-right call.
   plain = call_plan.backward_calls(config(S.NO_LOAD_BALANCE, w=T), CU, CU_P,
                                    2)
