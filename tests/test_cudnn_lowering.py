@@ -328,3 +328,50 @@ def test_rows_with_keys_matches_xla_reference(mask):
                                        seg.q_offsets, tq, mask)
   ok, _ = segment_mask(seg, tq, tkv, mask)
   np.testing.assert_array_equal(live, np.asarray(ok).any(axis=1))
+
+
+def _cp_grad_calls(strategy, window=None, max_seqlen=None):
+  """Custom-call names -> count in the gradient program of cp_attention at
+  cp=2, lowered for CUDA on CPU devices; and the backward calls' masks."""
+  mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  cu = np.array([0, 20, 34, 58], np.int32)
+  cu_p = np.array([0, 24, 40, 64], np.int32)
+
+  def loss(q, k, v):
+    out = jax_cp.cp_attention(
+        q, k, v, cu, cu_p, mesh=mesh, cp_axis="cp", backend="cudnn",
+        load_balancing_strategy=strategy, max_seqlen=max_seqlen,
+        window_size=None if window is None else (window, 0))
+    return jnp.sum(out.astype(jnp.float32))
+
+  sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("cp"))
+  args = [jax.ShapeDtypeStruct((64, h, D), jnp.bfloat16, sharding=sh)
+          for h in (HQ, HKV, HKV)]
+  text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), *args)
+  names = re.findall(r"stablehlo\.custom_call @(\w+)", text)
+  counts = {n: names.count(n) for n in set(names)}
+  masks = [attrs["mask"] for name in (BWD, cudnn_backend.FFI_TARGETS[
+      "sdpa_bwd_into"]) for attrs, _, _ in custom_calls(text, name)]
+  return counts, masks
+
+
+def test_dual_chunk_swap_layer_runs_one_forward_and_three_backward_calls():
+  """Both steps in one forward call; the backward's rectangles apart (they
+  read the same KV rows) and both triangles in one call."""
+  counts, masks = _cp_grad_calls("dual_chunk_swap")
+  into = cudnn_backend.FFI_TARGETS
+  assert counts.get(FWD) == 1 and into["sdpa_fwd_into"] not in counts
+  assert counts.get(BWD, 0) + counts.get(into["sdpa_bwd_into"], 0) == 3
+  assert sorted(masks) == sorted(
+      [f"{MASK_CODES['no_mask']} : i64"] * 2
+      + [f"{MASK_CODES['causal_top_left']} : i64"])
+
+
+def test_windowed_no_load_balance_backward_has_two_top_left_calls():
+  """The reversed halo call and the local call (which holds the
+  straddling document's local rows): no bottom-right backward."""
+  counts, masks = _cp_grad_calls("no_load_balance", window=5, max_seqlen=24)
+  assert counts.get(BWD, 0) + counts.get(
+      cudnn_backend.FFI_TARGETS["sdpa_bwd_into"], 0) == 2
+  assert masks == [f"{MASK_CODES['causal_top_left']} : i64"] * 2
