@@ -336,10 +336,10 @@ def recommendation_paragraph(records) -> str:
     text += (
         "So: when one document (or a few long ones) fills the row, the "
         "causal imbalance of contiguous chunks ((2cp−1)/cp for one "
-        "document) costs more than DUAL_CHUNK_SWAP's second kernel call and "
+        "document) costs more than DUAL_CHUNK_SWAP's all-gather and "
         "reorder: keep the default. When the row holds many documents much "
-        "shorter than T/cp, the imbalance vanishes and NO_LOAD_BALANCE's "
-        "single call (and, with `max_seqlen`, its bounded exchange) wins.")
+        "shorter than T/cp, the imbalance vanishes and NO_LOAD_BALANCE "
+        "(with `max_seqlen`, its bounded exchange) wins.")
   else:
     text += (
         "These measurements do not split cleanly into \"one long document: "
