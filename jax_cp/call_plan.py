@@ -133,7 +133,8 @@ def _windowed_straddle_backward(cfg: CPConfig, call: Call) -> list[Call]:
 
   * its local keys: a top-left call with the band on the document's local
     rows (Q row ``i`` sees local keys ``[i - left, i]``), reading the local
-    chunk only;
+    chunk only (:func:`backward_calls` runs it as part of the chunk's local
+    call);
   * its halo keys (the last ``h`` of the ``H`` received rows, halo row
     ``m`` at chunk position ``m - H``): Q row ``i`` sees ``m >= i + H -
     left``. Over the first ``Lq = left`` local rows with both axes reversed
@@ -153,8 +154,7 @@ def _windowed_straddle_backward(cfg: CPConfig, call: Call) -> list[Call]:
   rows = call.q_rows if call.q_rows is not None else tl
   local = Call(metadata.StepMetadata(q_doc, jnp.zeros_like(q_doc), q_doc,
                                      jnp.zeros_like(q_doc)),
-               "causal_top_left", call.max_q, call.max_q, False,
-               q_rows=call.q_rows, kv_rows=call.q_rows)
+               "causal_top_left", call.max_q, call.max_q, False)
   if halo == 0:
     return [local]
   if left - tl >= halo - 1:
@@ -300,8 +300,7 @@ def backward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
       continue
     if straddle_local is not None:
       # The local call: same mask and K/V, other documents' rows.
-      call = merge_calls([dataclasses.replace(straddle_local, q_rows=None,
-                                              kv_rows=None), call])
+      call = merge_calls([straddle_local, call])
       straddle_local = None
     split = cfg.split_straddle if straddle else cfg.split_causal_backward
     if call.mask != "causal_bottom_right" or not split:
