@@ -184,8 +184,11 @@ def merge_calls(calls: list[Call]) -> Call:
     limits = (c.q_rows, c.kv_rows, c.kv_range, c.halo_rows)
     if ((c.mask, c.exchanged) != (first.mask, first.exchanged)
         or any(x is not None for x in limits)):
-      raise ValueError(f"cannot merge calls {calls}: they differ in mask or "
-                       "K/V source, or have row limits")
+      raise ValueError(
+          "cannot merge calls: they must share the mask and the K/V source "
+          "and have no row limits (q_rows, kv_rows, kv_range, halo_rows); "
+          f"got masks {[x.mask for x in calls]}, exchanged "
+          f"{[x.exchanged for x in calls]}")
   meta = metadata.StepMetadata(*(
       jnp.concatenate([getattr(c.meta, f) for c in calls], axis=-1)
       for f in metadata.StepMetadata._fields))
