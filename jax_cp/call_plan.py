@@ -50,19 +50,22 @@ class Call:
       buffer the call reads (the straddle call with a halo exchange): the
       backend's ``assemble_kv`` fills only those.
     halo_rows: None, or this is the *reversed halo call* of
-      NO_LOAD_BALANCE's windowed backward (:func:`_windowed_straddle_backward`)
-      and this is the int32 ``[B]`` number of its first local Q rows that
-      belong to the straddling document. The call reads the first
-      ``q_rows`` local Q rows (zero rows past the chunk) and the
+      NO_LOAD_BALANCE's windowed straddling document
+      (:func:`_windowed_straddle`) and this is the int32 ``[B]`` number of
+      its first local Q rows that belong to that document. The call reads
+      the first ``q_rows`` local Q rows (zero rows past the chunk) and the
       ``kv_rows`` exchanged rows before the chunk, both in reverse row
-      order; the planner zeroes out/dO and puts a
-      huge lse on the rows past ``halo_rows``, so they add nothing. Its dq
-      is summed like a triangle's, its dK/dV are the halo's.
+      order. Forward: its out/lse on those rows are merged into the local
+      call's by log-sum-exp, the other rows are dropped. Backward: the
+      planner zeroes out/dO and puts a huge lse on the rows past
+      ``halo_rows``, so they add nothing; its dq is summed like a
+      triangle's, its dK/dV are the halo's.
 
   The calls of a step cover disjoint Q rows, so their outputs merge
   without log-sum-exp rescaling: a later call writes its rows into the
   buffers of the calls before it (in place when the backend
-  ``supports_in_place``), or the planner adds them.
+  ``supports_in_place``), or the planner adds them. The one exception is
+  a reversed halo call, whose rows are merged by log-sum-exp.
   """
 
   meta: metadata.StepMetadata
@@ -121,20 +124,23 @@ def rows_before_chunk(cfg: CPConfig) -> int:
                  (cfg.cp_size - 1) * cfg.local_tokens), 0)
 
 
-def _windowed_straddle_backward(cfg: CPConfig, call: Call) -> list[Call]:
-  """The backward of NO_LOAD_BALANCE's windowed straddle call (a
-  bottom-right call cut to its window) as two calls cuDNN runs fast.
+def _windowed_straddle(cfg: CPConfig, call: Call) -> list[Call]:
+  """NO_LOAD_BALANCE's windowed straddle call (a bottom-right call cut to
+  its window) as two calls that cuDNN runs fast, in the forward and in
+  the backward.
 
-  With cuDNN 9.19 a banded bottom-right backward skips no masked tile (about
-  11x slower; docs/design.md, Sliding window), and so does a top-left band
-  whose diagonal is moved right. Given the forward's lse (and out, dO), the
-  backward is a sum over key blocks, so the straddling document's keys are
-  split where the chunk starts:
+  With cuDNN 9.19 a banded bottom-right call is slower than a top-left one:
+  its backward skips no masked tile (about 11x slower; docs/design.md,
+  Sliding window), and so does a top-left band whose diagonal is moved
+  right; its forward runs a few percent slower and reads an assembled
+  ``[halo; chunk]`` buffer. Attention over a set of keys is a
+  log-sum-exp merge of attention over its parts, so the straddling
+  document's keys are split where the chunk starts:
 
   * its local keys: a top-left call with the band on the document's local
     rows (Q row ``i`` sees local keys ``[i - left, i]``), reading the local
-    chunk only (:func:`backward_calls` runs it as part of the chunk's local
-    call);
+    chunk only (:func:`forward_calls` and :func:`backward_calls` run it as
+    part of the chunk's local call);
   * its halo keys (the last ``h`` of the ``H`` received rows, halo row
     ``m`` at chunk position ``m - H``): Q row ``i`` sees ``m >= i + H -
     left``. Over the first ``Lq = left`` local rows with both axes reversed
@@ -142,10 +148,13 @@ def _windowed_straddle_backward(cfg: CPConfig, call: Call) -> list[Call]:
     causal, and the document's ``h`` halo rows are the first ``h`` reversed
     ones (KV length ``h``). If every one of the chunk's rows sees the whole
     halo (``left - Tl >= H - 1``) the call is unmasked over ``Lq = Tl``
-    rows instead.
+    rows instead. Its rows past the straddling document's
+    (:attr:`Call.halo_rows`) are not the document's and are dropped: the
+    forward merges only the document's rows into the local call's, the
+    backward gives the others no weight.
 
-  Returns ``[halo call, local call]``, the halo call first so that its
-  gradients travel back while the rest of the backward runs."""
+  Returns ``[halo call, local call]`` (only the local call when nothing
+  lies before the chunk)."""
   tl, left = cfg.local_tokens, cfg.window_left
   halo = rows_before_chunk(cfg)
   m = call.meta
@@ -215,12 +224,19 @@ def forward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
 
   With a sliding window every call runs with the band (the backend's
   ``window_left``); bottom-right calls also drop the KV rows before the
-  band (:func:`_cut_to_window`). A banded bottom-right forward is as fast
-  as a top-left one with cuDNN; its backward is not, and
-  :func:`backward_calls` replaces it."""
+  band (:func:`_cut_to_window`). NO_LOAD_BALANCE's straddle call becomes
+  a local call and a reversed halo call (:func:`_windowed_straddle`): the
+  local one runs as part of the chunk's local call (same mask and K/V,
+  other rows), the halo call last, so the local call hides the exchange.
+  Its out/lse are merged into the local call's rows by log-sum-exp (the
+  only forward call whose rows are not disjoint from the others')."""
   calls = _step_calls(cfg, cu_seqlens, cu_seqlens_padded, rank)
   if cfg.strategy is not _NLB and len(calls) > 1:
     return [merge_calls(calls)]
+  if cfg.strategy is _NLB and cfg.window_left >= 0 and len(calls) > 1:
+    local, straddle = calls
+    *halo, straddle_local = _windowed_straddle(cfg, straddle)
+    return [merge_calls([straddle_local, local]), *halo]
   return calls
 
 
@@ -288,7 +304,7 @@ def backward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
   rectangles.
 
   With a sliding window NO_LOAD_BALANCE's straddle call becomes a reversed
-  halo call and a local one (:func:`_windowed_straddle_backward`), so none
+  halo call and a local one (:func:`_windowed_straddle`), so none
   of its backward calls is bottom-right; that local call runs as part of
   the chunk's local call (same mask, same K/V, other rows).
   DUAL_CHUNK_SWAP's stay bottom-right (docs/design.md, Sliding window)."""
@@ -298,7 +314,7 @@ def backward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
                                    rank)):
     straddle = cfg.strategy is _NLB and call.exchanged
     if straddle and cfg.window_left >= 0:
-      *halo, straddle_local = _windowed_straddle_backward(cfg, call)
+      *halo, straddle_local = _windowed_straddle(cfg, call)
       out.extend(halo)
       continue
     if straddle_local is not None:

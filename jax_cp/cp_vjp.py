@@ -5,7 +5,8 @@ Forward: exchange K/V (:mod:`jax_cp.kv_exchange`), then run the calls of
 :func:`jax_cp.call_plan.forward_calls`; their Q rows are disjoint, so each
 later call writes its rows into the first call's outputs (in place with a
 backend that ``supports_in_place``; otherwise its fresh outputs are added,
-``lse`` by maximum). Backward: keep only local residuals (plus a small
+``lse`` by maximum), except a reversed halo call, whose rows are merged by
+log-sum-exp (:func:`_halo_forward`). Backward: keep only local residuals (plus a small
 received halo, :attr:`KVExchange.keeps_halo`, or all-gathered K/V no larger
 than Q, :attr:`CPConfig.keep_gathered_kv`), exchange K/V again where it
 must, run :func:`jax_cp.call_plan.backward_calls` with dq written as
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 
 from jax_cp import call_plan, seqlen_guard
 from jax_cp.attention.api import window_kwargs
-from jax_cp.attention.merge import GradSum, add
+from jax_cp.attention.merge import GradSum, add, merge_softmax_rows
 from jax_cp.cp_config import CPConfig
 
 
@@ -106,6 +107,9 @@ def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
       # The assembly waits for the halo: keep it after the earlier calls,
       # which then hide the exchange (XLA may otherwise schedule it first).
       halo, out, lse = jax.lax.optimization_barrier((halo, out, lse))
+    if call.halo_rows is not None:
+      out, lse = _halo_forward(cfg, call, q, k, kx, vx, halo, out, lse)
+      continue
     kc, vc = _call_kv(cfg, call, k, v, kx, vx, halo)
     seg = call_plan.segments(call, q.shape[1], kc.shape[1])
     in_place = out is not None and backend.supports_in_place
@@ -183,50 +187,86 @@ def _vjp_backward(cfg: CPConfig, residuals, dout):
 _NO_WEIGHT_LSE = 1e30
 
 
+def _reversed_rows(call: call_plan.Call, x, fill):
+  """The first ``lq = call.q_rows`` rows of axis 1 of ``x`` (zero rows past
+  the chunk), ``fill`` on the rows past each batch entry's
+  ``call.halo_rows``, in reverse order: the Q-side input of a reversed halo
+  call (:attr:`jax_cp.call_plan.Call.halo_rows`)."""
+  lq = call.q_rows
+  n = min(lq, x.shape[1])
+  x = x[:, :n]
+  if lq > n:
+    x = jnp.pad(x, [(0, 0), (0, lq - n)] + [(0, 0)] * (x.ndim - 2))
+  if fill is not None:
+    valid = jnp.arange(lq)[None, :] < call.halo_rows[:, None]   # [B, lq]
+    keep = valid.reshape(valid.shape + (1,) * (x.ndim - 2))
+    x = jnp.where(keep, x, jnp.asarray(fill, x.dtype))
+  return jnp.flip(x, axis=1)
+
+
+def _halo_kv(cfg: CPConfig, call: call_plan.Call, k, kx, vx, halo):
+  """The ``H = call.kv_rows`` rows before the chunk, ``(kh, vh)``
+  ``[B, H, Hkv, D]`` in sequence order: the received halo, or rows
+  ``[lo - H, lo)`` of the all-gathered buffer, with zero rows standing for
+  those before row 0 (no document reaches there)."""
+  hk, hb = k.shape[2], call.kv_rows
+  if halo is not None:
+    return halo[:, :, :hk], halo[:, :, hk:]
+  lo = _rank(cfg) * k.shape[1]
+  pad = lambda x: jnp.pad(x, [(0, 0), (hb, 0), (0, 0), (0, 0)])
+  return (jax.lax.dynamic_slice_in_dim(pad(kx), lo, hb, axis=1),
+          jax.lax.dynamic_slice_in_dim(pad(vx), lo, hb, axis=1))
+
+
+def _halo_forward(cfg: CPConfig, call: call_plan.Call, q, k, kx, vx, halo,
+                  out, lse):
+  """Runs a reversed halo call's forward and merges its rows into the
+  local call's ``out``/``lse`` (``attention.merge.merge_softmax_rows``):
+  the straddling document's first rows then have attention over their
+  whole window, local keys and halo keys."""
+  kh, vh = _halo_kv(cfg, call, k, kx, vx, halo)
+  qr = _reversed_rows(call, q, None)
+  seg = call_plan.segments(call, call.q_rows, call.kv_rows)
+  o_r, l_r = cfg.backend.forward(
+      _flat(qr), _flat(jnp.flip(kh, axis=1)), _flat(jnp.flip(vh, axis=1)),
+      seg, mask=call.mask, scale=cfg.scale)
+  n = min(call.q_rows, q.shape[1])
+  o_h = jnp.flip(o_r.reshape(qr.shape), axis=1)[:, :n]
+  l_h = jnp.flip(l_r.reshape(qr.shape[:3]), axis=1)[:, :n]
+  valid = jnp.arange(n)[None, :] < call.halo_rows[:, None]        # [B, n]
+  return merge_softmax_rows(out, lse, o_h, l_h, valid,
+                            cfg.backend.merge_rows)
+
+
 def _halo_call(cfg: CPConfig, call: call_plan.Call, q, k, v, kx, vx, halo,
                out, lse, dout):
-  """Runs a reversed halo call (:attr:`jax_cp.call_plan.Call.halo_rows`,
-  built by ``call_plan._windowed_straddle_backward``): its first
-  ``call.q_rows`` local Q rows and the ``H = call.kv_rows`` exchanged rows
-  before the chunk, both in reverse order, with out/dO zeroed and the lse
-  made huge past each row's ``halo_rows``.
+  """Runs a reversed halo call's backward
+  (:attr:`jax_cp.call_plan.Call.halo_rows`, built by
+  ``call_plan._windowed_straddle``): its first ``call.q_rows`` local Q
+  rows and the ``H = call.kv_rows`` exchanged rows before the chunk, both
+  in reverse order, with out/dO zeroed and the lse made huge past each
+  row's ``halo_rows``.
 
   Returns (dq ``[B, min(q_rows, Tl), Hq, D]``, dk, dv): dK/dV ``[B, H, ..]``
   of the received halo, or, with an all-gather, ``[B, T, ..]`` of the
   gathered buffer (zero outside the ``H`` rows)."""
-  tl, lq, hb = q.shape[1], call.q_rows, call.kv_rows
-  n = min(lq, tl)
-  valid = jnp.arange(lq)[None, :] < call.halo_rows[:, None]     # [B, lq]
-
-  def rows(x, fill):
-    """The first ``lq`` rows of ``x`` (padded past the chunk), ``fill``
-    where not ``valid``, in reverse order."""
-    x = x[:, :n]
-    if lq > n:
-      x = jnp.pad(x, [(0, 0), (0, lq - n)] + [(0, 0)] * (x.ndim - 2))
-    keep = valid.reshape(valid.shape + (1,) * (x.ndim - 2))
-    return jnp.flip(jnp.where(keep, x, jnp.asarray(fill, x.dtype)), axis=1)
-
-  hk = k.shape[2]
-  if halo is not None:
-    kh, vh = halo[:, :, :hk], halo[:, :, hk:]
-  else:
-    # All-gather: rows [lo - H, lo) of the gathered buffer; zero rows stand
-    # for those before row 0 (no document reaches there).
-    lo = _rank(cfg) * tl
-    pad = lambda x: jnp.pad(x, [(0, 0), (hb, 0), (0, 0), (0, 0)])
-    kh = jax.lax.dynamic_slice_in_dim(pad(kx), lo, hb, axis=1)
-    vh = jax.lax.dynamic_slice_in_dim(pad(vx), lo, hb, axis=1)
-  qr = rows(q, 0)
-  seg = call_plan.segments(call, lq, hb)
+  del v
+  tl, hb = q.shape[1], call.kv_rows
+  n = min(call.q_rows, tl)
+  kh, vh = _halo_kv(cfg, call, k, kx, vx, halo)
+  qr = _reversed_rows(call, q, 0)
+  seg = call_plan.segments(call, call.q_rows, hb)
   dq_r, dk_r, dv_r = cfg.backend.backward(
       _flat(qr), _flat(jnp.flip(kh, axis=1)), _flat(jnp.flip(vh, axis=1)),
-      _flat(rows(out, 0)), rows(lse, _NO_WEIGHT_LSE).reshape(-1, q.shape[2]),
-      _flat(rows(dout, 0)), seg, mask=call.mask, scale=cfg.scale)
+      _flat(_reversed_rows(call, out, 0)),
+      _reversed_rows(call, lse, _NO_WEIGHT_LSE).reshape(-1, q.shape[2]),
+      _flat(_reversed_rows(call, dout, 0)), seg, mask=call.mask,
+      scale=cfg.scale)
   dq_h = jnp.flip(dq_r.reshape(qr.shape), axis=1)[:, :n]
   dk_h = jnp.flip(dk_r.reshape(kh.shape), axis=1)
   dv_h = jnp.flip(dv_r.reshape(vh.shape), axis=1)
   if halo is None:
+    lo = _rank(cfg) * tl
     t = kx.shape[1]
     place = lambda g: jax.lax.dynamic_update_slice_in_dim(
         jnp.zeros((g.shape[0], t + hb) + g.shape[2:], g.dtype), g, lo,

@@ -150,11 +150,13 @@ def test_single_rank_is_one_top_left_call(cp):
 @pytest.mark.parametrize("split", [False, True])
 def test_no_load_balance_window_backward_has_no_bottom_right_call(
     left, kind, halo, lq, split):
-  """With a window the straddle call's forward stays bottom-right (cut to
-  the window); its backward is a reversed halo call (top-left causal over
-  the first ``left`` rows and the ``H`` rows before the chunk, both
-  reversed) plus a top-left call on the document's local rows: no
-  backward call is bottom-right (its band's cuDNN backward is slow).
+  """With a window the straddle call becomes, in both directions, a
+  reversed halo call (top-left causal over the first ``left`` rows and the
+  ``H`` rows before the chunk, both reversed) plus a top-left call on the
+  document's local rows, run as part of the chunk's local call: no call is
+  bottom-right (a band's bottom-right cuDNN backward is slow, its forward
+  slower than top-left). The forward runs the local call first, the
+  backward the halo call first.
   Rank 2 holds tokens [32, 48); document 1 (padded [16, 40), 24 valid
   tokens) reaches 8 rows into it from 16 tokens before the chunk."""
   cfg = config(S.NO_LOAD_BALANCE, w=T, split=split, left=left)
@@ -162,29 +164,41 @@ def test_no_load_balance_window_backward_has_no_bottom_right_call(
   assert call_plan.rows_before_chunk(cfg) == halo
   fwd = call_plan.forward_calls(cfg, CU, CU_P, 2)
   bwd = call_plan.backward_calls(cfg, CU, CU_P, 2)
-  assert [c.mask for c in fwd] == ["causal_top_left", "causal_bottom_right"]
+  unwindowed_local = call_plan.forward_calls(
+      config(S.NO_LOAD_BALANCE, w=T), CU, CU_P, 2)[0]
+  for calls in (fwd, bwd):
+    assert "causal_bottom_right" not in [c.mask for c in calls]
+    assert not any(c.overlaps_previous for c in calls)
+  assert len(fwd) == len(bwd)
   h = min(16, left)
-  assert np.asarray(fwd[1].meta.kv_lens).tolist() == [[h + 8]]
-  assert "causal_bottom_right" not in [c.mask for c in bwd]
-  assert not any(c.overlaps_previous for c in bwd)
   *halo_call, local = bwd
-  # The straddling document's local rows run in the local call: its first
-  # segment (local rows [0, 8), top-left band), then the chunk's own
-  # documents as in the forward's local call.
-  m = local.meta
-  assert not local.exchanged and local.mask == "causal_top_left"
-  assert (local.q_rows, local.kv_rows) == (None, None)
-  assert np.asarray(m.q_lens)[0, 0] == np.asarray(m.kv_lens)[0, 0] == 8
-  assert np.asarray(m.q_offsets)[0, 0] == np.asarray(m.kv_offsets)[0, 0] == 0
-  for field in metadata.StepMetadata._fields:
-    np.testing.assert_array_equal(np.asarray(getattr(m, field))[:, 1:],
-                                  np.asarray(getattr(fwd[0].meta, field)))
+  for call in (fwd[0], local):
+    # The straddling document's local rows run in the local call: its
+    # first segment (local rows [0, 8), top-left band), then the chunk's
+    # own documents as in the unwindowed local call.
+    m = call.meta
+    assert not call.exchanged and call.mask == "causal_top_left"
+    assert (call.q_rows, call.kv_rows) == (None, None)
+    assert np.asarray(m.q_lens)[0, 0] == np.asarray(m.kv_lens)[0, 0] == 8
+    assert np.asarray(m.q_offsets)[0, 0] == np.asarray(m.kv_offsets)[0, 0] == 0
+    for field in metadata.StepMetadata._fields:
+      np.testing.assert_array_equal(
+          np.asarray(getattr(m, field))[:, 1:],
+          np.asarray(getattr(unwindowed_local.meta, field)))
   W = call_plan.DqWrite
   if kind == "none":
-    assert not halo_call
+    assert not halo_call and len(fwd) == 1
     assert call_plan.dq_writes(bwd, TL, True) == [W()]
     return
   (hc,) = halo_call
+  # The forward's halo call is the backward's.
+  fhc = fwd[1]
+  assert (fhc.mask, fhc.q_rows, fhc.kv_rows) == (hc.mask, hc.q_rows,
+                                                 hc.kv_rows)
+  for field in metadata.StepMetadata._fields:
+    np.testing.assert_array_equal(np.asarray(getattr(fhc.meta, field)),
+                                  np.asarray(getattr(hc.meta, field)))
+  np.testing.assert_array_equal(fhc.halo_rows, hc.halo_rows)
   assert hc.exchanged and hc.mask == "causal_top_left"
   assert (hc.q_rows, hc.kv_rows, hc.max_q, hc.max_kv) == (lq, halo, lq, halo)
   assert np.asarray(hc.meta.q_lens).tolist() == [[lq]]

@@ -332,7 +332,8 @@ def test_rows_with_keys_matches_xla_reference(mask):
 
 def _cp_grad_calls(strategy, window=None, max_seqlen=None):
   """Custom-call names -> count in the gradient program of cp_attention at
-  cp=2, lowered for CUDA on CPU devices; and the backward calls' masks."""
+  cp=2, lowered for CUDA on CPU devices; the backward calls' masks and the
+  forward calls' masks."""
   mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2],
                        axis_types=(jax.sharding.AxisType.Auto,))
   cu = np.array([0, 20, 34, 58], np.int32)
@@ -351,15 +352,18 @@ def _cp_grad_calls(strategy, window=None, max_seqlen=None):
   text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), *args)
   names = re.findall(r"stablehlo\.custom_call @(\w+)", text)
   counts = {n: names.count(n) for n in set(names)}
-  masks = [attrs["mask"] for name in (BWD, cudnn_backend.FFI_TARGETS[
-      "sdpa_bwd_into"]) for attrs, _, _ in custom_calls(text, name)]
-  return counts, masks
+  into = cudnn_backend.FFI_TARGETS
+  masks = [attrs["mask"] for name in (BWD, into["sdpa_bwd_into"])
+           for attrs, _, _ in custom_calls(text, name)]
+  fwd_masks = [attrs["mask"] for name in (FWD, into["sdpa_fwd_into"])
+               for attrs, _, _ in custom_calls(text, name)]
+  return counts, masks, fwd_masks
 
 
 def test_dual_chunk_swap_layer_runs_one_forward_and_three_backward_calls():
   """Both steps in one forward call; the backward's rectangles apart (they
   read the same KV rows) and both triangles in one call."""
-  counts, masks = _cp_grad_calls("dual_chunk_swap")
+  counts, masks, _ = _cp_grad_calls("dual_chunk_swap")
   into = cudnn_backend.FFI_TARGETS
   assert counts.get(FWD) == 1 and into["sdpa_fwd_into"] not in counts
   assert counts.get(BWD, 0) + counts.get(into["sdpa_bwd_into"], 0) == 3
@@ -368,10 +372,16 @@ def test_dual_chunk_swap_layer_runs_one_forward_and_three_backward_calls():
       + [f"{MASK_CODES['causal_top_left']} : i64"])
 
 
-def test_windowed_no_load_balance_backward_has_two_top_left_calls():
-  """The reversed halo call and the local call (which holds the
-  straddling document's local rows): no bottom-right backward."""
-  counts, masks = _cp_grad_calls("no_load_balance", window=5, max_seqlen=24)
-  assert counts.get(BWD, 0) + counts.get(
-      cudnn_backend.FFI_TARGETS["sdpa_bwd_into"], 0) == 2
-  assert masks == [f"{MASK_CODES['causal_top_left']} : i64"] * 2
+def test_windowed_no_load_balance_runs_two_top_left_calls_each_way():
+  """Forward and backward: the local call (which holds the straddling
+  document's local rows) and the reversed halo call, both top-left; no
+  bottom-right call, and no forward call writes into another's outputs
+  (the halo call's rows are merged by log-sum-exp)."""
+  counts, masks, fwd_masks = _cp_grad_calls("no_load_balance", window=5,
+                                            max_seqlen=24)
+  into = cudnn_backend.FFI_TARGETS
+  top_left = f"{MASK_CODES['causal_top_left']} : i64"
+  assert counts.get(BWD, 0) + counts.get(into["sdpa_bwd_into"], 0) == 2
+  assert masks == [top_left] * 2
+  assert counts.get(FWD) == 2 and into["sdpa_fwd_into"] not in counts
+  assert fwd_masks == [top_left] * 2

@@ -73,6 +73,38 @@ def merge_rows_jnp(dst, src, row_offset: int, op: str = "add"):
 MergeRows = Callable[..., jax.Array]
 
 
+def merge_softmax_rows(out, lse, part_out, part_lse, valid,
+                       merge_rows: MergeRows = merge_rows_jnp):
+  """Attention over two disjoint key sets of the same rows, merged.
+
+  ``out [B, T, H, D]`` / ``lse [B, T, H]`` (float32, natural log) are one
+  call's results; ``part_out [B, n, H, D]`` / ``part_lse [B, n, H]`` another
+  call's over other keys for rows ``[0, n)``, used where ``valid [B, n]``.
+  There the merged row is the softmax over both key sets::
+
+      lse' = logaddexp(lse, part_lse)
+      out' = out * exp(lse - lse') + part_out * exp(part_lse - lse')
+
+  formed in float32. A row whose ``part_lse`` is ``-inf`` (it sees none of
+  the other keys) keeps its values. The rows go back with ``merge_rows``
+  (in place with cudnn): ``out' - out`` added, ``lse'`` by maximum, which
+  is ``lse'`` since ``lse' >= lse``.
+  """
+  n = part_out.shape[1]
+  f32 = jnp.promote_types(out.dtype, jnp.float32)
+  lse0 = lse[:, :n]
+  out0 = out[:, :n].astype(f32)
+  use = valid[..., None] & (part_lse > -jnp.inf)
+  both = jnp.where(use, jnp.logaddexp(lse0, part_lse), lse0)
+  w0 = jnp.where(use, jnp.exp(lse0 - both), 1.0)[..., None]
+  w1 = jnp.where(use, jnp.exp(part_lse - both), 0.0)[..., None]
+  delta = out0 * (w0 - 1.0) + part_out.astype(f32) * w1
+  delta = jnp.where(use[..., None], delta, 0.0)
+  out = merge_rows(out, delta.astype(out.dtype), 0, "add")
+  lse = merge_rows(lse, both.astype(lse.dtype), 0, "max")
+  return out, lse
+
+
 class GradSum:
   """The running sum of one gradient over the attention calls of a step.
 
