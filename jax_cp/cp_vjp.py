@@ -6,10 +6,11 @@ Forward: exchange K/V (:mod:`jax_cp.kv_exchange`), then run the calls of
 later call writes its rows into the first call's outputs (in place with a
 backend that ``supports_in_place``; otherwise its fresh outputs are added,
 ``lse`` by maximum), except a reversed halo call, whose rows are merged by
-log-sum-exp (:func:`_halo_forward`). Backward: keep only local residuals (plus a small
-received halo, :attr:`KVExchange.keeps_halo`, or all-gathered K/V no larger
-than Q, :attr:`CPConfig.keep_gathered_kv`), exchange K/V again where it
-must, run :func:`jax_cp.call_plan.backward_calls` with dq written as
+log-sum-exp (:func:`_halo_forward`). Backward: keep only local residuals
+(plus a small received halo, :attr:`KVExchange.keeps_halo`, or
+all-gathered K/V no larger than Q, :attr:`CPConfig.keep_gathered_kv`),
+exchange K/V again where it must, run
+:func:`jax_cp.call_plan.backward_calls` with dq written as
 :func:`jax_cp.call_plan.dq_writes` says (a reversed halo call,
 :attr:`jax_cp.call_plan.Call.halo_rows`, reads reversed inputs:
 :func:`_halo_call`), and return dK/dV to their owners (reduce-scatter, or

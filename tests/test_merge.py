@@ -6,8 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_cp.attention.merge import (check_merge_rows, merge_rows_jnp,
-                                    merge_softmax_rows)
+from jax_cp.attention.merge import (
+  check_merge_rows,
+  merge_rows_jnp,
+  merge_softmax_rows,
+)
 
 
 @pytest.mark.parametrize("op", ["add", "max"])
