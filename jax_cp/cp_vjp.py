@@ -239,8 +239,8 @@ def _halo_forward(cfg: CPConfig, call: call_plan.Call, q, k, kx, vx, halo,
                             cfg.backend.merge_rows)
 
 
-def _halo_call(cfg: CPConfig, call: call_plan.Call, q, k, v, kx, vx, halo,
-               out, lse, dout):
+def _halo_call(cfg: CPConfig, call: call_plan.Call, q, k, kx, vx, halo, out,
+               lse, dout):
   """Runs a reversed halo call's backward
   (:attr:`jax_cp.call_plan.Call.halo_rows`, built by
   ``call_plan._windowed_straddle``): its first ``call.q_rows`` local Q
@@ -251,7 +251,6 @@ def _halo_call(cfg: CPConfig, call: call_plan.Call, q, k, v, kx, vx, halo,
   Returns (dq ``[B, min(q_rows, Tl), Hq, D]``, dk, dv): dK/dV ``[B, H, ..]``
   of the received halo, or, with an all-gather, ``[B, T, ..]`` of the
   gathered buffer (zero outside the ``H`` rows)."""
-  del v
   tl, hb = q.shape[1], call.kv_rows
   n = min(call.q_rows, tl)
   kh, vh = _halo_kv(cfg, call, k, kx, vx, halo)
@@ -298,8 +297,8 @@ def _backward(cfg: CPConfig, residuals, dout):
   writes = call_plan.dq_writes(calls, q.shape[1], backend.supports_in_place)
   for call, write in zip(calls, writes):
     if call.halo_rows is not None:
-      dq_h, dk_h, dv_h = _halo_call(cfg, call, q, k, v, kx, vx, halo, out,
-                                    lse, dout)
+      dq_h, dk_h, dv_h = _halo_call(cfg, call, q, k, kx, vx, halo, out, lse,
+                                    dout)
       dq.add(dq_h, dq_h.shape[1])
       dkx.add(dk_h, dk_h.shape[1] if halo is not None else None)
       dvx.add(dv_h, dv_h.shape[1] if halo is not None else None)
