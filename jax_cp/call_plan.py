@@ -231,13 +231,30 @@ def forward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
   Its out/lse are merged into the local call's rows by log-sum-exp (the
   only forward call whose rows are not disjoint from the others')."""
   calls = _step_calls(cfg, cu_seqlens, cu_seqlens_padded, rank)
+  if _windowed_no_load_balance(cfg, calls):
+    local, halo = _windowed_no_load_balance_calls(cfg, calls)
+    return [local, *halo]
   if cfg.strategy is not _NLB and len(calls) > 1:
     return [merge_calls(calls)]
-  if cfg.strategy is _NLB and cfg.window_left >= 0 and len(calls) > 1:
-    local, straddle = calls
-    *halo, straddle_local = _windowed_straddle(cfg, straddle)
-    return [merge_calls([straddle_local, local]), *halo]
   return calls
+
+
+def _windowed_no_load_balance(cfg: CPConfig, calls: list[Call]) -> bool:
+  """Whether ``calls`` (:func:`_step_calls`) are NO_LOAD_BALANCE's local
+  and straddle calls with a sliding window."""
+  return cfg.strategy is _NLB and cfg.window_left >= 0 and len(calls) > 1
+
+
+def _windowed_no_load_balance_calls(cfg: CPConfig, calls: list[Call]
+                                    ) -> tuple[Call, list[Call]]:
+  """``(local call, [reversed halo call])`` of windowed NO_LOAD_BALANCE, the
+  same in both directions: the straddle call split by
+  :func:`_windowed_straddle`, its local part run as the first segment of
+  the chunk's local call (same mask and K/V, other rows). No halo call
+  when nothing lies before the chunk."""
+  local, straddle = calls
+  *halo, straddle_local = _windowed_straddle(cfg, straddle)
+  return merge_calls([straddle_local, local]), halo
 
 
 def _unwindowed_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
@@ -308,19 +325,14 @@ def backward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
   of its backward calls is bottom-right; that local call runs as part of
   the chunk's local call (same mask, same K/V, other rows).
   DUAL_CHUNK_SWAP's stay bottom-right (docs/design.md, Sliding window)."""
+  calls = _step_calls(cfg, cu_seqlens, cu_seqlens_padded, rank)
+  if _windowed_no_load_balance(cfg, calls):
+    # Both calls top-left: nothing to split.
+    local, halo = _windowed_no_load_balance_calls(cfg, calls)
+    return [*halo, local]
   out, triangles = [], []
-  straddle_local = None
-  for call in reversed(_step_calls(cfg, cu_seqlens, cu_seqlens_padded,
-                                   rank)):
+  for call in reversed(calls):
     straddle = cfg.strategy is _NLB and call.exchanged
-    if straddle and cfg.window_left >= 0:
-      *halo, straddle_local = _windowed_straddle(cfg, call)
-      out.extend(halo)
-      continue
-    if straddle_local is not None:
-      # The local call: same mask and K/V, other documents' rows.
-      call = merge_calls([straddle_local, call])
-      straddle_local = None
     split = cfg.split_straddle if straddle else cfg.split_causal_backward
     if call.mask != "causal_bottom_right" or not split:
       out.append(call)
@@ -333,8 +345,6 @@ def backward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
       out.append(triangle)
     else:
       triangles.append(triangle)
-  if straddle_local is not None:
-    out.append(straddle_local)
   if triangles:
     out.append(merge_calls(triangles))
   return out

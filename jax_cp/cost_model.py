@@ -71,7 +71,8 @@ class CPCostEstimate:
     calls_per_rank: attention kernel calls per rank in the forward: one
       (DUAL_CHUNK_SWAP runs both steps in one call), two for
       NO_LOAD_BALANCE at ``cp > 1`` (documents inside the chunk, and the
-      straddling one).
+      straddling one; with a sliding window, the straddling document's
+      halo keys), one with a window of 0 (no halo).
     allgather_bytes: K+V bytes each rank receives in the all-gather, summed
       over rows.
     halo_bytes_per_rank: NO_LOAD_BALANCE with ``max_seqlen`` or a window:
@@ -340,7 +341,8 @@ def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded,
       pairs_per_rank=tuple(int(p) for p in pairs),
       flops_per_rank=tuple(int(f) for f in flops),
       imbalance=imbalance,
-      calls_per_rank=2 if (cp > 1 and strategy is _NLB) else 1,
+      calls_per_rank=(2 if cp > 1 and strategy is _NLB and left != 0
+                      else 1),
       allgather_bytes=int(allgather),
       halo_bytes_per_rank=halo_per_rank, halo_bytes=halo,
       longest_padded_doc=longest, total_tokens=total, num_rows=rows,

@@ -106,6 +106,13 @@ def test_one_document_no_load_balance(cp):
     assert p / total == pytest.approx((2 * r + 1) / cp**2, rel=2 / tl)
   assert est.imbalance == pytest.approx((2 * cp - 1) / cp, rel=2 / tl)
   assert est.calls_per_rank == (1 if cp == 1 else 2)
+  # With a window: the local call and the straddling document's halo call;
+  # a window of 0 sees no halo, so the local call alone
+  # (call_plan.forward_calls; tests/test_call_plan.py checks the plans).
+  for left, calls in ((5, 2), (0, 1)):
+    est = jax_cp.estimate_cp_imbalance([0, t], [0, t], cp, "no_load_balance",
+                                       window_size=(left, 0))
+    assert est.calls_per_rank == (1 if cp == 1 else calls)
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4, 8])
