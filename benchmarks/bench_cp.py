@@ -124,14 +124,19 @@ def exchange_program(mesh, strategy: str, tokens: int, pass_name: str,
   Uses the core's own exchange (``jax_cp.kv_exchange``: all-gather +
   DUAL_CHUNK_SWAP restore, or NO_LOAD_BALANCE's bounded halo). fwd+bwd adds
   the gradient path (un-restore + reduce-scatter, or the reverse halo
-  permutes) on a buffer-sized dK|dV. XLA merges the backward's identical
-  re-gather with the forward's, so it is not repeated here.
+  permutes) on a buffer-sized dK|dV (the halo's, for the halo exchange).
+  XLA merges the backward's identical re-gather with the forward's, so it
+  is not repeated here.
   """
   cp = mesh.shape["cp"]
   ex = core_exchange(strategy, cp, tokens, max_seqlen, window)
 
   def local_core(k, v, cuP):
-    kb, vb = ex.gather(k[None], v[None], cuP[None])
+    if ex.kind == "halo":
+      halo = ex.receive_halo(k[None], v[None])
+      kb, vb = jnp.split(halo, 2, axis=2)
+    else:
+      kb, vb = ex.gather(k[None], v[None], cuP[None])
     out = jnp.concatenate([kb, vb], axis=2)
     if pass_name == "fwd":
       return out, jnp.zeros((1,), k.dtype)

@@ -52,7 +52,6 @@ const DeviceKernels& LoadDeviceKernels(const CudaLibraries& libs) {
         }
       }
     }
-    get(&k->assemble_kv, "jax_cp_assemble_kv");
     get(&k->clear_uncovered_rows, "jax_cp_clear_uncovered_rows");
     kernels = k;  // never freed: the library lives as long as the process
   });

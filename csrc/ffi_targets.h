@@ -9,14 +9,13 @@
 
 #include "xla/ffi/api/ffi.h"
 
-// The handlers (defined at global scope in sdpa_fwd.cc, sdpa_bwd.cc,
-// row_merge.cc and kv_assemble.cc).
+// The handlers (defined at global scope in sdpa_fwd.cc, sdpa_bwd.cc and
+// row_merge.cc).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpCudnnSdpaForward);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpCudnnSdpaForwardInto);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpCudnnSdpaBackward);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpCudnnSdpaBackwardInto);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpMergeRows);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpAssembleKv);
 
 namespace jax_cp {
 
@@ -26,7 +25,6 @@ inline constexpr char kSdpaForwardIntoTarget[] = "jax_cp_cudnn_sdpa_fwd_into";
 inline constexpr char kSdpaBackwardTarget[] = "jax_cp_cudnn_sdpa_bwd";
 inline constexpr char kSdpaBackwardIntoTarget[] = "jax_cp_cudnn_sdpa_bwd_into";
 inline constexpr char kMergeRowsTarget[] = "jax_cp_merge_rows";
-inline constexpr char kAssembleKvTarget[] = "jax_cp_assemble_kv";
 
 // Values of the SDPA calls' `mask` attribute.
 enum class SdpaMask : int64_t {

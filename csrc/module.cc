@@ -30,7 +30,6 @@ const Target kTargets[] = {
     {"sdpa_bwd_into", jax_cp::kSdpaBackwardIntoTarget,
      JaxCpCudnnSdpaBackwardInto},
     {"merge_rows", jax_cp::kMergeRowsTarget, JaxCpMergeRows},
-    {"assemble_kv", jax_cp::kAssembleKvTarget, JaxCpAssembleKv},
 };
 
 template <typename Enum>
@@ -42,7 +41,7 @@ int64_t Code(Enum value) {
 
 NB_MODULE(_jax_cp_cuda, m) {
   m.doc() =
-      "cuDNN SDPA, row-merge and K/V assembly handlers (XLA FFI) for "
+      "cuDNN SDPA and row-merge handlers (XLA FFI) for "
       "jax_cp's 'cudnn' backend.";
 
   // Must happen before the cuDNN frontend first opens the CUDA runtime.

@@ -1,10 +1,10 @@
-"""cuDNN SDPA, row-merge and K/V assembly handlers (XLA FFI) for jax_cp's
+"""cuDNN SDPA and row-merge handlers (XLA FFI) for jax_cp's
 'cudnn' backend (built from csrc/, see csrc/module.cc)."""
 
 from typing import Any
 
 #: FFI target names by role: sdpa_fwd, sdpa_fwd_into, sdpa_bwd,
-#: sdpa_bwd_into, merge_rows, assemble_kv.
+#: sdpa_bwd_into, merge_rows.
 FFI_TARGETS: dict[str, str]
 #: Values of the SDPA calls' ``mask`` attribute by mask type.
 MASK_CODES: dict[str, int]

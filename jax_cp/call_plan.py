@@ -25,9 +25,6 @@ from jax_cp.strategy import CPLoadBalancingStrategy
 
 _NLB = CPLoadBalancingStrategy.NO_LOAD_BALANCE
 
-RowRange = tuple[int, int]
-
-
 @dataclasses.dataclass(frozen=True)
 class Call:
   """One varlen attention call.
@@ -46,26 +43,28 @@ class Call:
     overlaps_previous: its Q rows are those of earlier calls (the
       triangles of split bottom-right blocks); every other call's rows are
       disjoint from all others'.
-    kv_range: ``(first, count)`` int32 ``[B]``, the rows of the exchanged
-      buffer the call reads (the straddle call with a halo exchange): the
-      backend's ``assemble_kv`` fills only those.
-    halo_rows: None, or this is the *reversed halo call* of
-      NO_LOAD_BALANCE's windowed straddling document
-      (:func:`_windowed_straddle`) and this is the int32 ``[B]`` number of
-      its first local Q rows that belong to that document. The call reads
-      the first ``q_rows`` local Q rows (zero rows past the chunk) and the
-      ``kv_rows`` exchanged rows before the chunk, both in reverse row
-      order. Forward: its out/lse on those rows are merged into the local
-      call's by log-sum-exp, the other rows are dropped. Backward: the
+    halo_rows: None, or this is the *halo call* of NO_LOAD_BALANCE's
+      straddling document (:func:`_split_straddle`): the document's first
+      local Q rows against its keys before the chunk, and this is the int32
+      ``[B]`` number of its first local Q rows that belong to that
+      document. Forward: its out/lse on those rows are merged into the
+      local call's by log-sum-exp, the other rows are dropped. Backward:
+      its dq is summed like a triangle's, its dK/dV are the exchanged
+      buffer's.
+    reversed: a halo call that reads the first ``q_rows`` local Q rows
+      (zero rows past the chunk) and the ``kv_rows`` exchanged rows before
+      the chunk, both in reverse row order, with the top-left band (a
+      sliding window that not every row sees whole). In the backward the
       planner zeroes out/dO and puts a huge lse on the rows past
-      ``halo_rows``, so they add nothing; its dq is summed like a
-      triangle's, its dK/dV are the halo's.
+      ``halo_rows``, so they add nothing. Otherwise a halo call is an
+      unmasked rectangle on the exchanged buffer in sequence order, with
+      exact segments.
 
   The calls of a step cover disjoint Q rows, so their outputs merge
   without log-sum-exp rescaling: a later call writes its rows into the
   buffers of the calls before it (in place when the backend
   ``supports_in_place``), or the planner adds them. The one exception is
-  a reversed halo call, whose rows are merged by log-sum-exp.
+  a halo call, whose rows are merged by log-sum-exp.
   """
 
   meta: metadata.StepMetadata
@@ -76,8 +75,8 @@ class Call:
   q_rows: int | None = None
   kv_rows: int | None = None
   overlaps_previous: bool = False
-  kv_range: tuple | None = None
   halo_rows: jnp.ndarray | None = None
+  reversed: bool = False
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -96,18 +95,15 @@ def _cut_to_window(call: Call, window_left: int) -> Call:
   later rows from further on, so nothing before that is read. The cut
   keeps the bottom-right alignment (the last Q row still meets the last KV
   row) and leaves ``kv_len >= q_len``; it shrinks the kernel's KV range
-  (and a halo call's assembly) to ``q_len + window_left`` rows."""
+  to ``q_len + window_left`` rows."""
   if window_left < 0 or call.mask != "causal_bottom_right":
     return call
   m = call.meta
   skip = jnp.where(m.q_lens > 0,
                    jnp.maximum(m.kv_lens - m.q_lens - window_left, 0), 0)
   meta = m._replace(kv_lens=m.kv_lens - skip, kv_offsets=m.kv_offsets + skip)
-  kv_range = call.kv_range
-  if kv_range is not None:
-    kv_range = (meta.kv_offsets[:, 0], meta.kv_lens[:, 0])
   return dataclasses.replace(
-      call, meta=meta, kv_range=kv_range,
+      call, meta=meta,
       max_kv=_bounded_max_kv(call.max_q, call.max_kv, window_left))
 
 
@@ -124,58 +120,61 @@ def rows_before_chunk(cfg: CPConfig) -> int:
                  (cfg.cp_size - 1) * cfg.local_tokens), 0)
 
 
-def _windowed_straddle(cfg: CPConfig, call: Call) -> list[Call]:
-  """NO_LOAD_BALANCE's windowed straddle call (a bottom-right call cut to
-  its window) as two calls that cuDNN runs fast, in the forward and in
-  the backward.
+def _split_straddle(cfg: CPConfig, call: Call) -> list[Call]:
+  """NO_LOAD_BALANCE's straddle call (bottom-right, cut to the window if
+  there is one) as a local call and a halo call, which cuDNN runs faster,
+  in the forward and in the backward.
 
-  With cuDNN 9.19 a banded bottom-right call is slower than a top-left one:
-  its backward skips no masked tile (about 11x slower; docs/design.md,
-  Sliding window), and so does a top-left band whose diagonal is moved
-  right; its forward runs a few percent slower and reads an assembled
-  ``[halo; chunk]`` buffer. Attention over a set of keys is a
-  log-sum-exp merge of attention over its parts, so the straddling
-  document's keys are split where the chunk starts:
+  With cuDNN 9.19 a bottom-right backward is slower than a top-left one
+  (about 2x; with a band it skips no masked tile, about 11x;
+  docs/design.md, Measurements and Sliding window), and splitting it
+  into a rectangle and a triangle costs a call. Attention over a set of
+  keys is a log-sum-exp merge of attention over its parts, so the
+  straddling document's keys are split where the chunk starts:
 
-  * its local keys: a top-left call with the band on the document's local
-    rows (Q row ``i`` sees local keys ``[i - left, i]``), reading the local
-    chunk only (:func:`forward_calls` and :func:`backward_calls` run it as
-    part of the chunk's local call);
-  * its halo keys (the last ``h`` of the ``H`` received rows, halo row
-    ``m`` at chunk position ``m - H``): Q row ``i`` sees ``m >= i + H -
-    left``. Over the first ``Lq = left`` local rows with both axes reversed
-    (``i' = Lq-1-i``, ``m' = H-1-m``) that is ``m' <= i'``, plain top-left
-    causal, and the document's ``h`` halo rows are the first ``h`` reversed
-    ones (KV length ``h``). If every one of the chunk's rows sees the whole
-    halo (``left - Tl >= H - 1``) the call is unmasked over ``Lq = Tl``
-    rows instead. Its rows past the straddling document's
-    (:attr:`Call.halo_rows`) are not the document's and are dropped: the
-    forward merges only the document's rows into the local call's, the
-    backward gives the others no weight.
+  * its local keys: a top-left call (with the band, if any) on the
+    document's local rows, reading the local chunk only
+    (:func:`forward_calls` and :func:`backward_calls` run it as part of
+    the chunk's local call, which costs no call of its own);
+  * its keys before the chunk, the *halo call*:
+
+    - if every one of the document's rows sees all of them (no window,
+      or ``left - Tl >= H - 1``): the unmasked rectangle of the
+      bottom-right block (:func:`metadata.split_bottom_right`) on the
+      exchanged buffer, the received halo alone when there is one;
+    - else (halo row ``m`` at chunk position ``m - H``; Q row ``i`` sees
+      ``m >= i + H - left``): over the first ``Lq = left`` local rows
+      with both axes reversed (``i' = Lq-1-i``, ``m' = H-1-m``) that is
+      ``m' <= i'``, plain top-left causal, and the document's ``h`` halo
+      rows are the first ``h`` reversed ones (KV length ``h``;
+      :attr:`Call.reversed`). Its rows past the straddling document's
+      are not the document's and are dropped.
 
   Returns ``[halo call, local call]`` (only the local call when nothing
   lies before the chunk)."""
   tl, left = cfg.local_tokens, cfg.window_left
-  halo = rows_before_chunk(cfg)
   m = call.meta
   q_doc = m.q_lens                                  # [B, 1]
-  h = jnp.where(q_doc > 0, m.kv_lens - q_doc, 0)
-  rows = call.q_rows if call.q_rows is not None else tl
-  local = Call(metadata.StepMetadata(q_doc, jnp.zeros_like(q_doc), q_doc,
-                                     jnp.zeros_like(q_doc)),
-               "causal_top_left", call.max_q, call.max_q, False)
-  if halo == 0:
-    return [local]
-  if left - tl >= halo - 1:
-    mask, lq = "no_mask", tl
-  else:
-    mask, lq = "causal_top_left", left
-  has = h > 0
   zero = jnp.zeros_like(q_doc)
-  meta = metadata.StepMetadata(jnp.where(has, lq, 0), zero, h, zero)
+  local = Call(metadata.StepMetadata(q_doc, zero, q_doc, zero),
+               "causal_top_left", call.max_q, call.max_q, False)
+  if cfg.exchange.kind == "none":
+    return [local]
+  halo = rows_before_chunk(cfg)
+  if left < 0 or left - tl >= halo - 1:
+    rect, _ = metadata.split_bottom_right(m)
+    kv_rows = halo if cfg.exchange.kind == "halo" else None
+    halo_call = Call(rect, "no_mask", call.max_q, call.max_kv, True,
+                     q_rows=call.q_rows, kv_rows=kv_rows,
+                     halo_rows=rect.q_lens[..., 0])
+    return [halo_call, local]
+  rows = call.q_rows if call.q_rows is not None else tl
+  h = jnp.where(q_doc > 0, m.kv_lens - q_doc, 0)
+  has = h > 0
+  meta = metadata.StepMetadata(jnp.where(has, left, 0), zero, h, zero)
   valid = jnp.where(has, jnp.minimum(q_doc, rows), 0)[..., 0]
-  halo_call = Call(meta, mask, lq, halo, True, q_rows=lq, kv_rows=halo,
-                   halo_rows=valid)
+  halo_call = Call(meta, "causal_top_left", left, halo, True, q_rows=left,
+                   kv_rows=halo, halo_rows=valid, reversed=True)
   return [halo_call, local]
 
 
@@ -190,12 +189,12 @@ def merge_calls(calls: list[Call]) -> Call:
   if len(calls) == 1:
     return first
   for c in calls:
-    limits = (c.q_rows, c.kv_rows, c.kv_range, c.halo_rows)
+    limits = (c.q_rows, c.kv_rows, c.halo_rows)
     if ((c.mask, c.exchanged) != (first.mask, first.exchanged)
         or any(x is not None for x in limits)):
       raise ValueError(
           "cannot merge calls: they must share the mask and the K/V source "
-          "and have no row limits (q_rows, kv_rows, kv_range, halo_rows); "
+          "and have no row limits (q_rows, kv_rows, halo_rows); "
           f"got masks {[x.mask for x in calls]}, exchanged "
           f"{[x.exchanged for x in calls]}")
   meta = metadata.StepMetadata(*(
@@ -224,36 +223,38 @@ def forward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
 
   With a sliding window every call runs with the band (the backend's
   ``window_left``); bottom-right calls also drop the KV rows before the
-  band (:func:`_cut_to_window`). NO_LOAD_BALANCE's straddle call becomes
-  a local call and a reversed halo call (:func:`_windowed_straddle`): the
-  local one runs as part of the chunk's local call (same mask and K/V,
-  other rows), the halo call last, so the local call hides the exchange.
-  Its out/lse are merged into the local call's rows by log-sum-exp (the
-  only forward call whose rows are not disjoint from the others')."""
+  band (:func:`_cut_to_window`).
+
+  NO_LOAD_BALANCE's straddle call becomes a local call and a halo call
+  (:func:`_split_straddle`): the local one runs as part of the chunk's
+  local call (same mask and K/V, other rows), the halo call last, so the
+  local call hides the exchange. Its out/lse are merged into the local
+  call's rows by log-sum-exp (the only forward call whose rows are not
+  disjoint from the others')."""
   calls = _step_calls(cfg, cu_seqlens, cu_seqlens_padded, rank)
-  if _windowed_no_load_balance(cfg, calls):
-    local, halo = _windowed_no_load_balance_calls(cfg, calls)
+  if _has_straddle(cfg, calls):
+    local, halo = _no_load_balance_calls_split(cfg, calls)
     return [local, *halo]
   if cfg.strategy is not _NLB and len(calls) > 1:
     return [merge_calls(calls)]
   return calls
 
 
-def _windowed_no_load_balance(cfg: CPConfig, calls: list[Call]) -> bool:
+def _has_straddle(cfg: CPConfig, calls: list[Call]) -> bool:
   """Whether ``calls`` (:func:`_step_calls`) are NO_LOAD_BALANCE's local
-  and straddle calls with a sliding window."""
-  return cfg.strategy is _NLB and cfg.window_left >= 0 and len(calls) > 1
+  and straddle calls (cp > 1)."""
+  return cfg.strategy is _NLB and len(calls) > 1
 
 
-def _windowed_no_load_balance_calls(cfg: CPConfig, calls: list[Call]
-                                    ) -> tuple[Call, list[Call]]:
-  """``(local call, [reversed halo call])`` of windowed NO_LOAD_BALANCE, the
-  same in both directions: the straddle call split by
-  :func:`_windowed_straddle`, its local part run as the first segment of
-  the chunk's local call (same mask and K/V, other rows). No halo call
-  when nothing lies before the chunk."""
+def _no_load_balance_calls_split(cfg: CPConfig, calls: list[Call]
+                                 ) -> tuple[Call, list[Call]]:
+  """``(local call, [halo call])`` of NO_LOAD_BALANCE, the same in both
+  directions: the straddle call split by :func:`_split_straddle`, its
+  local part run as the first segment of the chunk's local call (same
+  mask and K/V, other rows). No halo call when nothing lies before the
+  chunk."""
   local, straddle = calls
-  *halo, straddle_local = _windowed_straddle(cfg, straddle)
+  *halo, straddle_local = _split_straddle(cfg, straddle)
   return merge_calls([straddle_local, local]), halo
 
 
@@ -287,64 +288,51 @@ def _unwindowed_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
 def _no_load_balance_calls(cfg: CPConfig, cu, cuP, rank) -> list[Call]:
   """Documents inside the chunk need only local K/V (and can run while the
   exchange is in flight): one top-left call. The one straddling document
-  per row needs the exchanged buffer: one bottom-right call. It reaches at
-  most W-1 tokens into the chunk, so it only needs the first W-1 Q rows
-  and, with the halo exchange, the first halo + W-1 KV rows: small buffers
-  for short documents."""
+  per row needs the exchanged buffer: one bottom-right call, which
+  :func:`_split_straddle` splits further. It reaches at most W-1 tokens
+  into the chunk, so it only needs the first W-1 Q rows: small calls for
+  short documents."""
   w, tl = cfg.max_seqlen, cfg.local_tokens
   local, straddle = metadata.no_load_balance_split(
       cu, cuP, cfg.cp_size, rank, cfg.total_tokens,
       cfg.exchange.buffer_start(rank))
   bound = min(w, tl)
   q_rows = min(max(w - 1, 1), tl)
-  kv_rows = (cfg.exchange.halo_tokens + q_rows
-             if cfg.exchange.kind == "halo" else None)
-  # A split block's rectangle and triangle keep the straddle call's range.
-  kv_range = (straddle.kv_offsets[:, 0], straddle.kv_lens[:, 0])
   return [Call(local, "causal_top_left", bound, bound, False),
           Call(straddle, "causal_bottom_right", q_rows, w, True,
-               q_rows=q_rows if q_rows < tl else None, kv_rows=kv_rows,
-               kv_range=kv_range if kv_rows is not None else None)]
+               q_rows=q_rows if q_rows < tl else None)]
 
 
 def backward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
                    ) -> list[Call]:
-  """The forward's calls, one per step, in reverse order (NO_LOAD_BALANCE's
-  straddle call first, so the halo's gradients travel back while the local
-  call runs), bottom-right blocks split into an unmasked rectangle followed
-  by a top-left triangle where the config says so (the triangle
-  ``overlaps_previous``).
+  """The forward's calls in reverse order.
 
-  DUAL_CHUNK_SWAP's steps read overlapping KV rows (chunks ``0..r`` of
-  every document), so they stay separate calls; their triangles do not
-  (chunk ``r`` against chunk ``2cp-1-r``) and run as one call after both
-  rectangles.
+  NO_LOAD_BALANCE: the halo call first, so the halo's gradients travel
+  back while the local call runs; none of its calls is bottom-right
+  (:func:`_split_straddle`).
 
-  With a sliding window NO_LOAD_BALANCE's straddle call becomes a reversed
-  halo call and a local one (:func:`_windowed_straddle`), so none
-  of its backward calls is bottom-right; that local call runs as part of
-  the chunk's local call (same mask, same K/V, other rows).
-  DUAL_CHUNK_SWAP's stay bottom-right (docs/design.md, Sliding window)."""
+  DUAL_CHUNK_SWAP: one call per step, bottom-right blocks split into an
+  unmasked rectangle followed by a top-left triangle where the config
+  says so (``split_causal_backward``; the triangle ``overlaps_previous``).
+  The steps read overlapping KV rows (chunks ``0..r`` of every
+  document), so they stay separate calls; their triangles do not (chunk
+  ``r`` against chunk ``2cp-1-r``) and run as one call after both
+  rectangles. With a sliding window they stay whole bottom-right calls
+  (docs/design.md, Sliding window)."""
   calls = _step_calls(cfg, cu_seqlens, cu_seqlens_padded, rank)
-  if _windowed_no_load_balance(cfg, calls):
-    # Both calls top-left: nothing to split.
-    local, halo = _windowed_no_load_balance_calls(cfg, calls)
+  if _has_straddle(cfg, calls):
+    local, halo = _no_load_balance_calls_split(cfg, calls)
     return [*halo, local]
   out, triangles = [], []
   for call in reversed(calls):
-    straddle = cfg.strategy is _NLB and call.exchanged
-    split = cfg.split_straddle if straddle else cfg.split_causal_backward
-    if call.mask != "causal_bottom_right" or not split:
+    if call.mask != "causal_bottom_right" or not cfg.split_causal_backward:
       out.append(call)
       continue
     rect, diag = metadata.split_bottom_right(call.meta)
     out.append(dataclasses.replace(call, meta=rect, mask="no_mask"))
-    triangle = dataclasses.replace(call, meta=diag, mask="causal_top_left",
-                                   max_kv=call.max_q, overlaps_previous=True)
-    if cfg.strategy is _NLB:
-      out.append(triangle)
-    else:
-      triangles.append(triangle)
+    triangles.append(dataclasses.replace(
+        call, meta=diag, mask="causal_top_left", max_kv=call.max_q,
+        overlaps_previous=True))
   if triangles:
     out.append(merge_calls(triangles))
   return out
@@ -358,46 +346,28 @@ class DqWrite:
     into: the call writes its rows into the dq of the calls before it (the
       backend's ``dq_into``, in place) instead of making a fresh one.
     q_rows: the call reads only the first ``q_rows`` rows of Q/out/dO/lse
-      and its dq covers only those (a split block's triangle, a reversed
-      halo call; its dq is summed into the others'); None: full local rows.
-    fill: the ``dq_fill`` row range handed to the backend (None: its
-      default). The first full-size call of NO_LOAD_BALANCE, the straddle
-      call (without a window), zeroes only rows ``[0, q_rows)``; the next
-      call writing into its dq zeroes the rest, ``[q_rows, Tl)``.
+      and its dq covers only those (None: all rows).
   """
 
   into: bool = False
   q_rows: int | None = None
-  fill: RowRange | None = None
 
 
-def dq_writes(calls: list[Call], local_tokens: int, in_place: bool
-              ) -> list[DqWrite]:
+def dq_writes(calls: list[Call], in_place: bool) -> list[DqWrite]:
   """One :class:`DqWrite` per backward call.
 
-  The first non-triangle call makes the full-size dq; with an in-place
-  backend every later non-triangle call writes into it (its rows are
-  disjoint from the others'), without one each returns a fresh dq that the
-  planner adds. A triangle reads only its prefix rows and is summed either
-  way.
+  The first other call makes the full-size dq; with an in-place backend
+  every later one writes into it (its rows are disjoint from the
+  others'), without one each returns a fresh dq that the planner adds. A
+  triangle or halo call is summed either way.
   """
   writes = []
   have_dq = False
-  rest: RowRange | None = None  # rows the first call left to the next
   for call in calls:
     if call.overlaps_previous or call.halo_rows is not None:
       writes.append(DqWrite(q_rows=call.q_rows))
       continue
-    if not in_place:
-      writes.append(DqWrite())
-    elif not have_dq:
-      fill = None
-      if call.q_rows is not None:
-        fill, rest = (0, call.q_rows), (call.q_rows, local_tokens)
-      writes.append(DqWrite(fill=fill))
-    else:
-      writes.append(DqWrite(into=True, fill=rest))
-      rest = None
+    writes.append(DqWrite(into=in_place and have_dq))
     have_dq = True
   return writes
 

@@ -85,13 +85,12 @@ def cp_attention_local(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
       then receives only ``min(left, max_seqlen - 1)`` halo tokens through
       ``ppermute`` (with or without ``max_seqlen``), DUAL_CHUNK_SWAP still
       all-gathers (docs/design.md, Sliding window).
-    split_causal_backward: run the backward of bottom-right causal blocks as
-      an unmasked rectangle plus a top-left triangle (faster with cuDNN 9.19
-      for large blocks; never with a sliding window). Default: on for
-      cudnn, off otherwise; with cudnn, NO_LOAD_BALANCE's straddle block
-      (at most ``max_seqlen - 1`` rows) is split only when
-      ``max_seqlen > 8192``, below which the extra call costs more than it
-      saves. Same result either way.
+    split_causal_backward: run the backward of DUAL_CHUNK_SWAP's
+      bottom-right causal blocks as an unmasked rectangle plus a top-left
+      triangle (faster with cuDNN 9.19 for large blocks; never with a
+      sliding window). Default: on for cudnn, off otherwise. Same result
+      either way. NO_LOAD_BALANCE runs no bottom-right call: its
+      straddling document is always split where the chunk starts.
     **layout_kwargs: the keyword form of ``layout``, exclusive with it:
       ``cp_axis`` (default ``"cp"``), ``load_balancing_strategy``,
       ``cp_comm_type``, ``backend``, ``max_seqlen``,

@@ -21,10 +21,6 @@ from jax_cp.strategy import CPLoadBalancingStrategy, as_strategy
 
 _DCS = CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
 _NLB = CPLoadBalancingStrategy.NO_LOAD_BALANCE
-#: With ``split_causal_backward`` left to the backend, NO_LOAD_BALANCE splits
-#: its straddle call's backward only when ``max_seqlen`` exceeds this
-#: (docs/design.md, Measurements).
-SPLIT_STRADDLE_ABOVE = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +39,6 @@ class CPConfig:
     split_causal_backward: run the backward of bottom-right blocks as an
       unmasked rectangle plus a top-left triangle.
     exchange: how K/V travel between ranks.
-    split_straddle: the same split for NO_LOAD_BALANCE's straddle call.
     window_left: the left bound of a causal sliding window (a query at
       document position ``i`` sees keys ``[i - window_left, i]``); -1: none.
     bound_check: what a step does in-graph when its metadata holds a padded
@@ -72,7 +67,6 @@ class CPConfig:
   max_seqlen: int
   split_causal_backward: bool
   exchange: KVExchange
-  split_straddle: bool = False
   window_left: int = -1
   bound_check: str | None = None
   unbounded: CPConfig | None = None
@@ -118,19 +112,13 @@ def make_config(q_shape, k_shape, v_shape, dtype, cu_seqlens,
 
   def config(w: int) -> CPConfig:
     """The layout for the bound ``w``."""
-    split, split_straddle = split_causal_backward, None
+    split = split_causal_backward
     if split is None:
       split = resolved.name == "cudnn"
-      # NO_LOAD_BALANCE's straddle block is at most W-1 rows: below the
-      # threshold the extra call of a split costs more than the slower
-      # bottom-right backward saves.
-      split_straddle = split and w > SPLIT_STRADDLE_ABOVE
-    split_straddle = bool(split if split_straddle is None else
-                          split_straddle)
     if window_left >= 0:
       # The rectangle of a split bottom-right block would need the band too:
       # windowed blocks run their backward whole.
-      split = split_straddle = False
+      split = False
     exchange = choose_exchange(
         strategy is _NLB, cp_axis, cp_size, total_tokens, w,
         communicate=cp_comm_type != checks.CP_COMM_LOCAL_COPIES,
@@ -142,7 +130,7 @@ def make_config(q_shape, k_shape, v_shape, dtype, cu_seqlens,
                     scale=default_scale(q_shape[-1], softmax_scale),
                     backend=resolved, total_tokens=total_tokens,
                     max_seqlen=w, split_causal_backward=bool(split),
-                    exchange=exchange, split_straddle=split_straddle,
+                    exchange=exchange,
                     window_left=window_left, keep_gathered_kv=keep)
 
   cfg = config(bound)

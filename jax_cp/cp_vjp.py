@@ -5,16 +5,17 @@ Forward: exchange K/V (:mod:`jax_cp.kv_exchange`), then run the calls of
 :func:`jax_cp.call_plan.forward_calls`; their Q rows are disjoint, so each
 later call writes its rows into the first call's outputs (in place with a
 backend that ``supports_in_place``; otherwise its fresh outputs are added,
-``lse`` by maximum), except a reversed halo call, whose rows are merged by
+``lse`` by maximum), except a halo call, whose rows are merged by
 log-sum-exp (:func:`_halo_forward`). Backward: keep only local residuals
 (plus a small received halo, :attr:`KVExchange.keeps_halo`, or
 all-gathered K/V no larger than Q, :attr:`CPConfig.keep_gathered_kv`),
 exchange K/V again where it must, run
 :func:`jax_cp.call_plan.backward_calls` with dq written as
 :func:`jax_cp.call_plan.dq_writes` says (a reversed halo call,
-:attr:`jax_cp.call_plan.Call.halo_rows`, reads reversed inputs:
-:func:`_halo_call`), and return dK/dV to their owners (reduce-scatter, or
-reverse halo permutes merged with the backend's ``merge_rows``).
+:attr:`jax_cp.call_plan.Call.reversed`, reads reversed inputs:
+:func:`_reversed_halo_backward`), and return dK/dV to their owners
+(reduce-scatter, or reverse halo permutes merged with the backend's
+``merge_rows``).
 docs/design.md, Call plans and Exchange.
 
 With traced metadata and a ``max_seqlen`` bound, forward and backward each
@@ -48,41 +49,22 @@ def _flat(x):
   return x.reshape((-1,) + x.shape[2:])
 
 
-def _flat_row_range(rows, batch: int):
-  """A row range of every batch entry -> the range over flattened rows,
-  exact only for B = 1 (None otherwise: the backend's default)."""
-  if rows is None or batch != 1:
-    return None
-  return rows
-
-
 def _rank(cfg: CPConfig):
   if cfg.cp_size == 1:
     return jnp.int32(0)
   return jax.lax.axis_index(cfg.cp_axis).astype(jnp.int32)
 
 
-def _call_kv(cfg: CPConfig, call: call_plan.Call, k, v, k_exchanged,
-             v_exchanged, halo, cache=None):
-  """The K/V a call reads: the local chunk, or the first ``kv_rows`` rows of
-  the exchanged buffer (assembled from the halo when there is one, by the
-  backend's ``assemble_kv`` on the call's ``kv_range``). ``cache`` (a dict)
-  lets the two halves of a split block share one assembly."""
+def _call_kv(call: call_plan.Call, k, v, k_exchanged, v_exchanged, halo):
+  """The K/V a call reads: the local chunk, the received halo, or the
+  all-gathered buffer, each cut to its first ``kv_rows`` rows."""
   if not call.exchanged:
-    return _prefix(k, call.kv_rows), _prefix(v, call.kv_rows)
-  if halo is None:
-    return (_prefix(k_exchanged, call.kv_rows),
-            _prefix(v_exchanged, call.kv_rows))
-  key = (call.kv_rows, None if call.kv_range is None else
-         tuple(id(x) for x in call.kv_range))
-  if cache is not None and key in cache:
-    return cache[key]
-  first, count = call.kv_range or (None, None)
-  kv = cfg.exchange.assemble(halo, k, v, call.kv_rows, first, count,
-                             assemble_kv=cfg.backend.assemble_kv)
-  if cache is not None:
-    cache[key] = kv
-  return kv
+    k_exchanged, v_exchanged = k, v
+  elif halo is not None:
+    hk = k.shape[2]
+    k_exchanged, v_exchanged = halo[:, :, :hk], halo[:, :, hk:]
+  return (_prefix(k_exchanged, call.kv_rows),
+          _prefix(v_exchanged, call.kv_rows))
 
 
 def _exchange(cfg: CPConfig, k, v, cu_seqlens_padded):
@@ -105,13 +87,13 @@ def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
                                       _rank(cfg)):
     assert not call.overlaps_previous, call
     if call.exchanged and halo is not None and out is not None:
-      # The assembly waits for the halo: keep it after the earlier calls,
+      # The halo call waits for the halo: keep it after the earlier calls,
       # which then hide the exchange (XLA may otherwise schedule it first).
       halo, out, lse = jax.lax.optimization_barrier((halo, out, lse))
     if call.halo_rows is not None:
-      out, lse = _halo_forward(cfg, call, q, k, kx, vx, halo, out, lse)
+      out, lse = _halo_forward(cfg, call, q, k, v, kx, vx, halo, out, lse)
       continue
-    kc, vc = _call_kv(cfg, call, k, v, kx, vx, halo)
+    kc, vc = _call_kv(call, k, v, kx, vx, halo)
     seg = call_plan.segments(call, q.shape[1], kc.shape[1])
     in_place = out is not None and backend.supports_in_place
     # The first call's outputs hold 0 / -inf on the other calls' rows.
@@ -219,31 +201,41 @@ def _halo_kv(cfg: CPConfig, call: call_plan.Call, k, kx, vx, halo):
           jax.lax.dynamic_slice_in_dim(pad(vx), lo, hb, axis=1))
 
 
-def _halo_forward(cfg: CPConfig, call: call_plan.Call, q, k, kx, vx, halo,
-                  out, lse):
-  """Runs a reversed halo call's forward and merges its rows into the
-  local call's ``out``/``lse`` (``attention.merge.merge_softmax_rows``):
-  the straddling document's first rows then have attention over their
-  whole window, local keys and halo keys."""
-  kh, vh = _halo_kv(cfg, call, k, kx, vx, halo)
-  qr = _reversed_rows(call, q, None)
-  seg = call_plan.segments(call, call.q_rows, call.kv_rows)
-  o_r, l_r = cfg.backend.forward(
-      _flat(qr), _flat(jnp.flip(kh, axis=1)), _flat(jnp.flip(vh, axis=1)),
-      seg, mask=call.mask, scale=cfg.scale)
-  n = min(call.q_rows, q.shape[1])
-  o_h = jnp.flip(o_r.reshape(qr.shape), axis=1)[:, :n]
-  l_h = jnp.flip(l_r.reshape(qr.shape[:3]), axis=1)[:, :n]
+def _halo_forward(cfg: CPConfig, call: call_plan.Call, q, k, v, kx, vx,
+                  halo, out, lse):
+  """Runs a halo call's forward (:attr:`jax_cp.call_plan.Call.halo_rows`)
+  and merges its rows into the local call's ``out``/``lse``
+  (``attention.merge.merge_softmax_rows``): the straddling document's
+  first rows then have attention over all their keys, local and before
+  the chunk."""
+  n = q.shape[1] if call.q_rows is None else min(call.q_rows, q.shape[1])
+  if call.reversed:
+    kh, vh = _halo_kv(cfg, call, k, kx, vx, halo)
+    qr = _reversed_rows(call, q, None)
+    seg = call_plan.segments(call, call.q_rows, call.kv_rows)
+    o_r, l_r = cfg.backend.forward(
+        _flat(qr), _flat(jnp.flip(kh, axis=1)), _flat(jnp.flip(vh, axis=1)),
+        seg, mask=call.mask, scale=cfg.scale)
+    o_h = jnp.flip(o_r.reshape(qr.shape), axis=1)[:, :n]
+    l_h = jnp.flip(l_r.reshape(qr.shape[:3]), axis=1)[:, :n]
+  else:
+    kc, vc = _call_kv(call, k, v, kx, vx, halo)
+    qc = q[:, :n]
+    o_h, l_h = cfg.backend.forward(
+        _flat(qc), _flat(kc), _flat(vc),
+        call_plan.segments(call, n, kc.shape[1]), mask=call.mask,
+        scale=cfg.scale)
+    o_h, l_h = o_h.reshape(qc.shape), l_h.reshape(qc.shape[:3])
   valid = jnp.arange(n)[None, :] < call.halo_rows[:, None]        # [B, n]
   return merge_softmax_rows(out, lse, o_h, l_h, valid,
                             cfg.backend.merge_rows)
 
 
-def _halo_call(cfg: CPConfig, call: call_plan.Call, q, k, kx, vx, halo, out,
-               lse, dout):
+def _reversed_halo_backward(cfg: CPConfig, call: call_plan.Call, q, k, kx,
+                            vx, halo, out, lse, dout):
   """Runs a reversed halo call's backward
   (:attr:`jax_cp.call_plan.Call.halo_rows`, built by
-  ``call_plan._windowed_straddle``): its first ``call.q_rows`` local Q
+  ``call_plan._split_straddle``): its first ``call.q_rows`` local Q
   rows and the ``H = call.kv_rows`` exchanged rows before the chunk, both
   in reverse order, with out/dO zeroed and the lse made huge past each
   row's ``halo_rows``.
@@ -291,25 +283,25 @@ def _backward(cfg: CPConfig, residuals, dout):
     kx, vx, halo = _exchange(cfg, k, v, cu_seqlens_padded)
   dout = dout.astype(out.dtype)
   dq, dk, dv, dkx, dvx = GradSum(), GradSum(), GradSum(), GradSum(), GradSum()
-  assembled = {}
   calls = call_plan.backward_calls(cfg, cu_seqlens, cu_seqlens_padded,
                                    _rank(cfg))
-  writes = call_plan.dq_writes(calls, q.shape[1], backend.supports_in_place)
+  writes = call_plan.dq_writes(calls, backend.supports_in_place)
   for call, write in zip(calls, writes):
-    if call.halo_rows is not None:
-      dq_h, dk_h, dv_h = _halo_call(cfg, call, q, k, kx, vx, halo, out, lse,
-                                    dout)
+    if call.reversed:
+      dq_h, dk_h, dv_h = _reversed_halo_backward(cfg, call, q, k, kx, vx,
+                                                 halo, out, lse, dout)
       dq.add(dq_h, dq_h.shape[1])
       dkx.add(dk_h, dk_h.shape[1] if halo is not None else None)
       dvx.add(dv_h, dv_h.shape[1] if halo is not None else None)
       continue
-    kc, vc = _call_kv(cfg, call, k, v, kx, vx, halo, assembled)
+    kc, vc = _call_kv(call, k, v, kx, vx, halo)
     rows = write.q_rows
     qc = _prefix(q, rows)
-    extra = window_kwargs(cfg.window_left)
+    # A halo call that is not reversed is an unmasked rectangle: no band.
+    extra = ({} if call.halo_rows is not None else
+             window_kwargs(cfg.window_left))
     if backend.supports_in_place:
-      extra.update(dq_into=_flat(dq.full) if write.into else None,
-                   dq_fill=_flat_row_range(write.fill, q.shape[0]))
+      extra.update(dq_into=_flat(dq.full) if write.into else None)
     dq_i, dk_i, dv_i = backend.backward(
         _flat(qc), _flat(kc), _flat(vc),
         _flat(_prefix(out, rows)),

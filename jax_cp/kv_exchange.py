@@ -6,12 +6,12 @@
 * ``halo`` (NO_LOAD_BALANCE with a ``max_seqlen`` bound W or a sliding
   window ``(left, 0)``; docs/design.md, Exchange): rank r needs only
   physical tokens ``[lo - halo, lo)``, ``halo = min(W-1, left)``, from its
-  predecessors, ``ceil(halo/Tl)`` ``ppermute`` hops. The buffer holds
-  ``[lo - halo, hi)`` (assembled per call, only as many rows as the call
-  reads). A halo of at most half a chunk is kept from the forward for the
-  backward (:attr:`KVExchange.keeps_halo`). Gradients of the halo go back
-  with the reverse permutes and are merged into the owners' rows in place
-  (the backend's ``merge_rows``).
+  predecessors, ``ceil(halo/Tl)`` ``ppermute`` hops. The halo is all a call
+  reads of it: the straddling document's keys before the chunk (its local
+  keys are read from the local chunk). A halo of at most half a chunk is
+  kept from the forward for the backward (:attr:`KVExchange.keeps_halo`).
+  Gradients of the halo go back with the reverse permutes and are merged
+  into the owners' rows in place (the backend's ``merge_rows``).
 * ``none``: one rank (cp=1), the local chunk is the row; or NO_LOAD_BALANCE
   with a halo of 0 tokens (window ``(0, 0)``): the local chunk is all any
   query sees.
@@ -34,7 +34,6 @@ import jax
 import jax.numpy as jnp
 
 from jax_cp import partition
-from jax_cp.attention.assemble import assemble_kv_jnp
 from jax_cp.attention.merge import add, merge_rows_jnp
 
 
@@ -68,17 +67,9 @@ class KVExchange:
   def local_tokens(self) -> int:
     return self.total_tokens // self.cp_size
 
-  @property
-  def buffer_tokens(self) -> int:
-    """Token count of the exchanged buffer."""
-    if self.kind == "all_gather":
-      return self.total_tokens
-    if self.kind == "halo":
-      return self.halo_tokens + self.local_tokens
-    return self.local_tokens
-
   def buffer_start(self, rank):
-    """Physical index of the buffer's first token on ``rank``."""
+    """Physical index of the first token of the exchanged buffer (the
+    all-gathered row, or the received halo) on ``rank``."""
     if self.kind == "all_gather":
       return jnp.int32(0)
     lo = jnp.asarray(rank, jnp.int32) * self.local_tokens
@@ -111,9 +102,9 @@ class KVExchange:
   # ----------------------------------------------------------------- forward
 
   def gather(self, k, v, cu_seqlens_padded):
-    """Local ``[B, Tl, Hkv, D]`` K and V -> exchanged buffers."""
-    if self.kind == "halo":
-      return self.assemble(self.receive_halo(k, v), k, v)
+    """Local ``[B, Tl, Hkv, D]`` K and V -> exchanged buffers (all-gather;
+    the halo exchange has :meth:`receive_halo` instead)."""
+    assert self.kind != "halo", self.kind
     if self.kind == "none":
       return k, v
     hk = k.shape[2]
@@ -137,17 +128,6 @@ class KVExchange:
       pieces.append(self._permute(kv[:, tl - size:], perm))
     return jnp.concatenate(pieces, axis=1)
 
-  def assemble(self, halo, k, v, rows: int | None = None, first=None,
-               count=None, assemble_kv=assemble_kv_jnp):
-    """The exchanged buffers ``[B, halo + Tl, Hkv, D]`` from a received
-    halo and the local chunk (no communication), or only their first
-    ``rows`` rows. With the KV range ``first``/``count`` ``[B]`` of the one
-    call that reads them, a backend's ``assemble_kv`` may fill only those
-    rows (:mod:`jax_cp.attention.assemble`)."""
-    if first is None:
-      return assemble_kv_jnp(halo, k, v, rows)
-    return assemble_kv(halo, k, v, rows, first, count)
-
   @property
   def keeps_halo(self) -> bool:
     """Whether the forward keeps the received halo for the backward instead
@@ -165,10 +145,8 @@ class KVExchange:
     chunk (summed over every rank that read it), added to ``into``.
 
     Args:
-      dk, dv: ``[B, rows, Hkv, D]`` gradients of the exchanged K/V. For the
-        halo exchange ``rows`` may be a prefix of the buffer (``halo_tokens
-        <= rows``): the calls read only its first rows (only the halo when
-        ``rows == halo_tokens``).
+      dk, dv: ``[B, rows, Hkv, D]`` gradients of the exchanged K/V: the
+        all-gathered row, or the received halo (``rows == halo_tokens``).
       into: local ``(dk, dv)`` gradients ``[B, Tl, Hkv, D]`` to add to (None:
         zeros).
       merge_rows: the backend's row merge; the halo's gradients come back
@@ -189,14 +167,11 @@ class KVExchange:
       back_k, back_v = dkv[:, :, :hk], dkv[:, :, hk:]
       return (back_k if into_k is None else add(into_k, back_k),
               back_v if into_v is None else add(into_v, back_v))
-    tl, halo = self.local_tokens, self.halo_tokens
+    tl = self.local_tokens
+    assert dk.shape[1] == self.halo_tokens, (dk.shape, self.halo_tokens)
     shape = dk.shape[:1] + (tl,) + dk.shape[2:]
     out_k = jnp.zeros(shape, dk.dtype) if into_k is None else into_k
     out_v = jnp.zeros(shape, dv.dtype) if into_v is None else into_v
-    if dk.shape[1] > halo:
-      # This rank's own rows of the buffer (after the halo).
-      out_k = merge_rows(out_k, dk[:, halo:], 0, "add")
-      out_v = merge_rows(out_v, dv[:, halo:], 0, "add")
     start = 0
     for hop, size in self._hops():
       piece = jnp.concatenate([dk[:, start:start + size],

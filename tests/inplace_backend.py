@@ -24,10 +24,9 @@ rows gives non-finite results instead of right ones by luck.
   without Q rows does no work, so its ``kv_len`` may exceed the bound (the
   planner leaves such segments uncut by a sliding window; cuDNN clips them
   and counts no KV row of theirs as read).
-* ``assemble_kv``: rows outside ``[first, first + count)`` are NaN. The
-  attention calls read only K/V rows inside their segments' KV ranges (NaN
-  there propagates, as in a kernel that loads whole ranges) and only the Q,
-  out, dO and lse rows their segments cover.
+* The attention calls read only K/V rows inside their segments' KV ranges
+  (NaN there propagates, as in a kernel that loads whole ranges) and only
+  the Q, out, dO and lse rows their segments cover.
 
 :func:`make_backend` builds one (hashable) backend that logs the in-place
 arguments of each call, at trace time, to a list.
@@ -38,7 +37,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_cp.attention import xla
-from jax_cp.attention.assemble import assemble_kv_jnp
 from jax_cp.attention.backend import MASK_TYPES, Backend, Segments
 from jax_cp.attention.merge import merge_rows_jnp
 
@@ -209,23 +207,12 @@ def make_backend(name: str, log: list | None = None) -> Backend:
     dq = jnp.where(_rows(dq, in_fill), filled, outside)
     return _poison(broken, dq, dk, dv)
 
-  def assemble_kv(halo, k, v, rows=None, first=None, count=None):
-    if first is None or count is None:
-      raise ValueError("assemble_kv needs the row range first/count")
-    kx, vx = assemble_kv_jnp(halo, k, v, rows, first, count)
-    r = jnp.arange(kx.shape[1], dtype=jnp.int32)[None, :]
-    first = jnp.asarray(first, jnp.int32)[:, None]
-    count = jnp.asarray(count, jnp.int32)[:, None]
-    keep = ((r >= first) & (r < first + count))[:, :, None, None]
-    return (jnp.where(keep, kx, _nan_like(kx)),
-            jnp.where(keep, vx, _nan_like(vx)))
-
   def is_available(platform: str) -> bool:
     del platform
     return True
 
   return Backend(name=name, forward=forward, backward=backward,
                  is_available=is_available, merge_rows=merge_rows_jnp,
-                 assemble_kv=assemble_kv, supports_in_place=True,
+                 supports_in_place=True,
                  exact_past_bounds=False)
 

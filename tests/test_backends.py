@@ -121,8 +121,7 @@ def test_each_module_imports_alone(module):
   assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("name", ["backend", "xla", "cudnn", "merge",
-                                  "assemble"])
+@pytest.mark.parametrize("name", ["backend", "xla", "cudnn", "merge"])
 def test_backend_modules_do_not_import_the_registry(name):
   """The registry imports the backends, never the other way round."""
   path = pathlib.Path(registry.__file__).with_name(f"{name}.py")

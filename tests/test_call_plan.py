@@ -29,26 +29,46 @@ def config(strategy, w, split=False, cp=CP, left=-1):
                   total_tokens=T, max_seqlen=w, split_causal_backward=split,
                   exchange=choose_exchange(strategy is S.NO_LOAD_BALANCE,
                                            "cp", cp, T, w, window_left=left),
-                  split_straddle=split, window_left=left)
+                  window_left=left)
 
 
 def test_no_load_balance_plan():
+  """The straddling document splits where the chunk starts: its local rows
+  against its local keys run in the chunk's local call (top-left), its
+  rows against its keys before the chunk in an unmasked halo call on the
+  received halo alone. No call is bottom-right, in either direction, and
+  both directions run the same two calls (the halo call last in the
+  forward, first in the backward)."""
   cfg = config(S.NO_LOAD_BALANCE, w=24)
-  calls = call_plan.forward_calls(cfg, CU, CU_P, 2)
-  assert [c.mask for c in calls] == ["causal_top_left", "causal_bottom_right"]
-  assert [c.exchanged for c in calls] == [False, True]
-  straddle = calls[1]
-  # The straddling document reaches at most W-1 = 23 rows, above Tl = 16.
-  assert straddle.q_rows is None and straddle.max_q == TL
   assert cfg.exchange.kind == "halo" and cfg.exchange.halo_tokens == 23
+  fwd = call_plan.forward_calls(cfg, CU, CU_P, 2)
+  bwd = call_plan.backward_calls(cfg, CU, CU_P, 2)
+  assert [(c.mask, c.exchanged) for c in fwd] == [
+      ("causal_top_left", False), ("no_mask", True)]
+  assert [c.mask for c in bwd] == ["no_mask", "causal_top_left"]
+  for a, b in zip(fwd, bwd[::-1]):
+    for field in metadata.StepMetadata._fields:
+      np.testing.assert_array_equal(np.asarray(getattr(a.meta, field)),
+                                    np.asarray(getattr(b.meta, field)))
+  local, halo = fwd
   # Rank 2 holds tokens [32, 48); document 1 (padded [16, 40), 24 valid
-  # tokens) straddles into it: its 8 rows [32, 40) see its 24 keys.
-  assert int(np.asarray(straddle.meta.q_lens)[0, 0]) == 8
-  assert int(np.asarray(straddle.meta.kv_lens)[0, 0]) == 24
-  # The local call holds document 2 (padded [40, 64)): rows [8, 16) of the
-  # chunk, 8 valid tokens, 8 keys.
-  local = calls[0].meta
-  assert 8 in np.asarray(local.q_lens)[0].tolist()
+  # tokens) straddles into it: its 8 rows [32, 40) see its 16 keys before
+  # the chunk, rows [7, 23) of the 23-row halo (tokens [9, 32)).
+  assert not halo.reversed and halo.kv_rows == 23
+  # It reaches at most W-1 = 23 rows, above Tl = 16: all Q rows.
+  assert halo.q_rows is None and halo.max_q == TL
+  m = halo.meta
+  assert [int(np.asarray(x)[0, 0]) for x in m] == [8, 0, 16, 7]
+  assert np.asarray(halo.halo_rows).tolist() == [8]
+  # The local call: the straddling document's rows [0, 8) against its
+  # local keys first, then document 2 (padded [40, 64)): rows [8, 16) of
+  # the chunk, 8 valid tokens, 8 keys.
+  lm = local.meta
+  assert [np.asarray(x)[0, 0].item() for x in lm] == [8, 0, 8, 0]
+  assert 8 in np.asarray(lm.q_lens)[0, 1:].tolist()
+  # Rank 0 has no straddling document: the halo call has no segment.
+  assert np.asarray(call_plan.forward_calls(cfg, CU, CU_P, 0)[1]
+                    .meta.q_lens).tolist() == [[0]]
 
 
 def test_dual_chunk_swap_plan_and_backward_split():
@@ -91,32 +111,32 @@ def test_dual_chunk_swap_plan_and_backward_split():
 
 def test_merge_calls_refuses_calls_it_cannot_merge():
   cfg = config(S.NO_LOAD_BALANCE, w=24)
-  local, straddle = call_plan.forward_calls(cfg, CU, CU_P, 2)
+  local, halo = call_plan.forward_calls(cfg, CU, CU_P, 2)
   with pytest.raises(ValueError, match="cannot merge"):
-    call_plan.merge_calls([local, straddle])
+    call_plan.merge_calls([local, halo])
   assert call_plan.merge_calls([local]) is local
 
 
-def _call(q_rows=None, overlaps=False):
+def _call(q_rows=None, overlaps=False, halo_rows=None):
   return call_plan.Call(meta=None, mask="no_mask", max_q=1, max_kv=1,
                         exchanged=True, q_rows=q_rows,
-                        overlaps_previous=overlaps)
+                        overlaps_previous=overlaps, halo_rows=halo_rows)
 
 
-def test_dq_writes_in_place_split_the_fill():
-  # NO_LOAD_BALANCE backward with a split straddle: rectangle, triangle,
-  # then the local call.
-  calls = [_call(q_rows=7), _call(q_rows=7, overlaps=True), _call()]
+def test_dq_writes():
   W = call_plan.DqWrite
-  assert call_plan.dq_writes(calls, 16, in_place=True) == [
-      W(fill=(0, 7)), W(q_rows=7), W(into=True, fill=(7, 16))]
+  # NO_LOAD_BALANCE: the halo call's dq (its first 7 rows) is summed, the
+  # local call makes the full dq.
+  calls = [_call(q_rows=7, halo_rows=np.array([3])), _call()]
+  assert call_plan.dq_writes(calls, in_place=True) == [W(q_rows=7), W()]
+  assert call_plan.dq_writes(calls, in_place=False) == [W(q_rows=7), W()]
+  # DUAL_CHUNK_SWAP, split: the first rectangle makes the dq, the second
+  # writes into it, the triangles are summed.
+  calls = [_call(), _call(), _call(overlaps=True)]
+  assert call_plan.dq_writes(calls, in_place=True) == [
+      W(), W(into=True), W()]
   # Without in-place writes every call returns a fresh dq, summed.
-  assert call_plan.dq_writes(calls, 16, in_place=False) == [
-      W(), W(q_rows=7), W()]
-  # DUAL_CHUNK_SWAP: full-row calls, the first fills all its rows (the
-  # backend default), the later ones write into it.
-  assert call_plan.dq_writes([_call(), _call()], 16, in_place=True) == [
-      W(), W(into=True)]
+  assert call_plan.dq_writes(calls, in_place=False) == [W(), W(), W()]
 
 
 def test_segments_heaviest_first_and_flat_offsets():
@@ -147,9 +167,8 @@ def test_single_rank_is_one_top_left_call(cp):
 @pytest.mark.parametrize("left, kind, halo, lq", [
     (5, "halo", 5, 5), (20, "halo", 20, 20), (60, "all_gather", 48, 60),
     (0, "none", 0, None)])
-@pytest.mark.parametrize("split", [False, True])
 def test_no_load_balance_window_backward_has_no_bottom_right_call(
-    left, kind, halo, lq, split):
+    left, kind, halo, lq):
   """With a window the straddle call becomes, in both directions, a
   reversed halo call (top-left causal over the first ``left`` rows and the
   ``H`` rows before the chunk, both reversed) plus a top-left call on the
@@ -159,7 +178,7 @@ def test_no_load_balance_window_backward_has_no_bottom_right_call(
   backward the halo call first.
   Rank 2 holds tokens [32, 48); document 1 (padded [16, 40), 24 valid
   tokens) reaches 8 rows into it from 16 tokens before the chunk."""
-  cfg = config(S.NO_LOAD_BALANCE, w=T, split=split, left=left)
+  cfg = config(S.NO_LOAD_BALANCE, w=T, left=left)
   assert cfg.exchange.kind == kind
   assert call_plan.rows_before_chunk(cfg) == halo
   fwd = call_plan.forward_calls(cfg, CU, CU_P, 2)
@@ -175,7 +194,7 @@ def test_no_load_balance_window_backward_has_no_bottom_right_call(
   for call in (fwd[0], local):
     # The straddling document's local rows run in the local call: its
     # first segment (local rows [0, 8), top-left band), then the chunk's
-    # own documents as in the unwindowed local call.
+    # own documents; the same segments as without a window.
     m = call.meta
     assert not call.exchanged and call.mask == "causal_top_left"
     assert (call.q_rows, call.kv_rows) == (None, None)
@@ -183,12 +202,12 @@ def test_no_load_balance_window_backward_has_no_bottom_right_call(
     assert np.asarray(m.q_offsets)[0, 0] == np.asarray(m.kv_offsets)[0, 0] == 0
     for field in metadata.StepMetadata._fields:
       np.testing.assert_array_equal(
-          np.asarray(getattr(m, field))[:, 1:],
+          np.asarray(getattr(m, field)),
           np.asarray(getattr(unwindowed_local.meta, field)))
   W = call_plan.DqWrite
   if kind == "none":
     assert not halo_call and len(fwd) == 1
-    assert call_plan.dq_writes(bwd, TL, True) == [W()]
+    assert call_plan.dq_writes(bwd, True) == [W()]
     return
   (hc,) = halo_call
   # The forward's halo call is the backward's.
@@ -199,24 +218,25 @@ def test_no_load_balance_window_backward_has_no_bottom_right_call(
     np.testing.assert_array_equal(np.asarray(getattr(fhc.meta, field)),
                                   np.asarray(getattr(hc.meta, field)))
   np.testing.assert_array_equal(fhc.halo_rows, hc.halo_rows)
-  assert hc.exchanged and hc.mask == "causal_top_left"
+  assert hc.exchanged and hc.mask == "causal_top_left" and hc.reversed
   assert (hc.q_rows, hc.kv_rows, hc.max_q, hc.max_kv) == (lq, halo, lq, halo)
   assert np.asarray(hc.meta.q_lens).tolist() == [[lq]]
   assert np.asarray(hc.meta.kv_lens).tolist() == [[h]]
   assert np.asarray(hc.halo_rows).tolist() == [8]
   # Its dq is summed like a triangle's; the local call makes the full dq.
-  assert call_plan.dq_writes(bwd, TL, in_place=True) == [W(q_rows=lq), W()]
-  # Without a window the straddle call stays one bottom-right call.
-  plain = call_plan.backward_calls(config(S.NO_LOAD_BALANCE, w=T), CU, CU_P,
-                                   2)
-  assert [c.mask for c in plain] == ["causal_bottom_right", "causal_top_left"]
-  assert all(c.halo_rows is None for c in plain)
+  assert call_plan.dq_writes(bwd, in_place=True) == [W(q_rows=lq), W()]
 
 
 def test_windowed_halo_call_is_unmasked_when_every_row_sees_the_halo():
   """left - Tl >= H - 1: every local row sees all H rows before the chunk,
-  so the halo call is unmasked over the Tl local rows."""
+  so the halo call is the unmasked rectangle in sequence order, as without
+  a window. With W = 12 the received halo is 11 rows (tokens [21, 32) on
+  rank 2); the document reaches into them from its start at 16 on, so all
+  11 are its keys, seen by its 8 rows."""
   cfg = config(S.NO_LOAD_BALANCE, w=12, left=30)
   assert call_plan.rows_before_chunk(cfg) == 11
   hc = call_plan.backward_calls(cfg, CU, CU_P, 2)[0]
-  assert hc.mask == "no_mask" and hc.q_rows == TL and hc.kv_rows == 11
+  assert hc.mask == "no_mask" and not hc.reversed
+  assert (hc.q_rows, hc.kv_rows) == (11, 11)
+  assert [int(np.asarray(x)[0, 0]) for x in hc.meta] == [8, 0, 11, 0]
+  assert np.asarray(hc.halo_rows).tolist() == [8]

@@ -49,11 +49,10 @@ def _segments():
 def test_registered_names_are_the_exported_targets():
   registered = set(_jax_cp_cuda.registrations())
   assert registered == set(_jax_cp_cuda.FFI_TARGETS.values())
-  assert len(_jax_cp_cuda.FFI_TARGETS) == len(registered) == 6
+  assert len(_jax_cp_cuda.FFI_TARGETS) == len(registered) == 5
   assert cudnn.FFI_TARGETS == _jax_cp_cuda.FFI_TARGETS
   assert {cudnn.FWD_TARGET, cudnn.BWD_TARGET, cudnn.FWD_INTO_TARGET,
-          cudnn.BWD_INTO_TARGET, cudnn.MERGE_TARGET,
-          cudnn.ASSEMBLE_TARGET} == registered
+          cudnn.BWD_INTO_TARGET, cudnn.MERGE_TARGET} == registered
 
 
 def test_codes_match_the_registry_and_the_wrapper():
@@ -92,10 +91,6 @@ def test_every_emitted_custom_call_is_registered():
   def merge(dst, src):
     return cudnn.merge_rows(dst, src, 2, "max")
 
-  def assemble(halo, k, v):
-    return cudnn.assemble_kv(halo, k, v, rows=12, first=jnp.array([1]),
-                             count=jnp.array([5]))
-
   emitted = set()
   emitted |= _lowered_targets(fwd, q, k, v)
   emitted |= _lowered_targets(fwd_into, q, k, v, q, lse)
@@ -103,9 +98,6 @@ def test_every_emitted_custom_call_is_registered():
   emitted |= _lowered_targets(bwd_into, q, k, v, q, lse)
   emitted |= _lowered_targets(merge, _rand(rng, (2, 16, 4), jnp.float32),
                               _rand(rng, (2, 4, 4), jnp.float32))
-  emitted |= _lowered_targets(assemble, _rand(rng, (1, 4, 4, 8)),
-                              _rand(rng, (1, 8, 2, 8)),
-                              _rand(rng, (1, 8, 2, 8)))
   assert emitted == set(_jax_cp_cuda.registrations())
 
 

@@ -385,3 +385,15 @@ def test_windowed_no_load_balance_runs_two_top_left_calls_each_way():
   assert masks == [top_left] * 2
   assert counts.get(FWD) == 2 and into["sdpa_fwd_into"] not in counts
   assert fwd_masks == [top_left] * 2
+
+
+def test_no_load_balance_runs_no_bottom_right_call():
+  """Without a window too: the local call (top-left, with the straddling
+  document's local rows) and the unmasked halo call, each way."""
+  counts, masks, fwd_masks = _cp_grad_calls("no_load_balance", max_seqlen=24)
+  into = cudnn_backend.FFI_TARGETS
+  top_left = f"{MASK_CODES['causal_top_left']} : i64"
+  no_mask = f"{MASK_CODES['no_mask']} : i64"
+  assert counts.get(BWD) == 2 and into["sdpa_bwd_into"] not in counts
+  assert counts.get(FWD) == 2 and into["sdpa_fwd_into"] not in counts
+  assert sorted(masks) == sorted(fwd_masks) == sorted([top_left, no_mask])

@@ -4,8 +4,7 @@
   :class:`Segments`.
 * :mod:`~jax_cp.attention.registry`: the table of backends, and choosing one.
 * :mod:`~jax_cp.attention.xla`, :mod:`~jax_cp.attention.cudnn`: the backends.
-* :mod:`~jax_cp.attention.merge`, :mod:`~jax_cp.attention.assemble`: row
-  merges and halo K/V assembly, portable versions.
+* :mod:`~jax_cp.attention.merge`: row merges, portable versions.
 * :mod:`~jax_cp.attention.api`: ``fused_attention``.
 """
 

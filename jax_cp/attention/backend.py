@@ -40,13 +40,6 @@ rows ``[row_offset, row_offset + Ts)`` of axis 1 replaced by
 everything else unchanged (:mod:`jax_cp.attention.merge` has the portable
 version).
 
-``assemble_kv(halo, k, v, rows, first, count) -> (kx, vx)``: the K/V
-buffers ``[B, rows, Hkv, D]`` of a call reading ``[halo; local chunk]``
-(``halo [B, H0, 2*Hkv, D]``, K heads first), correct on rows
-``[first[b], first[b] + count[b])``, the only rows the call's segments read;
-the backend's own attention must tolerate anything elsewhere
-(:mod:`jax_cp.attention.assemble` has the portable version).
-
 ``exact_past_bounds``: True when results do not depend on the static
 bounds ``max_seqlen_q``/``max_seqlen_kv`` (a longer segment is attended in
 full); False when kernels are sized by them, as cuDNN's are, and a longer
@@ -77,11 +70,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import jax
 
-from jax_cp.attention.assemble import assemble_kv_jnp
 from jax_cp.attention.merge import merge_rows_jnp
 
 MASK_TYPES = ("no_mask", "causal_top_left", "causal_bottom_right")
@@ -149,9 +141,6 @@ class AttentionBackend(Protocol):
   def merge_rows(self, dst: jax.Array, src: jax.Array, row_offset: int,
                  op: str = "add") -> jax.Array: ...
 
-  def assemble_kv(self, halo: jax.Array, k: jax.Array, v: jax.Array,
-                  rows: int | None, first: Any, count: Any) -> Pair: ...
-
 
 class InPlaceAttentionBackend(AttentionBackend, Protocol):
   """A backend with ``supports_in_place``: its calls write their rows into
@@ -180,8 +169,6 @@ class Backend:
     forward, backward: the attention calls.
     is_available: whether it runs on a JAX platform name.
     merge_rows: row merge; defaults to the portable ``jnp`` version.
-    assemble_kv: halo K/V assembly; defaults to the ``jnp`` version, which
-      fills every row.
     supports_in_place: ``forward``/``backward`` take ``into``/``dq_into``/
       ``dq_fill`` (see :class:`InPlaceAttentionBackend`).
     exact_past_bounds: results do not depend on the segments' static
@@ -193,6 +180,5 @@ class Backend:
   backward: Callable[..., Triple]
   is_available: Callable[[str], bool]
   merge_rows: Callable[..., jax.Array] = merge_rows_jnp
-  assemble_kv: Callable[..., Pair] = assemble_kv_jnp
   supports_in_place: bool = False
   exact_past_bounds: bool = False

@@ -1,12 +1,11 @@
 """The ``"cudnn"`` attention backend: cuDNN SDPA over packed segments (XLA FFI).
 
 Importing this module loads the compiled extension ``jax_cp._jax_cp_cuda``
-and registers its FFI targets (SDPA forward and backward, the in-place row
-merge of :mod:`jax_cp.attention.merge` and the K/V assembly of
-:mod:`jax_cp.attention.assemble`) for the CUDA platform; :data:`BACKEND` is
-the backend :mod:`jax_cp.attention.registry` lists. Without the extension
-the import fails (the registry checks that it exists before importing this
-module, and explains how to build it).
+and registers its FFI targets (SDPA forward and backward and the in-place
+row merge of :mod:`jax_cp.attention.merge`) for the CUDA platform;
+:data:`BACKEND` is the backend :mod:`jax_cp.attention.registry` lists.
+Without the extension the import fails (the registry checks that it exists
+before importing this module, and explains how to build it).
 
 The backend supports in-place writes (``into=``, ``dq_into=``, ``dq_fill=``;
 :class:`~jax_cp.attention.backend.InPlaceAttentionBackend`): a call writes
@@ -48,7 +47,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_cp._jax_cp_cuda as _jax_cp_cuda  # ModuleNotFoundError when absent
-from jax_cp.attention.assemble import check_assemble_kv
 from jax_cp.attention.backend import MASK_TYPES, Backend, Segments
 from jax_cp.attention.merge import check_merge_rows, merge_rows_jnp
 
@@ -61,11 +59,6 @@ BWD_TARGET = FFI_TARGETS["sdpa_bwd"]
 FWD_INTO_TARGET = FFI_TARGETS["sdpa_fwd_into"]
 BWD_INTO_TARGET = FFI_TARGETS["sdpa_bwd_into"]
 MERGE_TARGET = FFI_TARGETS["merge_rows"]
-ASSEMBLE_TARGET = FFI_TARGETS["assemble_kv"]
-#: Rows zeroed after each copied K/V range (``assemble_kv``): a fused
-#: attention kernel may load a whole KV tile (128 rows or fewer) past a
-#: segment's end, and a zero probability times a NaN bit pattern is NaN.
-ASSEMBLE_ZERO_TAIL = 256
 #: Values of the merge call's ``op`` attribute, and the dtypes it takes.
 MERGE_OP_CODES: dict[str, int] = dict(_jax_cp_cuda.MERGE_OP_CODES)
 
@@ -439,29 +432,6 @@ def merge_rows(dst, src, row_offset: int, op: str = "add"):
     op=np.int64(MERGE_OP_CODES[op]))
 
 
-def assemble_kv(halo, k, v, rows=None, first=None, count=None):
-  """``assemble_kv`` (see :mod:`jax_cp.attention.assemble`) with one kernel
-  that copies only rows ``[first[b], first[b] + count[b])`` of
-  ``[halo; local]`` and zeroes the next :data:`ASSEMBLE_ZERO_TAIL` rows;
-  every other row is left uninitialised (cuDNN never reads it)."""
-  if first is None or count is None:
-    raise ValueError("assemble_kv with backend 'cudnn' needs the row range "
-                     "first/count ([B] each): it copies nothing else")
-  b = k.shape[0]
-  rows = check_assemble_kv(halo, k, v, rows, first, count)
-  if jnp.dtype(k.dtype) not in SUPPORTED_DTYPES or \
-      (k.shape[2] * k.shape[3] * k.dtype.itemsize) % 16:
-    raise ValueError(f"assemble_kv needs bfloat16/float16 K/V whose rows "
-                     f"(Hkv * D elements) are a multiple of 16 bytes; got "
-                     f"{k.dtype} {k.shape}")
-  shape = jax.ShapeDtypeStruct((b, rows) + k.shape[2:], k.dtype)
-  ranges = jnp.stack([jnp.asarray(first, jnp.int32),
-                      jnp.asarray(count, jnp.int32)])
-  return jax.ffi.ffi_call(ASSEMBLE_TARGET, (shape, shape),
-                          vmap_method="sequential")(
-      halo, k, v, ranges, tail=np.int64(ASSEMBLE_ZERO_TAIL))
-
-
 def _is_available(platform: str) -> bool:
   return platform in ("cuda", "gpu")
 
@@ -471,4 +441,4 @@ for _name, _capsule in _jax_cp_cuda.registrations().items():
 
 BACKEND = Backend(name="cudnn", forward=forward, backward=backward,
                   is_available=_is_available, merge_rows=merge_rows,
-                  assemble_kv=assemble_kv, supports_in_place=True)
+                  supports_in_place=True)
