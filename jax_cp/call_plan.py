@@ -35,9 +35,9 @@ class Call:
     max_q, max_kv: static bounds on the segment lengths.
     exchanged: KV come from the exchanged buffer (else the local chunk).
     q_rows: the call's segments lie in the first ``q_rows`` local Q rows of
-      each row (static); None = anywhere. The straddle call and its split
-      halves have it; only a split block's triangle also *reads* just that
-      prefix of Q/out/dO (:attr:`DqWrite.q_rows`).
+      each row (static); None = anywhere. NO_LOAD_BALANCE's straddle call
+      and its halo call have it; the halo call *reads* just that prefix of
+      Q/out/dO (:attr:`DqWrite.q_rows`).
     kv_rows: the call reads only the first ``kv_rows`` rows of its KV
       buffer; None = all.
     overlaps_previous: its Q rows are those of earlier calls (the
@@ -225,7 +225,8 @@ def forward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
   ``window_left``); bottom-right calls also drop the KV rows before the
   band (:func:`_cut_to_window`).
 
-  NO_LOAD_BALANCE's straddle call becomes a local call and a halo call
+  NO_LOAD_BALANCE's straddle call (:func:`_no_load_balance_calls`)
+  becomes a local call and a halo call
   (:func:`_split_straddle`): the local one runs as part of the chunk's
   local call (same mask and K/V, other rows), the halo call last, so the
   local call hides the exchange. Its out/lse are merged into the local

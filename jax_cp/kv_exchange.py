@@ -133,7 +133,7 @@ class KVExchange:
     """Whether the forward keeps the received halo for the backward instead
     of exchanging it again: when it is at most half a chunk, so residual
     memory grows by at most half the local K/V. The backward then starts
-    with the straddle call and sends the halo's gradients back early."""
+    with the halo call and sends the halo's gradients back early."""
     return self.kind == "halo" and 0 < self.halo_tokens <= \
         self.local_tokens // 2
 

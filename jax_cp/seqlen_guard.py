@@ -34,7 +34,7 @@ def bounded_program_is_exact(cfg, unbounded) -> bool:
   """Whether the program of ``cfg`` gives the results of ``unbounded``
   (its config with ``max_seqlen = T``) for documents of any length, so no
   fallback is needed: the same exchange, no call reading a prefix sized by
-  the bound (NO_LOAD_BALANCE's straddle call reads the first ``min(W-1,
+  the bound (NO_LOAD_BALANCE's halo call reads the first ``min(W-1,
   Tl)`` rows; docs/design.md, Call plans), and a backend whose results do
   not depend on the kernels' static bounds."""
   if not cfg.backend.exact_past_bounds or cfg.exchange != unbounded.exchange:

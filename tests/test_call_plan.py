@@ -169,13 +169,13 @@ def test_single_rank_is_one_top_left_call(cp):
     (0, "none", 0, None)])
 def test_no_load_balance_window_backward_has_no_bottom_right_call(
     left, kind, halo, lq):
-  """With a window the straddle call becomes, in both directions, a
-  reversed halo call (top-left causal over the first ``left`` rows and the
-  ``H`` rows before the chunk, both reversed) plus a top-left call on the
-  document's local rows, run as part of the chunk's local call: no call is
-  bottom-right (a band's bottom-right cuDNN backward is slow, its forward
-  slower than top-left). The forward runs the local call first, the
-  backward the halo call first.
+  """With a window (smaller than Tl + H - 1) the straddle call becomes, in
+  both directions, a reversed halo call (top-left causal over the first
+  ``left`` rows and the ``H`` rows before the chunk, both reversed) plus a
+  top-left call on the document's local rows, run as part of the chunk's
+  local call: no call is bottom-right (a band's bottom-right cuDNN
+  backward is slow, its forward slower than top-left). The forward runs
+  the local call first, the backward the halo call first.
   Rank 2 holds tokens [32, 48); document 1 (padded [16, 40), 24 valid
   tokens) reaches 8 rows into it from 16 tokens before the chunk."""
   cfg = config(S.NO_LOAD_BALANCE, w=T, left=left)

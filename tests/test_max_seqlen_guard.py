@@ -101,7 +101,7 @@ def traced_config(strategy, cp, bound, mode="fallback"):
     (NLB, 4, 12, True),    # halo of 11 > Tl/2: exchanged again
     # With the xla backend (exact past the kernels' bounds) these bounded
     # programs are exact for longer documents: no fallback, same results.
-    (NLB, 2, 33, False),   # all-gather, the straddle call reads all rows
+    (NLB, 2, 33, False),   # all-gather, the halo call reads all rows
     (NLB, 1, 16, False),   # no exchange, bounds only
     (DCS, 2, 16, False),   # all-gather, bounds only
 ])
@@ -178,7 +178,7 @@ def test_without_the_guard_the_violating_batch_is_wrong():
 def test_fallback_with_a_sliding_window(left):
   """NO_LOAD_BALANCE with a window: the bounded and the unbounded program
   exchange the same halo of min(left, W-1) = left tokens (kept from the
-  forward by both), but only the unbounded straddle call reads every row;
+  forward by both), but only the unbounded halo call reads every row;
   the fallback drops its own halo for the bounded residual's shape."""
   cp, bound = 2, 16
   q, k, v, w = qkv(left)

@@ -146,8 +146,9 @@ STRADDLE_CASES = [(2, 3), (2, 12), (2, 40), (4, 5), (4, 20), (4, 40)]
 @pytest.mark.parametrize("cp,left", STRADDLE_CASES)
 def test_no_load_balance_straddle_with_window(cp, left):
   """NO_LOAD_BALANCE's straddle call with a window: in both directions a
-  local call plus a reversed halo call, merged by log-sum-exp in the
-  forward (jax_cp/call_plan.py, _windowed_straddle)."""
+  local call plus a halo call (reversed when not every row sees the whole
+  halo), merged by log-sum-exp in the forward (jax_cp/call_plan.py,
+  _split_straddle)."""
   check_straddle(cp, left, seed=cp + left)
 
 
