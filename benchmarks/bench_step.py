@@ -151,7 +151,7 @@ KERNEL_GROUPS: tuple[tuple[str, str], ...] = (
     ("collective", (r"nccl|all-?reduce|all-?gather|reduce-?scatter|"
                     r"collective|sendrecv")),
     ("attention", (r"sdpa|fmha|flash|attn|attention|cudnn|jax_cp|"
-                   r"merge_rows|dq_fill")),
+                   r"merge_rows")),
     ("matmul", r"gemm|nvjet|cutlass|cublas|xmma|wgmma|matmul|\bdot"),
     ("copy", r"memcpy|memset|copy|transpose|dynamic.update.slice"),
 )

@@ -12,14 +12,7 @@
 // `jax_cp_cudnn_sdpa_bwd_into` takes one more operand after stats, dq_in,
 // aliased to dq: the call writes the Q rows its segments cover and every
 // other row keeps its value (dk, dv are filled as usual).
-//
-// Both take two more attributes, dq_fill_lo and dq_fill_hi: only uncovered
-// dq rows in [dq_fill_lo, dq_fill_hi) are set to zero (the Python wrapper
-// passes [0, Tq) for a fresh dq and nothing for dq_in by default). Context
-// parallel attention splits the rows between two calls this way: the first
-// call fills [0, n), the second, writing into the first's dq, fills
-// [n, Tq), so neither touches rows it need not.
-#include <string>
+#include <unordered_map>
 #include <utility>
 
 #include "clear_rows.h"
@@ -35,8 +28,8 @@ namespace ffi = xla::ffi;
 namespace jax_cp {
 namespace {
 
-// `dq_in`: dq's buffer (aliased), or null for a fresh dq. Uncovered dq rows
-// in [dq_fill_lo, dq_fill_hi) are set to zero either way.
+// `dq_in`: dq's buffer (aliased), or null for a fresh dq, whose uncovered
+// rows are set to zero.
 ffi::Error SdpaBackwardImpl(
     cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
     ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
@@ -44,8 +37,7 @@ ffi::Error SdpaBackwardImpl(
     SegmentMeta meta, ffi::Result<ffi::AnyBuffer> dq,
     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
     int64_t segments, int64_t mask, float scale, int64_t max_seqlen_q,
-    int64_t max_seqlen_kv, int64_t window_left, int64_t dq_fill_lo,
-    int64_t dq_fill_hi) {
+    int64_t max_seqlen_kv, int64_t window_left) {
   const bool into = dq_in != nullptr;
   const char* call = into ? kSdpaBackwardIntoTarget : kSdpaBackwardTarget;
   return GuardFfi(call, [&]() -> ffi::Error {
@@ -62,13 +54,6 @@ ffi::Error SdpaBackwardImpl(
     if (e.success()) e = CheckSameAs(call, "dk", *dk, "k", k);
     if (e.success()) e = CheckSameAs(call, "dv", *dv, "v", v);
     if (e.success() && into) e = CheckAliased(call, "dq", *dq, *dq_in);
-    if (e.success() && !(0 <= dq_fill_lo && dq_fill_lo <= dq_fill_hi &&
-                         dq_fill_hi <= key.tokens_q)) {
-      e = Invalid(call, "need 0 <= dq_fill_lo <= dq_fill_hi <= Tq; got " +
-                            std::to_string(dq_fill_lo) + ", " +
-                            std::to_string(dq_fill_hi) +
-                            ", Tq=" + std::to_string(key.tokens_q));
-    }
     if (e.failure()) return e;
 
     const SegmentPointers seg = MetaPointers(meta);
@@ -94,9 +79,9 @@ ffi::Error SdpaBackwardImpl(
     if (!libs_or.has_value()) return libs_or.error();
     const CudaLibraries& libs = **libs_or;
     const int64_t tq = key.tokens_q, tkv = key.tokens_kv;
-    if (dq_fill_hi > dq_fill_lo) {
+    if (!into && tq > 0) {
       e = FillUncoveredRows(
-          libs, device, stream, dq_fill_lo, dq_fill_hi,
+          libs, device, stream, 0, tq,
           {dq->untyped_data(), static_cast<int64_t>(dq->size_bytes()) / tq,
            0u},
           {}, {seg.q_lens, seg.kv_lens, seg.q_off, key.segments,
@@ -127,11 +112,11 @@ ffi::Error SdpaBackward(
     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
     ffi::Result<ffi::AnyBuffer> dv, int64_t segments, int64_t mask,
     float scale, int64_t max_seqlen_q, int64_t max_seqlen_kv,
-    int64_t window_left, int64_t dq_fill_lo, int64_t dq_fill_hi) {
+    int64_t window_left) {
   return SdpaBackwardImpl(stream, std::move(scratch), device, q, k, v, out,
                           dout, stats, nullptr, meta, dq, dk, dv, segments,
                           mask, scale, max_seqlen_q, max_seqlen_kv,
-                          window_left, dq_fill_lo, dq_fill_hi);
+                          window_left);
 }
 
 ffi::Error SdpaBackwardInto(
@@ -141,12 +126,11 @@ ffi::Error SdpaBackwardInto(
     SegmentMeta meta, ffi::Result<ffi::AnyBuffer> dq,
     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
     int64_t segments, int64_t mask, float scale, int64_t max_seqlen_q,
-    int64_t max_seqlen_kv, int64_t window_left, int64_t dq_fill_lo,
-    int64_t dq_fill_hi) {
+    int64_t max_seqlen_kv, int64_t window_left) {
   return SdpaBackwardImpl(stream, std::move(scratch), device, q, k, v, out,
                           dout, stats, &dq_in, meta, dq, dk, dv, segments,
                           mask, scale, max_seqlen_q, max_seqlen_kv,
-                          window_left, dq_fill_lo, dq_fill_hi);
+                          window_left);
 }
 
 }  // namespace
@@ -166,7 +150,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::AnyBuffer>()  // dq
         .Ret<ffi::AnyBuffer>()  // dk
         .Ret<ffi::AnyBuffer>()  // dv
-    ).Attr<int64_t>("dq_fill_lo").Attr<int64_t>("dq_fill_hi"));
+    ));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxCpCudnnSdpaBackwardInto, jax_cp::SdpaBackwardInto,
@@ -182,4 +166,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::AnyBuffer>()  // dq
         .Ret<ffi::AnyBuffer>()  // dk
         .Ret<ffi::AnyBuffer>()  // dv
-    ).Attr<int64_t>("dq_fill_lo").Attr<int64_t>("dq_fill_hi"));
+    ));

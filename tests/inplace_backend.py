@@ -10,11 +10,9 @@ rows gives non-finite results instead of right ones by luck.
 * ``forward(..., into=(out0, lse0))``: covered rows are written; a covered
   row on which ``out0``/``lse0`` do not hold 0 / ``-inf`` becomes NaN; other
   rows keep ``into``'s values. Needs ``seg.rows_see_keys`` (ValueError).
-* ``backward(..., dq_into=, dq_fill=(lo, hi))``: a fresh dq is NaN outside
-  ``[lo, hi)`` (covered rows too: the contract defines it only there); with
-  ``dq_into`` rows in ``[lo, hi)`` are this call's dq (0 where uncovered)
-  and outside them covered rows are written (NaN where ``dq_into`` does not
-  hold 0) and the others keep ``dq_into``'s values.
+* ``backward(..., dq_into=)``: a fresh dq is 0 on uncovered rows; with
+  ``dq_into`` covered rows are written (NaN where ``dq_into`` does not hold
+  0) and the others keep ``dq_into``'s values.
 * ``rows_see_keys``: a covered row that sees no key gets NaN (the promise
   lets a backend skip zeroing it).
 * Static bounds: a segment longer than ``max_seqlen_q``/``max_seqlen_kv``,
@@ -112,17 +110,6 @@ def _check_into(seg, name, x, shape, dtype):
     raise ValueError(f"{name}= needs Segments(rows_see_keys=True)")
 
 
-def _check_fill(dq_fill, tq: int, into: bool) -> tuple[int, int]:
-  if dq_fill is None:
-    return (0, 0) if into else (0, tq)
-  if not (isinstance(dq_fill, tuple) and len(dq_fill) == 2 and
-          all(isinstance(x, int) for x in dq_fill)) or \
-      not 0 <= dq_fill[0] <= dq_fill[1] <= tq:
-    raise ValueError(f"dq_fill must be a static (lo, hi) with 0 <= lo <= hi "
-                     f"<= Tq = {tq}, got {dq_fill!r}")
-  return dq_fill
-
-
 def _clean_kv(k, v, kv_read):
   """Zeroes K/V rows outside every live segment's KV range: the xla math
   multiplies masked probabilities (0) by every row, and 0 * NaN is NaN."""
@@ -133,7 +120,7 @@ def _clean_kv(k, v, kv_read):
 
 def make_backend(name: str, log: list | None = None) -> Backend:
   """A strict in-place backend named ``name``; each traced call appends
-  ``dict(kind=, into=, fill=, tq=, mask=)`` to ``log`` (when given)."""
+  ``dict(kind=, into=, tq=, mask=)`` to ``log`` (when given)."""
 
   def record(**entry):
     if log is not None:
@@ -146,8 +133,7 @@ def make_backend(name: str, log: list | None = None) -> Backend:
     if into is not None:
       _check_into(seg, "into[0]", into[0], q.shape, q.dtype)
       _check_into(seg, "into[1]", into[1], (tq, hq), jnp.float32)
-    record(kind="forward", into=into is not None, fill=None, tq=tq,
-           mask=mask)
+    record(kind="forward", into=into is not None, tq=tq, mask=mask)
     _, covered, sees, kv_read, broken = _inspect(
         seg, tq, k.shape[0], mask, window_left, kv_disjoint=False)
     k, v = _clean_kv(k, v, kv_read)
@@ -169,8 +155,7 @@ def make_backend(name: str, log: list | None = None) -> Backend:
     return _poison(broken, out, lse)
 
   def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
-               scale: float, window_left: int = -1, dq_into=None,
-               dq_fill=None):
+               scale: float, window_left: int = -1, dq_into=None):
     _check_call(q, k, v, seg, mask, window_left)
     tq = q.shape[0]
     for nm, x, shape in (("out", out, q.shape), ("dout", dout, q.shape),
@@ -179,9 +164,7 @@ def make_backend(name: str, log: list | None = None) -> Backend:
         raise ValueError(f"{nm} must be {tuple(shape)}, got {x.shape}")
     if dq_into is not None:
       _check_into(seg, "dq_into", dq_into, q.shape, q.dtype)
-    lo, hi = _check_fill(dq_fill, tq, dq_into is not None)
-    record(kind="backward", into=dq_into is not None, fill=dq_fill, tq=tq,
-           mask=mask)
+    record(kind="backward", into=dq_into is not None, tq=tq, mask=mask)
     _, covered, sees, kv_read, broken = _inspect(
         seg, tq, k.shape[0], mask, window_left, kv_disjoint=True)
     k, v = _clean_kv(k, v, kv_read)
@@ -194,17 +177,13 @@ def make_backend(name: str, log: list | None = None) -> Backend:
                               window_left=window_left)
     if seg.rows_see_keys:
       dq = jnp.where(_rows(dq, covered & ~sees), _nan_like(dq), dq)
-    t = jnp.arange(tq)
-    in_fill = (t >= lo) & (t < hi)
-    filled = jnp.where(_rows(dq, covered), dq, jnp.zeros((), dq.dtype))
     if dq_into is None:
-      outside = _nan_like(dq)
+      dq = jnp.where(_rows(dq, covered), dq, jnp.zeros((), dq.dtype))
     else:
       neutral = jnp.all(dq_into == 0, axis=(1, 2))
-      outside = jnp.where(
+      dq = jnp.where(
           _rows(dq, covered),
           jnp.where(_rows(dq, neutral), dq, _nan_like(dq)), dq_into)
-    dq = jnp.where(_rows(dq, in_fill), filled, outside)
     return _poison(broken, dq, dk, dv)
 
   def is_available(platform: str) -> bool:

@@ -121,11 +121,9 @@ def test_backward_lowers_to_custom_call():
 
   text = lower_for_cuda(f, q, k, v, out, lse, out, SEG)
   (attrs, ins, outs), = custom_calls(text, BWD)
-  # A fresh dq owns every row: uncovered ones are zeroed over [0, Tq).
   assert attrs == {"mask": "2 : i64", "max_seqlen_kv": "40 : i64",
                    "max_seqlen_q": "32 : i64", "scale": "5.000000e-01 : f32",
-                   "segments": "3 : i64", "dq_fill_lo": "0 : i64",
-                   "dq_fill_hi": f"{TQ} : i64", "window_left": "-1 : i64"}
+                   "segments": "3 : i64", "window_left": "-1 : i64"}
   tensors, meta = expected_operands("bf16")
   assert ins == tensors + [t((TQ, HQ, D), "bf16")] * 2 + [
       t((TQ, HQ), "f32")] + meta
@@ -157,8 +155,7 @@ def test_grad_through_fused_attention(mask):
             "max_seqlen_q": "16 : i64", "scale": "2.500000e-01 : f32",
             "segments": f"{s} : i64", "window_left": "-1 : i64"}
   assert fwd[0] == common
-  assert bwd[0] == dict(common, dq_fill_lo="0 : i64",
-                        dq_fill_hi=f"{b * tq} : i64")
+  assert bwd[0] == common
   tensors, meta = expected_operands("bf16", s=s, tq=b * tq, tkv=b * tq, hq=4,
                                     hkv=2)
   assert fwd[1] == tensors + meta

@@ -1,7 +1,7 @@
 """The CP planner's in-place branch (``supports_in_place``: forward calls
 writing ``into`` the first call's out/lse, backward calls writing
-``dq_into``; the backend's ``dq_fill`` ranges) on CPU, through the strict
-test backend of tests/inplace_backend.py, against the float32 reference on the
+``dq_into``) on CPU, through the strict test backend of
+tests/inplace_backend.py, against the float32 reference on the
 unpartitioned rows (tests/reference.py)."""
 
 import functools
@@ -59,9 +59,9 @@ def _qkv(rng, t=32):
 
 
 def test_backend_in_place_writes_follow_the_contract():
-  """Two calls on disjoint rows: forward ``into`` and backward
-  ``dq_into``/``dq_fill`` give the xla backend's merged results; a fresh dq
-  is NaN outside its ``dq_fill`` rows."""
+  """Two calls on disjoint rows: forward ``into`` and backward ``dq_into``
+  give the xla backend's merged results; a fresh dq is 0 on the rows its
+  call does not cover."""
   be = make_backend(NAME)
   rng = np.random.default_rng(0)
   q, k, v = _qkv(rng)
@@ -76,11 +76,9 @@ def test_backend_in_place_writes_follow_the_contract():
   np.testing.assert_allclose(np.where(np.isfinite(lse), lse, 0),
                              np.where(np.isfinite(want_l), want_l, 0),
                              rtol=1e-6)
-  r = 16
-  dq1, _, _ = be.backward(q, k, v, out, lse, do, a, dq_fill=(0, r), **kw)
-  assert np.isnan(dq1[r:]).all() and np.isfinite(dq1[:r]).all()
-  dq, _, _ = be.backward(q, k, v, out, lse, do, b, dq_into=dq1,
-                         dq_fill=(r, 32), **kw)
+  dq1, _, _ = be.backward(q, k, v, out, lse, do, a, **kw)
+  assert (dq1[15:] == 0).all() and np.isfinite(dq1).all()
+  dq, _, _ = be.backward(q, k, v, out, lse, do, b, dq_into=dq1, **kw)
   want_dq, _, _ = XLA.backward(q, k, v, want_o, want_l, do,
                                _seg([1, 1, 1, 1]), **kw)
   np.testing.assert_allclose(dq, want_dq, rtol=1e-5, atol=1e-6)
@@ -107,8 +105,6 @@ def test_backend_marks_broken_preconditions():
   with pytest.raises(ValueError, match="rows_see_keys"):
     be.forward(q, k, v, Segments(a.q_lens, a.kv_lens, a.q_offsets,
                                  a.kv_offsets, 8, 8), into=(o1, l1), **kw)
-  with pytest.raises(ValueError, match="dq_fill must be a static"):
-    be.backward(q, k, v, o1, l1, o1, a, dq_fill=(4, 2), **kw)
 
 
 # ---------------------------------------------------------------------------

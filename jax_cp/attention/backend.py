@@ -52,14 +52,9 @@ In-place writes are an optional capability (``supports_in_place``, the
     already hold 0 / ``-inf`` on every row this call covers; the results are
     ``out0`` / ``lse0`` with this call's rows written in (in place: no
     clearing, no extra buffers). Needs ``seg.rows_see_keys``.
-``backward(..., dq_into=dq0, dq_fill=(lo, hi))``: ``dq_into`` like ``into``
-    for dq. ``dq_fill`` (static) names the rows this call owns: a fresh dq
-    is defined only there (uncovered rows 0) and unspecified outside; with
-    ``dq_into`` those rows are overwritten with this call's dq (0 where it
-    covers none), whatever ``dq_into`` held, and the rest is as without it.
-    Default: all rows for a fresh dq, none with ``dq_into``. Two calls on
-    disjoint rows pass complementary ranges, so each zeroes only its own
-    uncovered rows.
+``backward(..., dq_into=dq0)``: ``dq_into`` like ``into`` for dq: the
+    result is ``dq0`` with the rows this call covers written in, every
+    other row as ``dq0`` held it (a fresh dq is 0 on uncovered rows).
 
 For a backend without the capability the CP planner merges the calls'
 results itself (the rows are disjoint: out adds, lse takes the maximum,
@@ -144,7 +139,7 @@ class AttentionBackend(Protocol):
 
 class InPlaceAttentionBackend(AttentionBackend, Protocol):
   """A backend with ``supports_in_place``: its calls write their rows into
-  the buffers of earlier calls (``into``, ``dq_into``, ``dq_fill``)."""
+  the buffers of earlier calls (``into``, ``dq_into``)."""
 
   def forward(self, q: jax.Array, k: jax.Array, v: jax.Array,
               seg: Segments, *, mask: str, scale: float,
@@ -155,8 +150,7 @@ class InPlaceAttentionBackend(AttentionBackend, Protocol):
                out: jax.Array, lse: jax.Array, dout: jax.Array,
                seg: Segments, *, mask: str, scale: float,
                window_left: int = -1,
-               dq_into: jax.Array | None = None,
-               dq_fill: tuple[int, int] | None = None) -> Triple: ...
+               dq_into: jax.Array | None = None) -> Triple: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,8 +163,8 @@ class Backend:
     forward, backward: the attention calls.
     is_available: whether it runs on a JAX platform name.
     merge_rows: row merge; defaults to the portable ``jnp`` version.
-    supports_in_place: ``forward``/``backward`` take ``into``/``dq_into``/
-      ``dq_fill`` (see :class:`InPlaceAttentionBackend`).
+    supports_in_place: ``forward``/``backward`` take ``into``/``dq_into``
+      (see :class:`InPlaceAttentionBackend`).
     exact_past_bounds: results do not depend on the segments' static
       bounds (see the module docstring).
   """

@@ -7,7 +7,7 @@ row merge of :mod:`jax_cp.attention.merge`) for the CUDA platform;
 Without the extension the import fails (the registry checks that it exists
 before importing this module, and explains how to build it).
 
-The backend supports in-place writes (``into=``, ``dq_into=``, ``dq_fill=``;
+The backend supports in-place writes (``into=``, ``dq_into=``;
 :class:`~jax_cp.attention.backend.InPlaceAttentionBackend`): a call writes
 its rows into aliased buffers of an earlier call.
 
@@ -294,19 +294,6 @@ def _attributes(seg: Segments, mask: str, scale: np.float32, max_q: int,
 # ----------------------------------------------------------------------------
 
 
-def check_dq_fill(dq_fill, tq: int, into: bool) -> tuple[int, int]:
-  """``dq_fill`` as static ``(lo, hi)`` with ``0 <= lo <= hi <= Tq``;
-  None gives ``(0, Tq)`` for a fresh dq and ``(0, 0)`` with ``dq_into``."""
-  if dq_fill is None:
-    return (0, 0) if into else (0, tq)
-  ok = (isinstance(dq_fill, tuple) and len(dq_fill) == 2 and
-        all(isinstance(x, int) for x in dq_fill))
-  if not ok or not 0 <= dq_fill[0] <= dq_fill[1] <= tq:
-    raise ValueError(f"dq_fill must be a static (lo, hi) with 0 <= lo <= hi "
-                     f"<= Tq = {tq}, got {dq_fill!r}")
-  return dq_fill
-
-
 def check_into(seg: Segments, name: str, x, shape, dtype) -> None:
   """Buffers to write into must match the call's outputs, and the rows
   the call covers must all see a key (nothing is masked afterwards)."""
@@ -361,14 +348,12 @@ def forward(q, k, v, seg: Segments, *, mask: str, scale: float,
 
 
 def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
-             scale: float, window_left: int = -1, dq_into=None,
-             dq_fill=None):
+             scale: float, window_left: int = -1, dq_into=None):
   """Gradients ``(dq, dk, dv)`` of ``sum(out * dout)``, in q/k/v's dtype.
 
   With ``dq_into`` the custom call writes the covered rows of that buffer
-  in place (aliased) instead of a fresh dq. ``dq_fill=(lo, hi)``: the rows
-  whose uncovered dq rows the call sets to 0 (default: all for a fresh dq,
-  none with ``dq_into``; see :mod:`jax_cp.attention.backend`).
+  in place (aliased) instead of a fresh dq (whose uncovered rows are 0);
+  its other rows keep their values.
   ``window_left >= 0``: cuDNN's diagonal band (a sliding window).
   """
   _check_call(q, k, v, seg, mask)
@@ -381,7 +366,6 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
     check_into(seg, "dq_into", dq_into, q.shape, q.dtype)
   scale = _scale_value(scale, q.shape[2])
   tq = q.shape[0]
-  fill = check_dq_fill(dq_fill, tq, dq_into is not None)
   max_q, max_kv = _graph_bounds(seg, tq, k.shape[0])
   if max_q == 0 or max_kv == 0:
     dq = jnp.zeros_like(q) if dq_into is None else dq_into
@@ -399,7 +383,6 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
                   jax.ShapeDtypeStruct(k.shape, k.dtype),
                   jax.ShapeDtypeStruct(v.shape, v.dtype))
   attrs = _attributes(seg, mask, scale, max_q, max_kv, window_left)
-  attrs.update(dq_fill_lo=np.int64(fill[0]), dq_fill_hi=np.int64(fill[1]))
   inputs = (q, k, v, out.astype(q.dtype), dout.astype(q.dtype), stats)
   if dq_into is not None:
     return jax.ffi.ffi_call(
