@@ -134,8 +134,8 @@ def _split_straddle(cfg: CPConfig, call: Call) -> list[Call]:
 
   * its local keys: a top-left call (with the band, if any) on the
     document's local rows, reading the local chunk only
-    (:func:`forward_calls` and :func:`backward_calls` run it as part of
-    the chunk's local call, which costs no call of its own);
+    (:func:`_step_calls` runs it as part of the chunk's local call, which
+    costs no call of its own);
   * its keys before the chunk, the *halo call*:
 
     - if every one of the document's rows sees all of them (no window,
@@ -207,11 +207,20 @@ def merge_calls(calls: list[Call]) -> Call:
 
 def _step_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
                 ) -> list[Call]:
-  """One call per step (DUAL_CHUNK_SWAP) or per K/V source
-  (NO_LOAD_BALANCE), cut to the sliding window."""
-  return [_cut_to_window(c, cfg.window_left)
-          for c in _unwindowed_calls(cfg, cu_seqlens, cu_seqlens_padded,
-                                     rank)]
+  """The calls of both directions, in forward order: one per step
+  (DUAL_CHUNK_SWAP), cut to the sliding window; or NO_LOAD_BALANCE's
+  local call and halo call (:func:`_split_straddle`), the same in both
+  directions: the straddle call split where the chunk starts, its local
+  part run as the first segment of the chunk's local call (same mask and
+  K/V, other rows). No halo call when nothing lies before the chunk."""
+  calls = [_cut_to_window(c, cfg.window_left)
+           for c in _unwindowed_calls(cfg, cu_seqlens, cu_seqlens_padded,
+                                      rank)]
+  if cfg.strategy is not _NLB or len(calls) == 1:
+    return calls
+  local, straddle = calls
+  *halo, straddle_local = _split_straddle(cfg, straddle)
+  return [merge_calls([straddle_local, local]), *halo]
 
 
 def forward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
@@ -225,38 +234,15 @@ def forward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
   ``window_left``); bottom-right calls also drop the KV rows before the
   band (:func:`_cut_to_window`).
 
-  NO_LOAD_BALANCE's straddle call (:func:`_no_load_balance_calls`)
-  becomes a local call and a halo call
-  (:func:`_split_straddle`): the local one runs as part of the chunk's
-  local call (same mask and K/V, other rows), the halo call last, so the
-  local call hides the exchange. Its out/lse are merged into the local
-  call's rows by log-sum-exp (the only forward call whose rows are not
-  disjoint from the others')."""
+  NO_LOAD_BALANCE runs the chunk's local call, then the halo call
+  (:func:`_split_straddle`), so the local call hides the exchange. The
+  halo call's out/lse are merged into the local call's rows by
+  log-sum-exp (the only forward call whose rows are not disjoint from the
+  others')."""
   calls = _step_calls(cfg, cu_seqlens, cu_seqlens_padded, rank)
-  if _has_straddle(cfg, calls):
-    local, halo = _no_load_balance_calls_split(cfg, calls)
-    return [local, *halo]
   if cfg.strategy is not _NLB and len(calls) > 1:
     return [merge_calls(calls)]
   return calls
-
-
-def _has_straddle(cfg: CPConfig, calls: list[Call]) -> bool:
-  """Whether ``calls`` (:func:`_step_calls`) are NO_LOAD_BALANCE's local
-  and straddle calls (cp > 1)."""
-  return cfg.strategy is _NLB and len(calls) > 1
-
-
-def _no_load_balance_calls_split(cfg: CPConfig, calls: list[Call]
-                                 ) -> tuple[Call, list[Call]]:
-  """``(local call, [halo call])`` of NO_LOAD_BALANCE, the same in both
-  directions: the straddle call split by :func:`_split_straddle`, its
-  local part run as the first segment of the chunk's local call (same
-  mask and K/V, other rows). No halo call when nothing lies before the
-  chunk."""
-  local, straddle = calls
-  *halo, straddle_local = _split_straddle(cfg, straddle)
-  return merge_calls([straddle_local, local]), halo
 
 
 def _unwindowed_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
@@ -321,9 +307,6 @@ def backward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
   rectangles. With a sliding window they stay whole bottom-right calls
   (docs/design.md, Sliding window)."""
   calls = _step_calls(cfg, cu_seqlens, cu_seqlens_padded, rank)
-  if _has_straddle(cfg, calls):
-    local, halo = _no_load_balance_calls_split(cfg, calls)
-    return [*halo, local]
   out, triangles = [], []
   for call in reversed(calls):
     if call.mask != "causal_bottom_right" or not cfg.split_causal_backward:

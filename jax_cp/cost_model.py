@@ -70,9 +70,9 @@ class CPCostEstimate:
       rank has work).
     calls_per_rank: attention kernel calls per rank in the forward: one
       (DUAL_CHUNK_SWAP runs both steps in one call), two for
-      NO_LOAD_BALANCE at ``cp > 1`` (documents inside the chunk, and the
-      straddling one; with a sliding window, the straddling document's
-      halo keys), one with a window of 0 (no halo).
+      NO_LOAD_BALANCE at ``cp > 1`` (the chunk's local call, and the halo
+      call for the straddling document's keys before the chunk), one with
+      a window of 0 (no halo).
     allgather_bytes: K+V bytes each rank receives in the all-gather, summed
       over rows.
     halo_bytes_per_rank: NO_LOAD_BALANCE with ``max_seqlen`` or a window:
