@@ -94,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
                  help="static document-length bound (default: the data's)")
   p.add_argument("--backend", choices=("auto", "xla", "cudnn"),
                  default="auto")
+  p.add_argument("--doc-order", nargs="+", choices=("balanced", "packed"),
+                 default=["balanced"],
+                 help="no_load_balance: the row's documents reordered to "
+                 "balance the cp ranks (the example's default) and/or as "
+                 "packed; each order is its own pair")
   p.add_argument("--param-sharding", choices=("fsdp", "replicated"),
                  default="fsdp")
   p.add_argument("--seed", type=int, default=0)
@@ -390,10 +395,15 @@ def run_bench(args) -> dict:
                      f"{jax.device_count()}")
   head_dim = args.d_model // args.heads
   records = []
-  for strategy in args.strategies:
+  # DUAL_CHUNK_SWAP's work does not depend on the document order: one run.
+  runs_of = [(s, o) for s in args.strategies
+             for o in (args.doc_order if s == "no_load_balance"
+                       else args.doc_order[:1])]
+  for strategy, order in runs_of:
     rows = packed_data.load_stdlib_rows(
         args.batch, args.seq_len, cp_size=max(cps), strategy=strategy,
-        seed=args.seed, max_doc_len=args.max_doc_len)
+        seed=args.seed, max_doc_len=args.max_doc_len,
+        balance=order == "balanced")
     max_seqlen = args.max_seqlen or rows.max_seqlen
     lens = [int(x) for x in (rows.cu_seqlens[0, 1:] - rows.cu_seqlens[0, :-1])
             if x > 0]
@@ -402,11 +412,12 @@ def run_bench(args) -> dict:
     flops = lm.model_flops(rows.cu_seqlens, tokens=rows.tokens.size,
                            n_params=n_params, num_layers=args.layers,
                            num_heads=args.heads, head_dim=head_dim)
-    print(f"{strategy}: {args.batch} x {args.seq_len} tokens, documents "
+    print(f"{strategy} ({order} order): {args.batch} x {args.seq_len} "
+          f"tokens, documents "
           f"{lens}, max_seqlen {max_seqlen}; {n_params:,} matmul params; "
           f"{flops / 1e12:.2f} model TFLOP/step", flush=True)
     pairs = [(1, c) for c in cps if c > 1]
-    if not args.no_nocp and strategy == args.strategies[0]:
+    if not args.no_nocp and (strategy, order) == runs_of[0]:
       pairs.append((None, 1))
     for a, b in pairs:
       for c in (a, b):
@@ -414,7 +425,8 @@ def run_bench(args) -> dict:
           runs[c] = build_program(args, strategy, c, rows, max_seqlen)[0]
       r = paired(runs[a], runs[b], args.reps, args.block_ms)
       name_a = "nocp" if a is None else f"cp={a}"
-      rec = dict(strategy=strategy, a=name_a, b=f"cp={b}", **r,
+      rec = dict(strategy=strategy, doc_order=order, a=name_a,
+                 b=f"cp={b}", **r,
                  speedup=r["ratio_median"])
       for tag, c, ms in (("a", a, r["ms_a"]), ("b", b, r["ms_b"])):
         devices = c or 1
@@ -445,7 +457,8 @@ def run_bench(args) -> dict:
                 + ", ".join(f"{k} {v:.2f}" for k, v in g.items()),
                 flush=True)
           print_idle(profiles[key]["idle"])
-    records.append({"strategy": strategy, "kind": "config",
+    records.append({"strategy": strategy, "doc_order": order,
+                    "kind": "config",
                     "documents": lens, "max_seqlen": max_seqlen,
                     "model_flops": flops, "matmul_params": n_params,
                     "profiles": profiles, "collectives": collectives})
@@ -456,6 +469,14 @@ def run_bench(args) -> dict:
       "device_count": jax.device_count(), "jax": jax.__version__,
       "xla_flags": os.environ.get("XLA_FLAGS", ""), "args": vars(args)},
           "records": records}
+
+
+def _label(record: dict) -> str:
+  """A table's strategy cell: NO_LOAD_BALANCE names its document order."""
+  order = record.get("doc_order")
+  if record["strategy"] == "no_load_balance" and order:
+    return f"no_load_balance ({order})"
+  return record["strategy"]
 
 
 def step_table(result: dict) -> str:
@@ -475,7 +496,7 @@ def step_table(result: dict) -> str:
     if r.get("kind") == "config":
       continue
     lines.append(
-        f"| {r['strategy']} | {r['a']} | {r['ms_a']:.2f} | {r['mfu_a']:.1%}"
+        f"| {_label(r)} | {r['a']} | {r['ms_a']:.2f} | {r['mfu_a']:.1%}"
         f" | {r['b']} | {r['ms_b']:.2f} | {r['mfu_b']:.1%} | "
         f"{r['tok_s_b']:,.0f} | {r['ratio_median']:.3f} "
         f"({r['ratio_q1']:.3f}-{r['ratio_q3']:.3f}) |")
@@ -484,7 +505,7 @@ def step_table(result: dict) -> str:
     for key, p in (r.get("profiles") or {}).items():
       if p:
         g = p["groups_ms"]
-        prof.append(f"| {r['strategy']} | {key} | {p['busy_ms']:.2f} | "
+        prof.append(f"| {_label(r)} | {key} | {p['busy_ms']:.2f} | "
                     + " | ".join(f"{g.get(k, 0.0):.2f}" for k in (
                         "attention", "matmul", "collective_exposed",
                         "collective_overlapped", "elementwise", "copy"))

@@ -9,6 +9,10 @@ From the repository root::
 (NO_LOAD_BALANCE then exchanges a halo of ``min(LEFT, max_seqlen - 1)``
 tokens).
 
+``--doc-order packed balanced`` times each row twice: as packed, and with
+its documents reordered by :func:`jax_cp.balance_document_order` for the
+cp=N layout (the same documents; cp=1 runs the same reordered row).
+
 ``--max-seqlen-violation`` picks the layout's guard of the ``max_seqlen``
 bound: ``fallback`` (the library's default, a ``lax.cond`` in the forward
 and in the backward) or ``checked_on_host`` (no in-graph check; right here,
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 from collections.abc import Sequence
@@ -46,6 +51,7 @@ from benchmarks.workload import (
   STRATEGIES,
   Row,
   arg_sets,
+  balanced_row,
   cp_forward,
   make_mesh,
   make_row,
@@ -95,6 +101,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--window", type=int, default=None,
                  help="sliding window (LEFT, 0) in both programs")
+  p.add_argument("--doc-order", nargs="+", choices=("packed", "balanced"),
+                 default=["packed"],
+                 help="each row as packed and/or with its documents "
+                      "reordered to balance the cp ranks")
   p.add_argument("--max-seqlen-violation", dest="violation",
                  choices=("fallback", "checked_on_host"), default="fallback",
                  help="the layout's guard of the max_seqlen bound")
@@ -124,11 +134,13 @@ def main(argv: Sequence[str] | None = None) -> str:
   records = []
   a_name = "cp=1" if args.against == "cp1" else "fallback"
   b_name = f"cp={args.cp}" if args.against == "cp1" else "on host"
-  print(f"{'dist':<14}{'pass':<8}{a_name + ' ms':>12}{b_name + ' ms':>12}"
-        f"{'A/B':>10}{'IQR':>14}{'min-max':>14}")
-  for dist in args.dists:
+  print(f"{'dist':<14}{'order':<10}{'pass':<8}{a_name + ' ms':>12}"
+        f"{b_name + ' ms':>12}{'A/B':>10}{'IQR':>14}{'min-max':>14}")
+  for dist, order in itertools.product(args.dists, args.doc_order):
     row = make_row(dist, args.tokens, args.strategy, args.cp, "auto",
                    args.seed)
+    if order == "balanced":
+      row = balanced_row(row, args.strategy, args.cp, args.window)
     base_cp = 1 if args.against == "cp1" else args.cp
     base_args, other_args = (
         arg_sets(cp, row, args.hq, args.hkv, args.head_dim, dtype, args.seed)
@@ -141,14 +153,15 @@ def main(argv: Sequence[str] | None = None) -> str:
                       args.window, args.violation)
       r = pair_record(timing.paired(base, base_args, other, other_args,
                                     reps=args.reps))
-      r.update(dist=dist, pass_name=pass_name, cp=args.cp,
+      r.update(dist=dist, doc_order=order, row_id=row.row_id,
+               pass_name=pass_name, cp=args.cp,
                strategy=args.strategy, tokens=args.tokens, hq=args.hq,
                hkv=args.hkv, head_dim=args.head_dim, dtype=args.dtype,
                backend=args.backend, max_seqlen=row.max_seqlen,
                reps=args.reps, window=args.window,
                max_seqlen_violation=args.violation, against=args.against)
       records.append(r)
-      print(f"{dist:<14}{pass_name:<8}{r['ms_base']:12.3f}"
+      print(f"{dist:<14}{order:<10}{pass_name:<8}{r['ms_base']:12.3f}"
             f"{r['ms_other']:12.3f}"
             f"{r['speedup_median']:9.3f}x"
             f"  {r['speedup_q1']:.3f}-{r['speedup_q3']:.3f}"

@@ -2,7 +2,8 @@
 
 * Rows: one packed THD row of exactly ``T`` tokens per document
   distribution (:data:`DISTS`), seeded so that every machine draws the same
-  documents (:func:`pack_row`, :func:`make_row`, :class:`Row`). The
+  documents (:func:`pack_row`, :func:`make_row`, :class:`Row`), optionally
+  reordered to balance NO_LOAD_BALANCE (:func:`balanced_row`). The
   ``stdlib_mix`` lengths come from ``data/stdlib_py_sizes.json``.
 * Inputs: random q, k, v, dout generated on the devices, token axis sharded
   over the first ``cp`` devices (:func:`make_inputs`, :func:`abstract_args`).
@@ -165,6 +166,19 @@ def make_row(dist: str, tokens: int, strategy: str, max_cp: int, bound: str,
   layout = f"pad{multiple}" if multiple > 1 else "unpadded"
   w = int(np.diff(cuP).max()) if bound == "auto" else None
   return Row(dist, tokens, layout, cu, cuP, w)
+
+
+def balanced_row(row: Row, strategy: str, cp: int,
+                 window: int | None = None) -> Row:
+  """The row with its documents reordered by
+  :func:`jax_cp.balance_document_order` for ``strategy`` at ``cp`` (and
+  the window ``(window, 0)``): the same documents, each rank's contiguous
+  chunk holding near-equal work. DUAL_CHUNK_SWAP: the same row."""
+  order = jax_cp.balance_document_order(
+      row.cu, row.cuP, cp, strategy,
+      window_size=None if window is None else (window, 0))
+  cu, cuP = jax_cp.permute_documents(order, row.cu, row.cuP)
+  return dataclasses.replace(row, cu=cu, cuP=cuP)
 
 
 def flops(row: Row, hq: int, head_dim: int, pass_name: str,

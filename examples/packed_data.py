@@ -11,7 +11,10 @@ back to back. Each document is padded at its end to a multiple of
 :func:`pad_multiple_for`); one that does not fit in what is left of a row is
 split there and its tail starts the next row as a new document (positions
 restart at 0). Files longer than ``max_doc_len`` are cut to their first
-``max_doc_len`` bytes.
+``max_doc_len`` bytes. For NO_LOAD_BALANCE the documents of each row can
+then be reordered so that every rank's contiguous chunk holds near-equal
+attention work (:func:`balance_rows`); packing order is arbitrary, since
+documents never attend to each other.
 
 Two views for context parallelism (both from :mod:`jax_cp`):
 
@@ -193,15 +196,40 @@ def pack_documents(docs: Iterable[np.ndarray], seq_len: int, num_rows: int,
 def load_stdlib_rows(num_rows: int, seq_len: int, *, cp_size: int = 1,
                      strategy=CPLoadBalancingStrategy.DUAL_CHUNK_SWAP,
                      seed: int = 0, max_doc_len: int | None = None,
-                     max_docs: int | None = None) -> PackedRows:
+                     max_docs: int | None = None,
+                     balance: bool = False) -> PackedRows:
   """``num_rows`` packed rows of standard-library source, padded for
-  ``strategy`` on ``cp_size`` ranks. Row ``i`` does not depend on
+  ``strategy`` on ``cp_size`` ranks, and with ``balance`` reordered per
+  row for it (:func:`balance_rows`). Row ``i`` does not depend on
   ``num_rows`` (the stream is deterministic), so a resumed run sees the
   same batches. ``max_doc_len`` defaults to ``seq_len // 2``."""
   if max_doc_len is None:
     max_doc_len = max(seq_len // 2, 1)
-  return pack_documents(iter_documents(seed, max_doc_len), seq_len, num_rows,
-                        pad_multiple_for(strategy, cp_size), max_docs)
+  rows = pack_documents(iter_documents(seed, max_doc_len), seq_len,
+                        num_rows, pad_multiple_for(strategy, cp_size),
+                        max_docs)
+  return balance_rows(rows, cp_size, strategy) if balance else rows
+
+
+def balance_rows(rows: PackedRows, cp_size: int, strategy,
+                 window_size=None) -> PackedRows:
+  """Every row with its documents reordered so that NO_LOAD_BALANCE's
+  contiguous chunks of ``cp_size`` ranks hold near-equal attention work
+  (:func:`jax_cp.balance_document_order`, then
+  :func:`jax_cp.permute_documents` on the metadata and every per-token
+  array). Documents move whole, so labels, loss mask and positions stay
+  right. DUAL_CHUNK_SWAP (every rank holds a share of every document):
+  the rows as they are."""
+  order = jax_cp.balance_document_order(
+      rows.cu_seqlens, rows.cu_seqlens_padded, cp_size, strategy,
+      window_size=window_size)
+  fields = rows.as_dict()
+  out = jax_cp.permute_documents(
+      order, rows.cu_seqlens, rows.cu_seqlens_padded,
+      *(fields[k] for k in PackedRows.TOKEN_FIELDS), seq_dim=1)
+  fields["cu_seqlens"], fields["cu_seqlens_padded"] = out[:2]
+  fields.update(zip(PackedRows.TOKEN_FIELDS, out[2:]))
+  return PackedRows(**fields)
 
 
 def reorder_rows_for_cp(rows: PackedRows, cp_size: int,

@@ -131,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
                  "(default: computed from the data)")
   p.add_argument("--max-doc-len", type=int, default=None,
                  help="cut files to this many bytes (default: seq-len / 2)")
+  p.add_argument("--doc-order", choices=("balanced", "packed"),
+                 default="balanced",
+                 help="balanced: each row's documents reordered so that "
+                 "no_load_balance's contiguous chunks hold equal attention "
+                 "work (dual_chunk_swap needs no reordering); packed: as "
+                 "packed")
   p.add_argument("--checkpoint-dir", default=None,
                  help="save here (orbax) and resume from the last step")
   p.add_argument("--checkpoint-every", type=int, default=50)
@@ -710,7 +716,7 @@ class Checkpointer:
   ``--param-sharding fsdp`` restores into ``replicated`` and back."""
 
   _KEYS = ("layers", "d_model", "heads", "kv_heads", "seq_len", "batch",
-           "seed", "strategy", "max_doc_len")
+           "seed", "strategy", "max_doc_len", "doc_order")
 
   def __init__(self, directory: str, args, every: int):
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
@@ -818,7 +824,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
   # on the batches it has not seen.
   rows = packed_data.load_stdlib_rows(
       args.steps * args.batch, args.seq_len, cp_size=args.cp,
-      strategy=args.strategy, seed=args.seed, max_doc_len=args.max_doc_len)
+      strategy=args.strategy, seed=args.seed, max_doc_len=args.max_doc_len,
+      balance=args.doc_order == "balanced")
   max_seqlen = args.max_seqlen or rows.max_seqlen
   # Every process makes the same rows (same seed) but passes on only its
   # own (place_batch). Global view: make_global_batch puts the tokens in
@@ -829,7 +836,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
   docs = int((np.diff(rows.cu_seqlens, axis=1) > 0).sum())
   log(f"data: {rows.num_rows} rows x {rows.seq_len} tokens, {docs} documents "
       f"from the stdlib, max_seqlen={max_seqlen}, "
-      f"{rows.loss_mask.mean():.1%} real targets")
+      f"{rows.loss_mask.mean():.1%} real targets"
+      + (f", documents in {args.doc_order} order"
+         if args.strategy == "no_load_balance" else ""))
 
   model = build_model(args, mesh=mesh, max_seqlen=max_seqlen)
   tx = make_optimizer(lr, warmup, args.steps)
@@ -958,6 +967,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "tokens_per_s": tok_s, "mfu": mfu, "max_seqlen": max_seqlen,
             "dp": args.dp, "cp": args.cp, "lr": lr, "warmup": warmup,
             "param_sharding": args.param_sharding, "api": args.api,
+            "strategy": args.strategy, "doc_order": args.doc_order,
             "process_index": jax.process_index(),
             "num_processes": jax.process_count(),
             "local_rows": local.tolist()}

@@ -5,6 +5,8 @@ Public API::
     from jax_cp import CPLayout, CPBatch, CPLoadBalancingStrategy
     jax_cp.get_partition_indices / get_batch_on_this_cp_rank
     jax_cp.reorder_for_cp / restore_from_cp / get_position_ids
+    jax_cp.balance_document_order / permute_documents (the data loader's
+        document order that balances NO_LOAD_BALANCE)
     jax_cp.cp_attention (global view) / cp_attention_local (inside shard_map)
     jax_cp.fused_attention (the varlen primitive, no CP)
     jax_cp.cp_attention_fn (attention_fn of Flax's own attention modules)
@@ -28,6 +30,7 @@ from jax_cp.data import (
                                make_global_metadata,
                                process_batch_rows,
 )
+from jax_cp.document_order import balance_document_order, permute_documents
 from jax_cp.layout import CPBatch, CPLayout
 from jax_cp.partition import (
                                get_batch_on_this_cp_rank,
@@ -47,6 +50,7 @@ __all__ = [
     "CPCostEstimate",
     "CPLoadBalancingStrategy",
     "StrategyRecommendation",
+    "balance_document_order",
     "cp_attention",
     "cp_attention_fn",
     "cp_attention_local",
@@ -58,6 +62,7 @@ __all__ = [
     "longest_padded_document",
     "make_global_batch",
     "make_global_metadata",
+    "permute_documents",
     "process_batch_rows",
     "recommend_strategy",
     "reorder_for_cp",

@@ -11,6 +11,7 @@ import os
 import numpy as np
 import pytest
 
+import jax_cp
 from benchmarks import bench_cp, report, timing, workload
 
 HQ, HKV, D, T = 4, 2, 16, 256
@@ -124,6 +125,30 @@ def test_speedup_ab_pairs(tmp_path):
   assert rec["dist"] == "one_doc" and rec["cp"] == 2 and len(rec["ratios"]) == 2
   assert rec["speedup_min"] <= rec["speedup_median"] <= rec["speedup_max"]
   assert rec["ms_base"] > 0 and rec["ms_other"] > 0
+
+
+def test_speedup_ab_doc_orders(tmp_path):
+  """--doc-order packed balanced: each row twice, the balanced one with the
+  same documents reordered, its busiest rank no heavier."""
+  from benchmarks import speedup_ab
+  path = speedup_ab.main([
+      "--backend", "xla", "--tokens", "2048", "--hq", str(HQ), "--hkv",
+      str(HKV), "--head-dim", str(D), "--dtype", "float32", "--cp", "2",
+      "--dists", "short_128_1k", "--passes", "fwd", "--reps", "1",
+      "--doc-order", "packed", "balanced", "--out", str(tmp_path)])
+  with open(path) as f:
+    recs = json.load(f)["records"]
+  assert [r["doc_order"] for r in recs] == ["packed", "balanced"]
+  row = workload.make_row("short_128_1k", 2048, "no_load_balance", 2,
+                          "auto", 0)
+  bal = workload.balanced_row(row, "no_load_balance", 2)
+  assert [r["row_id"] for r in recs] == [row.row_id, bal.row_id]
+  np.testing.assert_array_equal(np.sort(np.diff(bal.cu)),
+                                np.sort(np.diff(row.cu)))
+  work = [max(jax_cp.estimate_cp_imbalance(x.cu, x.cuP, 2,
+                                           "no_load_balance").pairs_per_rank)
+          for x in (row, bal)]
+  assert work[1] <= work[0]
 
 
 def test_speedup_ab_times_the_guard(tmp_path):

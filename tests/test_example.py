@@ -65,6 +65,48 @@ def test_packing_of_stdlib_sources(strategy, cp, multiple):
     np.testing.assert_array_equal(local.tokens[0], rows.tokens[0, idx])
 
 
+def test_balanced_rows_hold_the_same_documents():
+  """NO_LOAD_BALANCE rows with their documents reordered: still well-formed
+  rows (labels, mask and positions per document), the same documents per
+  row, and no rank's work above what it was as packed."""
+  cp = 4
+  packed = packed_data.load_stdlib_rows(6, 1024, cp_size=cp,
+                                        strategy="no_load_balance", seed=1,
+                                        max_doc_len=200)
+  rows = packed_data.load_stdlib_rows(6, 1024, cp_size=cp,
+                                      strategy="no_load_balance", seed=1,
+                                      max_doc_len=200, balance=True)
+  _check_rows(rows, 1)
+
+  def docs(r, x):
+    cu, cuP = x.cu_seqlens[r], x.cu_seqlens_padded[r]
+    return sorted(x.tokens[r, cuP[b]:cuP[b] + cu[b + 1] - cu[b]].tobytes()
+                  for b in range(len(cu) - 1))
+
+  moved = 0
+  for r in range(rows.num_rows):
+    assert docs(r, rows) == docs(r, packed)
+    moved += not np.array_equal(rows.tokens[r], packed.tokens[r])
+    before, after = (jax_cp.estimate_cp_imbalance(
+        x.cu_seqlens[r], x.cu_seqlens_padded[r], cp, "no_load_balance")
+        for x in (packed, rows))
+    assert max(after.pairs_per_rank) <= max(before.pairs_per_rank)
+  assert moved                                  # the order did change
+  # DUAL_CHUNK_SWAP rows are left as packed.
+  dcs = [packed_data.load_stdlib_rows(2, 512, cp_size=2, seed=1,
+                                      balance=b) for b in (False, True)]
+  np.testing.assert_array_equal(dcs[0].tokens, dcs[1].tokens)
+
+
+def test_no_load_balance_on_balanced_rows_matches_no_cp():
+  got = train_packed_lm.main(TINY + ["--steps", "2", "--strategy",
+                                     "no_load_balance"])
+  assert got["doc_order"] == "balanced"
+  assert np.isfinite(got["losses"]).all()
+  assert got["eval_loss_cp"] == pytest.approx(got["eval_loss_nocp"],
+                                              rel=1e-4)
+
+
 def test_long_documents_are_split_across_rows():
   docs = [np.arange(1, 101, dtype=np.int32), np.arange(1, 6, dtype=np.int32)]
   rows = packed_data.pack_documents(iter(docs * 3), seq_len=64, num_rows=3,

@@ -275,3 +275,22 @@ def test_bench_step_smoke(tmp_path):
   assert config["model_flops"] > 0 and config["documents"]
   table = bench_step.step_table(data)
   assert "| dual_chunk_swap | cp=1 |" in table and "| nocp |" in table
+
+
+def test_bench_step_doc_orders(tmp_path):
+  """NO_LOAD_BALANCE with --doc-order balanced packed: one pair per order,
+  labelled in the records and the table; DUAL_CHUNK_SWAP runs once."""
+  result = bench_step.main([
+      "--device", "cpu", "--cp", "1", "2", "--strategies", "dual_chunk_swap",
+      "no_load_balance", "--doc-order", "balanced", "packed", "--no-nocp",
+      "--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
+      "--dtype", "float32", "--seq-len", "128", "--max-doc-len", "24",
+      "--backend", "xla", "--reps", "1", "--block-ms", "1",
+      "--out", str(tmp_path)])
+  pairs = [r for r in result["records"] if r.get("kind") != "config"]
+  assert [(r["strategy"], r["doc_order"]) for r in pairs] == [
+      ("dual_chunk_swap", "balanced"), ("no_load_balance", "balanced"),
+      ("no_load_balance", "packed")]
+  table = bench_step.step_table(result)
+  assert "| no_load_balance (balanced) | cp=1 |" in table
+  assert "| no_load_balance (packed) | cp=1 |" in table

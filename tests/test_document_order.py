@@ -1,0 +1,227 @@
+"""jax_cp.balance_document_order / permute_documents: the per-rank work
+against a count from the reference mask, the reordered row's contents, and
+CP attention on a reordered row against the reference on the original."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_cp
+from jax_cp import document_order
+from tests import reference as ref
+
+
+def _row(rng, n_docs, total, cp, empty_tail=0):
+  """A random NO_LOAD_BALANCE row of ``total`` tokens (``total % cp == 0``):
+  ``n_docs`` documents, some with padding and some empty of valid tokens,
+  then ``empty_tail`` unused slots."""
+  cuts = np.sort(rng.choice(np.arange(1, total), n_docs - 1, replace=False))
+  plens = np.diff(np.concatenate([[0], cuts, [total]]))
+  lens = np.maximum(plens - rng.integers(0, 3, n_docs), 0)
+  lens[rng.random(n_docs) < 0.1] = 0
+  lens = np.concatenate([lens, np.zeros(empty_tail, int)])
+  plens = np.concatenate([plens, np.zeros(empty_tail, int)])
+  cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+  cuP = np.concatenate([[0], np.cumsum(plens)]).astype(np.int32)
+  return cu, cuP
+
+
+def _mask_pairs(cu, cuP, cp, left=-1):
+  """Per-rank (query, key) pairs under NO_LOAD_BALANCE, counted from the
+  reference's document mask (rows of each rank's contiguous chunk)."""
+  m = ref.doc_mask(cu, cuP, causal=True, window=left)
+  tl = m.shape[0] // cp
+  return np.array([int(m[r * tl:(r + 1) * tl].sum()) for r in range(cp)])
+
+
+def _imbalance(pairs):
+  return pairs.max() / pairs.mean() if pairs.sum() else 1.0
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4, 8])
+@pytest.mark.parametrize("left", [-1, 0, 5, 40])
+def test_never_worse_and_counts_match_the_mask(cp, left):
+  rng = np.random.default_rng(100 * cp + left)
+  window = None if left < 0 else (left, 0)
+  for trial in range(6):
+    cu, cuP = _row(rng, int(rng.integers(2, 24)), 48 * cp, cp,
+                   empty_tail=trial % 3)
+    order = jax_cp.balance_document_order(cu, cuP, cp, "no_load_balance",
+                                          window_size=window)
+    assert sorted(order) == list(range(len(cu) - 1))
+    cu2, cuP2 = jax_cp.permute_documents(order, cu, cuP)
+    before, after = _mask_pairs(cu, cuP, cp, left), \
+        _mask_pairs(cu2, cuP2, cp, left)
+    assert after.sum() == before.sum()          # the same documents
+    assert after.max() <= before.max()
+    est = jax_cp.estimate_cp_imbalance(cu2, cuP2, cp, "no_load_balance",
+                                       window_size=window)
+    np.testing.assert_array_equal(est.pairs_per_rank, after)
+    # Empty slots stay where they were.
+    empty = np.flatnonzero(np.diff(cuP) == 0)
+    np.testing.assert_array_equal(order[empty], empty)
+
+
+def test_swap_scores_match_a_recount():
+  """The per-swap scores the search ranks candidates by equal the pairs of
+  the swapped row counted from the reference mask."""
+  rng = np.random.default_rng(7)
+  for cp, left in ((2, -1), (3, 4), (4, 0), (5, 17)):
+    cu, cuP = _row(rng, 9, 30 * cp, cp, empty_tail=1)
+    lens, plens = np.diff(cu).astype(np.int64), np.diff(cuP).astype(np.int64)
+    pre = document_order._Prefix(lens, plens, left)
+    bounds = np.arange(cp + 1) * (int(cuP[-1]) // cp)
+    i, j = np.triu_indices(len(lens), k=1)
+    got = document_order._swap_rank_pairs(pre, i, j, bounds)
+    for k in range(len(i)):
+      order = np.arange(len(lens))
+      order[[i[k], j[k]]] = order[[j[k], i[k]]]
+      cu2, cuP2 = jax_cp.permute_documents(order, cu, cuP)
+      np.testing.assert_array_equal(got[k], _mask_pairs(cu2, cuP2, cp, left),
+                                    err_msg=f"swap {i[k]},{j[k]}")
+
+
+@pytest.mark.parametrize("left", [-1, 255])
+def test_balances_a_row_of_few_long_documents(left):
+  """Twelve documents of 1k-8k tokens at cp=2, packed longest first: one
+  rank has well over the mean; the reordered row is within half a percent
+  of it."""
+  rng = np.random.default_rng(3)
+  lens = np.sort(rng.integers(1024, 8193, 12))[::-1]
+  lens[-1] += (-lens.sum()) % 2
+  cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+  window = None if left < 0 else (left, 0)
+  before = jax_cp.estimate_cp_imbalance(cu, cu, 2, "no_load_balance",
+                                        window_size=window).imbalance
+  order = jax_cp.balance_document_order(cu, cu, 2, "no_load_balance",
+                                        window_size=window)
+  cu2, _ = jax_cp.permute_documents(order, cu, cu)
+  after = jax_cp.estimate_cp_imbalance(cu2, cu2, 2, "no_load_balance",
+                                       window_size=window).imbalance
+  assert before > 1.01
+  assert after < 1.005
+
+
+def test_identity_where_order_cannot_matter():
+  rng = np.random.default_rng(5)
+  cu, cuP = _row(rng, 10, 64, 4)
+  n = len(cu) - 1
+  for kw in (dict(cp_size=4, strategy="dual_chunk_swap"),
+             dict(cp_size=1, strategy="no_load_balance"),
+             dict(cp_size=4, strategy="no_load_balance", max_rounds=0)):
+    np.testing.assert_array_equal(
+        jax_cp.balance_document_order(cu, cuP, **kw), np.arange(n))
+
+
+def test_batched_rows_and_layout():
+  rng = np.random.default_rng(11)
+  rows = [_row(rng, 12, 96, 4, empty_tail=2) for _ in range(3)]
+  cu, cuP = (np.stack(x) for x in zip(*rows))
+  layout = jax_cp.CPLayout(cp_size=4, strategy="no_load_balance")
+  order = jax_cp.balance_document_order(cu, cuP, layout)
+  assert order.shape == (3, cu.shape[1] - 1)
+  for r in range(3):
+    np.testing.assert_array_equal(
+        order[r], jax_cp.balance_document_order(cu[r], cuP[r], 4,
+                                                "no_load_balance"))
+  # Deterministic.
+  np.testing.assert_array_equal(
+      order, jax_cp.balance_document_order(cu, cuP, layout))
+
+
+def test_permute_documents_moves_whole_documents():
+  rng = np.random.default_rng(2)
+  rows = [_row(rng, 9, 64, 2, empty_tail=1) for _ in range(2)]
+  cu, cuP = (np.stack(x) for x in zip(*rows))
+  tokens = rng.integers(0, 1000, (2, 64))
+  feats = rng.standard_normal((2, 64, 3))
+  pos = np.asarray(jax_cp.get_position_ids(cuP))
+  order = np.stack([rng.permutation(cu.shape[1] - 1) for _ in range(2)])
+  cu2, cuP2, tok2, feat2, pos2 = jax_cp.permute_documents(
+      order, cu, cuP, tokens, feats, pos, seq_dim=1)
+  assert cu2.dtype == cu.dtype and tok2.shape == tokens.shape
+  assert feat2.shape == feats.shape
+  np.testing.assert_array_equal(pos2, jax_cp.get_position_ids(cuP2))
+  for r in range(2):
+    for slot, d in enumerate(order[r]):
+      old = slice(cuP[r, d], cuP[r, d + 1])
+      new = slice(cuP2[r, slot], cuP2[r, slot + 1])
+      np.testing.assert_array_equal(tok2[r, new], tokens[r, old])
+      np.testing.assert_array_equal(feat2[r, new], feats[r, old])
+      assert cu2[r, slot + 1] - cu2[r, slot] == cu[r, d + 1] - cu[r, d]
+
+
+def test_cp_attention_on_a_reordered_row():
+  """NO_LOAD_BALANCE at cp=4 on the balanced row, restored and put back in
+  the original document order, equals the reference on the original row
+  (output and gradients)."""
+  cp, t, h, d = 4, 128, 2, 8
+  rng = np.random.default_rng(9)
+  cu, cuP = _row(rng, 11, t, cp)
+  order = jax_cp.balance_document_order(cu, cuP, cp, "no_load_balance")
+  assert (order != np.arange(len(order))).any()
+  q, k, v, w = (rng.standard_normal((t, h, d)).astype(np.float32)
+                for _ in range(4))
+  cu2, cuP2, q2, k2, v2, w2 = jax_cp.permute_documents(
+      order, cu, cuP, q, k, v, w, seq_dim=0)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:cp]), ("cp",))
+  attn = functools.partial(jax_cp.cp_attention, mesh=mesh, cp_axis="cp",
+                           load_balancing_strategy="no_load_balance",
+                           backend="xla")
+
+  def loss(q, k, v):
+    out = attn(q[None], k[None], v[None], cu2[None], cuP2[None])[0]
+    return jnp.sum(out * w2), out
+
+  (_, out2), grads2 = jax.jit(jax.value_and_grad(
+      loss, argnums=(0, 1, 2), has_aux=True))(q2, k2, v2)
+  # Back to the original order: the inverse permutation of documents.
+  inverse = np.argsort(order)
+  back = lambda x: jax_cp.permute_documents(inverse, cu2, cuP2, np.asarray(x),
+                                            seq_dim=0)[2]
+  f = lambda q, k, v: ref.attention(q, k, v, cu, cuP)
+  want = f(q, k, v)
+  want_grads = jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2))(
+      q, k, v)
+  valid = ref.valid_token_mask(cu, cuP)
+  assert ref.rel_err(back(out2)[valid], np.asarray(want)[valid]) < 1e-4
+  for g, wg in zip(grads2, want_grads):
+    assert ref.rel_err(back(g)[valid], np.asarray(wg)[valid]) < 1e-4
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_rounds=-1), "max_rounds"),
+    (dict(max_rounds=1.5), "max_rounds"),
+    (dict(tolerance=-0.1), "tolerance"),
+    (dict(window_size=(-2, 0)), "window"),
+    (dict(window_size=(4, 1)), "window"),
+    (dict(strategy="ring"), "strategy"),
+])
+def test_bad_arguments_raise(kwargs, match):
+  cu = np.array([0, 10, 30, 64])
+  kw = dict(strategy="no_load_balance") | kwargs
+  with pytest.raises(ValueError, match=match):
+    jax_cp.balance_document_order(cu, cu, 4, **kw)
+
+
+def test_bad_metadata_and_orders_raise():
+  cu = np.array([0, 10, 30, 64])
+  with pytest.raises(ValueError, match="cp_size|divisible"):
+    jax_cp.balance_document_order(cu, cu, 5, "no_load_balance")
+  with pytest.raises(ValueError, match="concrete"):
+    jax.jit(lambda c: jax_cp.balance_document_order(
+        c, c, 2, "no_load_balance"))(jnp.asarray(cu))
+  with pytest.raises(ValueError, match="permutation"):
+    jax_cp.permute_documents(np.array([0, 0, 1]), cu, cu)
+  with pytest.raises(ValueError, match="shape"):
+    jax_cp.permute_documents(np.array([0, 1]), cu, cu)
+  with pytest.raises(ValueError, match="tokens on axis"):
+    jax_cp.permute_documents(np.array([2, 0, 1]), cu, cu, np.zeros(63))
+  with pytest.raises(ValueError, match="batch"):
+    jax_cp.permute_documents(np.array([[2, 0, 1]]), cu[None], cu[None],
+                             np.zeros((2, 64)), seq_dim=1)
