@@ -6,7 +6,10 @@
 The model, optimizer, shardings, step and data are those of
 ``examples/train_packed_lm.py`` (imported): by default its GPU configuration
 of 4 layers, d_model 1024, 16 query / 4 KV heads (head_dim 64), bf16, one
-row of 32,768 tokens of standard-library files cut at 16k, dp=1.
+row of 32,768 tokens of standard-library files cut at 16k, dp=1. For
+NO_LOAD_BALANCE the row's documents are reordered as the example reorders
+them (``--doc-order balanced``, its default: every rank's chunk holds
+near-equal attention work); ``--doc-order balanced packed`` pairs both.
 
 For every strategy, each cp=N step is timed against the cp=1 step in
 alternation (:func:`benchmarks.timing.paired`, ``A B B A`` per rep). Each
@@ -395,10 +398,11 @@ def run_bench(args) -> dict:
                      f"{jax.device_count()}")
   head_dim = args.d_model // args.heads
   records = []
-  # DUAL_CHUNK_SWAP's work does not depend on the document order: one run.
+  # DUAL_CHUNK_SWAP's work does not depend on the document order: one run,
+  # of the rows as packed.
   runs_of = [(s, o) for s in args.strategies
              for o in (args.doc_order if s == "no_load_balance"
-                       else args.doc_order[:1])]
+                       else ["packed"])]
   for strategy, order in runs_of:
     rows = packed_data.load_stdlib_rows(
         args.batch, args.seq_len, cp_size=max(cps), strategy=strategy,
@@ -412,8 +416,8 @@ def run_bench(args) -> dict:
     flops = lm.model_flops(rows.cu_seqlens, tokens=rows.tokens.size,
                            n_params=n_params, num_layers=args.layers,
                            num_heads=args.heads, head_dim=head_dim)
-    print(f"{strategy} ({order} order): {args.batch} x {args.seq_len} "
-          f"tokens, documents "
+    print(f"{_label(dict(strategy=strategy, doc_order=order))}: "
+          f"{args.batch} x {args.seq_len} tokens, documents "
           f"{lens}, max_seqlen {max_seqlen}; {n_params:,} matmul params; "
           f"{flops / 1e12:.2f} model TFLOP/step", flush=True)
     pairs = [(1, c) for c in cps if c > 1]

@@ -70,7 +70,8 @@ def load_paired(paths: Sequence[str]) -> list[dict[str, Any]]:
   for date, path, data in sorted(files):
     for r in data.get("records", []):
       key = (r["dist"], r["pass_name"], r["cp"], r["strategy"], r["tokens"],
-             r["hkv"], r["hq"], r["head_dim"], r["dtype"])
+             r["hkv"], r["hq"], r["head_dim"], r["dtype"], r.get("window"),
+             r.get("doc_order", "packed"), r.get("against", "cp1"))
       merged[key] = dict(r, _file=os.path.basename(path), _date=date)
   return list(merged.values())
 
@@ -89,9 +90,13 @@ def paired_rows(paired) -> list[str]:
   order = {d: i for i, d in enumerate(DIST_ORDER)}
   for r in sorted(paired, key=lambda r: (r["tokens"], order.get(r["dist"], 9),
                                          r["pass_name"] != "fwd", r["cp"])):
+    extra = "".join(
+        (f", window {r['window']}" if r.get("window") is not None else "",
+         ", documents reordered" if r.get("doc_order") == "balanced" else "",
+         ", A: fallback guard" if r.get("against") == "fallback" else ""))
     out.append(
         f"| {DIST_LABEL.get(r['dist'], r['dist'])}, T={r['tokens']}, "
-        f"Hkv={r['hkv']} | {PASS_LABEL[r['pass_name']]} | "
+        f"Hkv={r['hkv']}{extra} | {PASS_LABEL[r['pass_name']]} | "
         f"{SHORT.get(r['strategy'], r['strategy'])} | {r['cp']} | "
         f"{r['ms_base']:.3f} | {r['ms_other']:.3f} | "
         f"**{r['speedup_median']:.3f}×** | {r['speedup_q1']:.3f}–"
@@ -195,7 +200,10 @@ def target_rows(records, paired=()) -> list[tuple[str, str, str]]:
       b = n and get(row_id=n["row_id"], hkv=hkv, pass_name=pass_name, cp=1)
       pr = [r for r in paired if r["dist"] == dist and r["cp"] == 2 and
             r["pass_name"] == pass_name and r["tokens"] == TARGET_T and
-            r["strategy"] == "no_load_balance" and r["hkv"] == hkv]
+            r["strategy"] == "no_load_balance" and r["hkv"] == hkv and
+            r.get("window") is None and
+            r.get("doc_order", "packed") == "packed" and
+            r.get("against", "cp1") == "cp1"]
       sp = n and n.get("speedup")
       text = _f(sp, ".2f", "×") + (f" ({n['ms_cp1']:.3f} → "
                                    f"{n['ms_median']:.3f} ms, "

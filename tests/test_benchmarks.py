@@ -149,6 +149,12 @@ def test_speedup_ab_doc_orders(tmp_path):
                                            "no_load_balance").pairs_per_rank)
           for x in (row, bal)]
   assert work[1] <= work[0]
+  # The report keeps both orders apart (newest file wins per configuration,
+  # the order part of it).
+  from benchmarks import reporting
+  rows = reporting.paired_rows(reporting.load_paired([path]))
+  assert sum("| 128–1k docs" in r for r in rows) == 2
+  assert sum("documents reordered" in r for r in rows) == 1
 
 
 def test_speedup_ab_times_the_guard(tmp_path):

@@ -289,8 +289,9 @@ def test_bench_step_doc_orders(tmp_path):
       "--out", str(tmp_path)])
   pairs = [r for r in result["records"] if r.get("kind") != "config"]
   assert [(r["strategy"], r["doc_order"]) for r in pairs] == [
-      ("dual_chunk_swap", "balanced"), ("no_load_balance", "balanced"),
+      ("dual_chunk_swap", "packed"), ("no_load_balance", "balanced"),
       ("no_load_balance", "packed")]
   table = bench_step.step_table(result)
   assert "| no_load_balance (balanced) | cp=1 |" in table
   assert "| no_load_balance (packed) | cp=1 |" in table
+  assert "| dual_chunk_swap | cp=1 |" in table
