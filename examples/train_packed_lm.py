@@ -729,6 +729,7 @@ class Checkpointer:
     exists = cfg_file.exists()
     if exists:
       old = json.loads(cfg_file.read_text())
+      old.setdefault("doc_order", "packed")   # runs saved before the option
       diff = {k: (old.get(k), v) for k, v in config.items()
               if old.get(k) != v}
       if diff:
@@ -785,6 +786,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
   args = build_parser().parse_args(argv)
   if args.max_doc_len is None:
     args.max_doc_len = args.seq_len // 2
+  if args.strategy != "no_load_balance":
+    args.doc_order = "packed"   # DUAL_CHUNK_SWAP's work ignores the order
   # Several processes: jax.distributed first, before any device query.
   n_proc = _num_processes(args)
   cpu_devices = None

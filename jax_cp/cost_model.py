@@ -204,10 +204,23 @@ def _as_int_rows(x: Any, name: str) -> np.ndarray:
   arr = checks.concrete(x)
   if arr is None:
     raise ValueError(f"{name} must be a concrete host array (numpy or a "
-                     "non-traced JAX array); the cost model runs on the host")
+                     "non-traced JAX array): this runs on the host, in the "
+                     "data loader")
   if not np.issubdtype(arr.dtype, np.integer):
     raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
   return arr.astype(np.int64).reshape(-1, arr.shape[-1])
+
+
+def host_metadata(cu_seqlens, cu_seqlens_padded
+                  ) -> tuple[np.ndarray, np.ndarray]:
+  """Concrete, checked metadata as int64 rows ``[B, N+1]`` (``B = 1`` for
+  ``[N+1]``): ``(cu_seqlens, cu_seqlens_padded)``."""
+  cuP = _as_int_rows(cu_seqlens_padded, "cu_seqlens_padded")
+  cu = _as_int_rows(cu_seqlens, "cu_seqlens")
+  checks.check_cu_seqlens_padded(np.asarray(cu_seqlens_padded))
+  checks.check_cu_seqlens(np.asarray(cu_seqlens),
+                          np.asarray(cu_seqlens_padded))
+  return cu, cuP
 
 
 def _check_positive_int(value: Any, name: str) -> int:
@@ -298,11 +311,7 @@ def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded,
   if hq % hkv:
     raise ValueError(f"num_heads_q={hq} must be a multiple of num_heads_kv="
                      f"{hkv} (GQA/MQA)")
-  cuP = _as_int_rows(cu_seqlens_padded, "cu_seqlens_padded")
-  cu = _as_int_rows(cu_seqlens, "cu_seqlens")
-  checks.check_cu_seqlens_padded(np.asarray(cu_seqlens_padded))
-  checks.check_cu_seqlens(np.asarray(cu_seqlens),
-                          np.asarray(cu_seqlens_padded))
+  cu, cuP = host_metadata(cu_seqlens, cu_seqlens_padded)
   total = int(cuP[0, -1])
   checks.check_divisible_tokens(total, cp)
   if strategy is _DCS:

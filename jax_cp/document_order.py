@@ -26,8 +26,6 @@ Everything here is numpy on the host, for the data loader.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from jax_cp import checks, cost_model
@@ -37,17 +35,6 @@ from jax_cp.strategy import CPLoadBalancingStrategy, as_strategy
 # Swaps scored in one round are capped at this many boundary evaluations
 # (``swaps * (cp + 1)``); a row with more swaps scores a seeded sample.
 _SCORE_POINTS = 1 << 21
-
-
-def _rows(x: Any, name: str) -> np.ndarray:
-  arr = checks.concrete(x)
-  if arr is None:
-    raise ValueError(f"{name} must be a concrete host array (numpy or a "
-                     "non-traced JAX array): document order is chosen on "
-                     "the host")
-  if not np.issubdtype(arr.dtype, np.integer):
-    raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
-  return arr.astype(np.int64).reshape(-1, arr.shape[-1])
 
 
 class _Prefix:
@@ -216,11 +203,7 @@ def balance_document_order(cu_seqlens, cu_seqlens_padded,
       tolerance, bool) or not tolerance >= 0:
     raise ValueError(f"tolerance must be a non-negative number, got "
                      f"{tolerance!r}")
-  cu = _rows(cu_seqlens, "cu_seqlens")
-  cuP = _rows(cu_seqlens_padded, "cu_seqlens_padded")
-  checks.check_cu_seqlens_padded(np.asarray(cu_seqlens_padded))
-  checks.check_cu_seqlens(np.asarray(cu_seqlens),
-                          np.asarray(cu_seqlens_padded))
+  cu, cuP = cost_model.host_metadata(cu_seqlens, cu_seqlens_padded)
   checks.check_divisible_tokens(int(cuP[0, -1]), cp)
   lens, plens = np.diff(cu, axis=-1), np.diff(cuP, axis=-1)
   orders = np.tile(np.arange(lens.shape[1]), (lens.shape[0], 1))
@@ -258,14 +241,10 @@ def permute_documents(order, cu_seqlens, cu_seqlens_padded, *arrays,
     ValueError: an ``order`` that is not a permutation per row, or arrays
       whose token axis or batch does not match the metadata.
   """
-  cu = _rows(cu_seqlens, "cu_seqlens")
-  cuP = _rows(cu_seqlens_padded, "cu_seqlens_padded")
-  checks.check_cu_seqlens_padded(np.asarray(cu_seqlens_padded))
-  checks.check_cu_seqlens(np.asarray(cu_seqlens),
-                          np.asarray(cu_seqlens_padded))
+  cu, cuP = cost_model.host_metadata(cu_seqlens, cu_seqlens_padded)
   b, n = cu.shape[0], cu.shape[1] - 1
   total = int(cuP[0, -1])
-  order_arr = _rows(order, "order")
+  order_arr = cost_model._as_int_rows(order, "order")
   if np.shape(order) != np.shape(cu_seqlens)[:-1] + (n,):
     raise ValueError(f"order must have shape "
                      f"{np.shape(cu_seqlens)[:-1] + (n,)} (one slot per "

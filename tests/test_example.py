@@ -154,6 +154,24 @@ def test_linen_api_resumes_an_nnx_checkpoint(tmp_path):
                                                  rel=1e-4)
 
 
+def test_checkpoint_config_without_doc_order_resumes(tmp_path):
+  """A run saved before --doc-order existed (its rows as packed) resumes a
+  DUAL_CHUNK_SWAP run, whose rows are never reordered; NO_LOAD_BALANCE on
+  balanced rows is another run and is refused."""
+  d = tmp_path / "ckpt"
+  train_packed_lm.main(TINY + ["--checkpoint-dir", str(d), "--steps", "1",
+                               "--no-compare"])
+  cfg = json.loads((d / "run_config.json").read_text())
+  assert cfg.pop("doc_order") == "packed"
+  (d / "run_config.json").write_text(json.dumps(cfg))
+  got = train_packed_lm.main(TINY + ["--checkpoint-dir", str(d), "--steps",
+                                     "2", "--no-compare"])
+  assert got["start_step"] == 1 and got["doc_order"] == "packed"
+  with pytest.raises(SystemExit, match="doc_order"):
+    train_packed_lm.main(TINY + ["--checkpoint-dir", str(d), "--steps", "3",
+                                 "--strategy", "no_load_balance"])
+
+
 def test_checkpoint_dir_of_another_run_is_refused(tmp_path):
   d = tmp_path / "ckpt"
   d.mkdir()
