@@ -20,6 +20,10 @@ load-balancing strategy:
 * **calls**: attention kernel calls per rank (2 for DUAL_CHUNK_SWAP, 1 for
   NO_LOAD_BALANCE, 1 at ``cp == 1``).
 
+Under NO_LOAD_BALANCE the work also depends on the order of the documents
+in the row; :func:`jax_cp.balance_document_order` picks an order that
+evens it out (using the counts of this module).
+
 :func:`recommend_strategy` turns two such estimates into a predicted step
 time with a deliberately simple model (see
 :meth:`CPCostEstimate.predicted_time_s`) and picks the cheaper strategy.
