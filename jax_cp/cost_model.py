@@ -386,7 +386,8 @@ def recommend_strategy(cu_seqlens, cu_seqlens_padded, cp_size: int, *,
                        bandwidth: float = H200_ALLGATHER_BUS_BANDWIDTH,
                        call_overhead_s: float = CALL_OVERHEAD_S,
                        include_backward: bool = True,
-                       bounded_exchange: bool = True
+                       bounded_exchange: bool = True,
+                       reorder_documents: bool = False
                        ) -> StrategyRecommendation:
   """Picks the load-balancing strategy with the lower predicted step time.
 
@@ -419,6 +420,9 @@ def recommend_strategy(cu_seqlens, cu_seqlens_padded, cp_size: int, *,
     call_overhead_s: fixed cost per kernel call (20e-6).
     include_backward: model a training step (forward + backward).
     bounded_exchange: whether NO_LOAD_BALANCE exchanges only the halo.
+    reorder_documents: estimate NO_LOAD_BALANCE on the rows with their
+      documents reordered by :func:`jax_cp.balance_document_order` (what
+      a data loader that reorders them would run), not as given.
 
   Returns:
     A :class:`StrategyRecommendation`.
@@ -426,16 +430,26 @@ def recommend_strategy(cu_seqlens, cu_seqlens_padded, cp_size: int, *,
   kw = dict(num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
             head_dim=head_dim, dtype_bytes=dtype_bytes,
             window_size=window_size)
-  nlb = estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded, cp_size, _NLB,
+  cu_nlb, cuP_nlb = cu_seqlens, cu_seqlens_padded
+  if reorder_documents:
+    # document_order builds on this module: imported here, not at the top.
+    from jax_cp import document_order  # pylint: disable=import-outside-toplevel
+    order = document_order.balance_document_order(
+        cu_seqlens, cu_seqlens_padded, cp_size, _NLB,
+        window_size=window_size)
+    cu_nlb, cuP_nlb = document_order.permute_documents(
+        order, cu_seqlens, cu_seqlens_padded)
+  nlb = estimate_cp_imbalance(cu_nlb, cuP_nlb, cp_size, _NLB,
                               max_seqlen=max_seqlen, **kw)
-  note = ""
+  note = " (no_load_balance on the reordered rows)" if reorder_documents \
+      else ""
   if cu_seqlens_padded_dcs is None:
     plens = np.diff(_as_int_rows(cu_seqlens_padded, "cu_seqlens_padded"),
                     axis=-1)
     if (plens % (2 * cp_size)).any():
       cu_seqlens_padded_dcs = pad_cu_seqlens(cu_seqlens, 2 * cp_size)
-      note = (f" (DUAL_CHUNK_SWAP estimated on documents re-padded to a "
-              f"multiple of {2 * cp_size})")
+      note += (f" (DUAL_CHUNK_SWAP estimated on documents re-padded to a "
+               f"multiple of {2 * cp_size})")
     else:
       cu_seqlens_padded_dcs = cu_seqlens_padded
   dcs = estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded_dcs, cp_size,

@@ -225,3 +225,27 @@ def test_bad_metadata_and_orders_raise():
   with pytest.raises(ValueError, match="batch"):
     jax_cp.permute_documents(np.array([[2, 0, 1]]), cu[None], cu[None],
                              np.zeros((2, 64)), seq_dim=1)
+
+
+def test_recommend_strategy_on_reordered_rows():
+  """reorder_documents=True estimates NO_LOAD_BALANCE on the balanced row:
+  the same as estimating the reordered metadata directly, and never
+  heavier than the row as given."""
+  rng = np.random.default_rng(4)
+  lens = np.sort(rng.integers(1024, 8193, 12))[::-1]
+  lens[-1] += (-lens.sum()) % 2
+  cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+  kw = dict(window_size=(255, 0), num_heads_q=32, num_heads_kv=8)
+  given = jax_cp.recommend_strategy(cu, cu, 2, **kw)
+  rec = jax_cp.recommend_strategy(cu, cu, 2, reorder_documents=True, **kw)
+  order = jax_cp.balance_document_order(cu, cu, 2, "no_load_balance",
+                                        window_size=(255, 0))
+  cu2, cuP2 = jax_cp.permute_documents(order, cu, cu)
+  want = jax_cp.estimate_cp_imbalance(cu2, cuP2, 2, "no_load_balance",
+                                      **kw)
+  got = rec.estimates["no_load_balance"]
+  assert got.pairs_per_rank == want.pairs_per_rank
+  assert got.imbalance < given.estimates["no_load_balance"].imbalance
+  assert rec.estimates["dual_chunk_swap"] == \
+      given.estimates["dual_chunk_swap"]
+  assert "reordered" in rec.reason
