@@ -215,6 +215,28 @@ def _as_int_rows(x: Any, name: str) -> np.ndarray:
   return arr.astype(np.int64).reshape(-1, arr.shape[-1])
 
 
+def resolve_cp(cp_size: int | CPLayout, strategy, caller: str,
+               max_seqlen: int | None = None
+               ) -> tuple[int, CPLoadBalancingStrategy, int | None]:
+  """``(cp, strategy, max_seqlen)`` from an int ``cp_size`` and a
+  strategy, or from a :class:`CPLayout` with a known ``cp_size`` (its
+  strategy and ``max_seqlen`` then, unless given here too, which
+  ``CPLayout.build`` refuses). ``caller`` names the function in errors."""
+  if isinstance(cp_size, CPLayout):
+    layout = CPLayout.build(cp_size, caller, **{
+        k: v for k, v in dict(strategy=strategy,
+                              max_seqlen=max_seqlen).items()
+        if v is not None})
+    if layout.cp_size is None:
+      raise ValueError(f"{caller} needs the layout's cp size: build the "
+                       "CPLayout with mesh=... or cp_size=...")
+    cp_size, strategy, max_seqlen = (layout.cp_size, layout.strategy,
+                                     layout.max_seqlen)
+  strategy = as_strategy(strategy, "strategy")
+  checks.check_cp_size(cp_size)
+  return int(cp_size), strategy, max_seqlen
+
+
 def host_metadata(cu_seqlens, cu_seqlens_padded
                   ) -> tuple[np.ndarray, np.ndarray]:
   """Concrete, checked metadata as int64 rows ``[B, N+1]`` (``B = 1`` for
@@ -294,19 +316,8 @@ def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded,
       with a padded length not divisible by ``2*cp_size``, a document longer
       than ``max_seqlen``, or bad sizes.
   """
-  if isinstance(cp_size, CPLayout):
-    layout = CPLayout.build(cp_size, "estimate_cp_imbalance", **{
-        k: v for k, v in dict(strategy=strategy,
-                              max_seqlen=max_seqlen).items()
-        if v is not None})
-    if layout.cp_size is None:
-      raise ValueError("estimate_cp_imbalance needs the layout's cp size: "
-                       "build the CPLayout with mesh=... or cp_size=...")
-    cp_size, strategy, max_seqlen = (layout.cp_size, layout.strategy,
-                                     layout.max_seqlen)
-  strategy = as_strategy(strategy, "strategy")
-  checks.check_cp_size(cp_size)
-  cp = int(cp_size)
+  cp, strategy, max_seqlen = resolve_cp(cp_size, strategy,
+                                        "estimate_cp_imbalance", max_seqlen)
   hq = _check_positive_int(num_heads_q, "num_heads_q")
   hkv = _check_positive_int(num_heads_kv, "num_heads_kv")
   d = _check_positive_int(head_dim, "head_dim")

@@ -30,7 +30,7 @@ import numpy as np
 
 from jax_cp import checks, cost_model
 from jax_cp.layout import CPLayout
-from jax_cp.strategy import CPLoadBalancingStrategy, as_strategy
+from jax_cp.strategy import CPLoadBalancingStrategy
 
 # Swaps scored in one round are capped at this many boundary evaluations
 # (``swaps * (cp + 1)``); a row with more swaps scores a seeded sample.
@@ -184,23 +184,15 @@ def balance_document_order(cu_seqlens, cu_seqlens_padded,
       a ``max_rounds`` that is not a non-negative int, or a negative
       ``tolerance``.
   """
-  if isinstance(cp_size, CPLayout):
-    layout = CPLayout.build(cp_size, "balance_document_order", **(
-        {} if strategy is None else {"strategy": strategy}))
-    if layout.cp_size is None:
-      raise ValueError("balance_document_order needs the layout's cp size: "
-                       "build the CPLayout with mesh=... or cp_size=...")
-    cp_size, strategy = layout.cp_size, layout.strategy
-  strategy = as_strategy(strategy, "strategy")
-  checks.check_cp_size(cp_size)
-  cp = int(cp_size)
+  cp, strategy, _ = cost_model.resolve_cp(cp_size, strategy,
+                                          "balance_document_order")
   left = checks.check_window_size(window_size, "causal")
   if isinstance(max_rounds, bool) or not isinstance(
       max_rounds, (int, np.integer)) or max_rounds < 0:
     raise ValueError(f"max_rounds must be a non-negative int, got "
                      f"{max_rounds!r}")
-  if not isinstance(tolerance, (int, float, np.floating)) or isinstance(
-      tolerance, bool) or not tolerance >= 0:
+  if isinstance(tolerance, bool) or not isinstance(
+      tolerance, (int, float, np.integer, np.floating)) or not tolerance >= 0:
     raise ValueError(f"tolerance must be a non-negative number, got "
                      f"{tolerance!r}")
   cu, cuP = cost_model.host_metadata(cu_seqlens, cu_seqlens_padded)

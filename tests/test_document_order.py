@@ -209,6 +209,20 @@ def test_bad_arguments_raise(kwargs, match):
     jax_cp.balance_document_order(cu, cu, 4, **kw)
 
 
+def test_numpy_scalars_are_accepted():
+  cu = np.array([0, 10, 30, 64])
+  want = jax_cp.balance_document_order(cu, cu, 4, "no_load_balance")
+  got = jax_cp.balance_document_order(
+      cu, cu, np.int64(4), "no_load_balance", max_rounds=np.int32(64),
+      tolerance=np.int64(0))
+  assert sorted(got) == [0, 1, 2]
+  assert max(jax_cp.estimate_cp_imbalance(
+      *jax_cp.permute_documents(got, cu, cu), 4,
+      "no_load_balance").pairs_per_rank) <= max(
+      jax_cp.estimate_cp_imbalance(*jax_cp.permute_documents(want, cu, cu),
+                                   4, "no_load_balance").pairs_per_rank)
+
+
 def test_bad_metadata_and_orders_raise():
   cu = np.array([0, 10, 30, 64])
   with pytest.raises(ValueError, match="cp_size|divisible"):
