@@ -104,10 +104,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   """Runs every variant; returns the records (also printed, and written
   to ``--out``)."""
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--tokens", type=int, default=32768)
+  p.add_argument("--tokens", type=int, nargs="+", default=[32768])
   p.add_argument("--hq", type=int, default=32)
   p.add_argument("--hkv", type=int, nargs="+", default=[8, 32])
-  p.add_argument("--head-dim", type=int, default=128)
+  p.add_argument("--head-dim", type=int, nargs="+", default=[128])
   p.add_argument("--dists", nargs="+",
                  default=["one_doc", "uniform_1k_8k", "short_128_1k"])
   p.add_argument("--reps", type=int, default=10)
@@ -116,10 +116,26 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   p.add_argument("--window", type=int, default=None,
                  help="causal sliding window (LEFT, 0) for every variant")
   p.add_argument("--out", default=None)
+  p.add_argument("--parity", action="store_true",
+                 help="paired A/B of ours against jax.nn and JAX packed per "
+                      "(--head-dim, --tokens) pair (benchmarks/fused_parity)")
+  p.add_argument("--refs", nargs="+", default=["jax_dense", "jax_packed"],
+                 choices=["jax_dense", "jax_packed"],
+                 help="with --parity: the references ours is paired against")
+  p.add_argument("--profile", action="store_true",
+                 help="with --parity: per-kernel device time on one document")
   args = p.parse_args(argv)
   if args.window is not None and args.window < 0:
     p.error("--window must be >= 0")
-  t, hq, d = args.tokens, args.hq, args.head_dim
+  if args.parity:
+    from benchmarks import fused_parity
+    records = fused_parity.run(args, variants, fwd_and_bwd, pack_row)
+    _write(args, {"parity": True, "head_dims": args.head_dim,
+                  "tokens": args.tokens, "results": records})
+    return records
+  if len(args.tokens) != 1 or len(args.head_dim) != 1:
+    p.error("--tokens and --head-dim take several values only with --parity")
+  t, hq, d = args.tokens[0], args.hq, args.head_dim[0]
   results = []
   rng = np.random.default_rng(0)
 
@@ -184,17 +200,24 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
           if "jax_packed" in ref else "")
     print(f"| {r['dist']} | {r['hkv']} | {r['pass_']} | {r['variant']} | "
           f"{r['ms']:.2f} | {r['tflops']:.0f} | {vd} | {vp} |")
-  if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "fused_" + datetime.date.today().isoformat()
-                        + ".json")
-    with open(path, "w") as f:
-      json.dump({"device": jax.devices()[0].device_kind,
-                 "jax": jax.__version__, "tokens": t, "hq": hq,
-                 "head_dim": d, "window": args.window,
-                 "results": results + paired}, f, indent=1)
-    print("wrote", path)
+  _write(args, {"tokens": t, "hq": hq, "head_dim": d, "window": args.window,
+                "results": results + paired})
   return results + paired
+
+
+def _write(args, record: dict[str, Any]) -> None:
+  if not args.out:
+    return
+  os.makedirs(args.out, exist_ok=True)
+  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  tag = "parity_" if record.get("parity") else ""
+  path = os.path.join(args.out, f"fused_{tag}{stamp}.json")
+  with open(path, "w") as f:
+    json.dump({"device": jax.devices()[0].device_kind,
+               "jax": jax.__version__,
+               "experiment": os.environ.get("JAX_CP_SDPA_EXPERIMENT", ""),
+               **record}, f, indent=1)
+  print("wrote", path)
 
 
 def paired_record(fns: dict[str, Callable], sets: list, reps: int, dist: str,

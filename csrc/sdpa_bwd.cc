@@ -2,7 +2,11 @@
 //
 // Operands: q, k, v, out, dout, stats, meta (layouts as in sdpa_fwd.cc;
 // out/dout like q, stats float32 [Tq,Hq] from the forward). Results: dq
-// (like q), dk, dv (like k). Attributes as in the forward.
+// (like q), dk, dv (like k). Attributes as in the forward. A tiled call
+// (tiled = 1) reads stats head-major ([S, Hq, s] in the [Tq, Hq] buffer) and,
+// having no padding mask, computes every row: the Python wrapper gives the
+// rows past a segment's length a huge log-sum-exp, so their probabilities,
+// and with them their share of dq, dk and dv, are exactly 0.
 //
 // Q rows outside every segment and KV rows no query sees get zero in dq,
 // dk and dv; only those rows are written (FillUncoveredRows). cuDNN writes
@@ -37,14 +41,14 @@ ffi::Error SdpaBackwardImpl(
     SegmentMeta meta, ffi::Result<ffi::AnyBuffer> dq,
     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
     int64_t segments, int64_t mask, float scale, int64_t max_seqlen_q,
-    int64_t max_seqlen_kv, int64_t window_left) {
+    int64_t max_seqlen_kv, int64_t window_left, int64_t tiled) {
   const bool into = dq_in != nullptr;
   const char* call = into ? kSdpaBackwardIntoTarget : kSdpaBackwardTarget;
   return GuardFfi(call, [&]() -> ffi::Error {
     const SdpaCommonOperands ops{q, k, v, meta};
     auto key_or = MakeSdpaKey(call, SdpaDirection::kBackward, device, ops,
                               {segments, mask, scale, max_seqlen_q,
-                               max_seqlen_kv, window_left});
+                               max_seqlen_kv, window_left, tiled});
     if (!key_or.has_value()) return key_or.error();
     const SdpaGraphKey& key = *key_or;
     ffi::Error e = CheckSameAs(call, "out", out, "q", q);
@@ -54,6 +58,9 @@ ffi::Error SdpaBackwardImpl(
     if (e.success()) e = CheckSameAs(call, "dk", *dk, "k", k);
     if (e.success()) e = CheckSameAs(call, "dv", *dv, "v", v);
     if (e.success() && into) e = CheckAliased(call, "dq", *dq, *dq_in);
+    if (e.success() && into && key.tiled) {
+      e = Invalid(call, "a tiled call cannot write dq into an aliased buffer");
+    }
     if (e.failure()) return e;
 
     const SegmentPointers seg = MetaPointers(meta);
@@ -112,11 +119,11 @@ ffi::Error SdpaBackward(
     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
     ffi::Result<ffi::AnyBuffer> dv, int64_t segments, int64_t mask,
     float scale, int64_t max_seqlen_q, int64_t max_seqlen_kv,
-    int64_t window_left) {
+    int64_t window_left, int64_t tiled) {
   return SdpaBackwardImpl(stream, std::move(scratch), device, q, k, v, out,
                           dout, stats, nullptr, meta, dq, dk, dv, segments,
                           mask, scale, max_seqlen_q, max_seqlen_kv,
-                          window_left);
+                          window_left, tiled);
 }
 
 ffi::Error SdpaBackwardInto(
@@ -126,11 +133,11 @@ ffi::Error SdpaBackwardInto(
     SegmentMeta meta, ffi::Result<ffi::AnyBuffer> dq,
     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
     int64_t segments, int64_t mask, float scale, int64_t max_seqlen_q,
-    int64_t max_seqlen_kv, int64_t window_left) {
+    int64_t max_seqlen_kv, int64_t window_left, int64_t tiled) {
   return SdpaBackwardImpl(stream, std::move(scratch), device, q, k, v, out,
                           dout, stats, &dq_in, meta, dq, dk, dv, segments,
                           mask, scale, max_seqlen_q, max_seqlen_kv,
-                          window_left);
+                          window_left, tiled);
 }
 
 }  // namespace

@@ -120,6 +120,24 @@ ffi::ErrorOr<SdpaGraphKey> MakeSdpaKey(const char* call,
                              std::to_string(attrs.mask));
   }
   key.window_left = attrs.window_left;
+  if (attrs.tiled != 0 && attrs.tiled != 1) {
+    return Invalid(call, "tiled must be 0 or 1; got " +
+                             std::to_string(attrs.tiled));
+  }
+  key.tiled = attrs.tiled == 1;
+  if (key.tiled && (key.mask != SdpaMask::kCausalTopLeft ||
+                    key.segments * key.max_seqlen_q != key.tokens_q ||
+                    key.segments * key.max_seqlen_kv != key.tokens_kv)) {
+    return Invalid(call, "a tiled call needs the top-left causal mask and "
+                         "S * max_seqlen == T for q and kv; got mask " +
+                             std::to_string(attrs.mask) + " S=" +
+                             std::to_string(key.segments) + " max_seqlen_q=" +
+                             std::to_string(key.max_seqlen_q) +
+                             " max_seqlen_kv=" +
+                             std::to_string(key.max_seqlen_kv) + " Tq=" +
+                             std::to_string(key.tokens_q) + " Tkv=" +
+                             std::to_string(key.tokens_kv));
+  }
   return key;
 }
 

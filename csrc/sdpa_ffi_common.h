@@ -49,6 +49,7 @@ struct SdpaAttributes {
   int64_t max_seqlen_q;
   int64_t max_seqlen_kv;
   int64_t window_left;  // -1: no sliding window
+  int64_t tiled;        // 1: SdpaGraphKey::tiled
 };
 
 // The contexts every SDPA handler binds first (stream, scratch allocator,
@@ -70,7 +71,8 @@ auto BindSdpaAttributes(Binding&& binding) {
       .template Attr<float>("scale")
       .template Attr<int64_t>("max_seqlen_q")
       .template Attr<int64_t>("max_seqlen_kv")
-      .template Attr<int64_t>("window_left");
+      .template Attr<int64_t>("window_left")
+      .template Attr<int64_t>("tiled");
 }
 
 // Checks q/k/v, lengths, offsets and attributes and returns the graph key.

@@ -5,10 +5,14 @@
 // stats_off of the S segments; see SegmentMeta). Results: out [Tq,Hq,D]
 // (q dtype), stats [Tq,Hq] float32 (the natural-log LSE of the scaled scores
 // on covered rows). Attributes: segments (S), mask (int64), scale (f32),
-// max_seqlen_q, max_seqlen_kv, window_left (int64; -1: no sliding window).
+// max_seqlen_q, max_seqlen_kv, window_left (int64; -1: no sliding window),
+// tiled (int64 0/1).
 //
 // Rows outside every segment get 0 in out and -inf (the log-sum-exp of no
-// scores) in stats; only those rows are written (FillUncoveredRows).
+// scores) in stats; only those rows are written (FillUncoveredRows). A tiled
+// call (attribute tiled = 1, SdpaGraphKey::tiled) has no padding mask, so
+// its graph writes every row; the fill then runs after it and overwrites
+// the rows past each segment's length.
 //
 // `jax_cp_cudnn_sdpa_fwd_into` takes two more operands after v, out_in and
 // stats_in, aliased to the results: nothing is cleared, the call writes the
@@ -39,14 +43,14 @@ ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
                            ffi::Result<ffi::AnyBuffer> out,
                            ffi::Result<ffi::AnyBuffer> stats, int64_t segments,
                            int64_t mask, float scale, int64_t max_seqlen_q,
-                           int64_t max_seqlen_kv, int64_t window_left) {
+                           int64_t max_seqlen_kv, int64_t window_left, int64_t tiled) {
   const bool into = out_in != nullptr;
   const char* call = into ? kSdpaForwardIntoTarget : kSdpaForwardTarget;
   return GuardFfi(call, [&]() -> ffi::Error {
     const SdpaCommonOperands ops{q, k, v, meta};
     auto key_or = MakeSdpaKey(call, SdpaDirection::kForward, device, ops,
                               {segments, mask, scale, max_seqlen_q,
-                               max_seqlen_kv, window_left});
+                               max_seqlen_kv, window_left, tiled});
     if (!key_or.has_value()) return key_or.error();
     const SdpaGraphKey& key = *key_or;
     ffi::Error e = CheckSameAs(call, "out", *out, "q", q);
@@ -54,6 +58,9 @@ ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
     if (e.success() && into) e = CheckAliased(call, "out", *out, *out_in);
     if (e.success() && into) {
       e = CheckAliased(call, "stats", *stats, *stats_in);
+    }
+    if (e.success() && into && key.tiled) {
+      e = Invalid(call, "a tiled call cannot write into aliased buffers");
     }
     if (e.failure()) return e;
 
@@ -72,12 +79,13 @@ ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
         {sdpa_uid::kOffsetV, seg.kv_off},
         {sdpa_uid::kOffsetStats, seg.stats_off},
     };
-    if (!into && key.tokens_q > 0) {
+    auto fill = [&]() -> ffi::Error {
+      if (into || key.tokens_q == 0) return ffi::Error::Success();
       auto libs_or = GetCudaLibraries();
       if (!libs_or.has_value()) return libs_or.error();
       constexpr uint32_t kMinusInf = 0xff800000u;  // float32 -inf
       const int64_t tq = key.tokens_q;
-      e = FillUncoveredRows(
+      return FillUncoveredRows(
           **libs_or, device, stream, 0, tq,
           {out->untyped_data(),
            static_cast<int64_t>(out->size_bytes()) / tq, 0u},
@@ -86,9 +94,14 @@ ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
           {seg.q_lens, seg.kv_lens, seg.q_off, key.segments,
            key.heads_q * key.head_dim, Coverage::kQueryRows},
           "out/stats");
+    };
+    if (!key.tiled) {
+      e = fill();
       if (e.failure()) return e;
     }
-    return RunSdpaGraph(call, key, stream, scratch, std::move(ptrs));
+    e = RunSdpaGraph(call, key, stream, scratch, std::move(ptrs));
+    if (e.success() && key.tiled) e = fill();
+    return e;
   });
 }
 
@@ -98,10 +111,10 @@ ffi::Error SdpaForward(cudaStream_t stream, ffi::ScratchAllocator scratch,
                        ffi::Result<ffi::AnyBuffer> out,
                        ffi::Result<ffi::AnyBuffer> stats, int64_t segments,
                        int64_t mask, float scale, int64_t max_seqlen_q,
-                       int64_t max_seqlen_kv, int64_t window_left) {
+                       int64_t max_seqlen_kv, int64_t window_left, int64_t tiled) {
   return SdpaForwardImpl(stream, std::move(scratch), device, q, k, v, nullptr,
                          nullptr, meta, out, stats, segments, mask, scale,
-                         max_seqlen_q, max_seqlen_kv, window_left);
+                         max_seqlen_q, max_seqlen_kv, window_left, tiled);
 }
 
 ffi::Error SdpaForwardInto(
@@ -110,10 +123,10 @@ ffi::Error SdpaForwardInto(
     ffi::AnyBuffer stats_in, SegmentMeta meta,
     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> stats,
     int64_t segments, int64_t mask, float scale, int64_t max_seqlen_q,
-    int64_t max_seqlen_kv, int64_t window_left) {
+    int64_t max_seqlen_kv, int64_t window_left, int64_t tiled) {
   return SdpaForwardImpl(stream, std::move(scratch), device, q, k, v, &out_in,
                          &stats_in, meta, out, stats, segments, mask, scale,
-                         max_seqlen_q, max_seqlen_kv, window_left);
+                         max_seqlen_q, max_seqlen_kv, window_left, tiled);
 }
 
 }  // namespace

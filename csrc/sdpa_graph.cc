@@ -58,6 +58,16 @@ void SetStatsLayout(fe::graph::Tensor_attributes& t, int64_t b, int64_t h,
       .set_data_type(fe::DataType_t::FLOAT);
 }
 
+// The backward of a tiled call reads its stats head-major, {b, H, s, 1}
+// packed: cuDNN before 9.26 takes no other layout for a non-ragged Stats
+// input of sdpa_backward (the Python wrapper transposes them).
+void SetHeadMajorStatsLayout(fe::graph::Tensor_attributes& t, int64_t b,
+                             int64_t h, int64_t s) {
+  t.set_dim({b, h, s, 1})
+      .set_stride({s * h, s, 1, 1})
+      .set_data_type(fe::DataType_t::FLOAT);
+}
+
 // int32 {n, 1, 1, 1}: per-segment lengths (n = b) or ragged element offsets
 // (n = b + 1; entry i is where segment i starts, the last entry the total).
 TensorPtr NewIndexTensor(fe::graph::Graph& g, const char* name, int64_t uid,
@@ -78,7 +88,7 @@ TensorPtr NewThdInput(fe::graph::Graph& g, const char* name, int64_t uid,
                         .set_uid(uid)
                         .set_data_type(type));
   SetThdLayout(*t, b, h, s, d);
-  t->set_ragged_offset(offset);
+  if (offset) t->set_ragged_offset(offset);
   return t;
 }
 
@@ -87,7 +97,7 @@ void MarkThdOutput(const TensorPtr& t, int64_t uid, int64_t b, int64_t h,
                    const TensorPtr& offset) {
   t->set_output(true).set_uid(uid).set_data_type(type);
   SetThdLayout(*t, b, h, s, d);
-  t->set_ragged_offset(offset);
+  if (offset) t->set_ragged_offset(offset);
 }
 
 // Causal masks are a diagonal band with right bound 0. Bottom-right aligns
@@ -115,6 +125,22 @@ void ApplyMask(Attributes& attrs, SdpaMask mask, int64_t window_left) {
   }
 }
 
+// Ragged (THD) offsets require the padding mask; lengths are actual
+// per-segment lengths, not cumulative. The token totals size the backward's
+// dQ accumulator / softmax-sum / GQA dK,dV workspaces by the packed rows
+// instead of b * s (which can be far larger with many segments; the
+// frontend drops the hint when D % 16 != 0). A tiled call has neither: its
+// graph is the dense one of jax.nn's cuDNN attention.
+template <typename Attributes, typename Inputs>
+void SetPadding(Attributes& attrs, const SdpaGraphKey& key, const Inputs& in) {
+  if (key.tiled) return;
+  attrs.set_padding_mask(true)
+      .set_seq_len_q(in.seq_q)
+      .set_seq_len_kv(in.seq_kv)
+      .set_max_total_seq_len_q(key.tokens_q)
+      .set_max_total_seq_len_kv(key.tokens_kv);
+}
+
 // Common input tensors of both directions.
 struct GraphInputs {
   TensorPtr q, k, v, seq_q, seq_kv, off_q, off_k, off_v, off_o, off_stats;
@@ -125,16 +151,18 @@ GraphInputs AddInputs(fe::graph::Graph& g, const SdpaGraphKey& key) {
                 skv = key.max_seqlen_kv, d = key.head_dim;
   const fe::DataType_t io = FrontendIoType(key.io_type);
   GraphInputs in;
-  // Separate offset tensors per operand (bound to the same device buffer)
-  // keep each operand's layout independent, as the frontend expects.
-  in.off_q = NewIndexTensor(g, "offset_q", sdpa_uid::kOffsetQ, b + 1);
-  in.off_k = NewIndexTensor(g, "offset_k", sdpa_uid::kOffsetK, b + 1);
-  in.off_v = NewIndexTensor(g, "offset_v", sdpa_uid::kOffsetV, b + 1);
-  in.off_o = NewIndexTensor(g, "offset_o", sdpa_uid::kOffsetO, b + 1);
-  in.off_stats =
-      NewIndexTensor(g, "offset_stats", sdpa_uid::kOffsetStats, b + 1);
-  in.seq_q = NewIndexTensor(g, "seq_len_q", sdpa_uid::kSeqLenQ, b);
-  in.seq_kv = NewIndexTensor(g, "seq_len_kv", sdpa_uid::kSeqLenKv, b);
+  if (!key.tiled) {
+    // Separate offset tensors per operand (bound to the same device buffer)
+    // keep each operand's layout independent, as the frontend expects.
+    in.off_q = NewIndexTensor(g, "offset_q", sdpa_uid::kOffsetQ, b + 1);
+    in.off_k = NewIndexTensor(g, "offset_k", sdpa_uid::kOffsetK, b + 1);
+    in.off_v = NewIndexTensor(g, "offset_v", sdpa_uid::kOffsetV, b + 1);
+    in.off_o = NewIndexTensor(g, "offset_o", sdpa_uid::kOffsetO, b + 1);
+    in.off_stats =
+        NewIndexTensor(g, "offset_stats", sdpa_uid::kOffsetStats, b + 1);
+    in.seq_q = NewIndexTensor(g, "seq_len_q", sdpa_uid::kSeqLenQ, b);
+    in.seq_kv = NewIndexTensor(g, "seq_len_kv", sdpa_uid::kSeqLenKv, b);
+  }
   in.q = NewThdInput(g, "Q", sdpa_uid::kQ, b, key.heads_q, sq, d, io, in.off_q);
   in.k = NewThdInput(g, "K", sdpa_uid::kK, b, key.heads_kv, skv, d, io,
                      in.off_k);
@@ -157,14 +185,8 @@ std::shared_ptr<fe::graph::Graph> DescribeForward(const SdpaGraphKey& key) {
   fe::graph::SDPA_attributes attrs;
   attrs.set_name("jax_cp_sdpa_fwd")
       .set_generate_stats(true)
-      .set_attn_scale(key.scale())
-      // Ragged (THD) offsets require the padding mask; lengths are actual
-      // per-segment lengths, not cumulative.
-      .set_padding_mask(true)
-      .set_seq_len_q(in.seq_q)
-      .set_seq_len_kv(in.seq_kv)
-      .set_max_total_seq_len_q(key.tokens_q)
-      .set_max_total_seq_len_kv(key.tokens_kv);
+      .set_attn_scale(key.scale());
+  SetPadding(attrs, key, in);
   ApplyMask(attrs, key.mask, key.window_left);
   auto [o, stats] = g->sdpa(in.q, in.k, in.v, std::move(attrs));
   const fe::DataType_t io = FrontendIoType(key.io_type);
@@ -172,7 +194,7 @@ std::shared_ptr<fe::graph::Graph> DescribeForward(const SdpaGraphKey& key) {
                 key.head_dim, io, in.off_o);
   stats->set_output(true).set_uid(sdpa_uid::kStats);
   SetStatsLayout(*stats, key.segments, key.heads_q, key.max_seqlen_q);
-  stats->set_ragged_offset(in.off_stats);
+  if (in.off_stats) stats->set_ragged_offset(in.off_stats);
   return g;
 }
 
@@ -188,20 +210,17 @@ std::shared_ptr<fe::graph::Graph> DescribeBackward(const SdpaGraphKey& key) {
   TensorPtr stats = g->tensor(fe::graph::Tensor_attributes()
                                   .set_name("Stats")
                                   .set_uid(sdpa_uid::kStats));
-  SetStatsLayout(*stats, b, key.heads_q, sq);
-  stats->set_ragged_offset(in.off_stats);
+  if (key.tiled) {
+    SetHeadMajorStatsLayout(*stats, b, key.heads_q, sq);
+  } else {
+    SetStatsLayout(*stats, b, key.heads_q, sq);
+    stats->set_ragged_offset(in.off_stats);
+  }
 
   fe::graph::SDPA_backward_attributes attrs;
   attrs.set_name("jax_cp_sdpa_bwd")
-      .set_attn_scale(key.scale())
-      .set_padding_mask(true)
-      .set_seq_len_q(in.seq_q)
-      .set_seq_len_kv(in.seq_kv)
-      // Sizes the dQ accumulator / softmax-sum / GQA dK,dV workspaces by the
-      // packed token totals instead of b * s (which can be far larger with
-      // many segments). The frontend drops the hint when D % 16 != 0.
-      .set_max_total_seq_len_q(key.tokens_q)
-      .set_max_total_seq_len_kv(key.tokens_kv);
+      .set_attn_scale(key.scale());
+  SetPadding(attrs, key, in);
   // Deterministic mode stays off (the default): on Hopper it forces a large
   // dP workspace.
   ApplyMask(attrs, key.mask, key.window_left);
@@ -319,6 +338,15 @@ ffi::Error RunSdpaGraphImpl(const char* call, const SdpaGraphKey& key,
   auto graph_or = GetOrBuild(libs, dev, key, call);
   if (!graph_or.has_value()) return graph_or.error();
   const BuiltGraph& built = **graph_or;
+  if (key.tiled) {
+    // The dense graph has no offset or length tensors.
+    for (int64_t uid : {sdpa_uid::kOffsetQ, sdpa_uid::kOffsetK,
+                        sdpa_uid::kOffsetV, sdpa_uid::kOffsetO,
+                        sdpa_uid::kOffsetStats, sdpa_uid::kSeqLenQ,
+                        sdpa_uid::kSeqLenKv}) {
+      uid_to_ptr.erase(uid);
+    }
+  }
 
   void* workspace = nullptr;
   if (built.workspace_bytes > 0) {
@@ -359,7 +387,7 @@ bool SdpaGraphKey::operator==(const SdpaGraphKey& o) const {
          heads_kv == o.heads_kv && head_dim == o.head_dim &&
          io_type == o.io_type && mask == o.mask && scale_bits == o.scale_bits &&
          max_seqlen_q == o.max_seqlen_q && max_seqlen_kv == o.max_seqlen_kv &&
-         window_left == o.window_left;
+         window_left == o.window_left && tiled == o.tiled;
 }
 
 std::string SdpaGraphKey::ToString() const {
@@ -368,7 +396,7 @@ std::string SdpaGraphKey::ToString() const {
       buf, sizeof(buf),
       "%s device=%d S=%lld Tq=%lld Tkv=%lld Hq=%lld Hkv=%lld D=%lld dtype=%s "
       "mask=%s scale=%.9g max_seqlen_q=%lld max_seqlen_kv=%lld "
-      "window_left=%lld",
+      "window_left=%lld tiled=%d",
       direction == SdpaDirection::kForward ? "fwd" : "bwd", device,
       static_cast<long long>(segments), static_cast<long long>(tokens_q),
       static_cast<long long>(tokens_kv), static_cast<long long>(heads_q),
@@ -376,7 +404,7 @@ std::string SdpaGraphKey::ToString() const {
       io_type == SdpaIoType::kBFloat16 ? "bf16" : "f16", MaskName(mask),
       static_cast<double>(scale()), static_cast<long long>(max_seqlen_q),
       static_cast<long long>(max_seqlen_kv),
-      static_cast<long long>(window_left));
+      static_cast<long long>(window_left), tiled ? 1 : 0);
   return buf;
 }
 
@@ -399,6 +427,7 @@ size_t SdpaGraphKeyHash::operator()(const SdpaGraphKey& k) const {
   mix(static_cast<uint64_t>(k.max_seqlen_q));
   mix(static_cast<uint64_t>(k.max_seqlen_kv));
   mix(static_cast<uint64_t>(k.window_left));
+  mix(static_cast<uint64_t>(k.tiled));
   return h;
 }
 

@@ -49,6 +49,12 @@ struct SdpaGraphKey {
   // Left bound of a causal sliding window: a row sees the keys at most
   // window_left before its diagonal; -1: no bound.
   int64_t window_left = -1;
+  // The segments tile the buffers (segment i holds rows [i*s, (i+1)*s) with
+  // s = max_seqlen_q = max_seqlen_kv), top-left causal, q_len <= kv_len:
+  // the dense graph without ragged offsets and without the padding mask
+  // (rows past a segment's length are handled by the handlers and the
+  // Python wrapper; docs/design.md, Tiled calls).
+  bool tiled = false;
 
   float scale() const;
   bool operator==(const SdpaGraphKey& other) const;

@@ -59,6 +59,9 @@ class Call:
       ``halo_rows``, so they add nothing. Otherwise a halo call is an
       unmasked rectangle on the exchanged buffer in sequence order, with
       exact segments.
+    tiled: every row holds one document slot that may fill it (cp=1, N=1,
+      a bound of the whole row): the backend's segments are tiled
+      (:attr:`jax_cp.attention.backend.Segments.tiled`).
 
   The calls of a step cover disjoint Q rows, so their outputs merge
   without log-sum-exp rescaling: a later call writes its rows into the
@@ -77,6 +80,7 @@ class Call:
   overlaps_previous: bool = False
   halo_rows: jnp.ndarray | None = None
   reversed: bool = False
+  tiled: bool = False
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -253,9 +257,12 @@ def _unwindowed_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
   if cp == 1:
     m = metadata.no_load_balance_step(cu, cuP, 1, 0, cfg.total_tokens)
     # Q and KV lengths agree per document: top-left == bottom-right, and
-    # top-left is the faster cuDNN backward.
+    # top-left is the faster cuDNN backward. One document slot per row,
+    # starting at 0 (cu_seqlens_padded starts at 0) and bounded by the row:
+    # the rows tile the buffer (docs/design.md, Tiled calls).
+    tiled = cfg.causal and cu.shape[-1] == 2 and w >= cfg.total_tokens
     return [Call(m, "causal_top_left" if cfg.causal else "no_mask", w, w,
-                 False)]
+                 False, tiled=tiled)]
   if cfg.strategy is _NLB:
     return _no_load_balance_calls(cfg, cu, cuP, rank)
   # DUAL_CHUNK_SWAP: each Q chunk holds c = W / 2cp tokens of a document.
@@ -377,9 +384,14 @@ def segments(call: Call, q_tokens: int, kv_tokens: int) -> Segments:
 
   seg = [flat(m.q_lens), flat(m.kv_lens), flat(m.q_offsets + rows * q_tokens),
          flat(m.kv_offsets + rows * kv_tokens)]
+  max_q = max(min(call.max_q, q_tokens), 1)
+  max_kv = max(min(call.max_kv, kv_tokens), 1)
+  if call.tiled and max_q == q_tokens and max_kv == kv_tokens and \
+      m.q_lens.shape[-1] == 1:
+    # Segment i is row i, whole: kept in row order.
+    return Segments(*seg, max_q, max_kv, rows_see_keys=True, tiled=True)
   if seg[0].shape[0] > 1:
     q, kv = seg[0].astype(jnp.float32), seg[1].astype(jnp.float32)
     order = jnp.argsort(-(q * (2 * kv - q)), stable=True)
     seg = [x[order] for x in seg]
-  return Segments(*seg, max(min(call.max_q, q_tokens), 1),
-                  max(min(call.max_kv, kv_tokens), 1), rows_see_keys=True)
+  return Segments(*seg, max_q, max_kv, rows_see_keys=True)

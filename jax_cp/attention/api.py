@@ -60,6 +60,29 @@ def _rows_see_keys(q_lens, kv_lens, mask: str) -> bool:
   return bool(np.all((ql == 0) | (kl > 0)))
 
 
+def _tiled_mask(q_lens, kv_lens, q_offs, kv_offs, mask: str, tq: int,
+                tkv: int, max_q: int, max_kv: int) -> str | None:
+  """The top-left mask when the call's segments tile its rows
+  (:attr:`Segments.tiled`), else None: one segment per row at offset 0
+  (known: concrete offsets), bounded by the row, top-left causal with
+  ``q_len <= kv_len`` (known: the same length array, or concrete ones); a
+  bottom-right mask with equal lengths is the same mask."""
+  if np.shape(q_lens)[-1] != 1 or max_q != tq or max_kv != tkv or \
+      mask == "no_mask":
+    return None
+  offsets = [checks.concrete(x) for x in (q_offs, kv_offs)]
+  if any(o is None or np.any(o != 0) for o in offsets):
+    return None
+  if q_lens is kv_lens:
+    return "causal_top_left"
+  ql, kl = checks.concrete(q_lens), checks.concrete(kv_lens)
+  if ql is None or kl is None:
+    return None
+  if mask == "causal_bottom_right":
+    return "causal_top_left" if np.array_equal(ql, kl) else None
+  return mask if np.all(ql <= kl) else None
+
+
 def _clamp(offsets, lens, tokens: int, bound: int):
   """Offsets into ``[0, tokens]``, lengths into ``[0, min(bound, tokens -
   offset)]``."""
@@ -68,7 +91,7 @@ def _clamp(offsets, lens, tokens: int, bound: int):
 
 
 def _flatten_segments(q_lens, kv_lens, q_offs, kv_offs, tq, tkv, max_q, max_kv,
-                      rows_see_keys=False):
+                      rows_see_keys=False, tiled=False):
   """``[B, N]`` metadata over ``[B, T]`` rows -> one segment list over the
   flattened ``[B*T]`` buffer."""
   as32 = lambda x: jnp.asarray(x, jnp.int32)
@@ -85,7 +108,7 @@ def _flatten_segments(q_lens, kv_lens, q_offs, kv_offs, tq, tkv, max_q, max_kv,
     kv_offs = kv_offs + rows * tkv
   return Segments(q_lens.reshape(-1), kv_lens.reshape(-1),
                   q_offs.reshape(-1), kv_offs.reshape(-1), max_q, max_kv,
-                  rows_see_keys)
+                  rows_see_keys, tiled)
 
 
 def window_kwargs(window_left: int) -> dict:
@@ -181,9 +204,14 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets, kv_offsets, *,
     if arr is not None and arr.size and arr.max() > bound:
       raise ValueError(f"{name} holds a segment of length {int(arr.max())} "
                        f"above its bound {bound} (max_seqlen / row length)")
+  tiled_mask = _tiled_mask(q_seqlens, kv_seqlens, q_offsets, kv_offsets, mask,
+                          tq, tkv, max_q, max_kv)
+  if tiled_mask is not None:
+    mask = tiled_mask
   seg = _flatten_segments(q_seqlens, kv_seqlens, q_offsets, kv_offsets,
                           tq, tkv, max_q, max_kv,
-                          _rows_see_keys(q_seqlens, kv_seqlens, mask))
+                          _rows_see_keys(q_seqlens, kv_seqlens, mask),
+                          tiled=tiled_mask is not None)
   resolved = resolve_backend(backend)
   flat = lambda x: x.reshape((-1,) + x.shape[-2:])
   out, lse = _attention(flat(q), flat(k), flat(v), seg, resolved, mask, scale,

@@ -93,6 +93,16 @@ class Segments:
       for the bottom-right mask); backends may then skip zeroing rows that
       see none, and in-place writes need it. The CP layer's calls always
       satisfy it.
+    tiled: static promise that the segments tile the buffers: segment ``i``
+      holds Q rows ``[i*max_seqlen_q, (i+1)*max_seqlen_q)`` and KV rows
+      ``[i*max_seqlen_kv, (i+1)*max_seqlen_kv)`` (its offsets say so too),
+      these bounds times S are the buffers' lengths, the mask is top-left
+      causal and ``q_len <= kv_len``. With top-left masks no valid Q row
+      then sees a row past its segment's length, so a backend may run the
+      dense kernel without a padding mask (the cudnn backend does: it is
+      the graph of ``jax.nn.dot_product_attention``) and mask the rows past
+      the lengths itself. A batch of rows holding one document each, at
+      cp=1, is tiled (docs/design.md, Tiled calls).
   """
 
   q_lens: jax.Array
@@ -103,6 +113,7 @@ class Segments:
   max_seqlen_kv: int = dataclasses.field(metadata=dict(static=True))
   rows_see_keys: bool = dataclasses.field(default=False,
                                           metadata=dict(static=True))
+  tiled: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 Pair = tuple[jax.Array, jax.Array]

@@ -26,6 +26,15 @@ calls the custom call, and masks the rows cuDNN leaves undefined:
   promise there are none (``Segments.rows_see_keys``).
 
 
+Tiled segments (``Segments.tiled``: one document per row of a batch, at
+cp=1) run cuDNN's dense graph, the one ``jax.nn.dot_product_attention``
+builds: no ragged offsets and no padding mask, which cost 3-7 % in the
+same kernels. The handler fills the rows past each segment's length after
+the forward; the backward gets those rows' ``lse`` as a huge value, so
+their probabilities and their share of every gradient are exactly 0, and
+reads the ``lse`` head-major as cuDNN 9.19 wants for a dense graph
+(docs/design.md, Tiled calls).
+
 A sliding window (``window_left``) is cuDNN's diagonal band,
 ``set_diagonal_band_left_bound(window_left + 1)`` on both alignments,
 forward and backward (docs/design.md, Sliding window); bottom-right segments
@@ -192,6 +201,20 @@ def check_segments(seg: Segments) -> None:
       raise ValueError(f"seg.{name} must be a static int >= 0, got {value!r}.")
 
 
+def check_tiled(seg: Segments, mask: str, tq: int, tkv: int) -> None:
+  """Tiled segments: top-left causal, ``S * max_seqlen == T`` for Q and KV."""
+  if not seg.tiled:
+    return
+  s = seg.q_lens.shape[0]
+  if mask != "causal_top_left" or s * seg.max_seqlen_q != tq or \
+      s * seg.max_seqlen_kv != tkv:
+    raise ValueError(
+        f"Segments(tiled=True) needs mask='causal_top_left' and S * "
+        f"max_seqlen == T for Q and KV; got mask={mask!r}, S={s}, "
+        f"max_seqlen_q={seg.max_seqlen_q}, max_seqlen_kv={seg.max_seqlen_kv},"
+        f" Tq={tq}, Tkv={tkv}.")
+
+
 def check_like(name: str, x, shape, dtype=None) -> None:
   if tuple(x.shape) != tuple(shape) or (dtype is not None and
                                         jnp.dtype(x.dtype) != jnp.dtype(dtype)):
@@ -205,6 +228,7 @@ def _check_call(q, k, v, seg, mask) -> None:
   check_offsets_fit_int32(q.shape, k.shape)
   check_mask(mask)
   check_segments(seg)
+  check_tiled(seg, mask, q.shape[0], k.shape[0])
 
 
 def _scale_value(scale, head_dim: int) -> np.float32:
@@ -282,11 +306,28 @@ def _segment_meta(seg: Segments, q_shape, k_shape, max_q: int, max_kv: int):
 
 
 def _attributes(seg: Segments, mask: str, scale: np.float32, max_q: int,
-                max_kv: int, window_left: int):
+                max_kv: int, window_left: int, tiled: bool = False):
   return dict(segments=np.int64(seg.q_lens.shape[0]),
               mask=np.int64(MASK_CODES[mask]), scale=scale,
               max_seqlen_q=np.int64(max_q), max_seqlen_kv=np.int64(max_kv),
-              window_left=np.int64(window_left))
+              window_left=np.int64(window_left), tiled=np.int64(tiled))
+
+
+#: The lse a tiled backward reads on rows past a segment's length: every
+#: exp(score - lse) there is 0 (scores are far below it; no inf arithmetic).
+TILED_PAST_LENGTH_LSE = np.float32(1e30)
+
+
+def _tiled_stats(seg: Segments, lse):
+  """A tiled backward's stats: rows past a segment's length (``lse = -inf``
+  from the forward) get :data:`TILED_PAST_LENGTH_LSE`, and the ``[Tq, Hq]``
+  buffer holds them head-major per segment (``[S, Hq, s]``), the layout of
+  the dense graph's Stats input."""
+  s, hq = seg.q_lens.shape[0], lse.shape[1]
+  stats = jnp.where(jnp.isneginf(lse), TILED_PAST_LENGTH_LSE,
+                    lse).astype(jnp.float32)
+  stats = stats.reshape(s, seg.max_seqlen_q, hq).transpose(0, 2, 1)
+  return stats.reshape(lse.shape)
 
 
 # ----------------------------------------------------------------------------
@@ -328,7 +369,8 @@ def forward(q, k, v, seg: Segments, *, mask: str, scale: float,
   meta = _segment_meta(seg, q.shape, k.shape, max_q, max_kv)
   result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                   jax.ShapeDtypeStruct((tq, hq), jnp.float32))
-  attrs = _attributes(seg, mask, scale, max_q, max_kv, window_left)
+  attrs = _attributes(seg, mask, scale, max_q, max_kv, window_left,
+                      tiled=seg.tiled and into is None)
   if into is not None:
     return jax.ffi.ffi_call(
         FWD_INTO_TARGET, result_types, input_output_aliases={3: 0, 4: 1},
@@ -336,9 +378,10 @@ def forward(q, k, v, seg: Segments, *, mask: str, scale: float,
   out, stats = jax.ffi.ffi_call(FWD_TARGET, result_types,
                                 vmap_method="sequential")(q, k, v, meta,
                                                           **attrs)
-  if seg.rows_see_keys:
+  if seg.rows_see_keys or seg.tiled:
     # The handler cleared out and filled stats with -inf; every covered row
-    # sees a key, so nothing is left to mask.
+    # sees a key (tiled: q_len <= kv_len, top-left), so nothing is left to
+    # mask.
     return out, stats
   q_lens, kv_lens = _lengths(seg, max_q, max_kv)
   live = _rows_with_keys(q_lens, kv_lens, seg.q_offsets, tq, mask)
@@ -371,7 +414,10 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
     dq = jnp.zeros_like(q) if dq_into is None else dq_into
     return dq, jnp.zeros_like(k), jnp.zeros_like(v)
   meta = _segment_meta(seg, q.shape, k.shape, max_q, max_kv)
-  if seg.rows_see_keys:
+  tiled = seg.tiled and dq_into is None
+  if tiled:
+    stats = _tiled_stats(seg, lse)
+  elif seg.rows_see_keys:
     # Covered rows have a finite lse; cuDNN reads no other row.
     stats = lse.astype(jnp.float32)
   else:
@@ -382,7 +428,7 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
   result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                   jax.ShapeDtypeStruct(k.shape, k.dtype),
                   jax.ShapeDtypeStruct(v.shape, v.dtype))
-  attrs = _attributes(seg, mask, scale, max_q, max_kv, window_left)
+  attrs = _attributes(seg, mask, scale, max_q, max_kv, window_left, tiled)
   inputs = (q, k, v, out.astype(q.dtype), dout.astype(q.dtype), stats)
   if dq_into is not None:
     return jax.ffi.ffi_call(
@@ -391,7 +437,7 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
   dq, dk, dv = jax.ffi.ffi_call(BWD_TARGET, result_types,
                                 vmap_method="sequential")(*inputs, meta,
                                                           **attrs)
-  if not seg.rows_see_keys:
+  if not (seg.rows_see_keys or tiled):
     q_lens, kv_lens = _lengths(seg, max_q, max_kv)
     live = _rows_with_keys(q_lens, kv_lens, seg.q_offsets, tq, mask)
     dq = jnp.where(live[:, None, None], dq, jnp.zeros((), dq.dtype))
