@@ -12,6 +12,7 @@ import jax_cp
 from jax_cp import CPLoadBalancingStrategy as S
 from jax_cp.kv_exchange import choose_exchange
 from tests import reference as ref
+from tests._devices import devices
 
 T, D = 128, 16
 NLB = S.NO_LOAD_BALANCE
@@ -25,7 +26,7 @@ def layout_with_longest(rng, w, batch, max_docs=64):
 
 def cp_mesh(cp):
   """A 1-D ("cp",) mesh over the first cp (virtual) devices, Auto axes."""
-  return jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
+  return jax.make_mesh((cp,), ("cp",), devices=devices(cp),
                        axis_types=(jax.sharding.AxisType.Auto,))
 
 

@@ -18,13 +18,14 @@ from jax_cp import seqlen_guard
 from jax_cp.cp_config import make_config
 from jax_cp.cp_vjp import cp_attention_vjp
 from tests import reference as ref
+from tests._devices import devices
 
 T, D = 64, 8
 NLB, DCS = S.NO_LOAD_BALANCE, S.DUAL_CHUNK_SWAP
 
 
 def cp_mesh(cp):
-  return jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
+  return jax.make_mesh((cp,), ("cp",), devices=devices(cp),
                        axis_types=(jax.sharding.AxisType.Auto,))
 
 
