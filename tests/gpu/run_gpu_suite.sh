@@ -87,7 +87,8 @@ status=${PIPESTATUS[0]}
 set -e
 "$PY" tests/gpu/skip_summary.py \
   "contract/lowering tests=$LOG_DIR/junit_contract.xml" \
-  "gpu tests=$LOG_DIR/junit_gpu.xml" | tee "$LOG_DIR/summary.log"
+  "gpu tests=$LOG_DIR/junit_gpu.xml" | tee "$LOG_DIR/summary.log" ||
+  echo "(no test summary: tests/gpu/skip_summary.py failed)" >&2
 echo "contract/lowering tests exit status: $contract"
 echo "pytest exit status: $status (logs in $LOG_DIR)"
 if (( status == 0 )); then status=$contract; fi
