@@ -22,7 +22,8 @@ load-balancing strategy:
 
 Under NO_LOAD_BALANCE the work also depends on the order of the documents
 in the row; :func:`jax_cp.balance_document_order` picks an order that
-evens it out (using the counts of this module).
+evens it out (counting pairs as this module does,
+:mod:`jax_cp.causal_pairs`).
 
 :func:`recommend_strategy` turns two such estimates into a predicted step
 time with a deliberately simple model (see
@@ -38,9 +39,11 @@ from typing import Any
 
 import numpy as np
 
-from jax_cp import checks
+from jax_cp import checks, document_order
+from jax_cp.causal_pairs import window_pairs
+from jax_cp.host_metadata import as_int_rows, host_metadata, resolve_cp
 from jax_cp.layout import CPLayout
-from jax_cp.strategy import CPLoadBalancingStrategy, as_strategy
+from jax_cp.strategy import CPLoadBalancingStrategy
 
 _DCS = CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
 _NLB = CPLoadBalancingStrategy.NO_LOAD_BALANCE
@@ -184,71 +187,6 @@ class StrategyRecommendation:
 # ----------------------------------------------------------------- helpers
 
 
-def _causal_pairs(a, b):
-  """Sum of ``j+1`` for ``j`` in ``[a, b)`` (0 where ``b <= a``), int64."""
-  a = np.asarray(a, np.int64)
-  b = np.maximum(np.asarray(b, np.int64), a)
-  return (b * (b + 1) - a * (a + 1)) // 2
-
-
-def _window_pairs(a, b, left: int):
-  """Sum of ``min(j+1, left+1)`` for ``j`` in ``[a, b)``: the keys queries
-  ``a..b-1`` of a document see under a causal window (``left < 0``: no
-  window, :func:`_causal_pairs`)."""
-  if left < 0:
-    return _causal_pairs(a, b)
-  a = np.asarray(a, np.int64)
-  b = np.maximum(np.asarray(b, np.int64), a)
-  m = left + 1              # from position m on, every query sees m keys
-  ramp = _causal_pairs(np.minimum(a, m), np.minimum(b, m))
-  return ramp + m * (b - np.maximum(a, np.minimum(b, m)))
-
-
-def _as_int_rows(x: Any, name: str) -> np.ndarray:
-  arr = checks.concrete(x)
-  if arr is None:
-    raise ValueError(f"{name} must be a concrete host array (numpy or a "
-                     "non-traced JAX array): this runs on the host, in the "
-                     "data loader")
-  if not np.issubdtype(arr.dtype, np.integer):
-    raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
-  return arr.astype(np.int64).reshape(-1, arr.shape[-1])
-
-
-def resolve_cp(cp_size: int | CPLayout, strategy, caller: str,
-               max_seqlen: int | None = None
-               ) -> tuple[int, CPLoadBalancingStrategy, int | None]:
-  """``(cp, strategy, max_seqlen)`` from an int ``cp_size`` and a
-  strategy, or from a :class:`CPLayout` with a known ``cp_size`` (its
-  strategy and ``max_seqlen`` then, unless given here too, which
-  ``CPLayout.build`` refuses). ``caller`` names the function in errors."""
-  if isinstance(cp_size, CPLayout):
-    layout = CPLayout.build(cp_size, caller, **{
-        k: v for k, v in dict(strategy=strategy,
-                              max_seqlen=max_seqlen).items()
-        if v is not None})
-    if layout.cp_size is None:
-      raise ValueError(f"{caller} needs the layout's cp size: build the "
-                       "CPLayout with mesh=... or cp_size=...")
-    cp_size, strategy, max_seqlen = (layout.cp_size, layout.strategy,
-                                     layout.max_seqlen)
-  strategy = as_strategy(strategy, "strategy")
-  checks.check_cp_size(cp_size)
-  return int(cp_size), strategy, max_seqlen
-
-
-def host_metadata(cu_seqlens, cu_seqlens_padded
-                  ) -> tuple[np.ndarray, np.ndarray]:
-  """Concrete, checked metadata as int64 rows ``[B, N+1]`` (``B = 1`` for
-  ``[N+1]``): ``(cu_seqlens, cu_seqlens_padded)``."""
-  cuP = _as_int_rows(cu_seqlens_padded, "cu_seqlens_padded")
-  cu = _as_int_rows(cu_seqlens, "cu_seqlens")
-  checks.check_cu_seqlens_padded(np.asarray(cu_seqlens_padded))
-  checks.check_cu_seqlens(np.asarray(cu_seqlens),
-                          np.asarray(cu_seqlens_padded))
-  return cu, cuP
-
-
 def _check_positive_int(value: Any, name: str) -> int:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
       or value < 1:
@@ -267,13 +205,13 @@ def _rank_pairs(lens, starts, plens, cp: int, total: int,
     lo, hi = ranks * tl, (ranks + 1) * tl
     a = np.clip(lo - starts, 0, lens)
     b = np.clip(hi - starts, 0, lens)
-    return _window_pairs(a, b, window_left).sum(axis=1)
+    return window_pairs(a, b, window_left).sum(axis=1)
   c = plens // (2 * cp)                                    # chunk length
   pairs = 0
   for k in (ranks, 2 * cp - 1 - ranks):
     a = np.clip(k * c, 0, lens)
     b = np.clip((k + 1) * c, 0, lens)
-    pairs = pairs + _window_pairs(a, b, window_left)
+    pairs = pairs + window_pairs(a, b, window_left)
   return pairs.sum(axis=1)
 
 
@@ -377,7 +315,7 @@ def pad_cu_seqlens(cu_seqlens, multiple: int) -> np.ndarray:
   """Cumulative padded lengths with every document padded up to a multiple
   of ``multiple`` (e.g. ``2*cp`` for DUAL_CHUNK_SWAP). The row grows."""
   multiple = _check_positive_int(multiple, "multiple")
-  cu = _as_int_rows(cu_seqlens, "cu_seqlens")
+  cu = as_int_rows(cu_seqlens, "cu_seqlens")
   lens = np.diff(cu, axis=-1)
   if (lens < 0).any():
     raise ValueError("cu_seqlens must be non-decreasing")
@@ -443,8 +381,6 @@ def recommend_strategy(cu_seqlens, cu_seqlens_padded, cp_size: int, *,
             window_size=window_size)
   cu_nlb, cuP_nlb = cu_seqlens, cu_seqlens_padded
   if reorder_documents:
-    # document_order builds on this module: imported here, not at the top.
-    from jax_cp import document_order  # pylint: disable=import-outside-toplevel
     order = document_order.balance_document_order(
         cu_seqlens, cu_seqlens_padded, cp_size, _NLB,
         window_size=window_size)
@@ -455,7 +391,7 @@ def recommend_strategy(cu_seqlens, cu_seqlens_padded, cp_size: int, *,
   note = " (no_load_balance on the reordered rows)" if reorder_documents \
       else ""
   if cu_seqlens_padded_dcs is None:
-    plens = np.diff(_as_int_rows(cu_seqlens_padded, "cu_seqlens_padded"),
+    plens = np.diff(as_int_rows(cu_seqlens_padded, "cu_seqlens_padded"),
                     axis=-1)
     if (plens % (2 * cp_size)).any():
       cu_seqlens_padded_dcs = pad_cu_seqlens(cu_seqlens, 2 * cp_size)

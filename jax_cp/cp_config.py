@@ -108,7 +108,7 @@ def make_config(q_shape, k_shape, v_shape, dtype, cu_seqlens,
     checks.check_dual_chunk_divisible(cu_seqlens_padded, cp_size)
   bound = checks.check_max_seqlen(max_seqlen, cu_seqlens_padded, total_tokens)
   checks.check_max_seqlen_violation(max_seqlen_violation)
-  resolved = resolve_backend(backend, platform)
+  resolved = resolve_backend(backend, platform, dtype)
 
   def config(w: int) -> CPConfig:
     """The layout for the bound ``w``."""

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jax_cp import checks, cost_model
+from jax_cp import checks
+from jax_cp.causal_pairs import window_pairs
+from jax_cp.host_metadata import as_int_rows, host_metadata, resolve_cp
 from jax_cp.layout import CPLayout
 from jax_cp.strategy import CPLoadBalancingStrategy
 
@@ -50,12 +52,12 @@ class _Prefix:
     self.lens, self.plens, self.left = lens, plens, left
     self.ends = np.cumsum(plens)
     self.starts = self.ends - plens
-    self.full = cost_model._window_pairs(0, lens, left)
+    self.full = window_pairs(0, lens, left)
     self.before = np.concatenate([[0], np.cumsum(self.full)])  # [N+1]
 
   def part(self, lens, t):
     """Pairs of the first ``t`` tokens of documents of ``lens``."""
-    return cost_model._window_pairs(0, np.clip(t, 0, lens), self.left)
+    return window_pairs(0, np.clip(t, 0, lens), self.left)
 
   def work(self, x):
     x = np.asarray(x, np.int64)
@@ -184,7 +186,7 @@ def balance_document_order(cu_seqlens, cu_seqlens_padded,
       a ``max_rounds`` that is not a non-negative int, or a negative
       ``tolerance``.
   """
-  cp, strategy, _ = cost_model.resolve_cp(cp_size, strategy,
+  cp, strategy, _ = resolve_cp(cp_size, strategy,
                                           "balance_document_order")
   left = checks.check_window_size(window_size, "causal")
   if isinstance(max_rounds, bool) or not isinstance(
@@ -195,7 +197,7 @@ def balance_document_order(cu_seqlens, cu_seqlens_padded,
       tolerance, (int, float, np.integer, np.floating)) or not tolerance >= 0:
     raise ValueError(f"tolerance must be a non-negative number, got "
                      f"{tolerance!r}")
-  cu, cuP = cost_model.host_metadata(cu_seqlens, cu_seqlens_padded)
+  cu, cuP = host_metadata(cu_seqlens, cu_seqlens_padded)
   checks.check_divisible_tokens(int(cuP[0, -1]), cp)
   lens, plens = np.diff(cu, axis=-1), np.diff(cuP, axis=-1)
   orders = np.tile(np.arange(lens.shape[1]), (lens.shape[0], 1))
@@ -233,10 +235,10 @@ def permute_documents(order, cu_seqlens, cu_seqlens_padded, *arrays,
     ValueError: an ``order`` that is not a permutation per row, or arrays
       whose token axis or batch does not match the metadata.
   """
-  cu, cuP = cost_model.host_metadata(cu_seqlens, cu_seqlens_padded)
+  cu, cuP = host_metadata(cu_seqlens, cu_seqlens_padded)
   b, n = cu.shape[0], cu.shape[1] - 1
   total = int(cuP[0, -1])
-  order_arr = cost_model._as_int_rows(order, "order")
+  order_arr = as_int_rows(order, "order")
   if np.shape(order) != np.shape(cu_seqlens)[:-1] + (n,):
     raise ValueError(f"order must have shape "
                      f"{np.shape(cu_seqlens)[:-1] + (n,)} (one slot per "

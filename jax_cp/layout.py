@@ -111,6 +111,10 @@ class CPLayout:
       :func:`jax_cp.make_global_batch` does: no in-graph check and no
       ``cond``, which on GPU makes the host wait for the device).
     backend: varlen attention backend: ``"auto"``, ``"xla"`` or ``"cudnn"``.
+      ``"auto"`` runs cuDNN on a GPU where the extension is built and q/k/v
+      are bfloat16 or float16, else ``"xla"`` (float32 inputs on a GPU: with
+      one logged line saying so); ``"cudnn"`` takes bfloat16 or float16
+      only (``ValueError`` otherwise).
     mesh: the mesh of the global view; ``None`` takes the context mesh
       (``jax.set_mesh``) where one is needed.
     batch_axis: mesh axis (or tuple of axes) the batch dim is sharded over

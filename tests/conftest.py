@@ -1,15 +1,21 @@
 """Shared pytest setup.
 
 * Eight virtual CPU devices for the CP meshes: XLA_FLAGS must be set before
-  JAX initialises, hence at conftest import time.
+  JAX initialises, hence at conftest import time. The flag is added to an
+  XLA_FLAGS that lacks it (one that sets its own device count keeps it).
 * ``gpu`` tests skip cleanly where no CUDA GPU is visible.
+* ``requires_devices(n, platform=None)`` tests skip where fewer devices
+  exist (``tests/_devices.py``).
 * ``record_error``: tests report their relative errors; the largest per
   dtype is printed at the end of the run.
 """
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+_FLAGS = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _FLAGS:
+  _FLAGS = f"{_FLAGS} --xla_force_host_platform_device_count=8".strip()
+os.environ["XLA_FLAGS"] = _FLAGS
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
   # Test programs are small: LLVM's -O0 roughly halves XLA:CPU compile time,
   # which dominates the suite on 2 cores (tests check results, not speed).
@@ -18,18 +24,29 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 import jax  # noqa: E402  (after XLA_FLAGS on purpose)
 import pytest  # noqa: E402
 
+from tests import _devices  # noqa: E402
+
+
+def pytest_configure(config):
+  config.addinivalue_line(
+      "markers", "requires_devices(n, platform=None): skipped where fewer "
+      "than n devices of the platform (None: JAX's default) exist")
+
 
 def pytest_collection_modifyitems(config, items):
   try:
     has_gpu = jax.default_backend() == "gpu"
   except RuntimeError:
     has_gpu = False
-  if has_gpu:
-    return
-  skip = pytest.mark.skip(reason="needs a CUDA GPU (marker gpu)")
+  skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (marker gpu)")
   for item in items:
-    if "gpu" in item.keywords:
-      item.add_marker(skip)
+    if "gpu" in item.keywords and not has_gpu:
+      item.add_marker(skip_gpu)
+    mark = item.get_closest_marker("requires_devices")
+    if mark is not None:
+      reason = _devices.skip_reason(*mark.args, **mark.kwargs)
+      if reason is not None:
+        item.add_marker(pytest.mark.skip(reason=reason))
 
 
 _LARGEST_ERRORS = {}

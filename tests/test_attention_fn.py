@@ -14,6 +14,7 @@ import jax_cp
 from jax_cp import CPLayout
 from jax_cp import nnx as cp_nnx
 from tests import reference as ref
+from tests._devices import devices
 
 CP, DP = 4, 2
 B, T, E, H = 2, 64, 16, 2
@@ -84,7 +85,7 @@ def test_nnx_attention_fn_with_cp_matches_no_cp(x, strategy):
   """Global view, cp=4: the batch from make_global_batch carries the
   layout; the output, restored to physical order, is the output without
   CP."""
-  mesh = jax.make_mesh((DP, CP), ("data", "cp"))
+  mesh = jax.make_mesh((DP, CP), ("data", "cp"), devices=devices(DP * CP))
   layout = CPLayout(mesh=mesh, strategy=strategy, batch_axis="data",
                     backend="xla")
   mha = _flax_nnx_mha(jax_cp.cp_attention_fn(layout))

@@ -1,5 +1,6 @@
 """The backend table (jax_cp.attention.registry): loading, fallbacks and
-their warnings, a broken extension surfaced, and no import cycle."""
+their warnings, ``auto``'s dtype rule, a broken extension surfaced, and no
+import cycle."""
 
 import ast
 import importlib
@@ -8,10 +9,14 @@ import subprocess
 import sys
 import warnings
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+import jax_cp
 from jax_cp.attention import registry
 from jax_cp.attention.backend import Backend
+from tests import reference as ref
 
 
 @pytest.fixture
@@ -90,6 +95,88 @@ def test_broken_extension_is_surfaced_and_retried(fresh_registry,
   with pytest.raises(ImportError, match="undefined symbol"):
     registry.resolve_backend("cudnn")
   assert len(calls) == 4
+
+
+def _fake_cudnn(calls, platforms=("cuda", "gpu")):
+  """A stand-in for the cuDNN backend (the extension need not be built):
+  available on ``platforms``, bfloat16 or float16 only (a ValueError on
+  anything else, as the real one raises), computing with the xla backend
+  and counting its forward calls in ``calls``."""
+  xla = registry.resolve_backend("xla")
+  dtypes = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+  def forward(q, k, v, seg, **kw):
+    if q.dtype not in dtypes:
+      raise ValueError(f"fake cudnn got q.dtype={q.dtype}")
+    calls.append(q.dtype)
+    return xla.forward(q, k, v, seg, **kw)
+  return Backend(name="cudnn", forward=forward, backward=xla.backward,
+                 is_available=lambda platform: platform in platforms,
+                 dtypes=dtypes)
+
+
+def _auto_lines(caplog):
+  return [r.getMessage() for r in caplog.records
+          if r.name == registry.__name__]
+
+
+def test_auto_runs_float32_on_xla_with_one_log_line(fresh_registry, caplog):
+  """Where cuDNN would be picked, float32 q/k/v go to xla with one logged
+  warning per dtype; bfloat16 and float16 go to cuDNN, without a line."""
+  registry.register_backend(_fake_cudnn([]))
+  caplog.set_level("WARNING", logger=registry.__name__)
+  assert registry.resolve_backend("auto", "cuda", jnp.float32).name == "xla"
+  lines = _auto_lines(caplog)
+  assert len(lines) == 1
+  assert "float32" in lines[0] and "'xla'" in lines[0]
+  assert "bfloat16" in lines[0]
+  assert registry.resolve_backend("auto", "gpu", np.float32).name == "xla"
+  assert len(_auto_lines(caplog)) == 1                 # once per dtype
+  assert registry.resolve_backend("auto", "cuda", jnp.float64).name == "xla"
+  assert len(_auto_lines(caplog)) == 2 and "float64" in _auto_lines(
+      caplog)[1]
+  for dtype in (jnp.bfloat16, jnp.float16):
+    assert registry.resolve_backend("auto", "cuda", dtype).name == "cudnn"
+  # Where cuDNN does not run, xla is the plain choice: no line.
+  assert registry.resolve_backend("auto", "cpu", jnp.float32).name == "xla"
+  # An explicit name is used as given, whatever the dtype.
+  assert registry.resolve_backend("cudnn", "cuda",
+                                  jnp.float32).name == "cudnn"
+  assert len(_auto_lines(caplog)) == 2
+
+
+def test_auto_attention_with_float32_runs_on_xla(fresh_registry, caplog):
+  """fused_attention and cp_attention_local with backend="auto", the fake
+  cuDNN available on this platform: float32 inputs run on xla (the fake
+  would raise on them) with the logged line, and match the reference;
+  bfloat16 inputs run on the fake."""
+  calls = []
+  registry.register_backend(_fake_cudnn(calls, platforms=("cpu",)))
+  caplog.set_level("WARNING", logger=registry.__name__)
+  rng = np.random.default_rng(0)
+  cu = np.array([0, 5, 11, 15], np.int32)
+  cuP = np.array([0, 6, 12, 16], np.int32)
+  q = rng.standard_normal((16, 2, 8)).astype(np.float32)
+  k, v = (rng.standard_normal((16, 1, 8)).astype(np.float32)
+          for _ in range(2))
+  want = np.asarray(ref.attention(q, k, v, cu, cuP))
+  valid = ref.valid_token_mask(cu, cuP)
+  meta = (cu[1:] - cu[:-1], cu[1:] - cu[:-1], cuP[:-1], cuP[:-1])
+  out = jax_cp.fused_attention(q, k, v, *meta, attn_mask_type="causal",
+                               backend="auto")
+  assert out.dtype == jnp.float32 and calls == []
+  assert ref.rel_err(np.asarray(out)[valid], want[valid]) < 1e-5
+  assert len(_auto_lines(caplog)) == 1
+  out = jax_cp.cp_attention_local(q, k, v, cu, cuP, cp_axis=None,
+                                  backend="auto")
+  assert calls == [] and len(_auto_lines(caplog)) == 1
+  assert ref.rel_err(np.asarray(out)[valid], want[valid]) < 1e-5
+  bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+  out = jax_cp.fused_attention(bf(q), bf(k), bf(v), *meta,
+                               attn_mask_type="causal", backend="auto")
+  assert calls == [jnp.dtype(jnp.bfloat16)]
+  assert ref.rel_err(np.asarray(out, np.float32)[valid], want[valid]) < 2e-2
+  assert len(_auto_lines(caplog)) == 1
 
 
 def test_unknown_backend_and_user_backend(fresh_registry):

@@ -13,6 +13,7 @@ import pytest
 
 import jax_cp
 from benchmarks import bench_cp, report, timing, workload
+from tests._devices import requires_devices
 
 HQ, HKV, D, T = 4, 2, 16, 256
 
@@ -50,6 +51,7 @@ def bench_json(tmp_path_factory):
     return path, json.load(f)
 
 
+@requires_devices(2)
 def test_bench_json_fields(bench_json):
   _, data = bench_json
   env = data["env"]
@@ -97,6 +99,7 @@ def test_bench_json_fields(bench_json):
   assert {r["layout"] for r in short} == {"pad4", "unpadded"}
 
 
+@requires_devices(2)
 def test_report_markdown_and_plot(bench_json, tmp_path):
   path, _ = bench_json
   md, png = report.main([path, "--out", str(tmp_path)])
@@ -113,6 +116,7 @@ def test_report_markdown_and_plot(bench_json, tmp_path):
   assert glob.glob(str(tmp_path / "speedup.png"))
 
 
+@requires_devices(2)
 def test_speedup_ab_pairs(tmp_path):
   from benchmarks import speedup_ab
   path = speedup_ab.main([
@@ -127,6 +131,7 @@ def test_speedup_ab_pairs(tmp_path):
   assert rec["ms_base"] > 0 and rec["ms_other"] > 0
 
 
+@requires_devices(2)
 def test_speedup_ab_doc_orders(tmp_path):
   """--doc-order packed balanced: each row twice, the balanced one with the
   same documents reordered, its busiest rank no heavier."""
@@ -157,6 +162,7 @@ def test_speedup_ab_doc_orders(tmp_path):
   assert sum("documents reordered" in r for r in rows) == 1
 
 
+@requires_devices(2)
 def test_speedup_ab_times_the_guard(tmp_path):
   """--against fallback pairs the cp=N program with the fallback guard (A)
   against the same program checked on the host (B); the A program holds
@@ -186,6 +192,7 @@ def test_speedup_ab_times_the_guard(tmp_path):
   assert "stablehlo.case" not in hlo["checked_on_host"]
 
 
+@requires_devices(2)
 def test_no_communication_variant_has_no_collectives(bench_json):
   """The exposed-exchange baseline (cp_comm_type="local_copies") lowers
   without any collective: nothing is left to leak into "exposed"."""
@@ -231,6 +238,7 @@ def test_bench_fused_main(tmp_path):
   assert glob.glob(str(tmp_path / "fused_*.json"))
 
 
+@requires_devices(2)
 def test_profile_step_main(capsys):
   from benchmarks import profile_step
   profile_step.main([

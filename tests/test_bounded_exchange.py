@@ -12,6 +12,7 @@ import jax_cp
 from jax_cp import CPLoadBalancingStrategy as S
 from jax_cp.kv_exchange import choose_exchange
 from tests import reference as ref
+from tests._devices import devices
 
 T, D = 128, 16
 NLB = S.NO_LOAD_BALANCE
@@ -23,9 +24,10 @@ def layout_with_longest(rng, w, batch, max_docs=64):
   return ref.rows_with_longest(rng, T, w, batch, max_docs)
 
 
-def cp_mesh(cp):
-  """A 1-D ("cp",) mesh over the first cp (virtual) devices, Auto axes."""
-  return jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
+def cp_mesh(cp, platform=None):
+  """A 1-D ("cp",) mesh over the first cp (virtual) devices of platform
+  (None: JAX's default), Auto axes."""
+  return jax.make_mesh((cp,), ("cp",), devices=devices(cp, platform),
                        axis_types=(jax.sharding.AxisType.Auto,))
 
 
@@ -121,7 +123,7 @@ def test_cudnn_lowering_merges_straddle_parts_in_place(split):
     pytest.skip("jax_cp's cuDNN extension is not built")
   cp, tl, w = 2, 2048, 1600
   cu = jnp.asarray([0, 300, 1000, 2100, 2600, cp * tl], jnp.int32)
-  mesh = cp_mesh(cp)
+  mesh = cp_mesh(cp, "cpu")     # only lowered: CPU devices on a GPU too
 
   def loss(q, k, v, dout):
     out = jax_cp.cp_attention(q, k, v, cu, cu, mesh=mesh,

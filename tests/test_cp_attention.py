@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 import jax_cp
 from jax_cp import CPLoadBalancingStrategy as S
 from tests import reference as ref
+from tests._devices import devices
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 T = 128          # tokens per row: cp=8 -> 16 local tokens
@@ -38,7 +39,7 @@ def make_qkv(rng, batch, hq, hkv, dtype):
 
 
 def mesh_for(cp, data):
-  devs = np.array(jax.devices()[:cp * data]).reshape(data, cp)
+  devs = np.array(devices(cp * data)).reshape(data, cp)
   return jax.sharding.Mesh(devs, ("data", "cp"))
 
 
@@ -152,7 +153,7 @@ def test_local_view_inside_user_shard_map(strategy, record_error):
       cuP, q, k, v, w, cp_size=cp, cp_rank=r,
       load_balancing_strategy=strategy) for r in range(cp)]
   stacked = [jnp.concatenate([p[i] for p in per_rank]) for i in range(4)]
-  mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
+  mesh = jax.make_mesh((cp,), ("cp",), devices=devices(cp),
                        axis_types=(jax.sharding.AxisType.Auto,))
 
   def local(q, k, v, w, cu, cuP):
@@ -184,7 +185,7 @@ def test_context_mesh_and_3d_inputs(record_error):
   cu, cuP, rng = make_rows(400, cp, S.DUAL_CHUNK_SWAP, batch=1)
   cu, cuP = cu[0], cuP[0]
   q, k, v = (x[0] for x in make_qkv(rng, 1, 2, 2, jnp.float32))
-  mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp])
+  mesh = jax.make_mesh((cp,), ("cp",), devices=devices(cp))
   re = lambda x: jax_cp.reorder_for_cp(x, cuP, cp)
   with jax.set_mesh(mesh):
     out = jax.jit(lambda q, k, v: jax_cp.cp_attention(
@@ -202,7 +203,7 @@ def test_head_axis_tensor_parallel(strategy, record_error):
   cu, cuP, rng = make_rows(500, cp, strategy)
   q, k, v = make_qkv(rng, 2, 4, 2, jnp.float32)
   w = jnp.asarray(rng.standard_normal((2, T, 4, D)), jnp.float32)
-  devs = np.array(jax.devices()[:2 * cp * tp]).reshape(2, cp, tp)
+  devs = np.array(devices(2 * cp * tp)).reshape(2, cp, tp)
   mesh = jax.sharding.Mesh(devs, ("data", "cp", "tp"),
                            axis_types=(jax.sharding.AxisType.Auto,) * 3)
   re = lambda x: jax_cp.reorder_for_cp(x, cuP, cp, strategy, seq_dim=1)

@@ -21,6 +21,7 @@ except ModuleNotFoundError:  # a present but broken extension fails
 import jax_cp
 from jax_cp.attention import registry
 from jax_cp.attention.registry import Segments
+from tests._devices import devices
 
 # The names and codes the extension exports (tests/test_cuda_contract.py
 # checks them against what it registers).
@@ -214,6 +215,25 @@ def test_backend_is_registered():
   assert cudnn_backend.build_info()["cudnn_frontend"] >= 10000
 
 
+def test_auto_takes_cudnn_for_bf16_and_xla_for_float32(monkeypatch, caplog):
+  """The platform named as CUDA (the extension is built, so cuDNN would be
+  picked): bfloat16 and float16 q/k/v get cudnn, float32 gets xla with one
+  logged line; backend="cudnn" keeps its dtype error."""
+  monkeypatch.setattr(registry, "_WARNED", set())
+  caplog.set_level("WARNING", logger=registry.__name__)
+  lines = lambda: [r.getMessage() for r in caplog.records
+                   if r.name == registry.__name__]
+  for dtype in (jnp.bfloat16, jnp.float16):
+    assert registry.resolve_backend("auto", "cuda", dtype) is \
+        cudnn_backend.BACKEND
+  assert lines() == []
+  for _ in range(2):
+    assert registry.resolve_backend("auto", "cuda", jnp.float32).name == "xla"
+  assert len(lines()) == 1 and "float32" in lines()[0]
+  assert registry.resolve_backend("cudnn", "cuda",
+                                  jnp.float32) is cudnn_backend.BACKEND
+
+
 # ---------------------------------------------------------------------------
 # Validation
 # ---------------------------------------------------------------------------
@@ -329,9 +349,10 @@ def test_rows_with_keys_matches_xla_reference(mask):
 
 def _cp_grad_calls(strategy, window=None, max_seqlen=None):
   """Custom-call names -> count in the gradient program of cp_attention at
-  cp=2, lowered for CUDA on CPU devices; the backward calls' masks and the
+  cp=2, lowered for CUDA on CPU devices (virtual ones, on a GPU machine
+  too: the program is only lowered); the backward calls' masks and the
   forward calls' masks."""
-  mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2],
+  mesh = jax.make_mesh((2,), ("cp",), devices=devices(2, "cpu"),
                        axis_types=(jax.sharding.AxisType.Auto,))
   cu = np.array([0, 20, 34, 58], np.int32)
   cu_p = np.array([0, 24, 40, 64], np.int32)

@@ -14,6 +14,7 @@ import pytest
 import jax_cp
 from jax_cp import document_order
 from tests import reference as ref
+from tests._devices import devices
 
 
 def _row(rng, n_docs, total, cp, empty_tail=0):
@@ -169,7 +170,7 @@ def test_cp_attention_on_a_reordered_row():
                 for _ in range(4))
   cu2, cuP2, q2, k2, v2, w2 = jax_cp.permute_documents(
       order, cu, cuP, q, k, v, w, seq_dim=0)
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:cp]), ("cp",))
+  mesh = jax.sharding.Mesh(np.array(devices(cp)), ("cp",))
   attn = functools.partial(jax_cp.cp_attention, mesh=mesh, cp_axis="cp",
                            load_balancing_strategy="no_load_balance",
                            backend="xla")

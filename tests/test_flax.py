@@ -24,6 +24,7 @@ from jax_cp.flax import (
 )
 from jax_cp.flax.settings import default_position_ids
 from tests import reference as ref
+from tests._devices import devices
 
 CP, DP = 4, 2
 B, T, E = 2, 64, 16
@@ -108,7 +109,8 @@ def _assert_close(loss, grads, baseline, rtol=1e-4):
 
 def _mesh(axis_types):
   types = (AxisType.Auto,) * 2 if axis_types == "auto" else None
-  return jax.make_mesh((DP, CP), ("data", "cp"), axis_types=types)
+  return jax.make_mesh((DP, CP), ("data", "cp"), axis_types=types,
+                       devices=devices(DP * CP))
 
 
 def _reordered(a, strategy):
@@ -259,7 +261,8 @@ def test_default_position_ids(data, strategy):
   np.testing.assert_array_equal(got, _reordered(data["pos"], strategy))
 
   local = _layout(strategy=strategy, view="local")
-  mesh = jax.make_mesh((CP,), ("cp",), axis_types=(AxisType.Auto,))
+  mesh = jax.make_mesh((CP,), ("cp",), axis_types=(AxisType.Auto,),
+                       devices=devices(CP))
   per_rank = jax.jit(jax.shard_map(
       lambda cuP: default_position_ids(local, cuP, T // CP, CP), mesh=mesh,
       in_specs=P(), out_specs=P(None, "cp"), check_vma=False))(CU_P)

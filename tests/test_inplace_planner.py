@@ -17,6 +17,7 @@ from jax_cp.attention import registry
 from jax_cp.attention.backend import Segments
 from jax_cp.attention.xla import BACKEND as XLA
 from tests import reference as ref
+from tests._devices import devices
 from tests.inplace_backend import make_backend
 from tests.test_sliding_window import STRADDLE_CU, STRADDLE_CU_P
 
@@ -136,7 +137,7 @@ def layout(seed, cp, strategy, batch, max_seqlen):
 
 
 def run_cp(q, k, v, w, cu, cuP, *, cp, strategy, traced=False, **kw):
-  mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
+  mesh = jax.make_mesh((cp,), ("cp",), devices=devices(cp),
                        axis_types=(jax.sharding.AxisType.Auto,))
   re = lambda x: jax_cp.reorder_for_cp(x, cuP, cp, strategy, seq_dim=1)
   back = lambda x: jax_cp.restore_from_cp(x, cuP, cp, strategy, seq_dim=1)

@@ -9,6 +9,7 @@ import pytest
 
 import jax_cp
 from tests import reference
+from tests._devices import devices
 
 T, HQ, HKV, D = 16, 4, 2, 8
 
@@ -43,7 +44,7 @@ def test_fused_attention_rejects_mixed_dtypes():
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.float8_e4m3fn])
 def test_cp_attention_rejects_dtype(dtype):
   q, k, v = (x.astype(dtype) for x in qkv())
-  mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices()[:2],
+  mesh = jax.make_mesh((2,), ("cp",), devices=devices(2),
                        axis_types=(jax.sharding.AxisType.Auto,))
   cu = np.array([0, 6, 14], np.int32)
   cuP = np.array([0, 8, 16], np.int32)
@@ -109,7 +110,7 @@ def test_traced_out_of_range_metadata_is_clamped():
 
 def test_make_global_batch_checks_cu_seqlens():
   """Per process, the valid lengths are checked against the padded ones."""
-  mesh = jax.make_mesh((2, 4), ("data", "cp"),
+  mesh = jax.make_mesh((2, 4), ("data", "cp"), devices=devices(8),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
   cuP = np.array([[0, 32, 64], [0, 16, 64]], np.int32)
   rng = np.random.default_rng(0)
@@ -155,7 +156,7 @@ def test_rows_of_tiny_documents(cp, strategy, docs):
   q = jnp.asarray(rng.standard_normal((t, HQ, D)), jnp.float32)
   k = jnp.asarray(rng.standard_normal((t, HKV, D)), jnp.float32)
   v = jnp.asarray(rng.standard_normal((t, HKV, D)), jnp.float32)
-  mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
+  mesh = jax.make_mesh((cp,), ("cp",), devices=devices(cp),
                        axis_types=(jax.sharding.AxisType.Auto,))
 
   def f(q, k, v):

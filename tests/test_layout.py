@@ -16,6 +16,7 @@ import jax_cp
 from jax_cp import CPBatch, CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
 from tests import reference as ref
+from tests._devices import devices
 
 CP, DP = 4, 2
 B, T, H, D = 2, 64, 2, 8
@@ -25,7 +26,7 @@ CU = np.array([[0, 13, 40, 50, 50], [0, 20, 25, 56, 56]], np.int32)
 
 @pytest.fixture(scope="module")
 def mesh():
-  return jax.make_mesh((DP, CP), ("data", "cp"))
+  return jax.make_mesh((DP, CP), ("data", "cp"), devices=devices(DP * CP))
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +264,7 @@ def test_shard_tokens_pins_the_token_axis(mesh):
   x = jnp.arange(2 * 16 * 6, dtype=jnp.float32).reshape(2, 16, 6)
   explicit = CPLayout(mesh=mesh, cp_axis="cp", batch_axis="data")
   assert explicit.shard_tokens(x) is x   # sharding is in the types there
-  mesh = jax.make_mesh((DP, CP), ("data", "cp"),
+  mesh = jax.make_mesh((DP, CP), ("data", "cp"), devices=devices(DP * CP),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
   layout = CPLayout(mesh=mesh, cp_axis="cp", batch_axis="data")
   f = jax.jit(lambda x: layout.shard_tokens(x) * 2)

@@ -18,13 +18,16 @@ from jax_cp import seqlen_guard
 from jax_cp.cp_config import make_config
 from jax_cp.cp_vjp import cp_attention_vjp
 from tests import reference as ref
+from tests._devices import devices
 
 T, D = 64, 8
 NLB, DCS = S.NO_LOAD_BALANCE, S.DUAL_CHUNK_SWAP
 
 
-def cp_mesh(cp):
-  return jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
+def cp_mesh(cp, platform=None):
+  """A 1-D ("cp",) mesh over the first cp devices of platform (None: JAX's
+  default), Auto axes."""
+  return jax.make_mesh((cp,), ("cp",), devices=devices(cp, platform),
                        axis_types=(jax.sharding.AxisType.Auto,))
 
 
@@ -388,7 +391,7 @@ def test_cuda_lowering_gathers_only_inside_the_fallback_branch():
   except ModuleNotFoundError:
     pytest.skip("jax_cp's cuDNN extension is not built")
   cp, tl, w = 2, 2048, 1600
-  mesh = cp_mesh(cp)
+  mesh = cp_mesh(cp, "cpu")     # only lowered: CPU devices on a GPU too
 
   def loss(q, k, v, dout, cu, cuP):
     out = jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh,

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 import jax_cp
 from jax_cp import CPLoadBalancingStrategy as S
 from tests import reference as ref
+from tests._devices import devices, requires_devices
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multiprocess" / "worker.py"
@@ -55,7 +56,7 @@ def _rows(seed, cp, strategy, batch):
 
 
 def _mesh(data, cp, axis_type):
-  devs = np.array(jax.devices()[:data * cp]).reshape(data, cp)
+  devs = np.array(devices(data * cp)).reshape(data, cp)
   return jax.sharding.Mesh(devs, ("data", "cp"), axis_types=(axis_type,) * 2)
 
 
@@ -119,7 +120,7 @@ def test_single_process_feeds_cp_attention():
 
 def test_unbatched_rows_and_single_array():
   cu, cuP, ids, _ = _rows(3, 4, S.DUAL_CHUNK_SWAP, batch=1)
-  mesh = jax.make_mesh((4,), ("cp",), devices=jax.devices()[:4],
+  mesh = jax.make_mesh((4,), ("cp",), devices=devices(4),
                        axis_types=(AxisType.Auto,))
   got, meta = jax_cp.make_global_batch(ids[0], cuP[0], mesh, seq_dim=0)
   np.testing.assert_array_equal(
@@ -129,7 +130,7 @@ def test_unbatched_rows_and_single_array():
 
 
 def test_process_batch_rows_with_two_batch_axes():
-  devs = np.array(jax.devices()).reshape(2, 2, 2)
+  devs = np.array(devices(8)).reshape(2, 2, 2)
   mesh = jax.sharding.Mesh(devs, ("a", "b", "cp"))
   np.testing.assert_array_equal(
       jax_cp.process_batch_rows(mesh, 8, ("a", "b")), np.arange(8))
@@ -166,6 +167,7 @@ def test_make_global_batch_validation():
     mk({}, cuP, mesh)
 
 
+@requires_devices(8)
 def test_multihost_make_mesh_single_process():
   mesh = multihost.make_mesh(2, 4)
   assert dict(mesh.shape) == {"data": 2, "cp": 4}
@@ -342,6 +344,7 @@ EXAMPLE_ARGS = ["--seq-len", "256", "--layers", "1", "--d-model", "64",
 
 
 @pytest.mark.multiprocess
+@requires_devices(8)      # the single-process run, in this process
 @pytest.mark.parametrize("dp,cp", [(2, 4), (1, 8)],
                          ids=["dp2_cp4_dp_across", "dp1_cp8_cp_across"])
 def test_two_process_training_matches_single_process(tmp_path, dp, cp):

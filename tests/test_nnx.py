@@ -20,6 +20,7 @@ from jax_cp import CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
 from jax_cp import flax as cp_linen
 from jax_cp import nnx as cp_nnx
+from tests._devices import devices
 
 CP, DP = 4, 2
 B, T, E = 2, 64, 16
@@ -201,7 +202,7 @@ def _global_view_loss_and_grads(model, layout, mesh, data):
 
 @pytest.mark.parametrize("strategy", list(S))
 def test_global_view_matches_no_cp(data, baseline, strategy):
-  mesh = jax.make_mesh((DP, CP), ("data", "cp"))
+  mesh = jax.make_mesh((DP, CP), ("data", "cp"), devices=devices(DP * CP))
   layout = CPLayout(mesh=mesh, strategy=strategy, batch_axis="data",
                     backend="xla")
   model = NnxStack(layout, nnx.Rngs(0))
@@ -212,7 +213,7 @@ def test_global_view_matches_no_cp(data, baseline, strategy):
 
 def test_local_view_in_shard_map_matches_no_cp(data, baseline):
   strategy = S.DUAL_CHUNK_SWAP
-  mesh = jax.make_mesh((DP, CP), ("data", "cp"))
+  mesh = jax.make_mesh((DP, CP), ("data", "cp"), devices=devices(DP * CP))
   layout = CPLayout(strategy=strategy, view="local", backend="xla")
   graphdef, _ = nnx.split(NnxStack(layout, nnx.Rngs(0)))
   state = nnx.state(baseline[0])
@@ -270,7 +271,7 @@ def test_windowed_layers_with_cp_match_no_cp(data):
   value, grads = nnx.jit(nnx.value_and_grad(_loss))(plain, data["x"], *args)
   want = (plain, float(value), nnx.to_pure_dict(grads))
 
-  mesh = jax.make_mesh((DP, CP), ("data", "cp"))
+  mesh = jax.make_mesh((DP, CP), ("data", "cp"), devices=devices(DP * CP))
   layout = CPLayout(mesh=mesh, strategy="no_load_balance", batch_axis="data",
                     backend="xla")
   model = NnxStack(layout, nnx.Rngs(0), windows)

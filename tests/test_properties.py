@@ -29,6 +29,7 @@ import pytest
 import jax_cp
 from jax_cp import CPLoadBalancingStrategy as S
 from tests import reference as ref
+from tests._devices import devices
 
 T, D, SLOTS = 32, 8, 6
 NLB, DCS = S.NO_LOAD_BALANCE, S.DUAL_CHUNK_SWAP
@@ -197,7 +198,7 @@ def mutate(rng, s, name):
 def api(q, k, v, cu, cuP, *, cp, strategy, max_seqlen, seq):
   """The user's path: reorder, CP attention, restore (physical order);
   ``seq`` is the token axis of the user's layout."""
-  mesh = jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
+  mesh = jax.make_mesh((cp,), ("cp",), devices=devices(cp),
                        axis_types=(jax.sharding.AxisType.Auto,))
   re = lambda x: jax_cp.reorder_for_cp(x, cuP, cp, strategy, seq_dim=seq)
   out = jax_cp.cp_attention(re(q), re(k), re(v), cu, cuP, mesh=mesh,

@@ -6,9 +6,12 @@ import re
 import jax
 import numpy as np
 
+from tests._devices import requires_devices
+
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
+@requires_devices(8)
 def test_readme_api_tour_runs(capsys):
   text = README.read_text()
   blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)

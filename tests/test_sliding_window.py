@@ -14,6 +14,7 @@ import pytest
 import jax_cp
 from jax_cp import CPLoadBalancingStrategy as S
 from tests import reference as ref
+from tests._devices import devices, requires_devices
 
 T = 64           # tokens per row: cp=8 -> 8 local tokens
 D = 8
@@ -47,7 +48,7 @@ def reference(q, k, v, cu, cuP, w, left):
 
 
 def run_cp(q, k, v, cu, cuP, w, *, cp, strategy, left, **kw):
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:cp]), ("cp",))
+  mesh = jax.sharding.Mesh(np.array(devices(cp)), ("cp",))
   re = lambda x: jax_cp.reorder_for_cp(x, cuP, cp, strategy, seq_dim=1)
   back = lambda x: jax_cp.restore_from_cp(x, cuP, cp, strategy, seq_dim=1)
 
@@ -190,7 +191,7 @@ def test_cp_attention_local_with_window():
   cu, cuP, rng = rows(5, cp, S.NO_LOAD_BALANCE)
   cu, cuP = cu[0], cuP[0]
   q, k, v = (x[0] for x in qkv(rng))
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:cp]), ("cp",))
+  mesh = jax.sharding.Mesh(np.array(devices(cp)), ("cp",))
   spec = jax.sharding.PartitionSpec("cp")
   local = functools.partial(
       jax_cp.cp_attention_local, cp_axis="cp", backend="xla",
@@ -208,7 +209,7 @@ def test_cp_attention_local_with_window():
 def _lowered_text(cp, left, max_seqlen=None):
   cu, cuP, rng = rows(0, cp, S.NO_LOAD_BALANCE)
   q, k, v = qkv(rng)
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:cp]), ("cp",))
+  mesh = jax.sharding.Mesh(np.array(devices(cp)), ("cp",))
 
   def loss(q, k, v):
     out = jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh, backend="xla",
@@ -355,7 +356,7 @@ BAD_WINDOWS = [((-2, 0), "causal", ">= 0"),
 def test_bad_window_raises_in_cp_attention(window, mask, rule):
   cu, cuP, rng = rows(0, 2, S.DUAL_CHUNK_SWAP)
   q, k, v = qkv(rng)
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("cp",))
+  mesh = jax.sharding.Mesh(np.array(devices(2)), ("cp",))
   with pytest.raises(ValueError, match="window_size") as e:
     jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh, backend="xla",
                         attn_mask_type=mask, window_size=window)
@@ -415,7 +416,7 @@ def test_flax_layers_alternate_local_and_global():
   plain = Model(windows, no_cp)
   params = plain.init(jax.random.key(0), x, pos)
   want = plain.apply(params, x, pos)
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:cp]), ("cp",))
+  mesh = jax.sharding.Mesh(np.array(devices(cp)), ("cp",))
   model = Model(windows, jax_cp.CPLayout(mesh=mesh,
                                          strategy="no_load_balance",
                                          backend="xla"))
@@ -453,6 +454,7 @@ def test_flax_dot_product_attention_window_matches_reference():
 # ------------------------------------------------------------------ benchmarks
 
 
+@requires_devices(2)
 def test_benchmarks_take_a_window(tmp_path):
   """bench_fused --window and speedup_ab --window run (xla, tiny sizes)."""
   import json
@@ -480,6 +482,7 @@ def test_benchmarks_take_a_window(tmp_path):
 
 
 @pytest.mark.slow
+@requires_devices(2)
 def test_bench_cp_takes_a_window(tmp_path):
   """bench_cp --window: windowed programs, windowed FLOPs, the halo named
   in the record (xla, tiny sizes)."""

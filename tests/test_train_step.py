@@ -15,6 +15,7 @@ import pytest
 
 import jax_cp
 from benchmarks import bench_step
+from tests._devices import devices, requires_devices
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(_ROOT / "examples"))
@@ -47,6 +48,7 @@ def _collectives(hlo: str):
 
 def _compiled_step(mode: str, dp: int = 2, cp: int = CP_SIZE,
                    api: str = "nnx"):
+  devices(dp * cp)
   mesh = lm.make_mesh(dp, cp, "cpu")
   rows = packed_data.load_stdlib_rows(dp, T, cp_size=cp,
                                       strategy=MODEL.strategy, seed=1,
@@ -128,6 +130,7 @@ def test_step_collectives_are_kv_exchange_and_parameter_traffic(mode, dp, cp,
 
 
 def test_fsdp_specs_and_optimizer_state_follow_parameters():
+  devices(2 * CP_SIZE)
   mesh = lm.make_mesh(2, CP_SIZE, "cpu")
   P = jax.sharding.PartitionSpec
   # The first dimension divisible by the mesh size (8): gathered shards
@@ -188,6 +191,7 @@ TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
         "--backend", "xla", "--quiet", "--no-compare", "--steps", "5"]
 
 
+@requires_devices(4)
 def test_training_losses_do_not_depend_on_prefetch_or_log_interval():
   a = lm.main(TINY + ["--prefetch", "0", "--log-every", "1"])
   b = lm.main(TINY + ["--prefetch", "3", "--log-every", "4"])
@@ -196,6 +200,7 @@ def test_training_losses_do_not_depend_on_prefetch_or_log_interval():
   assert a["tokens_per_s"] > 0 and b["tokens_per_s"] > 0
 
 
+@requires_devices(4)
 def test_replicated_parameters_train_like_fsdp():
   a = lm.main(TINY + ["--param-sharding", "replicated"])
   b = lm.main(TINY + ["--param-sharding", "fsdp"])
@@ -258,6 +263,7 @@ def test_bench_step_reads_collectives_of_hlo_text():
                  "all-reduce": ["f32[]"]}
 
 
+@requires_devices(2)
 def test_bench_step_smoke(tmp_path):
   result = bench_step.main([
       "--device", "cpu", "--cp", "1", "2", "--strategies", "dual_chunk_swap",
@@ -277,6 +283,7 @@ def test_bench_step_smoke(tmp_path):
   assert "| dual_chunk_swap | cp=1 |" in table and "| nocp |" in table
 
 
+@requires_devices(2)
 def test_bench_step_doc_orders(tmp_path):
   """NO_LOAD_BALANCE with --doc-order balanced packed: one pair per order,
   labelled in the records and the table; DUAL_CHUNK_SWAP runs once."""

@@ -8,6 +8,7 @@ import pytest
 
 import jax_cp
 from jax_cp import CPLoadBalancingStrategy as S
+from tests._devices import devices
 
 CP = 2
 T = 16
@@ -16,7 +17,7 @@ CUP = np.array([0, 8, 12, 16], np.int32)
 
 
 def mesh(cp=CP):
-  return jax.make_mesh((cp,), ("cp",), devices=jax.devices()[:cp],
+  return jax.make_mesh((cp,), ("cp",), devices=devices(cp),
                        axis_types=(jax.sharding.AxisType.Auto,))
 
 

@@ -165,7 +165,9 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets, kv_offsets, *,
       row of a segment sees its last KV row), ``"causal_top_left"``, or
       ``"no_mask"``.
     softmax_scale: defaults to ``1/sqrt(D)``.
-    backend: ``"auto"`` (cuDNN on CUDA when built, else XLA), ``"cudnn"`` or
+    backend: ``"auto"`` (cuDNN on CUDA when built and q/k/v are bfloat16 or
+      float16; else XLA, with one logged line when cuDNN would have run but
+      the inputs are float32), ``"cudnn"`` (bfloat16 or float16 only) or
       ``"xla"``.
     max_seqlen_q, max_seqlen_kv: static upper bounds on the segment lengths
       (default: the row lengths). Kernels size their grids by them, so tight
@@ -212,7 +214,7 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets, kv_offsets, *,
                           tq, tkv, max_q, max_kv,
                           _rows_see_keys(q_seqlens, kv_seqlens, mask),
                           tiled=tiled_mask is not None)
-  resolved = resolve_backend(backend)
+  resolved = resolve_backend(backend, dtype=q.dtype)
   flat = lambda x: x.reshape((-1,) + x.shape[-2:])
   out, lse = _attention(flat(q), flat(k), flat(v), seg, resolved, mask, scale,
                         window_left)

@@ -40,6 +40,12 @@ rows ``[row_offset, row_offset + Ts)`` of axis 1 replaced by
 everything else unchanged (:mod:`jax_cp.attention.merge` has the portable
 version).
 
+``dtypes``: the q/k/v dtypes the backend takes, or None for every floating
+dtype (optional; a backend without the attribute takes every one).
+``backend="auto"`` runs inputs of another dtype on the ``xla`` backend
+(:func:`jax_cp.attention.registry.resolve_backend`); a backend named
+explicitly raises ``ValueError`` on them.
+
 ``exact_past_bounds``: True when results do not depend on the static
 bounds ``max_seqlen_q``/``max_seqlen_kv`` (a longer segment is attended in
 full); False when kernels are sized by them, as cuDNN's are, and a longer
@@ -65,7 +71,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 
@@ -178,6 +184,7 @@ class Backend:
       (see :class:`InPlaceAttentionBackend`).
     exact_past_bounds: results do not depend on the segments' static
       bounds (see the module docstring).
+    dtypes: the q/k/v dtypes it takes; None: every floating dtype.
   """
 
   name: str
@@ -187,3 +194,4 @@ class Backend:
   merge_rows: Callable[..., jax.Array] = merge_rows_jnp
   supports_in_place: bool = False
   exact_past_bounds: bool = False
+  dtypes: tuple[Any, ...] | None = None

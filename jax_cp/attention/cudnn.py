@@ -470,4 +470,4 @@ for _name, _capsule in _jax_cp_cuda.registrations().items():
 
 BACKEND = Backend(name="cudnn", forward=forward, backward=backward,
                   is_available=_is_available, merge_rows=merge_rows,
-                  supports_in_place=True)
+                  supports_in_place=True, dtypes=SUPPORTED_DTYPES)

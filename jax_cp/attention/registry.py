@@ -8,6 +8,12 @@ to load (an undefined symbol, a missing CUDA library) is not hidden:
 ``backend="cudnn"`` raises its error and ``backend="auto"`` warns once with
 it and falls back to ``xla``. A failed load is retried on the next request.
 
+``backend="auto"`` also runs on ``xla`` the inputs cuDNN does not take:
+q/k/v that are not bfloat16 or float16 (float32, say) run on the ``xla``
+backend, with one ``logging`` warning per dtype saying so (logger
+``jax_cp.attention.registry``). ``backend="cudnn"`` with such inputs
+raises ``ValueError``.
+
 :func:`register_backend` adds a user backend (any
 :class:`~jax_cp.attention.backend.AttentionBackend`) under its name.
 """
@@ -16,9 +22,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import warnings
 
 import jax
+import numpy as np
 
 # Names other modules import from here.
 from jax_cp.attention.backend import (  # noqa: F401
@@ -44,6 +52,7 @@ BUILD_HINT = ('on a GPU machine with a C++ compiler (no CUDA toolkit '
 # Backends loaded so far or registered by users, and the warnings given.
 _BACKENDS: dict[str, AttentionBackend] = {}
 _WARNED: set = set()
+_LOG = logging.getLogger(__name__)
 
 
 def register_backend(backend: AttentionBackend) -> None:
@@ -95,9 +104,23 @@ def _warn_once(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def _auto(platform: str) -> AttentionBackend:
-  """cudnn when it loads and runs on ``platform``, else xla (with a warning
-  once when the platform is a GPU)."""
+def _log_once(message: str) -> None:
+  if message not in _WARNED:
+    _WARNED.add(message)
+    _LOG.warning(message)
+
+
+def _takes_dtype(backend: AttentionBackend, dtype) -> bool:
+  """Whether ``backend`` takes q/k/v of ``dtype`` (None: not known yet)."""
+  dtypes = getattr(backend, "dtypes", None)
+  return dtype is None or dtypes is None or np.dtype(dtype) in tuple(
+      np.dtype(d) for d in dtypes)
+
+
+def _auto(platform: str, dtype=None) -> AttentionBackend:
+  """cudnn when it loads, runs on ``platform`` and takes ``dtype``, else xla
+  (with a warning once when the platform is a GPU, and a log line once per
+  dtype cudnn does not take)."""
   on_gpu = platform in ("cuda", "gpu")
   try:
     cudnn = _load("cudnn")
@@ -113,24 +136,42 @@ def _auto(platform: str) -> AttentionBackend:
                  f"scores per head (memory grows with T^2). To build the "
                  f"extension, {BUILD_HINT}.")
   if cudnn is not None and cudnn.is_available(platform):
-    return cudnn
+    if _takes_dtype(cudnn, dtype):
+      return cudnn
+    takes = " or ".join(np.dtype(d).name for d in cudnn.dtypes)
+    _log_once(f"backend='auto': q/k/v are {np.dtype(dtype).name} and the "
+              f"cuDNN backend takes {takes}: running attention on the 'xla' "
+              f"backend, which materialises [T, T] scores per head; cast "
+              f"q/k/v to bfloat16 to run on cuDNN.")
   return _load("xla")
 
 
-def resolve_backend(name: str, platform: str | None = None
+def resolve_backend(name: str, platform: str | None = None, dtype=None
                     ) -> AttentionBackend:
   """Returns the backend for ``name`` on ``platform`` (default: JAX's).
 
-  ``"auto"`` picks ``"cudnn"`` when it loads and runs on the platform, else
-  ``"xla"``. An explicit name is used as given, whatever the platform (a
-  program may be lowered for CUDA on a CPU-only machine); an unknown or
+  ``"auto"`` picks ``"cudnn"`` when it loads, runs on the platform and takes
+  q/k/v of ``dtype`` (bfloat16 or float16), else ``"xla"``. Inputs of
+  another dtype (float32, say) on a platform where cuDNN would run go to
+  ``"xla"`` with one ``logging`` warning per dtype saying so: a float32
+  model runs, on the backend that materialises ``[T, T]`` scores. An
+  explicit name is used as given, whatever the platform (a program may be
+  lowered for CUDA on a CPU-only machine) and the dtype (``"cudnn"`` raises
+  ``ValueError`` on float32 inputs when it is called); an unknown or
   unbuilt one raises ``ValueError`` saying how to get it, and a cudnn
   extension that fails to load raises its ``ImportError``.
+
+  Args:
+    name: ``"auto"``, ``"xla"``, ``"cudnn"`` or a registered backend's name.
+    platform: the JAX platform the attention runs on (``"cpu"``,
+      ``"cuda"``, ``"gpu"``); None: ``jax.default_backend()``.
+    dtype: the q/k/v dtype, for ``"auto"``'s choice; None: not known (the
+      choice then ignores the dtype).
   """
   if not isinstance(name, str):
     raise ValueError(f"backend must be a string, got {name!r}")
   if name == "auto":
-    return _auto(platform or jax.default_backend())
+    return _auto(platform or jax.default_backend(), dtype)
   backend = _load(name)
   if backend is None:
     hint = ""

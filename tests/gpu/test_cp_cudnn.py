@@ -11,17 +11,11 @@ import pytest
 import jax_cp
 from jax_cp import CPLoadBalancingStrategy as S
 from tests import reference as ref
+from tests._devices import devices
 
 pytestmark = pytest.mark.gpu
 
 T, HQ, HKV, D = 4096, 8, 2, 128
-
-
-def _gpus():
-  try:
-    return [d for d in jax.devices() if d.platform == "gpu"]
-  except RuntimeError:
-    return []
 
 
 def _rows(rng, cp, strategy, kind):
@@ -36,9 +30,7 @@ def _rows(rng, cp, strategy, kind):
 @pytest.mark.parametrize("cp", [2, 4, 8])
 def test_cp_attention_cudnn_matches_reference(cp, strategy, kind,
                                               record_error):
-  gpus = _gpus()
-  if len(gpus) < cp:
-    pytest.skip(f"needs {cp} GPUs, found {len(gpus)}")
+  gpus = devices(cp, "gpu")
   pytest.importorskip("jax_cp.attention.cudnn")
   rng = np.random.default_rng(cp * 10 + len(kind))
   cu, cuP = _rows(rng, cp, strategy, kind)
@@ -46,7 +38,7 @@ def test_cp_attention_cudnn_matches_reference(cp, strategy, kind,
   k = jnp.asarray(rng.standard_normal((1, T, HKV, D)), jnp.bfloat16)
   v = jnp.asarray(rng.standard_normal((1, T, HKV, D)), jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((1, T, HQ, D)), jnp.float32)
-  mesh = jax.make_mesh((cp,), ("cp",), devices=gpus[:cp],
+  mesh = jax.make_mesh((cp,), ("cp",), devices=gpus,
                        axis_types=(jax.sharding.AxisType.Auto,))
   longest = jax_cp.longest_padded_document(cuP)
   attn = functools.partial(jax_cp.cp_attention, mesh=mesh, backend="cudnn",

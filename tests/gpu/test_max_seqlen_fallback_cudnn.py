@@ -11,17 +11,11 @@ import pytest
 import jax_cp
 from jax_cp import CPLoadBalancingStrategy as S
 from tests import reference as ref
+from tests._devices import devices
 
 pytestmark = pytest.mark.gpu
 
 T, HQ, HKV, D, BOUND = 2048, 8, 2, 64, 256
-
-
-def _gpus():
-  try:
-    return [d for d in jax.devices() if d.platform == "gpu"]
-  except RuntimeError:
-    return []
 
 
 def _metadata(plens, lens):
@@ -39,16 +33,14 @@ BEYOND = _metadata([128, 1280, 256, 256, 128, 0, 0, 0, 0],
 @pytest.mark.parametrize("strategy", list(S), ids=lambda s: s.value)
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_fallback_on_cudnn_matches_reference(cp, strategy, record_error):
-  gpus = _gpus()
-  if len(gpus) < cp:
-    pytest.skip(f"needs {cp} GPUs, found {len(gpus)}")
+  gpus = devices(cp, "gpu")
   pytest.importorskip("jax_cp.attention.cudnn")
   assert np.diff(WITHIN[1]).max() <= BOUND < np.diff(BEYOND[1]).max()
   rng = np.random.default_rng(cp)
   mk = lambda h, dt=jnp.bfloat16: jnp.asarray(
       rng.standard_normal((1, T, h, D)), dt)
   q, k, v, w = mk(HQ), mk(HKV), mk(HKV), mk(HQ, jnp.float32)
-  mesh = jax.make_mesh((cp,), ("cp",), devices=gpus[:cp],
+  mesh = jax.make_mesh((cp,), ("cp",), devices=gpus,
                        axis_types=(jax.sharding.AxisType.Auto,))
 
   def loss(q, k, v, cu, cuP):

@@ -19,6 +19,7 @@ cudnn_backend_or_skip()
 import jax_cp
 from jax_cp import CPLoadBalancingStrategy as S
 from tests import reference as ref
+from tests._devices import devices
 
 HQ, HKV, D = 8, 2, 128
 TOL = 2e-2  # bf16 inputs, float32 reference
@@ -97,19 +98,13 @@ def test_fused_attention_window_matches_jax_cudnn():
   _close("out", ours, theirs, np.ones(t, bool))
 
 
-def _gpus():
-  return [d for d in jax.devices() if d.platform == "gpu"]
-
-
 @pytest.mark.parametrize("left", [0, 100, 1500])
 @pytest.mark.parametrize("strategy", list(S), ids=lambda s: s.value)
 @pytest.mark.parametrize("cp", [2, 4, 8])
 def test_cp_attention_cudnn_window_matches_reference(cp, strategy, left):
   """Windows below and above a NO_LOAD_BALANCE chunk (4096 / cp tokens)
   and 0; documents shorter and longer than the window."""
-  gpus = _gpus()
-  if len(gpus) < cp:
-    pytest.skip(f"needs {cp} GPUs, found {len(gpus)}")
+  gpus = devices(cp, "gpu")
   t = 4096
   rng = np.random.default_rng(cp * 100 + left)
   cu, cuP = ref.random_layout(rng, t, cp, "mixed",
@@ -119,7 +114,7 @@ def test_cp_attention_cudnn_window_matches_reference(cp, strategy, left):
   q = _bf16(rng, (1, t, HQ, D))
   k, v = _bf16(rng, (1, t, HKV, D)), _bf16(rng, (1, t, HKV, D))
   w = jnp.asarray(rng.standard_normal((1, t, HQ, D)), jnp.float32)
-  mesh = jax.make_mesh((cp,), ("cp",), devices=gpus[:cp],
+  mesh = jax.make_mesh((cp,), ("cp",), devices=gpus,
                        axis_types=(jax.sharding.AxisType.Auto,))
   attn = functools.partial(jax_cp.cp_attention, mesh=mesh, backend="cudnn",
                            load_balancing_strategy=strategy,
