@@ -522,3 +522,20 @@ def test_collectives_of_program_text():
           '"stablehlo.all_gather"(%2)')
   assert profiling.stablehlo_collectives(text) == ["all_gather",
                                                     "collective_permute"]
+
+
+def test_plot_draws_the_targets_configuration():
+  """The plot's records: cp > 1 without a window, at the targets' T and
+  Hkv when measured, else the largest T and smallest Hkv."""
+  from benchmarks import plots
+  data = {"tokens": 1024, "hkv": 2, "targets": []}
+  recs = [_cp_record(), _cp_record(pass_name="fwd"), _cp_record(hkv=8),
+          _cp_record(tokens=4096), _cp_record(window=7),
+          _cp_record(cp=1, strategy=None, speedup=1.0)]
+  cpa, tokens, hkv, passes = plots.plotted(recs, data)
+  assert (tokens, hkv, passes) == (1024, 2, ["fwd_bwd", "fwd"])
+  assert len(cpa) == 2 and all(r["cp"] == 2 and "window" not in r
+                               for r in cpa)
+  cpa, tokens, hkv, _ = plots.plotted(recs, dict(data, tokens=5, hkv=5))
+  assert (tokens, hkv, len(cpa)) == (4096, 2, 1)
+  assert plots.plotted([_cp_record(cp=1)], data) is None
