@@ -60,8 +60,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import jax_cp
-from benchmarks import derived, profiling, results, tables, timing
-from benchmarks.names import DISTS, PASSES, STRATEGIES, VIOLATIONS
+from benchmarks import derived, names, profiling, results, tables, timing
 from benchmarks.workload import (
   Row,
   abstract_args,
@@ -78,11 +77,10 @@ from benchmarks.workload import (
 from jax_cp.attention.registry import resolve_backend
 from jax_cp.kv_exchange import choose_exchange
 
-FULL = {"cp": [1, 2, 4], "strategies": list(STRATEGIES), "hkv": [8, 32],
-        "tokens": [16384, 32768, 65536, 131072], "dists": list(DISTS),
-        "passes": list(PASSES)}
-QUICK = {"cp": [1, 2, 4], "strategies": list(STRATEGIES), "hkv": [8],
-         "tokens": [65536], "dists": list(DISTS), "passes": list(PASSES)}
+FULL = {"cp": [1, 2, 4], "strategies": list(names.STRATEGIES),
+        "hkv": [8, 32], "tokens": [16384, 32768, 65536, 131072],
+        "dists": list(names.DISTS), "passes": list(names.PASSES)}
+QUICK = dict(FULL, hkv=[names.HKV], tokens=[names.TOKENS])
 
 
 # ----------------------------------------------------------------- programs
@@ -201,8 +199,8 @@ def build_plan(args) -> tuple[dict[tuple, Program], list[Measurement]]:
 
   # Run order = priority under --budget-s: the speed targets first
   # (fwd+bwd; one document, short documents), stdlib_mix last.
-  passes = sorted(args.passes, key=PASSES[::-1].index)
-  dists = sorted(args.dists, key=DISTS.index)
+  passes = sorted(args.passes, key=names.PASSES[::-1].index)
+  dists = sorted(args.dists, key=names.DISTS.index)
   impl = "cudnn" if args.backend == "cudnn" else None
   exposed = args.exchange in ("both", "exposed")
   standalone = args.exchange in ("both", "standalone")
@@ -380,13 +378,13 @@ def parse_args(argv: Sequence[str] | None = None):
                  help="preset: T=65536, Hkv=8, all dists, cp 1 2 4, both "
                       "strategies,\nfwd and fwd_bwd (explicit flags win)")
   p.add_argument("--cp", type=int, nargs="+")
-  p.add_argument("--strategies", nargs="+", choices=STRATEGIES)
+  p.add_argument("--strategies", nargs="+", choices=names.STRATEGIES)
   p.add_argument("--hkv", type=int, nargs="+")
   p.add_argument("--tokens", type=int, nargs="+")
-  p.add_argument("--dists", nargs="+", choices=DISTS)
-  p.add_argument("--passes", nargs="+", choices=PASSES)
-  p.add_argument("--hq", type=int, default=32)
-  p.add_argument("--head-dim", type=int, default=128)
+  p.add_argument("--dists", nargs="+", choices=names.DISTS)
+  p.add_argument("--passes", nargs="+", choices=names.PASSES)
+  p.add_argument("--hq", type=int, default=names.HQ)
+  p.add_argument("--head-dim", type=int, default=names.HEAD_DIM)
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--max-seqlen-bound", choices=("auto", "none"),
                  default="auto",
@@ -411,7 +409,7 @@ def parse_args(argv: Sequence[str] | None = None):
   p.add_argument("--window", type=int, default=None,
                  help="causal sliding window (LEFT, 0) in every program")
   p.add_argument("--max-seqlen-violation", dest="violation",
-                 choices=VIOLATIONS, default=VIOLATIONS[0],
+                 choices=names.VIOLATIONS, default=names.VIOLATIONS[0],
                  help="the layout's guard of the max_seqlen bound in the CP "
                       "programs\n(fallback: the library's default lax.cond; "
                       "checked_on_host: none)")

@@ -45,7 +45,7 @@ from jax._src.cudnn import fused_attention_stablehlo as fas
 
 import jax_cp
 from benchmarks import timing
-from benchmarks.names import DISTS
+from benchmarks.names import DISTS, HEAD_DIM, HQ
 from benchmarks.results import environment, result_path, write_result
 from benchmarks.workload import FWD_BWD_FLOP_FACTOR, pack_row
 
@@ -105,9 +105,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   to ``--out``)."""
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--tokens", type=int, default=32768)
-  p.add_argument("--hq", type=int, default=32)
+  p.add_argument("--hq", type=int, default=HQ)
   p.add_argument("--hkv", type=int, nargs="+", default=[8, 32])
-  p.add_argument("--head-dim", type=int, default=128)
+  p.add_argument("--head-dim", type=int, default=HEAD_DIM)
   p.add_argument("--dists", nargs="+", choices=DISTS,
                  default=["one_doc", "uniform_1k_8k", "short_128_1k"])
   p.add_argument("--reps", type=int, default=10)

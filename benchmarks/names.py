@@ -18,6 +18,13 @@ DIST_LABEL = {"one_doc": "one document", "short_128_1k": "128–1k docs",
 STRATEGIES = ("dual_chunk_swap", "no_load_balance")
 SHORT = {"dual_chunk_swap": "DCS", "no_load_balance": "NLB", None: "cp=1"}
 
+# The attention shape the scripts default to (the speed targets' row of
+# ``TOKENS`` tokens, 32 query and 8 key/value heads of 128).
+TOKENS = 65536
+HQ = 32
+HKV = 8
+HEAD_DIM = 128
+
 # What a program computes: the forward, or the forward and the gradients.
 PASSES = ("fwd", "fwd_bwd")
 PASS_LABEL = {"fwd": "forward", "fwd_bwd": "forward+backward"}

@@ -8,7 +8,8 @@ Runs the jitted step a few times under ``jax.profiler.trace``, reads the
 XSpace (:mod:`benchmarks.profiling`) and prints, for the first GPU, the
 device time per iteration of each kernel (summed over its launches), the
 number of launches, and the busy time against the wall time of a step;
-``--gaps N`` adds where the device sits idle between kernels.
+``--gaps N`` adds where the device sits idle between kernels; ``--out DIR``
+writes the kernels, grouped, to a JSON.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cp
-from benchmarks import profiling
-from benchmarks.names import DISTS, PASSES, STRATEGIES, VIOLATIONS
+from benchmarks import names, profiling, results
 from benchmarks.workload import make_mesh, make_row
 
 
@@ -54,19 +54,20 @@ def build_step(args: argparse.Namespace):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (q, k, v, w)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-  """Profiles one step and prints the tables."""
+def main(argv: Sequence[str] | None = None) -> str | None:
+  """Profiles one step and prints the tables; returns the path of the JSON
+  written with ``--out`` (else None)."""
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--strategy", default="no_load_balance",
-                 choices=STRATEGIES)
-  p.add_argument("--dist", default="short_128_1k", choices=DISTS)
-  p.add_argument("--tokens", type=int, default=65536)
+                 choices=names.STRATEGIES)
+  p.add_argument("--dist", default="short_128_1k", choices=names.DISTS)
+  p.add_argument("--tokens", type=int, default=names.TOKENS)
   p.add_argument("--cp", type=int, default=2)
-  p.add_argument("--hq", type=int, default=32)
-  p.add_argument("--hkv", type=int, default=8)
-  p.add_argument("--head-dim", type=int, default=128)
+  p.add_argument("--hq", type=int, default=names.HQ)
+  p.add_argument("--hkv", type=int, default=names.HKV)
+  p.add_argument("--head-dim", type=int, default=names.HEAD_DIM)
   p.add_argument("--pass", dest="pass_name", default="fwd_bwd",
-                 choices=PASSES)
+                 choices=names.PASSES)
   p.add_argument("--backend", default="cudnn")
   p.add_argument("--iters", type=int, default=5)
   p.add_argument("--top", type=int, default=30)
@@ -87,8 +88,12 @@ def main(argv: Sequence[str] | None = None) -> None:
   p.add_argument("--window", type=int, default=None,
                  help="causal sliding window (LEFT, 0)")
   p.add_argument("--max-seqlen-violation", dest="violation",
-                 choices=VIOLATIONS, default=VIOLATIONS[0],
+                 choices=names.VIOLATIONS, default=names.VIOLATIONS[0],
                  help="the layout's guard of the max_seqlen bound")
+  p.add_argument("--out", default=None, metavar="DIR",
+                 help="also write the grouped kernels (every kernel, the "
+                      "groups, the idle gaps) to DIR/profile_<date>_<device>"
+                      ".json")
   args = p.parse_args(argv)
   args.split = {"auto": None, "on": True, "off": False}[args.split]
   step, inputs = build_step(args)
@@ -133,6 +138,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"host events (ms/step, count/step), top {args.host_top}:")
     _print_top(*profiling.kernel_totals(profiling.host_events(data)),
                args.iters, args.host_top)
+  if args.out is None:
+    return None
+  env = results.environment(args=vars(args))
+  record = dict(plane=plane.name, wall_ms=wall,
+                wall_pipelined_ms=wall_pipelined, **profiling.group_kernels(
+                    [(s, d, n) for s, d, _, n in events], args.iters))
+  path = results.write_result(results.result_path(args.out, "profile", env),
+                              {"env": env, "records": [record]})
+  print(path)
+  return path
 
 
 def _print_top(totals, counts, iters: int, top: int) -> None:

@@ -41,8 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from benchmarks import results, timing
-from benchmarks.names import DISTS, DOC_ORDERS, PASSES, STRATEGIES, VIOLATIONS
+from benchmarks import names, results, timing
 from benchmarks.workload import (
   Row,
   arg_sets,
@@ -78,28 +77,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--cp", type=int, default=2)
   p.add_argument("--strategy", default="no_load_balance",
-                 choices=STRATEGIES)
+                 choices=names.STRATEGIES)
   p.add_argument("--dists", nargs="+", default=["short_128_1k",
                                                  "uniform_1k_8k", "one_doc"],
-                 choices=DISTS)
-  p.add_argument("--passes", nargs="+", default=list(PASSES),
-                 choices=PASSES)
-  p.add_argument("--tokens", type=int, default=65536)
-  p.add_argument("--hq", type=int, default=32)
-  p.add_argument("--hkv", type=int, default=8)
-  p.add_argument("--head-dim", type=int, default=128)
+                 choices=names.DISTS)
+  p.add_argument("--passes", nargs="+", default=list(names.PASSES),
+                 choices=names.PASSES)
+  p.add_argument("--tokens", type=int, default=names.TOKENS)
+  p.add_argument("--hq", type=int, default=names.HQ)
+  p.add_argument("--hkv", type=int, default=names.HKV)
+  p.add_argument("--head-dim", type=int, default=names.HEAD_DIM)
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--backend", default="cudnn")
   p.add_argument("--reps", type=int, default=15)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--window", type=int, default=None,
                  help="sliding window (LEFT, 0) in both programs")
-  p.add_argument("--doc-order", nargs="+", choices=DOC_ORDERS,
+  p.add_argument("--doc-order", nargs="+", choices=names.DOC_ORDERS,
                  default=["packed"],
                  help="each row as packed and/or with its documents "
                       "reordered to balance the cp ranks")
   p.add_argument("--max-seqlen-violation", dest="violation",
-                 choices=VIOLATIONS, default=VIOLATIONS[0],
+                 choices=names.VIOLATIONS, default=names.VIOLATIONS[0],
                  help="the layout's guard of the max_seqlen bound")
   p.add_argument("--against", choices=("cp1", "fallback"), default="cp1",
                  help="A: cp=1 (default), or the cp=N program with the "

@@ -250,17 +250,21 @@ def test_bench_fused_main(tmp_path):
   assert glob.glob(str(tmp_path / "fused_*.json"))
 
 
-def test_profile_step_main(capsys):
+def test_profile_step_main(capsys, tmp_path):
   from benchmarks import profile_step
-  profile_step.main([
+  path = profile_step.main([
       "--backend", "xla", "--tokens", str(T), "--hq", str(HQ), "--hkv",
       str(HKV), "--head-dim", str(D), "--cp", "2", "--dist", "one_doc",
       "--iters", "2", "--device-plane", "/host:CPU", "--line-filter",
       "xla", "--sequence", "--host-top", "2", "--top", "3", "--window", "5",
-      "--max-seqlen-violation", "checked_on_host"])
+      "--max-seqlen-violation", "checked_on_host", "--out", str(tmp_path)])
   out = capsys.readouterr().out
   assert "ms/step" in out and "launches/step" in out
   assert "one step in time order" in out and "host events" in out
+  assert os.path.basename(path).startswith("profile_")
+  rec, = results.read_result(path)["records"]
+  assert rec["plane"].startswith("/host:CPU") and rec["wall_ms"] > 0
+  assert rec["kernels"] and rec["busy_ms"] > 0
 
 
 # ----------------------------------------------------------------- results
