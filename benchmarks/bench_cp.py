@@ -46,11 +46,9 @@ import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
-import datetime
 import gc
 import itertools
 import os
-import re
 import statistics
 import time
 import traceback
@@ -62,11 +60,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import jax_cp
-from benchmarks import reporting, timing
+from benchmarks import derived, names, profiling, results, tables, timing
 from benchmarks.workload import (
-  DISTS,
-  PASSES,
-  STRATEGIES,
   Row,
   abstract_args,
   cp_forward,
@@ -82,22 +77,13 @@ from benchmarks.workload import (
 from jax_cp.attention.registry import resolve_backend
 from jax_cp.kv_exchange import choose_exchange
 
-_RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-_DIST_PRIORITY = ("one_doc", "short_128_1k", "uniform_1k_8k", "stdlib_mix")
-
-FULL = {"cp": [1, 2, 4], "strategies": list(STRATEGIES), "hkv": [8, 32],
-        "tokens": [16384, 32768, 65536, 131072], "dists": list(DISTS),
-        "passes": list(PASSES)}
-QUICK = {"cp": [1, 2, 4], "strategies": list(STRATEGIES), "hkv": [8],
-         "tokens": [65536], "dists": list(DISTS), "passes": list(PASSES)}
+FULL = {"cp": [1, 2, 4], "strategies": list(names.STRATEGIES),
+        "hkv": [8, 32], "tokens": [16384, 32768, 65536, 131072],
+        "dists": list(names.DISTS), "passes": list(names.PASSES)}
+QUICK = dict(FULL, hkv=[names.HKV], tokens=[names.TOKENS])
 
 
 # ----------------------------------------------------------------- programs
-
-
-_COLLECTIVE_RE = re.compile(
-    r"stablehlo\.(all_gather|reduce_scatter|collective_permute|all_to_all|"
-    r"all_reduce)")
 
 
 def core_exchange(strategy: str, cp: int, tokens: int, max_seqlen,
@@ -213,8 +199,8 @@ def build_plan(args) -> tuple[dict[tuple, Program], list[Measurement]]:
 
   # Run order = priority under --budget-s: the speed targets first
   # (fwd+bwd; one document, short documents), stdlib_mix last.
-  passes = sorted(args.passes, key=PASSES[::-1].index)
-  dists = sorted(args.dists, key=_DIST_PRIORITY.index)
+  passes = sorted(args.passes, key=names.PASSES[::-1].index)
+  dists = sorted(args.dists, key=names.DISTS.index)
   impl = "cudnn" if args.backend == "cudnn" else None
   exposed = args.exchange in ("both", "exposed")
   standalone = args.exchange in ("both", "standalone")
@@ -323,7 +309,7 @@ def lower_and_compile(programs: dict[tuple, Program], plan, args, log):
       if prog.no_collectives:
         # Whatever communication the local copies missed stays in the
         # "exchange removed" step and is then missing from "exposed".
-        left = sorted(set(_COLLECTIVE_RE.findall(prog.lowered.as_text())))
+        left = profiling.stablehlo_collectives(prog.lowered.as_text())
         prog.note = ("collectives left in the no-exchange variant: "
                      + ", ".join(left)) if left else None
     except Exception as e:  # noqa: BLE001  (recorded; the run goes on)
@@ -392,13 +378,13 @@ def parse_args(argv: Sequence[str] | None = None):
                  help="preset: T=65536, Hkv=8, all dists, cp 1 2 4, both "
                       "strategies,\nfwd and fwd_bwd (explicit flags win)")
   p.add_argument("--cp", type=int, nargs="+")
-  p.add_argument("--strategies", nargs="+", choices=STRATEGIES)
+  p.add_argument("--strategies", nargs="+", choices=names.STRATEGIES)
   p.add_argument("--hkv", type=int, nargs="+")
   p.add_argument("--tokens", type=int, nargs="+")
-  p.add_argument("--dists", nargs="+", choices=DISTS)
-  p.add_argument("--passes", nargs="+", choices=PASSES)
-  p.add_argument("--hq", type=int, default=32)
-  p.add_argument("--head-dim", type=int, default=128)
+  p.add_argument("--dists", nargs="+", choices=names.DISTS)
+  p.add_argument("--passes", nargs="+", choices=names.PASSES)
+  p.add_argument("--hq", type=int, default=names.HQ)
+  p.add_argument("--head-dim", type=int, default=names.HEAD_DIM)
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--max-seqlen-bound", choices=("auto", "none"),
                  default="auto",
@@ -423,11 +409,11 @@ def parse_args(argv: Sequence[str] | None = None):
   p.add_argument("--window", type=int, default=None,
                  help="causal sliding window (LEFT, 0) in every program")
   p.add_argument("--max-seqlen-violation", dest="violation",
-                 choices=("fallback", "checked_on_host"), default="fallback",
+                 choices=names.VIOLATIONS, default=names.VIOLATIONS[0],
                  help="the layout's guard of the max_seqlen bound in the CP "
                       "programs\n(fallback: the library's default lax.cond; "
                       "checked_on_host: none)")
-  p.add_argument("--out", default=_RESULTS)
+  p.add_argument("--out", default=results.RESULTS_DIR)
   p.add_argument("--dry-run", action="store_true",
                  help="print the plan (programs, measurements) and exit")
   p.add_argument("--verbose", action="store_true")
@@ -477,11 +463,8 @@ def run(args: argparse.Namespace, compiles: CompileCount) -> str:
   except ValueError as e:
     raise SystemExit(f"backend {args.backend!r} unusable here: {e}") from e
 
-  env = reporting.environment()
-  os.makedirs(args.out, exist_ok=True)
-  gpu = re.sub(r"[^A-Za-z0-9]+", "_", env["device_kind"]).strip("_")
-  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  path = os.path.join(args.out, f"results_{stamp}_{gpu}.json")
+  env = results.environment()
+  path = results.result_path(args.out, "results", env)
   payload = {"env": env, "args": vars(args), "records": [], "summary": {}}
 
   lower_and_compile(programs, plan, args, log)
@@ -547,7 +530,7 @@ def run(args: argparse.Namespace, compiles: CompileCount) -> str:
     log(f"{i + 1}/{len(plan)} {r['kind']} {r['dist']} T={r['tokens']} "
         f"Hkv={r['hkv']} {r['pass_name']} {r['strategy']} cp={r['cp']}: "
         f"{status}")
-    reporting.derive(payload["records"])
+    derived.derive(payload["records"])
     payload["summary"] = {
         "wall_s": time.perf_counter() - start,
         "compile_phase_s": compile_wall,
@@ -558,9 +541,9 @@ def run(args: argparse.Namespace, compiles: CompileCount) -> str:
                              for x in payload["records"]),
         "cudnn_graph_builds": sum(x.get("cudnn_graph_builds") or 0
                                   for x in payload["records"])}
-    reporting.write_json(path, payload)
+    results.write_result(path, payload)
   inputs.clear()
-  reporting.print_table(payload["records"])
+  tables.print_table(payload["records"])
   s = payload["summary"]
   log(f"done: {s['measurements']} measurements of {s['programs']} programs, "
       f"{s['xla_compiles']} XLA compiles; wrote {path}")

@@ -33,9 +33,7 @@ alternating input sets
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,6 +45,8 @@ from jax._src.cudnn import fused_attention_stablehlo as fas
 
 import jax_cp
 from benchmarks import timing
+from benchmarks.names import DISTS, HEAD_DIM, HQ
+from benchmarks.results import environment, result_path, write_result
 from benchmarks.workload import FWD_BWD_FLOP_FACTOR, pack_row
 
 
@@ -105,10 +105,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   to ``--out``)."""
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--tokens", type=int, nargs="+", default=[32768])
-  p.add_argument("--hq", type=int, default=32)
+  p.add_argument("--hq", type=int, default=HQ)
   p.add_argument("--hkv", type=int, nargs="+", default=[8, 32])
-  p.add_argument("--head-dim", type=int, nargs="+", default=[128])
-  p.add_argument("--dists", nargs="+",
+  p.add_argument("--head-dim", type=int, nargs="+", default=[HEAD_DIM])
+  p.add_argument("--dists", nargs="+", choices=DISTS,
                  default=["one_doc", "uniform_1k_8k", "short_128_1k"])
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--backend", default="cudnn",
@@ -130,8 +130,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   if args.parity:
     from benchmarks import fused_parity
     records = fused_parity.run(args, variants, fwd_and_bwd, pack_row)
-    _write(args, {"parity": True, "head_dims": args.head_dim,
-                  "tokens": args.tokens, "results": records})
+    _write(args, {"parity": True, "records": records})
     return records
   if len(args.tokens) != 1 or len(args.head_dim) != 1:
     p.error("--tokens and --head-dim take several values only with --parity")
@@ -201,22 +200,18 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     print(f"| {r['dist']} | {r['hkv']} | {r['pass_']} | {r['variant']} | "
           f"{r['ms']:.2f} | {r['tflops']:.0f} | {vd} | {vp} |")
   _write(args, {"tokens": t, "hq": hq, "head_dim": d, "window": args.window,
-                "results": results + paired})
+                "records": results + paired})
   return results + paired
 
 
 def _write(args, record: dict[str, Any]) -> None:
+  """Writes a run's records through :mod:`benchmarks.results` (``--out``)."""
   if not args.out:
     return
-  os.makedirs(args.out, exist_ok=True)
-  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  tag = "parity_" if record.get("parity") else ""
-  path = os.path.join(args.out, f"fused_{tag}{stamp}.json")
-  with open(path, "w") as f:
-    json.dump({"device": jax.devices()[0].device_kind,
-               "jax": jax.__version__,
-               "experiment": os.environ.get("JAX_CP_SDPA_EXPERIMENT", ""),
-               **record}, f, indent=1)
+  env = environment()
+  tag = "parity" if record.get("parity") else None
+  path = write_result(result_path(args.out, "fused", env, tag=tag),
+                      {"env": env, "args": vars(args), **record})
   print("wrote", path)
 
 

@@ -18,7 +18,6 @@ kernels that differ.
 from __future__ import annotations
 
 import collections
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -26,8 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import timing
-from benchmarks.profile_step import device_plane, load_profile
+from benchmarks import profiling, timing
 
 PROFILE_ITERS = 5
 
@@ -36,21 +34,16 @@ def kernels_of(fn: Callable, args: tuple, iters: int = PROFILE_ITERS
                ) -> list[tuple[str, int, float]]:
   """``(kernel, launches per call, ms per call)`` of ``fn(*args)`` on the
   first GPU, by device time, from a profiler trace of ``iters`` calls."""
-  jax.block_until_ready(fn(*args))
-  with tempfile.TemporaryDirectory() as d:
-    with jax.profiler.trace(d):
-      for _ in range(iters):
-        out = fn(*args)
-      jax.block_until_ready(out)
-    data = load_profile(d)
-  plane = device_plane(data, "/device:GPU")
-  ms, n = collections.defaultdict(float), collections.Counter()
-  for line in plane.lines:
-    if "stream" not in line.name.lower():
-      continue
-    for ev in line.events:
-      ms[ev.name] += ev.duration_ns / 1e6
-      n[ev.name] += 1
+  def run(n: int) -> None:
+    out = None
+    for _ in range(n):
+      out = fn(*args)
+    jax.block_until_ready(out)
+  data = profiling.load_trace(profiling.trace_steps(run, iters))
+  plane = None if data is None else profiling.device_plane(data)
+  if plane is None:
+    raise RuntimeError("no GPU plane in the profiler trace")
+  ms, n = profiling.kernel_totals(profiling.kernel_events(plane))
   rows = [(k, n[k] // iters, ms[k] / iters) for k in ms]
   return sorted(rows, key=lambda r: -r[2])
 

@@ -34,21 +34,15 @@ line per (row, pass) and writes a JSON.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import json
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks import timing
+from benchmarks import names, results, timing
 from benchmarks.workload import (
-  DISTS,
-  PASSES,
-  STRATEGIES,
   Row,
   arg_sets,
   balanced_row,
@@ -57,8 +51,6 @@ from benchmarks.workload import (
   make_row,
   with_pass,
 )
-
-_RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def program(cp: int, row: Row, strategy: str, backend: str, pass_name: str,
@@ -85,33 +77,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--cp", type=int, default=2)
   p.add_argument("--strategy", default="no_load_balance",
-                 choices=STRATEGIES)
+                 choices=names.STRATEGIES)
   p.add_argument("--dists", nargs="+", default=["short_128_1k",
                                                  "uniform_1k_8k", "one_doc"],
-                 choices=DISTS)
-  p.add_argument("--passes", nargs="+", default=["fwd", "fwd_bwd"],
-                 choices=PASSES)
-  p.add_argument("--tokens", type=int, default=65536)
-  p.add_argument("--hq", type=int, default=32)
-  p.add_argument("--hkv", type=int, default=8)
-  p.add_argument("--head-dim", type=int, default=128)
+                 choices=names.DISTS)
+  p.add_argument("--passes", nargs="+", default=list(names.PASSES),
+                 choices=names.PASSES)
+  p.add_argument("--tokens", type=int, default=names.TOKENS)
+  p.add_argument("--hq", type=int, default=names.HQ)
+  p.add_argument("--hkv", type=int, default=names.HKV)
+  p.add_argument("--head-dim", type=int, default=names.HEAD_DIM)
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--backend", default="cudnn")
   p.add_argument("--reps", type=int, default=15)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--window", type=int, default=None,
                  help="sliding window (LEFT, 0) in both programs")
-  p.add_argument("--doc-order", nargs="+", choices=("packed", "balanced"),
+  p.add_argument("--doc-order", nargs="+", choices=names.DOC_ORDERS,
                  default=["packed"],
                  help="each row as packed and/or with its documents "
                       "reordered to balance the cp ranks")
   p.add_argument("--max-seqlen-violation", dest="violation",
-                 choices=("fallback", "checked_on_host"), default="fallback",
+                 choices=names.VIOLATIONS, default=names.VIOLATIONS[0],
                  help="the layout's guard of the max_seqlen bound")
   p.add_argument("--against", choices=("cp1", "fallback"), default="cp1",
                  help="A: cp=1 (default), or the cp=N program with the "
                       "fallback guard")
-  p.add_argument("--out", default=_RESULTS)
+  p.add_argument("--out", default=results.RESULTS_DIR)
   args = p.parse_args(argv)
   if args.against == "fallback" and args.violation == "fallback":
     p.error("--against fallback needs --max-seqlen-violation "
@@ -166,15 +158,10 @@ def main(argv: Sequence[str] | None = None) -> str:
             f"{r['speedup_median']:9.3f}x"
             f"  {r['speedup_q1']:.3f}-{r['speedup_q3']:.3f}"
             f"  {r['speedup_min']:.3f}-{r['speedup_max']:.3f}", flush=True)
-  os.makedirs(args.out, exist_ok=True)
-  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  kind = jax.devices()[0].device_kind.replace(" ", "_")
-  path = os.path.join(args.out, f"speedup_ab_{stamp}_{kind}.json")
-  with open(path, "w") as f:
-    env = {"date": stamp, "device_kind": jax.devices()[0].device_kind,
-           "device_count": jax.device_count(), "jax": jax.__version__,
-           "args": vars(args)}
-    json.dump({"env": env, "records": records}, f, indent=1)
+  env = results.environment(args=vars(args))
+  path = results.write_result(
+      results.result_path(args.out, "speedup_ab", env),
+      {"env": env, "records": records})
   print(path)
   return path
 
