@@ -551,3 +551,25 @@ def test_plot_draws_the_targets_configuration():
   cpa, tokens, hkv, _ = plots.plotted(recs, dict(data, tokens=5, hkv=5))
   assert (tokens, hkv, len(cpa)) == (4096, 2, 1)
   assert plots.plotted([_cp_record(cp=1)], data) is None
+
+
+def test_bench_fused_parity_pairs_each_reference(tmp_path, capsys):
+  """--parity pairs ours with each reference per (head dim, T) pair; on
+  CPU JAX's cuDNN references fail and are recorded, not raised."""
+  from benchmarks import bench_fused
+  recs = bench_fused.main([
+      "--parity", "--backend", "xla", "--tokens", "128", "256", "--hq",
+      str(HQ), "--hkv", str(HKV), "--head-dim", "16", "32", "--dists",
+      "one_doc", "--reps", "1", "--out", str(tmp_path)])
+  keys = {(r["head_dim"], r["tokens"], r["pass_"], r["reference"])
+          for r in recs}
+  assert keys == {(d, t, p, ref) for d, t in ((16, 128), (32, 256))
+                  for p in ("fwd", "fwd+bwd")
+                  for ref in ("jax_dense", "jax_packed")}
+  assert all("error" in r or r["ratio"] > 0 for r in recs)
+  assert "ours / jax.nn" in capsys.readouterr().out
+  (path,) = glob.glob(str(tmp_path / "fused_*_parity.json"))
+  assert len(results.read_result(path)["records"]) == len(recs)
+  with pytest.raises(SystemExit):
+    bench_fused.main(["--parity", "--tokens", "1", "2", "3", "--head-dim",
+                      "16", "32"])
