@@ -10,6 +10,7 @@ import os
 from collections.abc import Sequence
 
 CPU_DP, CPU_CP = 2, 4   # the CPU default mesh (8 virtual devices)
+DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "save_context", "minimal", "minimal_with_context", "full",
          "offload_context")
 
@@ -30,66 +31,56 @@ class Config:
   """
 
   device: str = _flag("cpu", "platform", choices=("cpu", "gpu"))
-  dtype: str | None = _flag(None, "computation dtype (default: bfloat16 "
-                            "with --device gpu, float32 on CPU)", str,
-                            ("float32", "bfloat16"))
+  dtype: str | None = _flag(None, "computation dtype (default: bfloat16 on "
+                            "GPU, float32 on CPU)", str, DTYPES)
   layers: int = _flag(2, "transformer layers")
   d_model: int = _flag(128, "model width")
   heads: int = _flag(4, "query heads")
   kv_heads: int = _flag(2, "key/value heads")
   seq_len: int = _flag(512, "tokens per row")
   batch: int = _flag(2, "rows per step")
-  dp: int | None = _flag(None, "data-parallel size (default: 2 on CPU; on "
-                         "GPU, devices / cp, else 1)", int)
-  cp: int | None = _flag(None, "context-parallel size (default: 4 on CPU; on"
-                         " GPU, the devices present / dp)", int)
+  dp: int | None = _flag(None, "data-parallel size (default: 2 on CPU; "
+                         "GPU: devices / cp, else 1)", int)
+  cp: int | None = _flag(None, "context-parallel size (default: 4 on CPU; "
+                         "GPU: devices / dp)", int)
   steps: int = _flag(100, "training steps")
   lr: float | None = _flag(None, "peak learning rate (default: min(3e-3, "
                            "0.6/d_model))", float)
-  warmup: int | None = _flag(None, "linear warmup steps (default: 10%% of "
-                             "--steps, at most 100)", int)
-  param_sharding: str = _flag("fsdp", "parameters and optimizer state: "
-                              "sharded over data x cp, or one copy per "
-                              "device", choices=("fsdp", "replicated"))
-  remat: str = _flag("none", "rematerialisation of every layer (the "
-                     "library's TransformerLayer remat presets)",
+  warmup: int | None = _flag(None, "warmup steps (default: 10%% of steps, "
+                             "at most 100)", int)
+  param_sharding: str = _flag("fsdp", "parameters and optimizer state over "
+                              "data x cp, or a copy per device",
+                              choices=("fsdp", "replicated"))
+  remat: str = _flag("none", "rematerialisation preset of the layers",
                      choices=REMAT)
-  prefetch: int = _flag(2, "batches built ahead on a host thread (0: none)")
-  log_every: int = _flag(10, "the host waits for the device (loss, progress"
-                         " bar) every this many steps")
-  peak_tflops: float | None = _flag(None, "device peak TFLOP/s for the MFU "
-                                    "(default: the bf16 dense peak of known "
-                                    "GPUs)", float)
-  seed: int = _flag(0, "seed of the parameters and of the file order")
-  strategy: str = _flag("dual_chunk_swap", "CP load balancing", choices=(
-      "dual_chunk_swap", "no_load_balance"))
-  backend: str = _flag("auto", "varlen attention backend",
+  prefetch: int = _flag(2, "batches built ahead on a host thread")
+  log_every: int = _flag(10, "steps between waits for the device (loss)")
+  peak_tflops: float | None = _flag(None, "device peak for the MFU "
+                                    "(default: known GPUs' bf16 peak)", float)
+  seed: int = _flag(0, "seed of the parameters and the file order")
+  strategy: str = _flag("dual_chunk_swap", "CP load balancing",
+                        choices=("dual_chunk_swap", "no_load_balance"))
+  backend: str = _flag("auto", "attention backend",
                        choices=("auto", "xla", "cudnn"))
-  max_seqlen: int | None = _flag(None, "static bound on padded document "
-                                 "length (default: computed from the data)",
-                                 int)
+  max_seqlen: int | None = _flag(None, "bound on padded document lengths "
+                                 "(default: the data's)", int)
   max_doc_len: int | None = _flag(None, "cut files to this many bytes "
                                   "(default: seq-len / 2)", int)
-  doc_order: str = _flag("balanced", "no_load_balance: each row's documents"
-                         " reordered so that its contiguous chunks hold equal"
-                         " attention work, or as packed (dual_chunk_swap: "
-                         "always packed)", choices=("balanced", "packed"))
-  checkpoint_dir: str | None = _flag(None, "save here (orbax) and resume "
-                                     "from the last step", str)
+  doc_order: str = _flag("balanced", "no_load_balance: documents reordered "
+                         "to balance the ranks, or as packed",
+                         choices=("balanced", "packed"))
+  checkpoint_dir: str | None = _flag(None, "save here; resume from it", str)
   checkpoint_every: int = _flag(50, "steps between checkpoints")
-  no_compare: bool = _flag(False, "skip the final comparison with a no-CP "
-                           "evaluation")
+  no_compare: bool = _flag(False, "skip the final CP-vs-no-CP check")
   quiet: bool = _flag(False, "no progress bar or log")
-  report: str | None = _flag(None, "write the result dict as JSON; '{process}'"
-                             " is replaced by the process id (without it, "
-                             "process 0 writes)", str)
-  coordinator: str | None = _flag(None, "several processes: address "
-                                  "HOST:PORT of process 0 (default: "
+  report: str | None = _flag(None, "write the result as JSON ('{process}': "
+                             "every process)", str)
+  coordinator: str | None = _flag(None, "HOST:PORT of process 0 (default: "
                                   "$JAX_CP_COORDINATOR)", str)
-  num_processes: int | None = _flag(None, "several processes: how many "
-                                    "(default: $JAX_CP_NUM_PROCESSES)", int)
-  process_id: int | None = _flag(None, "several processes: this one's index"
-                                 " (default: $JAX_CP_PROCESS_ID)", int)
+  num_processes: int | None = _flag(None, "processes (default: "
+                                    "$JAX_CP_NUM_PROCESSES)", int)
+  process_id: int | None = _flag(None, "this process (default: "
+                                 "$JAX_CP_PROCESS_ID)", int)
 
   def __post_init__(self):
     if self.dtype is None:
@@ -130,12 +121,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 
 def num_processes(cfg: Config) -> int:
   """The process count of the flags or the environment (1 if unset)."""
-  if cfg.num_processes is not None:
-    return cfg.num_processes
-  try:   # a malformed value is reported by multihost.init_distributed
-    return int(os.environ.get("JAX_CP_NUM_PROCESSES", ""))
-  except ValueError:
-    return 1
+  env = os.environ.get("JAX_CP_NUM_PROCESSES", "")
+  return cfg.num_processes or (int(env) if env.isdigit() else 1)
 
 
 def choose_mesh_shape(dp: int | None, cp: int | None, device: str,
@@ -146,25 +133,20 @@ def choose_mesh_shape(dp: int | None, cp: int | None, device: str,
   long row per step gains most from context parallelism), or the other
   factor when one is given (a chosen ``dp`` also divides ``batch``)."""
   if device == "cpu" or num_devices is None:
-    return (dp or CPU_DP, cp or CPU_CP)
-  if dp is None and cp is None:
-    return 1, num_devices
-  if dp is None:
-    dp = max(num_devices // cp, 1)
-    return (math.gcd(dp, batch) if batch else dp), cp
+    return dp or CPU_DP, cp or CPU_CP
   if cp is None:
-    return dp, max(num_devices // dp, 1)
-  return dp, cp
+    return dp or 1, max(num_devices // (dp or 1), 1)
+  return dp or math.gcd(max(num_devices // cp, 1), batch or 0), cp
 
 
 def configure_platform(cfg: Config) -> None:
   """Before jax is imported: on CPU, ``JAX_PLATFORMS=cpu`` and (one
   process, ``XLA_FLAGS`` not setting it) ``max(8, dp*cp)`` virtual
   devices; several processes get ``dp*cp/N`` each from ``main``."""
+  flags = os.environ.get("XLA_FLAGS", "")
   if cfg.device == "gpu":
     return
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  flags = os.environ.get("XLA_FLAGS", "")
   if (num_processes(cfg) <= 1
       and "xla_force_host_platform_device_count" not in flags):
     dp, cp = choose_mesh_shape(cfg.dp, cfg.cp, "cpu", None)

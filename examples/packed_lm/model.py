@@ -17,12 +17,9 @@ VOCAB_SIZE = 256   # bytes
 
 def make_layout(cfg: Config, mesh=None,
                 max_seqlen: int | None = None) -> jax_cp.CPLayout:
-  """Rows split over ``cp`` of ``mesh`` (batch over ``data``) with the
-  strategy; ``mesh=None``: no CP, one device. Every batch is checked
-  against ``max_seqlen`` on the host when it is built
-  (:func:`jax_cp.make_global_batch`), so attention needs no in-graph check
-  (no ``lax.cond`` per layer, which would make the host wait for the GPU).
-  """
+  """Rows over ``cp`` of ``mesh``, batch over ``data``; ``mesh=None``: no
+  CP. ``max_seqlen`` is checked on the host when a batch is built
+  (:func:`jax_cp.make_global_batch`): no in-graph ``cond`` per layer."""
   kw = dict(backend=cfg.backend, max_seqlen=max_seqlen,
             max_seqlen_violation="checked_on_host")
   if mesh is None:
@@ -32,13 +29,9 @@ def make_layout(cfg: Config, mesh=None,
 
 
 class ByteEmbed(nnx.Module):
-  """Embedding of a small vocabulary as a one-hot matmul.
-
-  A gather's backward is a scatter-add of every token's gradient into one
-  of only 256 table rows: the adds collide and serialise (29 % of a step
-  of 32k tokens on an H200). As a matmul the backward is a ``[256, T] x [T,
-  features]`` GEMM, and the forward a small fraction of one layer's FLOPs.
-  """
+  """Embedding as a one-hot matmul: a gather's backward scatter-adds every
+  token's gradient into one of 256 rows, adds that collide and serialise
+  (29 % of a 32k-token step on an H200); the matmul's is one GEMM."""
 
   def __init__(self, num_embeddings: int, features: int, *, dtype,
                rngs: nnx.Rngs):
@@ -52,13 +45,10 @@ class ByteEmbed(nnx.Module):
 
 
 class PackedLM(nnx.Module):
-  """``embed``, ``layer_0 .. layer_{n-1}``, ``final_norm``, ``logits``.
-
-  Parameters are float32, computation in ``cfg.dtype``. In the global view
-  the activations between layers keep the batch's sharding
-  (:meth:`jax_cp.CPLayout.shard_tokens`): every device keeps its own
-  tokens, and sharded weights are gathered to them.
-  """
+  """``embed``, ``layer_0 .. layer_{n-1}``, ``final_norm``, ``logits``;
+  float32 parameters, ``cfg.dtype`` computation. Between layers the
+  activations keep the batch's sharding (:meth:`CPLayout.shard_tokens`):
+  sharded weights are gathered to the tokens, not tokens to weights."""
 
   def __init__(self, cfg: Config, layout: jax_cp.CPLayout, *,
                rngs: nnx.Rngs):
