@@ -27,7 +27,7 @@ from examples.packed_lm.checkpoint import Checkpointer
 
 # How far the CP and no-CP losses of the same parameters may differ (the
 # sums run in another order), by computation dtype.
-COMPARE_RTOL = {"float32": 1e-4, "bfloat16": 2e-2}
+COMPARE_RTOL = {"float32": 1e-4, "bfloat16": 5e-3}
 
 
 def make_mesh(dp: int, cp: int, device: str) -> jax.sharding.Mesh:
@@ -57,10 +57,7 @@ def _start(cfg: config.Config) -> config.Config:
   n_proc, cpu_devices = config.num_processes(cfg), None
   if n_proc > 1 and cfg.device == "cpu":
     dp, cp = config.choose_mesh_shape(cfg.dp, cfg.cp, "cpu", None)
-    cpu_devices = dp * cp // n_proc
-    if cpu_devices * n_proc != dp * cp:
-      raise SystemExit(f"dp*cp = {dp * cp} CPU devices cannot be split "
-                       f"evenly over {n_proc} processes")
+    cpu_devices = dp * cp // n_proc   # make_mesh checks it is exact
   if not jax.distributed.is_initialized():
     try:
       multihost.init_distributed(cfg.coordinator, cfg.num_processes,
