@@ -140,8 +140,8 @@ def train_loop(cfg: Config, step_fn, state, batches: Iterable, *,
       tok_s = timed_tokens / (now - t_timed)
       if peak_flops:
         mfu = timed_flops / (now - t_timed) / peak_flops
+    bar.set_postfix_str(f"loss {value:.4f}, {tok_s:,.0f} tok/s" + (
+        f", MFU {mfu:.1%}" if mfu is not None else ""), refresh=False)
     bar.update(done - bar.n)
-    bar.set_postfix_str(f"loss {value:.4f}, {tok_s:,.0f} tok/s"
-                        + (f", MFU {mfu:.1%}" if mfu is not None else ""))
   bar.close()
   return state, [float(x.addressable_data(0)) for x in losses], tok_s, mfu
