@@ -4,6 +4,10 @@ and matches the no-CP loss, and resuming from a checkpoint (with the check
 of the run's config)."""
 
 import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -25,6 +29,20 @@ def test_dtype_defaults_to_bfloat16_on_gpu_and_float32_on_cpu():
   assert config.Config(device="gpu").dtype == "bfloat16"
   text = " ".join(config.build_parser().format_help().split())
   assert "bfloat16 on GPU, float32 on CPU" in text
+
+
+def test_config_sets_the_platform_up_before_jax_is_imported():
+  code = ("import os, sys; from examples.packed_lm import config; "
+          "assert 'jax' not in sys.modules; "
+          "config.configure_platform(config.parse_args(['--cp', '8'])); "
+          "print(os.environ['JAX_PLATFORMS'], os.environ['XLA_FLAGS'])")
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                       capture_output=True, text=True,
+                       cwd=pathlib.Path(__file__).resolve().parents[1])
+  assert out.stdout.split() == [
+      "cpu", "--xla_force_host_platform_device_count=16"]
 
 
 def test_defaults_that_follow_other_flags():

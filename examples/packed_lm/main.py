@@ -105,8 +105,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         matmul_params=n_matmul, num_layers=cfg.layers, num_heads=cfg.heads,
         head_dim=cfg.d_model // cfg.heads)
     peak = cfg.peak_tflops or train.peak_tflops(jax.devices()[0])
-    log(f"model: {n_matmul:,} matmul params ({cfg.param_sharding}), "
-        f"{cfg.dtype}, backend {cfg.backend}, lr {cfg.lr:.2e}")
+    log(f"model: {cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads}/"
+        f"{cfg.kv_heads} heads, {n_matmul:,} matmul params "
+        f"({cfg.param_sharding}), {cfg.dtype}, remat {cfg.remat}, backend "
+        f"{cfg.backend}; AdamW lr {cfg.lr:.2e}, {cfg.warmup} warmup steps")
     t0 = time.perf_counter()
     state, losses, tok_s, mfu = train.train_loop(
         cfg, train.make_train_step(graphdef, shardings, mesh,
