@@ -22,10 +22,13 @@ measured and how. In short, per configuration:
   recorded;
 * FLOPs counted exactly: ``4 * Hq * D * pairs`` forward with ``pairs =
   L(L+1)/2`` per document of ``L`` valid tokens (``2*T^2*H*D`` per
-  document is the ``L^2/2`` approximation of the same), 3.5x that for
-  forward+backward (with ``--window LEFT``, every program runs the
-  sliding window ``(LEFT, 0)`` and only ``min(j+1, LEFT+1)`` keys per
-  query count);
+  document is the ``L^2/2`` approximation of the same; with ``--window
+  LEFT``, every program runs the sliding window ``(LEFT, 0)`` and only
+  ``min(j+1, LEFT+1)`` keys per query count), 3.5x that for
+  forward+backward: hardware FLOPs, with the fused backward's recompute of
+  ``Q K^T`` (:func:`jax_cp.attention_flops` with ``recompute=True``; the
+  MFU of ``bench_step`` and of the example counts the backward as 2x the
+  forward, without recompute);
 * the exchange cost two ways: *exposed* = step time minus the time of the
   same step with the exchange's collectives replaced by local copies
   (``cp_comm_type="local_copies"``), and

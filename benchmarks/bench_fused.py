@@ -23,8 +23,10 @@ inside the window, and on the one-document row also times ``ours`` against
 ``jax_dense`` forward+backward in alternation (:func:`benchmarks.timing.paired`;
 ``paired_vs_jax_dense`` records, ratio > 1: ours faster).
 
-FLOPs: ``4 * Hq * D * pairs`` forward with ``pairs = L(L+1)/2`` per document
-(``sum min(j+1, LEFT+1)`` with a window), 3.5x that for forward+backward.
+FLOPs (hardware FLOPs, :func:`jax_cp.attention_flops` with
+``recompute=True``): ``4 * Hq * D * pairs`` forward with ``pairs =
+L(L+1)/2`` per document (``sum min(j+1, LEFT+1)`` with a window), 3.5x that
+for forward+backward (the fused backward recomputes ``Q K^T``).
 Median of ``--reps`` synced host-clock timings after warm-up, two
 alternating input sets
 (:func:`benchmarks.timing.synced`).
@@ -47,7 +49,7 @@ import jax_cp
 from benchmarks import timing
 from benchmarks.names import DISTS, HEAD_DIM, HQ
 from benchmarks.results import environment, result_path, write_result
-from benchmarks.workload import FWD_BWD_FLOP_FACTOR, pack_row
+from benchmarks.workload import pack_row
 
 
 def fwd_and_bwd(attn):
@@ -61,11 +63,8 @@ def fwd_and_bwd(attn):
 
 def window_pairs(lens: np.ndarray, window: int | None) -> int:
   """Causal (query, key) pairs of the documents, inside the window."""
-  lens = lens.astype(np.int64)
-  if window is None:
-    return int((lens * (lens + 1) // 2).sum())
-  m = np.minimum(lens, window + 1)
-  return int((m * (m + 1) // 2 + (lens - m) * (window + 1)).sum())
+  cu = np.concatenate([[0], np.cumsum(lens, dtype=np.int64)])
+  return jax_cp.causal_pairs(cu, None if window is None else (window, 0))
 
 
 def variants(dist: str, tokens: int, head_dim: int, backend: str,
@@ -151,7 +150,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     offs = cuP[:-1].astype(np.int32)
     longest = int(lens.max())
     pairs = window_pairs(lens, args.window)
-    flops = 4.0 * hq * d * pairs
+    flops = {p: float(jax_cp.attention_flops(
+        pairs, num_heads=hq, head_dim=d, backward=p == "fwd+bwd",
+        recompute=True)) for p in ("fwd", "fwd+bwd")}
     for hkv in args.hkv:
       sets = [inputs(hkv), inputs(hkv)]
       fns = variants(dist, t, d, args.backend, lens, offs, args.window)
@@ -162,8 +163,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
       for name, attn in fns.items():
         fwd, bwd = fwd_and_bwd(attn)
         for pass_name, fn, arg_sets, fl in (
-            ("fwd", fwd, [s[:3] for s in sets], flops),
-            ("fwd+bwd", bwd, sets, FWD_BWD_FLOP_FACTOR * flops)):
+            ("fwd", fwd, [s[:3] for s in sets], flops["fwd"]),
+            ("fwd+bwd", bwd, sets, flops["fwd+bwd"])):
           rec = {"dist": dist, "hkv": hkv, "variant": name,
                  "pass_": pass_name, "docs": len(lens), "longest": longest}
           try:

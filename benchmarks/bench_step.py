@@ -3,8 +3,9 @@
     python -m benchmarks.bench_step --cp 1 2 \\
         --strategies dual_chunk_swap no_load_balance --profile
 
-The model, optimizer, shardings, step and data are those of
-``examples/train_packed_lm.py`` (imported): by default its GPU configuration
+The model, optimizer, shardings, step and data are those of the example
+package ``examples/packed_lm`` (imported, built from its
+:class:`~examples.packed_lm.config.Config`): by default a GPU configuration
 of 4 layers, d_model 1024, 16 query / 4 KV heads (head_dim 64), bf16, one
 row of 32,768 tokens of standard-library files cut at 16k, dp=1. For
 NO_LOAD_BALANCE the row's documents are reordered as the example reorders
@@ -21,9 +22,10 @@ the CP model at cp=1 against the same model built with ``cp_axis=None``
 (plain attention, no mesh) on one device: the cost of the CP machinery when
 there is nothing to split.
 
-MFU = model FLOPs per step (``train_packed_lm.model_flops``: ``6 N`` per
-token for the matmuls plus causal attention counted per document) / step
-time / (``--peak-tflops`` x devices).
+MFU = model FLOPs per step (:func:`jax_cp.model_flops`, the MFU
+convention: ``6 N`` per token for the matmuls plus causal attention per
+document, backward 2x forward, no recompute) / step time /
+(``--peak-tflops`` x devices).
 
 ``--profile`` traces a few steps of every program with ``jax.profiler``
 and groups the first GPU's kernels as attention / matmul / collectives
@@ -36,37 +38,13 @@ markdown step table (``--table FILE.json`` prints it again).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import sys
 import time
 from collections.abc import Sequence
-from types import SimpleNamespace
 
 from benchmarks import profiling, results
 from benchmarks.names import DOC_ORDERS, STRATEGIES
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_EXAMPLES = os.path.join(os.path.dirname(_HERE), "examples")
-
-
-def example(name: str):
-  """The module of ``examples/<name>.py``, imported by its path.
-
-  The examples are scripts (each finds its siblings itself), not a package;
-  a module already imported under that name is reused, so the benchmark and
-  the example share one copy of it.
-  """
-  if name not in sys.modules:
-    spec = importlib.util.spec_from_file_location(
-        name, os.path.join(_EXAMPLES, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-  return sys.modules[name]
-
-
-xla_flags = example("xla_flags")   # no jax import: flags are set before it
+from examples.packed_lm.config import Config  # no jax import
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,8 +92,6 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--hlo-collectives", action="store_true",
                  help="count the collectives of every compiled step")
   p.add_argument("--device-plane", default=profiling.DEVICE_PLANE)
-  p.add_argument("--no-xla-flags", action="store_true",
-                 help="GPU: do not add the example's XLA flags")
   p.add_argument("--out", default=results.RESULTS_DIR)
   p.add_argument("--table", default=None, metavar="JSON",
                  help="print the step table of a JSON written earlier; "
@@ -131,8 +107,6 @@ def _configure(args) -> None:
     if "xla_force_host_platform_device_count" not in flags:
       os.environ["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_"
                                  f"count={max(args.cp)}").strip()
-  elif not args.no_xla_flags:
-    xla_flags.add_gpu_flags()
 
 
 def paired(prog_a: Program, prog_b: Program, reps: int,
@@ -148,12 +122,19 @@ def paired(prog_a: Program, prog_b: Program, reps: int,
           "ratios": r.ratios, "depth_a": r.depth_a, "depth_b": r.depth_b}
 
 
-def _model_args(args, strategy: str) -> SimpleNamespace:
-  """The fields ``train_packed_lm.build_model`` reads."""
-  return SimpleNamespace(layers=args.layers, d_model=args.d_model,
-                         heads=args.heads, kv_heads=args.kv_heads,
-                         dtype=args.dtype, backend=args.backend,
-                         strategy=strategy)
+
+
+def example_config(args, strategy: str, doc_order: str = "packed",
+                   param_sharding: str | None = None) -> Config:
+  """The example's config of the benchmark's model, data and step."""
+  return Config(device=args.device, layers=args.layers,
+                d_model=args.d_model, heads=args.heads,
+                kv_heads=args.kv_heads, dtype=args.dtype,
+                backend=args.backend, strategy=strategy,
+                seq_len=args.seq_len, batch=args.batch,
+                max_doc_len=args.max_doc_len, seed=args.seed,
+                doc_order=doc_order, steps=1000, warmup=10,
+                param_sharding=param_sharding or args.param_sharding)
 
 
 class Program:
@@ -184,27 +165,20 @@ def build_program(args, strategy: str, cp: int | None, rows, max_seqlen):
   or with ``cp=None`` the ``cp_axis=None`` model on one device. The batch
   is placed once."""
   import jax  # pylint: disable=import-outside-toplevel
-  import optax  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
 
-  import jax_cp  # pylint: disable=import-outside-toplevel
-  lm = example("train_packed_lm")
-  margs = _model_args(args, strategy)
-  mesh = lm.make_mesh(1, cp or 1, args.device)
-  tx = lm.make_optimizer(lm.default_lr(args.d_model), 10, 1000)
-  if cp is None:
-    model = lm.build_model(margs, max_seqlen=max_seqlen, cp_axis=None)
-    batch = jax.device_put(lm.host_batch(rows, model.layout),
-                           jax.devices()[0])
-    mode = "replicated"
-  else:
-    model = lm.build_model(margs, mesh=mesh, max_seqlen=max_seqlen)
-    local = jax_cp.process_batch_rows(mesh, rows.num_rows, lm.DATA)
-    batch = lm.place_batch(rows, model.layout, local)
-    mode = args.param_sharding
-  state, shardings = lm.init_state(model, tx, batch, args.seed, mesh, mode)
-  step = lm.make_train_step(model, tx, shardings, mesh)
-  n_params = lm.matmul_params(state["params"])
-  del optax
+  # pylint: disable-next=import-outside-toplevel
+  from examples.packed_lm import data, main, model, train
+  cfg = example_config(args, strategy,
+                       param_sharding="replicated" if cp is None else None)
+  mesh = main.make_mesh(1, cp or 1, args.device)
+  layout = model.make_layout(cfg, None if cp is None else mesh, max_seqlen)
+  batch = data.place_batch(rows, layout)
+  with jax.set_mesh(mesh):
+    graphdef, state, shardings = train.init_state(
+        cfg, layout, train.make_optimizer(cfg), mesh)
+  step = train.make_train_step(graphdef, shardings, mesh, cfg.param_sharding)
+  n_params = model.matmul_params(nnx.merge(graphdef, state)[0])
   prog = Program(step, state, batch)
   if args.hlo_collectives:
     prog.collectives = profiling.hlo_collectives(
@@ -214,8 +188,9 @@ def build_program(args, strategy: str, cp: int | None, rows, max_seqlen):
 
 def run_bench(args) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
-  lm = example("train_packed_lm")
-  packed_data = lm.packed_data
+
+  import jax_cp  # pylint: disable=import-outside-toplevel
+  from examples.packed_lm import data  # pylint: disable=import-outside-toplevel
   cps = sorted(set(args.cp))
   if cps[0] != 1:
     raise SystemExit("--cp must include 1 (the base of every pair)")
@@ -230,18 +205,17 @@ def run_bench(args) -> dict:
              for o in (args.doc_order if s == "no_load_balance"
                        else ["packed"])]
   for strategy, order in runs_of:
-    rows = packed_data.load_stdlib_rows(
-        args.batch, args.seq_len, cp_size=max(cps), strategy=strategy,
-        seed=args.seed, max_doc_len=args.max_doc_len,
-        balance=order == "balanced")
+    rows = data.load_rows(example_config(args, strategy, order), args.batch,
+                          max(cps))
     max_seqlen = args.max_seqlen or rows.max_seqlen
     lens = [int(x) for x in (rows.cu_seqlens[0, 1:] - rows.cu_seqlens[0, :-1])
             if x > 0]
     runs: dict[object, Program] = {}
     runs[1], n_params = build_program(args, strategy, 1, rows, max_seqlen)
-    flops = lm.model_flops(rows.cu_seqlens, tokens=rows.tokens.size,
-                           n_params=n_params, num_layers=args.layers,
-                           num_heads=args.heads, head_dim=head_dim)
+    flops = jax_cp.model_flops(rows.cu_seqlens, tokens=rows.tokens.size,
+                               matmul_params=n_params,
+                               num_layers=args.layers, num_heads=args.heads,
+                               head_dim=head_dim)
     print(f"{_label(dict(strategy=strategy, doc_order=order))}: "
           f"{args.batch} x {args.seq_len} tokens, documents "
           f"{lens}, max_seqlen {max_seqlen}; {n_params:,} matmul params; "

@@ -9,7 +9,8 @@
   over the first ``cp`` devices (:func:`make_inputs`, :func:`abstract_args`).
 * Programs: functions of ``(q, k, v, dout, cu, cuP)`` for a pass
   (:func:`with_pass` over :func:`cp_forward`, :func:`primitive_forward` or
-  :func:`dense_forward`), and FLOPs counted exactly (:func:`flops`).
+  :func:`dense_forward`), and FLOPs counted exactly (:func:`flops`, by
+  :func:`jax_cp.attention_flops`).
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ from jax.sharding import PartitionSpec as P
 
 import jax_cp
 from benchmarks.names import DISTS
-
-FWD_BWD_FLOP_FACTOR = 3.5
 
 _DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
@@ -146,11 +145,8 @@ class Row:
   def window_pairs(self, window: int | None) -> int:
     """Causal pairs inside a sliding window ``(window, 0)``: a query at
     position ``j`` sees ``min(j+1, window+1)`` keys (None: no window)."""
-    lens = np.diff(self.cu).astype(np.int64)
-    if window is None:
-      return int((lens * (lens + 1) // 2).sum())
-    m = np.minimum(lens, window + 1)
-    return int((m * (m + 1) // 2 + (lens - m) * (window + 1)).sum())
+    return jax_cp.causal_pairs(self.cu,
+                               None if window is None else (window, 0))
 
 
 def make_row(dist: str, tokens: int, strategy: str, max_cp: int, bound: str,
@@ -181,11 +177,13 @@ def balanced_row(row: Row, strategy: str, cp: int,
 
 def flops(row: Row, hq: int, head_dim: int, pass_name: str,
           window: int | None = None) -> float:
-  """``4 * Hq * D * pairs`` forward, :data:`FWD_BWD_FLOP_FACTOR` times that
-  for forward+backward; only the pairs inside a sliding window
-  ``(window, 0)`` when one is given."""
-  f = 4.0 * hq * head_dim * row.window_pairs(window)
-  return f * FWD_BWD_FLOP_FACTOR if pass_name == "fwd_bwd" else f
+  """Hardware FLOPs of attention (:func:`jax_cp.attention_flops` with
+  ``recompute=True``): ``4 * Hq * D * pairs`` forward, 3.5x that for
+  forward+backward (the fused backward recomputes ``Q K^T``); only the
+  pairs inside a sliding window ``(window, 0)`` when one is given."""
+  return float(jax_cp.attention_flops(
+      row.window_pairs(window), num_heads=hq, head_dim=head_dim,
+      backward=pass_name == "fwd_bwd", recompute=True))
 
 
 # ----------------------------------------------------------------- devices

@@ -23,7 +23,7 @@ load-balancing strategy:
 Under NO_LOAD_BALANCE the work also depends on the order of the documents
 in the row; :func:`jax_cp.balance_document_order` picks an order that
 evens it out (counting pairs as this module does,
-:mod:`jax_cp.causal_pairs`).
+:mod:`jax_cp.pair_counts`).
 
 :func:`recommend_strategy` turns two such estimates into a predicted step
 time with a deliberately simple model (see
@@ -40,9 +40,10 @@ from typing import Any
 import numpy as np
 
 from jax_cp import checks, document_order
-from jax_cp.causal_pairs import window_pairs
+from jax_cp.flops import RECOMPUTE_BACKWARD_FACTOR, attention_flops
 from jax_cp.host_metadata import as_int_rows, host_metadata, resolve_cp
 from jax_cp.layout import CPLayout
+from jax_cp.pair_counts import range_pairs
 from jax_cp.strategy import CPLoadBalancingStrategy
 
 _DCS = CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
@@ -54,9 +55,9 @@ H200_ATTENTION_FLOPS = 600e12
 H200_ALLGATHER_BUS_BANDWIDTH = 150e9
 #: Default fixed cost of one attention kernel call (launch + metadata), s.
 CALL_OVERHEAD_S = 20e-6
-#: FLOPs of forward + backward relative to the forward (FlashAttention
-#: convention: the backward does 2.5x the forward's matmul work).
-FWD_BWD_FLOP_FACTOR = 3.5
+#: FLOPs of forward + backward relative to the forward, as the GPU runs them
+#: (the fused backward recomputes Q K^T: 2.5x the forward, jax_cp.flops).
+FWD_BWD_FLOP_FACTOR = 1.0 + RECOMPUTE_BACKWARD_FACTOR
 #: K/V exchanges of forward + backward relative to the forward: forward
 #: gather, backward re-gather, and the reduce-scatter of dK/dV.
 FWD_BWD_BYTES_FACTOR = 3.0
@@ -205,13 +206,13 @@ def _rank_pairs(lens, starts, plens, cp: int, total: int,
     lo, hi = ranks * tl, (ranks + 1) * tl
     a = np.clip(lo - starts, 0, lens)
     b = np.clip(hi - starts, 0, lens)
-    return window_pairs(a, b, window_left).sum(axis=1)
+    return range_pairs(a, b, window_left).sum(axis=1)
   c = plens // (2 * cp)                                    # chunk length
   pairs = 0
   for k in (ranks, 2 * cp - 1 - ranks):
     a = np.clip(k * c, 0, lens)
     b = np.clip((k + 1) * c, 0, lens)
-    pairs = pairs + window_pairs(a, b, window_left)
+    pairs = pairs + range_pairs(a, b, window_left)
   return pairs.sum(axis=1)
 
 
@@ -283,7 +284,7 @@ def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded,
   for row in range(cuP.shape[0]):
     pairs += _rank_pairs(lens[row], cuP[row, :-1], plens[row], cp, total,
                          strategy, left)
-  flops = pairs * (4 * d * hq)
+  flops = attention_flops(pairs, num_heads=hq, head_dim=d, backward=False)
   mean = float(flops.sum()) / cp
   imbalance = float(flops.max()) / mean if mean > 0 else 1.0
   rows = cuP.shape[0]

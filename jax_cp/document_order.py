@@ -29,9 +29,9 @@ from __future__ import annotations
 import numpy as np
 
 from jax_cp import checks
-from jax_cp.causal_pairs import window_pairs
 from jax_cp.host_metadata import as_int_rows, host_metadata, resolve_cp
 from jax_cp.layout import CPLayout
+from jax_cp.pair_counts import range_pairs
 from jax_cp.strategy import CPLoadBalancingStrategy
 
 # Swaps scored in one round are capped at this many boundary evaluations
@@ -52,12 +52,12 @@ class _Prefix:
     self.lens, self.plens, self.left = lens, plens, left
     self.ends = np.cumsum(plens)
     self.starts = self.ends - plens
-    self.full = window_pairs(0, lens, left)
+    self.full = range_pairs(0, lens, left)
     self.before = np.concatenate([[0], np.cumsum(self.full)])  # [N+1]
 
   def part(self, lens, t):
     """Pairs of the first ``t`` tokens of documents of ``lens``."""
-    return window_pairs(0, np.clip(t, 0, lens), self.left)
+    return range_pairs(0, np.clip(t, 0, lens), self.left)
 
   def work(self, x):
     x = np.asarray(x, np.int64)

@@ -124,7 +124,8 @@ def test_backward_lowers_to_custom_call():
   (attrs, ins, outs), = custom_calls(text, BWD)
   assert attrs == {"mask": "2 : i64", "max_seqlen_kv": "40 : i64",
                    "max_seqlen_q": "32 : i64", "scale": "5.000000e-01 : f32",
-                   "segments": "3 : i64", "window_left": "-1 : i64", "tiled": "0 : i64"}
+                   "segments": "3 : i64", "window_left": "-1 : i64",
+                   "tiled": "0 : i64"}
   tensors, meta = expected_operands("bf16")
   assert ins == tensors + [t((TQ, HQ, D), "bf16")] * 2 + [
       t((TQ, HQ), "f32")] + meta
@@ -154,7 +155,8 @@ def test_grad_through_fused_attention(mask):
   s = b * n  # the batch is flattened into one segment list
   common = {"mask": f"{code} : i64", "max_seqlen_kv": "16 : i64",
             "max_seqlen_q": "16 : i64", "scale": "2.500000e-01 : f32",
-            "segments": f"{s} : i64", "window_left": "-1 : i64", "tiled": "0 : i64"}
+            "segments": f"{s} : i64", "window_left": "-1 : i64",
+            "tiled": "0 : i64"}
   assert fwd[0] == common
   assert bwd[0] == common
   tensors, meta = expected_operands("bf16", s=s, tq=b * tq, tkv=b * tq, hq=4,

@@ -1,190 +1,150 @@
-"""The main example: packing of real documents, a short training run whose
-loss decreases and matches the no-CP loss, and checkpoint resume."""
+"""The example package ``examples/packed_lm``: its flags and defaults, its
+rows of standard-library files, a short training run whose loss decreases
+and matches the no-CP loss, and resuming from a checkpoint (with the check
+of the run's config)."""
 
 import json
+import os
 import pathlib
+import subprocess
 import sys
 
 import numpy as np
 import pytest
+from flax import nnx
 
 import jax_cp
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]
-                       / "examples"))
-import packed_data  # noqa: E402  pylint: disable=wrong-import-position
-import train_packed_lm  # noqa: E402  pylint: disable=wrong-import-position
+from examples.packed_lm import config, data, main, model
 
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
         "--seq-len", "64", "--batch", "2", "--dp", "2", "--cp", "2",
         "--lr", "1e-2", "--backend", "xla", "--quiet"]
 
 
-def _check_rows(rows, pad_multiple):
-  cu, cuP = rows.cu_seqlens, rows.cu_seqlens_padded
-  lens, plens = np.diff(cu, axis=1), np.diff(cuP, axis=1)
-  assert (cuP[:, -1] == rows.seq_len).all()
-  assert (lens <= plens).all() and (plens % pad_multiple == 0).all()
-  assert (plens - lens < pad_multiple).all()          # minimal padding
-  for r in range(rows.num_rows):
-    for b in np.nonzero(lens[r])[0]:
-      s, n = cuP[r, b], lens[r, b]
-      doc = rows.tokens[r, s:s + n]
-      np.testing.assert_array_equal(rows.labels[r, s:s + n - 1], doc[1:])
-      assert rows.loss_mask[r, s:s + n - 1].all()
-      assert not rows.loss_mask[r, s + n - 1:cuP[r, b + 1]].any()
-      np.testing.assert_array_equal(rows.position_ids[r, s:s + n],
-                                    np.arange(n))
+def test_dtype_defaults_to_bfloat16_on_gpu_and_float32_on_cpu():
+  assert config.parse_args([]).dtype == "float32"
+  assert config.parse_args(["--device", "gpu"]).dtype == "bfloat16"
+  assert config.parse_args(["--device", "gpu", "--dtype",
+                            "float32"]).dtype == "float32"
+  assert config.Config(device="gpu").dtype == "bfloat16"
+  text = " ".join(config.build_parser().format_help().split())
+  assert "bfloat16 on GPU, float32 on CPU" in text
 
 
-@pytest.mark.parametrize("strategy, cp, multiple", [
-    ("dual_chunk_swap", 4, 8), ("no_load_balance", 4, 1)])
-def test_packing_of_stdlib_sources(strategy, cp, multiple):
-  rows = packed_data.load_stdlib_rows(6, 256, cp_size=cp, strategy=strategy,
-                                      seed=3)
-  _check_rows(rows, multiple)
-  assert rows.max_seqlen <= 128                       # files cut at T/2
+def test_config_sets_the_platform_up_before_jax_is_imported():
+  code = ("import os, sys; from examples.packed_lm import config; "
+          "assert 'jax' not in sys.modules; "
+          "config.configure_platform(config.parse_args(['--cp', '8'])); "
+          "print(os.environ['JAX_PLATFORMS'], os.environ['XLA_FLAGS'])")
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                       capture_output=True, text=True,
+                       cwd=pathlib.Path(__file__).resolve().parents[1])
+  assert out.stdout.split() == [
+      "cpu", "--xla_force_host_platform_device_count=16"]
+
+
+def test_defaults_that_follow_other_flags():
+  cfg = config.parse_args(["--seq-len", "256", "--d-model", "1024",
+                           "--steps", "60"])
+  assert cfg.max_doc_len == 128 and cfg.lr == pytest.approx(0.6 / 1024)
+  assert cfg.warmup == 6 and cfg.remat == "none"
+  assert cfg.doc_order == "packed"          # dual_chunk_swap: never reordered
+  assert config.parse_args(["--strategy", "no_load_balance"]).doc_order == \
+      "balanced"
+  with pytest.raises(SystemExit):
+    config.parse_args(["--remat", "everything"])
+  with pytest.raises(ValueError, match="remat='everything'"):
+    config.Config(remat="everything")
+
+
+@pytest.mark.parametrize("remat, passed", [("none", {}),
+                                           ("minimal", {"remat": "minimal"})])
+def test_remat_reaches_the_layers_only_when_set(monkeypatch, remat, passed):
+  seen = []
+
+  def layer(*args, **kwargs):
+    seen.append({k: v for k, v in kwargs.items() if k == "remat"})
+    return nnx.Linear(1, 1, rngs=kwargs["rngs"])
+  monkeypatch.setattr(jax_cp.nnx, "TransformerLayer", layer)
+  cfg = config.Config(layers=2, remat=remat)
+  model.PackedLM(cfg, model.make_layout(cfg), rngs=nnx.Rngs(0))
+  assert seen == [passed, passed]
+
+
+def test_rows_of_stdlib_files_are_deterministic_and_padded_for_the_strategy():
+  cfg = config.Config(seq_len=256, seed=3)
+  rows = data.load_rows(cfg, 6, 4)
+  plens = np.diff(rows.cu_seqlens_padded, axis=1)
+  assert (plens % 8 == 0).all() and rows.max_seqlen <= 128   # cut at T/2
   text = bytes(rows.tokens[0, :rows.cu_seqlens[0, 1]].astype(np.uint8))
-  assert text.isascii() or text.decode("utf-8", "ignore")
-  # Deterministic, and row i does not depend on how many rows were asked.
-  again = packed_data.load_stdlib_rows(3, 256, cp_size=cp, strategy=strategy,
-                                       seed=3)
-  np.testing.assert_array_equal(again.tokens, rows.tokens[:3])
-
-  # The two CP views agree: rank r's slice is the r-th contiguous chunk of
-  # the reordered (global-view) row.
-  glob = packed_data.reorder_rows_for_cp(rows, cp, strategy)
-  tl = rows.seq_len // cp
-  for r in range(cp):
-    local = packed_data.rows_on_cp_rank(rows, cp, r, strategy)
-    for k in packed_data.PackedRows.TOKEN_FIELDS:
-      np.testing.assert_array_equal(getattr(local, k),
-                                    getattr(glob, k)[:, r * tl:(r + 1) * tl])
-    idx = jax_cp.get_partition_indices(rows.cu_seqlens_padded[0], cp, r,
-                                       strategy)
-    np.testing.assert_array_equal(local.tokens[0], rows.tokens[0, idx])
+  assert text.decode("utf-8", "replace").strip()
+  # Row i does not depend on how many rows were asked: a resumed run sees
+  # the batches it has not seen.
+  np.testing.assert_array_equal(data.load_rows(cfg, 3, 4).tokens,
+                                rows.tokens[:3])
 
 
-def test_balanced_rows_hold_the_same_documents():
-  """NO_LOAD_BALANCE rows with their documents reordered: still well-formed
-  rows (labels, mask and positions per document), the same documents per
-  row, and no rank's work above what it was as packed."""
-  cp = 4
-  packed = packed_data.load_stdlib_rows(6, 1024, cp_size=cp,
-                                        strategy="no_load_balance", seed=1,
-                                        max_doc_len=200)
-  rows = packed_data.load_stdlib_rows(6, 1024, cp_size=cp,
-                                      strategy="no_load_balance", seed=1,
-                                      max_doc_len=200, balance=True)
-  _check_rows(rows, 1)
-
-  def docs(r, x):
-    cu, cuP = x.cu_seqlens[r], x.cu_seqlens_padded[r]
-    return sorted(x.tokens[r, cuP[b]:cuP[b] + cu[b + 1] - cu[b]].tobytes()
-                  for b in range(len(cu) - 1))
-
-  moved = 0
-  for r in range(rows.num_rows):
-    assert docs(r, rows) == docs(r, packed)
-    moved += not np.array_equal(rows.tokens[r], packed.tokens[r])
-    before, after = (jax_cp.estimate_cp_imbalance(
-        x.cu_seqlens[r], x.cu_seqlens_padded[r], cp, "no_load_balance")
-        for x in (packed, rows))
-    assert max(after.pairs_per_rank) <= max(before.pairs_per_rank)
-  assert moved                                  # the order did change
-  # DUAL_CHUNK_SWAP rows are left as packed.
-  dcs = [packed_data.load_stdlib_rows(2, 512, cp_size=2, seed=1,
-                                      balance=b) for b in (False, True)]
-  np.testing.assert_array_equal(dcs[0].tokens, dcs[1].tokens)
+def test_balanced_doc_order_is_the_library_balancing_of_the_packed_rows():
+  cfg = dict(seq_len=1024, seed=1, max_doc_len=200,
+             strategy="no_load_balance")
+  packed = data.load_rows(config.Config(**cfg, doc_order="packed"), 4, 4)
+  rows = data.load_rows(config.Config(**cfg), 4, 4)
+  want = jax_cp.balance_rows(packed, 4, "no_load_balance")
+  for k in ("tokens", "labels", "cu_seqlens", "cu_seqlens_padded"):
+    np.testing.assert_array_equal(getattr(rows, k), getattr(want, k))
+  assert not np.array_equal(rows.tokens, packed.tokens)
 
 
 def test_no_load_balance_on_balanced_rows_matches_no_cp():
-  got = train_packed_lm.main(TINY + ["--steps", "2", "--strategy",
-                                     "no_load_balance"])
-  assert got["doc_order"] == "balanced"
-  assert np.isfinite(got["losses"]).all()
+  got = main.main(TINY + ["--steps", "2", "--strategy", "no_load_balance"])
+  assert got["doc_order"] == "balanced" and np.isfinite(got["losses"]).all()
   assert got["eval_loss_cp"] == pytest.approx(got["eval_loss_nocp"],
                                               rel=1e-4)
 
 
-def test_long_documents_are_split_across_rows():
-  docs = [np.arange(1, 101, dtype=np.int32), np.arange(1, 6, dtype=np.int32)]
-  rows = packed_data.pack_documents(iter(docs * 3), seq_len=64, num_rows=3,
-                                    pad_multiple=4)
-  _check_rows(rows, 4)
-  # Row 0 is the head of document 0, row 1 starts with its tail.
-  np.testing.assert_array_equal(rows.cu_seqlens_padded[0, :2], [0, 64])
-  np.testing.assert_array_equal(rows.tokens[1, :36], np.arange(65, 101))
-
-
-def test_training_runs_decreases_and_resumes(tmp_path):
+def test_training_decreases_resumes_and_matches_no_cp(tmp_path):
   ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
-  first = train_packed_lm.main(TINY + ckpt + ["--steps", "2", "--no-compare"])
+  first = main.main(TINY + ckpt + ["--steps", "2", "--no-compare"])
   assert first["start_step"] == 0 and len(first["losses"]) == 2
-  assert (tmp_path / "ckpt" / "state").is_dir()
-
-  # The state was saved sharded (FSDP, the default); it resumes into
-  # replicated parameters just as well.
-  second = train_packed_lm.main(TINY + ckpt + ["--steps", "6",
-                                               "--param-sharding",
-                                               "replicated"])
-  assert second["start_step"] == 2                    # resumed
-  assert first["param_sharding"] == "fsdp"
+  assert first["param_sharding"] == "fsdp" and first["dtype"] == "float32"
+  assert (tmp_path / "ckpt" / "state" / "2").is_dir()
+  # The state was saved sharded (FSDP); it resumes into replicated
+  # parameters just as well.
+  second = main.main(TINY + ckpt + ["--steps", "6", "--param-sharding",
+                                    "replicated"])
+  assert second["start_step"] == 2
   losses = first["losses"] + second["losses"]
   assert len(losses) == 6 and np.isfinite(losses).all()
   assert losses[-1] < losses[0] - 0.5, losses
-  # The final params give the same loss with and without CP.
+  # The final parameters give the same loss with and without CP.
   assert second["eval_loss_cp"] == pytest.approx(second["eval_loss_nocp"],
                                                  rel=1e-4)
-
-
-def test_linen_api_resumes_an_nnx_checkpoint(tmp_path):
-  """--api linen trains the same model: the NNX run's checkpoint (the same
-  parameter tree) resumes in Linen, and its CP and no-CP losses agree."""
-  ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
-  first = train_packed_lm.main(TINY + ckpt + ["--steps", "2", "--no-compare"])
-  assert first["api"] == "nnx"
-  second = train_packed_lm.main(TINY + ckpt + ["--steps", "3", "--api",
-                                               "linen", "--strategy",
-                                               "dual_chunk_swap"])
-  assert second["api"] == "linen" and second["start_step"] == 2
-  assert np.isfinite(second["losses"]).all()
-  assert second["losses"][0] < first["losses"][0]
-  assert second["eval_loss_cp"] == pytest.approx(second["eval_loss_nocp"],
-                                                 rel=1e-4)
-
-
-def test_checkpoint_config_without_doc_order_resumes(tmp_path):
-  """A run saved before --doc-order existed (its rows as packed) resumes a
-  DUAL_CHUNK_SWAP run, whose rows are never reordered; NO_LOAD_BALANCE on
-  balanced rows is another run and is refused."""
-  d = tmp_path / "ckpt"
-  train_packed_lm.main(TINY + ["--checkpoint-dir", str(d), "--steps", "1",
-                               "--no-compare"])
-  cfg = json.loads((d / "run_config.json").read_text())
-  assert cfg.pop("doc_order") == "packed"
-  (d / "run_config.json").write_text(json.dumps(cfg))
-  got = train_packed_lm.main(TINY + ["--checkpoint-dir", str(d), "--steps",
-                                     "2", "--no-compare"])
-  assert got["start_step"] == 1 and got["doc_order"] == "packed"
-  with pytest.raises(SystemExit, match="doc_order"):
-    train_packed_lm.main(TINY + ["--checkpoint-dir", str(d), "--steps", "3",
-                                 "--strategy", "no_load_balance"])
 
 
 def test_checkpoint_dir_of_another_run_is_refused(tmp_path):
   d = tmp_path / "ckpt"
   d.mkdir()
-  (d / "run_config.json").write_text('{"d_model": 999}')
-  with pytest.raises(SystemExit, match="other settings"):
-    train_packed_lm.main(TINY + ["--checkpoint-dir", str(d), "--steps", "1"])
+  saved = {k: v for k, v in vars(config.parse_args(TINY)).items()
+           if k in ("layers", "d_model", "heads", "kv_heads", "seq_len",
+                    "batch", "seed", "strategy", "max_doc_len", "doc_order")}
+  (d / "run_config.json").write_text(json.dumps(saved | {"d_model": 999}))
+  with pytest.raises(SystemExit, match=r"other settings.*'d_model': \(999"):
+    main.main(TINY + ["--checkpoint-dir", str(d), "--steps", "1"])
+  # Another strategy reorders the rows: another run, refused too.
+  (d / "run_config.json").write_text(json.dumps(saved))
+  with pytest.raises(SystemExit, match="'doc_order': \\('packed', "
+                     "'balanced'\\)"):
+    main.main(TINY + ["--checkpoint-dir", str(d), "--steps", "1",
+                      "--strategy", "no_load_balance"])
 
 
 def test_checkpoint_at_the_last_step_and_report(tmp_path):
-  """--checkpoint-every dividing --steps: the final save does not repeat the
-  step already saved (orbax refused it); --report writes the result."""
+  """--checkpoint-every dividing --steps: the final save does not repeat
+  the step already saved (orbax refuses it); --report writes the result."""
   report = tmp_path / "out" / "report.json"
-  got = train_packed_lm.main(TINY + [
+  got = main.main(TINY + [
       "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1",
       "--steps", "1", "--no-compare", "--report", str(report)])
   assert (tmp_path / "ckpt" / "state" / "1").is_dir()

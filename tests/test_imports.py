@@ -1,7 +1,7 @@
 """The package's import structure: no module reaches for another module's
 underscore names, and the host-side modules import one way only
 (``cost_model`` -> ``document_order`` -> ``host_metadata``,
-``causal_pairs``)."""
+``pair_counts``)."""
 
 import ast
 import pathlib
@@ -62,7 +62,7 @@ def test_no_module_takes_another_modules_private_names(module):
 @pytest.mark.parametrize("module, never", [
     ("jax_cp.document_order", {"jax_cp.cost_model"}),
     ("jax_cp.host_metadata", {"jax_cp.cost_model", "jax_cp.document_order"}),
-    ("jax_cp.causal_pairs", {"jax_cp.cost_model", "jax_cp.document_order"}),
+    ("jax_cp.pair_counts", {"jax_cp.cost_model", "jax_cp.document_order"}),
 ])
 def test_host_modules_import_one_way(module, never):
   modules, _ = _imports(MODULES[module])

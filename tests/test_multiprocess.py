@@ -9,7 +9,7 @@ under jax.distributed with gloo CPU collectives.
   cp=8 spanning both, and on a (data=2, cp=4) mesh with dp across them, each
   checking its shards against plain masked attention; one process dying
   mid-run makes the other exit non-zero with a clear message; and
-  examples/train_packed_lm.py on 2 processes trains with the same losses as
+  python -m examples.packed_lm on 2 processes trains with the same losses as
   on one (dp across the processes, and cp spanning them).
 """
 
@@ -337,7 +337,7 @@ def test_dead_process_makes_the_other_exit(tmp_path, dying):
 
 # ------------------------------------------- the training example, 2 x 4
 
-EXAMPLE = ROOT / "examples" / "train_packed_lm.py"
+EXAMPLE = ["-m", "examples.packed_lm"]
 EXAMPLE_ARGS = ["--seq-len", "256", "--layers", "1", "--d-model", "64",
                 "--steps", "3", "--batch", "2", "--backend", "xla",
                 "--no-compare", "--quiet"]
@@ -348,7 +348,7 @@ EXAMPLE_ARGS = ["--seq-len", "256", "--layers", "1", "--d-model", "64",
 @pytest.mark.parametrize("dp,cp", [(2, 4), (1, 8)],
                          ids=["dp2_cp4_dp_across", "dp1_cp8_cp_across"])
 def test_two_process_training_matches_single_process(tmp_path, dp, cp):
-  """examples/train_packed_lm.py on 2 processes x 4 CPU devices trains like
+  """python -m examples.packed_lm on 2 processes x 4 CPU devices trains like
   one process of 8 devices on the same (dp, cp) mesh: same losses, each
   process loading only its own rows. With dp=2, the 2 processes also save
   an orbax checkpoint (shared local dir) that one process then resumes."""
@@ -356,7 +356,7 @@ def test_two_process_training_matches_single_process(tmp_path, dp, cp):
   ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")] if dp == 2 else []
   port = _free_port()
   results, wall = _run_processes(tmp_path, 240, [
-      [sys.executable, str(EXAMPLE), *args, *ckpt,
+      [sys.executable, *EXAMPLE, *args, *ckpt,
        "--coordinator", f"localhost:{port}", "--num-processes", "2",
        "--process-id", str(i),
        "--report", str(tmp_path / "report{process}.json")]
@@ -368,9 +368,9 @@ def test_two_process_training_matches_single_process(tmp_path, dp, cp):
         f"{body[-4000:]}"
   reports = [json.loads((tmp_path / f"report{i}.json").read_text())
              for i in range(2)]
-  import train_packed_lm  # pylint: disable=import-outside-toplevel
+  from examples.packed_lm import main  # pylint: disable=import-outside-toplevel
   t = time.monotonic()
-  single = train_packed_lm.main(args)      # in this process: 8 devices
+  single = main.main(args)      # in this process: 8 devices
   print(f"2 processes: {wall:.1f} s wall; 1 process: "
         f"{time.monotonic() - t:.1f} s")
   assert single["num_processes"] == 1 and len(single["losses"]) == 3
@@ -381,5 +381,5 @@ def test_two_process_training_matches_single_process(tmp_path, dp, cp):
     assert rep["local_rows"] == ([i] if dp == 2 else [0, 1])
     np.testing.assert_allclose(rep["losses"], single["losses"], rtol=1e-5)
   if ckpt:        # the 2-process checkpoint, resumed by one process
-    resumed = train_packed_lm.main(args + ckpt)
+    resumed = main.main(args + ckpt)
     assert resumed["start_step"] == 3 and resumed["losses"] == []

@@ -1,13 +1,11 @@
 """The example's training step: its collectives at dp=2 x cp=4 (compiled
-HLO), the FSDP shardings, the model-FLOP formula, the prefetching loop, and
-a smoke run of benchmarks/bench_step.py."""
+HLO), the FSDP shardings, the mesh shape, the prefetching loop, and a smoke
+run of benchmarks/bench_step.py."""
 
 import collections
 import json
 import pathlib
 import re
-import sys
-from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -15,19 +13,15 @@ import pytest
 
 import jax_cp
 from benchmarks import bench_step
+from examples.packed_lm import config, data, main, model, train
 from tests._devices import devices, requires_devices
-
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(_ROOT / "examples"))
-import packed_data  # noqa: E402  pylint: disable=wrong-import-position
-import train_packed_lm as lm  # noqa: E402  pylint: disable=wrong-import-position
 
 # Sizes chosen so that no parameter shape shares a dimension with the
 # token axes (T = 160 per row, T / cp = 40 per device).
 LAYERS, D, HEADS, KV, HEAD_DIM, T, CP_SIZE = 2, 48, 4, 2, 12, 160, 4
-MODEL = SimpleNamespace(layers=LAYERS, d_model=D, heads=HEADS, kv_heads=KV,
-                        dtype="float32", backend="xla",
-                        strategy="dual_chunk_swap")
+MODEL = dict(layers=LAYERS, d_model=D, heads=HEADS, kv_heads=KV,
+             dtype="float32", backend="xla", strategy="dual_chunk_swap",
+             seq_len=T, max_doc_len=T // 2, seed=1)
 
 _LINE = re.compile(
     r"= ((?:[^=\n]|/\*index=\d+\*/)*?) (all-gather|reduce-scatter|all-reduce|"
@@ -46,30 +40,26 @@ def _collectives(hlo: str):
   return out
 
 
-def _compiled_step(mode: str, dp: int = 2, cp: int = CP_SIZE,
-                   api: str = "nnx"):
+def _compiled_step(mode: str, dp: int = 2, cp: int = CP_SIZE):
   devices(dp * cp)
-  mesh = lm.make_mesh(dp, cp, "cpu")
-  rows = packed_data.load_stdlib_rows(dp, T, cp_size=cp,
-                                      strategy=MODEL.strategy, seed=1,
-                                      max_doc_len=T // 2)
-  local = jax_cp.process_batch_rows(mesh, dp, lm.DATA)
-  args = SimpleNamespace(**vars(MODEL), api=api)
-  model = lm.build_model(args, mesh=mesh, max_seqlen=rows.max_seqlen)
-  batch = lm.place_batch(rows, model.layout, local)
-  tx = lm.make_optimizer(1e-3, 2, 10)
-  state, shardings = lm.init_state(model, tx, batch, 0, mesh, mode)
-  step = lm.make_train_step(model, tx, shardings, mesh)
+  cfg = config.Config(**MODEL, param_sharding=mode, steps=10, warmup=2)
+  mesh = main.make_mesh(dp, cp, "cpu")
+  rows = data.load_rows(cfg, dp, cp)
+  local = jax_cp.process_batch_rows(mesh, dp, model.DATA)
+  layout = model.make_layout(cfg, mesh, rows.max_seqlen)
+  batch = data.place_batch(rows, layout, local)
   with jax.set_mesh(mesh):
+    graphdef, state, shardings = train.init_state(
+        cfg, layout, train.make_optimizer(cfg), mesh)
+    step = train.make_train_step(graphdef, shardings, mesh, mode)
     hlo = step.lower(state, batch).compile().as_text()
   return state, shardings, hlo
 
 
-@pytest.mark.parametrize("mode, dp, cp, api", [
-    ("fsdp", 2, 4, "nnx"), ("replicated", 2, 4, "nnx"),
-    ("fsdp", 1, 2, "nnx"), ("fsdp", 1, 2, "linen")])
-def test_step_collectives_are_kv_exchange_and_parameter_traffic(mode, dp, cp,
-                                                                api):
+@pytest.mark.parametrize("mode, dp, cp", [
+    ("fsdp", 2, 4), ("replicated", 2, 4), ("fsdp", 1, 2)])
+def test_step_collectives_are_kv_exchange_and_parameter_traffic(mode, dp,
+                                                                cp):
   """The compiled step moves only: the CP K/V exchange (all-gather of K/V,
   reduce-scatter of dK/dV, over cp, inside the attention's shard_map), the
   parameters' collectives of the sharding (FSDP: all-gathers of whole
@@ -78,9 +68,9 @@ def test_step_collectives_are_kv_exchange_and_parameter_traffic(mode, dp, cp,
   or permuted outside attention. At data=1 x cp=2 XLA's partitioner would
   gather the MLP's input tokens (to shard its hidden features) if the
   layers did not pin their activations (CPLayout.shard_tokens)."""
-  state, shardings, hlo = _compiled_step(mode, dp, cp, api)
+  state, shardings, hlo = _compiled_step(mode, dp, cp)
   n = dp * cp
-  params = jax.tree.leaves(state["params"])
+  params = jax.tree.leaves(state[0])
   # Dims of size 1 dropped: XLA may gather a vector as [1, n].
   dims = lambda s: tuple(sorted(d for d in s if d != 1))
   param_dims = collections.Counter(dims(x.shape) for x in params)
@@ -123,54 +113,50 @@ def test_step_collectives_are_kv_exchange_and_parameter_traffic(mode, dp, cp,
   if mode == "fsdp":
     # Every weight matrix is gathered where it is used (once per use).
     assert param_gathers >= matrices, (param_gathers, matrices)
-    specs = [s.spec for s in jax.tree.leaves(shardings["params"])]
-    assert all(any(a == (lm.DATA, lm.CP) for a in s) for s in specs)
+    specs = [s.spec for s in jax.tree.leaves(shardings[0])]
+    assert all(any(a == (model.DATA, model.CP) for a in s) for s in specs)
   else:
     assert param_gathers == 0, found
 
 
 def test_fsdp_specs_and_optimizer_state_follow_parameters():
   devices(2 * CP_SIZE)
-  mesh = lm.make_mesh(2, CP_SIZE, "cpu")
+  mesh = main.make_mesh(2, CP_SIZE, "cpu")
   P = jax.sharding.PartitionSpec
+  spec = lambda shape, mode="fsdp": train.param_spec(shape, mesh, mode)
   # The first dimension divisible by the mesh size (8): gathered shards
   # are contiguous, no transpose.
-  assert lm.fsdp_spec((48, 192), mesh) == P(("data", "cp"), None)
-  assert lm.fsdp_spec((12, 4, 64), mesh) == P(None, None, ("data", "cp"))
-  assert lm.fsdp_spec((256, 48), mesh) == P(("data", "cp"), None)
-  assert lm.fsdp_spec((3, 5), mesh) == P()       # nothing divisible by 8
-  assert lm.fsdp_spec((), mesh) == P()
-  abstract = {"params": {"w": jax.ShapeDtypeStruct((12, 40), np.float32)},
-              "mu": {"w": jax.ShapeDtypeStruct((12, 40), np.float32)},
-              "count": jax.ShapeDtypeStruct((), np.int32)}
-  sh = lm.state_shardings(abstract, mesh, "fsdp")
-  assert sh["params"]["w"].spec == sh["mu"]["w"].spec == P(None,
-                                                           ("data", "cp"))
-  assert sh["count"].spec == P()
-  assert lm.state_shardings(abstract, mesh, "replicated")["mu"]["w"].spec \
-      == P()
+  assert spec((48, 192)) == P(("data", "cp"), None)
+  assert spec((12, 4, 64)) == P(None, None, ("data", "cp"))
+  assert spec((256, 48)) == P(("data", "cp"), None)
+  assert spec((3, 5)) == P()       # nothing divisible by 8
+  assert spec(()) == P()
+  assert spec((48, 192), "replicated") == P()
   with pytest.raises(ValueError, match="mode='zero3'"):
-    lm.state_shardings(abstract, mesh, "zero3")
-
-
-def test_model_flops_formula():
-  cu = np.array([[0, 3, 10, 10]])         # documents of 3 and 7 tokens
-  got = lm.model_flops(cu, tokens=16, n_params=100, num_layers=2,
-                       num_heads=4, head_dim=8)
-  pairs = 3 * 4 // 2 + 7 * 8 // 2
-  assert got == 6 * 100 * 16 + 12 * pairs * 4 * 8 * 2
+    spec((48, 192), "zero3")
+  # Adam's moments are sharded like their parameters.
+  cfg = config.Config(**MODEL)
+  with jax.set_mesh(mesh):
+    _, _, shardings = train.init_state(
+        cfg, model.make_layout(cfg, mesh), train.make_optimizer(cfg), mesh)
+  params = jax.tree.leaves(shardings[0])
+  moments = [s for k, s in jax.tree_util.tree_leaves_with_path(shardings[1])
+             if "mu" in jax.tree_util.keystr(k)]
+  assert [s.spec for s in moments] == [s.spec for s in params]
 
 
 def test_mesh_shape_choice():
-  assert lm.choose_mesh_shape(None, None, "cpu", 8) == (2, 4)
-  assert lm.choose_mesh_shape(None, None, "gpu", 2) == (1, 2)
-  assert lm.choose_mesh_shape(None, None, "gpu", 8) == (1, 8)
-  assert lm.choose_mesh_shape(2, None, "gpu", 8) == (2, 4)
-  assert lm.choose_mesh_shape(None, 4, "gpu", 8) == (2, 4)
-  assert lm.choose_mesh_shape(1, 1, "gpu", 8) == (1, 1)
+  choose = config.choose_mesh_shape
+  assert choose(None, None, "cpu", 8) == (2, 4)
+  assert choose(None, None, "gpu", 2) == (1, 2)
+  assert choose(None, None, "gpu", 8) == (1, 8)
+  assert choose(2, None, "gpu", 8) == (2, 4)
+  assert choose(None, 4, "gpu", 8) == (2, 4)
+  assert choose(1, 1, "gpu", 8) == (1, 1)
   # A chosen dp divides the batch: one row on 2 GPUs at cp=1 is dp=1.
-  assert lm.choose_mesh_shape(None, 1, "gpu", 2, batch=1) == (1, 1)
-  assert lm.choose_mesh_shape(None, 1, "gpu", 8, batch=4) == (4, 1)
+  assert choose(None, 1, "gpu", 2, batch=1) == (1, 1)
+  assert choose(None, 1, "gpu", 8, batch=4) == (4, 1)
+  assert choose(None, 1, "gpu", 8, batch=6) == (2, 1)
 
 
 def test_prefetched_yields_the_same_batches_in_order():
@@ -181,9 +167,9 @@ def test_prefetched_yields_the_same_batches_in_order():
     return {"x": np.full(3, i)}
   for depth in (0, 1, 3):
     calls.clear()
-    got = [b["x"][0] for b in lm.prefetched(make, range(2, 7), depth)]
+    got = [b["x"][0] for b in data.prefetched(make, range(2, 7), depth)]
     assert got == [2, 3, 4, 5, 6] and sorted(calls) == [2, 3, 4, 5, 6]
-  assert list(lm.prefetched(make, range(0), 2)) == []
+  assert list(data.prefetched(make, range(0), 2)) == []
 
 
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
@@ -193,8 +179,8 @@ TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
 
 @requires_devices(4)
 def test_training_losses_do_not_depend_on_prefetch_or_log_interval():
-  a = lm.main(TINY + ["--prefetch", "0", "--log-every", "1"])
-  b = lm.main(TINY + ["--prefetch", "3", "--log-every", "4"])
+  a = main.main(TINY + ["--prefetch", "0", "--log-every", "1"])
+  b = main.main(TINY + ["--prefetch", "3", "--log-every", "4"])
   assert len(a["losses"]) == 5 and np.isfinite(a["losses"]).all()
   assert a["losses"] == b["losses"]
   assert a["tokens_per_s"] > 0 and b["tokens_per_s"] > 0
@@ -202,8 +188,8 @@ def test_training_losses_do_not_depend_on_prefetch_or_log_interval():
 
 @requires_devices(4)
 def test_replicated_parameters_train_like_fsdp():
-  a = lm.main(TINY + ["--param-sharding", "replicated"])
-  b = lm.main(TINY + ["--param-sharding", "fsdp"])
+  a = main.main(TINY + ["--param-sharding", "replicated"])
+  b = main.main(TINY + ["--param-sharding", "fsdp"])
   np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-4)
 
 
