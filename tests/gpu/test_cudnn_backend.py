@@ -281,7 +281,7 @@ def test_errors_are_reported_not_crashes():
   meta = jnp.zeros((5, s), jnp.int32)
   attrs = dict(segments=np.int64(s), mask=np.int64(0), scale=np.float32(1.0),
                max_seqlen_q=np.int64(2), max_seqlen_kv=np.int64(2),
-               window_left=np.int64(-1))
+               window_left=np.int64(-1), tiled=np.int64(0))
   run = jax.jit(lambda *a: call(*a, **attrs))
   with pytest.raises(Exception, match=cudnn_backend.FWD_TARGET):
     jax.block_until_ready(run(q, k, v, meta))
