@@ -10,6 +10,7 @@ Public API::
     jax_cp.cp_attention (global view) / cp_attention_local (inside shard_map)
     jax_cp.fused_attention (the varlen primitive, no CP)
     jax_cp.cp_attention_fn (attention_fn of Flax's own attention modules)
+    jax_cp.remat_policy (the jax.checkpoint policy of a module's remat preset)
     from jax_cp.nnx import (DotProductAttention, MultiHeadAttention,
                             TransformerLayer)                  # Flax NNX
     from jax_cp.flax import (DotProductAttention, MultiHeadAttention,
@@ -32,6 +33,7 @@ from jax_cp.data import (
 )
 from jax_cp.document_order import balance_document_order, permute_documents
 from jax_cp.layout import CPBatch, CPLayout
+from jax_cp.modules.remat import remat_policy
 from jax_cp.partition import (
                                get_batch_on_this_cp_rank,
                                get_partition_indices,
@@ -65,6 +67,7 @@ __all__ = [
     "permute_documents",
     "process_batch_rows",
     "recommend_strategy",
+    "remat_policy",
     "reorder_for_cp",
     "restore_from_cp",
 ]

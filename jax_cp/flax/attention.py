@@ -29,10 +29,13 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_cp import checks
 from jax_cp.layout import CPLayout
 from jax_cp.modules import common
+from jax_cp.modules.remat import OUT_PROJ, remat_policy
+from jax_cp.modules.remat import call as remat_call
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
@@ -132,6 +135,10 @@ class MultiHeadAttention(nn.Module):
     bias_init: initializer of the projection biases.
     layout: the :class:`jax_cp.CPLayout` (static; ``None``: no CP), passed
       to :class:`DotProductAttention` unchanged.
+    remat: ``"none"`` (default), a preset name or a ``jax.checkpoint``
+      policy: what the backward keeps of the block's activations
+      (:func:`jax_cp.remat_policy`); the block runs under ``nn.remat``
+      with that policy otherwise.
   """
 
   num_heads: int
@@ -149,16 +156,17 @@ class MultiHeadAttention(nn.Module):
   kernel_init: Initializer = nn.initializers.lecun_normal()
   bias_init: Initializer = nn.initializers.zeros_init()
   layout: CPLayout | None = None
+  remat: str | Callable = "none"
 
   def __post_init__(self):
     common.check_layout(self.layout)
     checks.check_window_size(self.window_size, self.attn_mask_type)
+    remat_policy(self.remat)
     # The field holds the resolved count, as the NNX module's attribute.
     self.num_kv_heads = common.num_kv_heads(
         self.num_heads, self.num_kv_heads, self.num_gqa_groups)
     super().__post_init__()
 
-  @nn.compact
   def __call__(self, x, cu_seqlens, cu_seqlens_padded=None,
                position_ids=None):
     """Projects, rotates, attends (context parallel) and projects back.
@@ -176,9 +184,15 @@ class MultiHeadAttention(nn.Module):
     Returns:
       ``[.., T, out_features]``.
     """
-    layout, cu_seqlens, cu_seqlens_padded, cp_size = common.call_inputs(
+    layout, cu_seqlens, cu_seqlens_padded, position_ids = common.call_inputs(
         self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
-        "MultiHeadAttention")
+        "MultiHeadAttention", self.rope_theta)
+    body = lambda module, x, pos: module._attend(x, cu_seqlens,
+                                                 cu_seqlens_padded, pos)
+    return remat_call(nn.remat, self.remat, body, self, x, position_ids)
+
+  @nn.compact
+  def _attend(self, x, cu_seqlens, cu_seqlens_padded, position_ids):
     features = x.shape[-1]
     head_dim = common.head_features(features, self.num_heads, self.head_dim)
     dense = lambda heads, name: nn.DenseGeneral(
@@ -188,16 +202,16 @@ class MultiHeadAttention(nn.Module):
     q = dense(self.num_heads, "query")(x)
     k = dense(self.num_kv_heads, "key")(x)
     v = dense(self.num_kv_heads, "value")(x)
-    q, k = common.rotate_qk(layout, q, k, self.rope_theta, position_ids,
-                              cu_seqlens_padded, cp_size)
+    q, k, v = common.rotate_qkv(q, k, v, self.rope_theta, position_ids)
     out = DotProductAttention(attn_mask_type=self.attn_mask_type,
                               window_size=self.window_size,
                               softmax_scale=self.softmax_scale,
                               dtype=self.dtype, layout=self.layout,
                               name="attention")(q, k, v, cu_seqlens,
                                                 cu_seqlens_padded)
-    return nn.DenseGeneral(self.out_features or features, axis=(-2, -1),
-                           use_bias=self.use_bias, dtype=self.dtype,
-                           param_dtype=self.param_dtype,
-                           kernel_init=self.kernel_init,
-                           bias_init=self.bias_init, name="out")(out)
+    out = nn.DenseGeneral(self.out_features or features, axis=(-2, -1),
+                          use_bias=self.use_bias, dtype=self.dtype,
+                          param_dtype=self.param_dtype,
+                          kernel_init=self.kernel_init,
+                          bias_init=self.bias_init, name="out")(out)
+    return checkpoint_name(out, OUT_PROJ)

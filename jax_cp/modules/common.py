@@ -18,11 +18,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_cp import checks, partition
 from jax_cp import context_parallel as _cp
 from jax_cp.layout import NO_CP, CPLayout, unpack_metadata
-from jax_cp.modules import rotary
+from jax_cp.modules import remat, rotary
 from jax_cp.strategy import CPLoadBalancingStrategy
 
 # The MLP activations: plain, and gated (``act(gate(x)) * up(x)``).
@@ -91,10 +92,12 @@ def check_norm_type(norm_type: str) -> None:
 def mlp_hidden(activation: str, up: Callable, gate: Callable, pin: Callable):
   """An MLP block's hidden activations from its projections of the input,
   ``up()`` (and ``gate()`` for a gated activation, called only then), each
-  passed through ``pin`` (:meth:`jax_cp.CPLayout.shard_tokens`)."""
+  passed through ``pin`` (:meth:`jax_cp.CPLayout.shard_tokens`) and named
+  ``mlpwi`` (gated: ``mlpwi_0`` the gate, ``mlpwi_1`` the linear half)."""
   if activation in GATED:
-    return GATED[activation](pin(gate())) * pin(up())
-  return ACTIVATIONS[activation](pin(up()))
+    return (GATED[activation](checkpoint_name(pin(gate()), remat.MLPWI_0))
+            * checkpoint_name(pin(up()), remat.MLPWI_1))
+  return ACTIVATIONS[activation](checkpoint_name(pin(up()), remat.MLPWI))
 
 
 def check_layout(layout: CPLayout | None) -> CPLayout:
@@ -177,33 +180,38 @@ def default_position_ids(layout: CPLayout, cu_seqlens_padded, n_tokens: int,
 
 
 def call_inputs(layout: CPLayout | None, x_shape, cu_seqlens,
-                cu_seqlens_padded, position_ids, what: str
-                ) -> tuple[CPLayout, Any, Any, int]:
+                cu_seqlens_padded, position_ids, what: str,
+                rope_theta: float | None = None
+                ) -> tuple[CPLayout, Any, Any, Any]:
   """The checks every layer module runs on ``x [.., T, E]`` first:
-  ``(layout, cu_seqlens, cu_seqlens_padded, cp_size)`` with the metadata
-  unpacked from a batch (:func:`metadata`), the token count checked
-  against them (:func:`check_tokens`) and ``position_ids`` against ``x``.
-  ``what`` names the module in errors."""
+  ``(layout, cu_seqlens, cu_seqlens_padded, position_ids)`` with the
+  metadata unpacked from a batch (:func:`metadata`), the token count
+  checked against them (:func:`check_tokens`) and ``position_ids`` against
+  ``x``; with rotary embeddings (``rope_theta`` not None) ``position_ids``
+  default to the documents' positions (:func:`default_position_ids`),
+  computed here, outside any rematerialized body. ``what`` names the
+  module in errors."""
   layout = check_layout(layout)
   cu_seqlens, cu_seqlens_padded = metadata(
       layout, cu_seqlens, cu_seqlens_padded, f"{what}'s batch")
   cp_size = check_tokens(layout, x_shape[-2], cu_seqlens_padded, "x")
   check_position_ids(position_ids, x_shape)
-  return layout, cu_seqlens, cu_seqlens_padded, cp_size
-
-
-def rotate_qk(layout: CPLayout, q, k, theta: float | None, position_ids,
-              cu_seqlens_padded, cp_size: int):
-  """``q``/``k`` ``[.., T, H, D]`` with rotary embeddings of base ``theta``
-  (unchanged when None) at ``position_ids``, by default the documents'
-  positions from the metadata (:func:`default_position_ids`)."""
-  if theta is None:
-    return q, k
-  if position_ids is None:
+  if position_ids is None and rope_theta is not None:
     position_ids = default_position_ids(layout, cu_seqlens_padded,
-                                        q.shape[-3], cp_size)
-  return (rotary.apply_rotary(q, position_ids, theta),
-          rotary.apply_rotary(k, position_ids, theta))
+                                        x_shape[-2], cp_size)
+  return layout, cu_seqlens, cu_seqlens_padded, position_ids
+
+
+def rotate_qkv(q, k, v, theta: float | None, position_ids):
+  """``q``/``k`` ``[.., T, H, D]`` with rotary embeddings of base ``theta``
+  (unchanged when None) at ``position_ids``, and ``v``; named
+  ``query_proj``, ``key_proj``, ``value_proj``."""
+  if theta is not None:
+    q = rotary.apply_rotary(q, position_ids, theta)
+    k = rotary.apply_rotary(k, position_ids, theta)
+  return (checkpoint_name(q, remat.QUERY_PROJ),
+          checkpoint_name(k, remat.KEY_PROJ),
+          checkpoint_name(v, remat.VALUE_PROJ))
 
 
 def attend(layout: CPLayout, query, key, value, cu_seqlens,

@@ -20,10 +20,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_cp import checks
 from jax_cp.layout import CPLayout
 from jax_cp.modules import common
+from jax_cp.modules.remat import OUT_PROJ, remat_policy
+from jax_cp.modules.remat import call as remat_call
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
@@ -127,6 +130,10 @@ class MultiHeadAttention(nnx.Module):
     bias_init: initializer of the projection biases.
     layout: the :class:`jax_cp.CPLayout` (``None``: no CP), passed to the
       :class:`DotProductAttention` unchanged.
+    remat: ``"none"`` (default), a preset name or a ``jax.checkpoint``
+      policy: what the backward keeps of the block's activations
+      (:func:`jax_cp.remat_policy`); the block runs under ``nnx.remat``
+      with that policy otherwise.
     rngs: the random streams of the initializers.
   """
 
@@ -145,8 +152,11 @@ class MultiHeadAttention(nnx.Module):
                kernel_init: Initializer = default_kernel_init,
                bias_init: Initializer = default_bias_init,
                layout: CPLayout | None = None,
+               remat: str | Callable = "none",
                rngs: nnx.Rngs):
     common.check_layout(layout)
+    remat_policy(remat)
+    self.remat = remat
     self.num_heads = num_heads
     self.num_kv_heads = common.num_kv_heads(num_heads, num_kv_heads,
                                             num_gqa_groups)
@@ -187,15 +197,18 @@ class MultiHeadAttention(nnx.Module):
     Returns:
       ``[.., T, out_features]``.
     """
-    layout, cu_seqlens, cu_seqlens_padded, cp_size = common.call_inputs(
+    _, cu_seqlens, cu_seqlens_padded, position_ids = common.call_inputs(
         self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
-        "MultiHeadAttention")
+        "MultiHeadAttention", self.rope_theta)
     if x.shape[-1] != self.in_features:
       raise ValueError(f"x has {x.shape[-1]} features, the module was built "
                        f"for in_features={self.in_features}")
-    q, k = common.rotate_qk(layout, self.query(x), self.key(x),
-                              self.rope_theta, position_ids,
-                              cu_seqlens_padded, cp_size)
-    v = self.value(x)
+    body = lambda module, x, pos: module._attend(x, cu_seqlens,
+                                                 cu_seqlens_padded, pos)
+    return remat_call(nnx.remat, self.remat, body, self, x, position_ids)
+
+  def _attend(self, x, cu_seqlens, cu_seqlens_padded, position_ids):
+    q, k, v = common.rotate_qkv(self.query(x), self.key(x), self.value(x),
+                                self.rope_theta, position_ids)
     out = self.attention(q, k, v, cu_seqlens, cu_seqlens_padded)
-    return self.out(out)
+    return checkpoint_name(self.out(out), OUT_PROJ)
