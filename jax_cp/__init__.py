@@ -14,6 +14,7 @@ Public API::
     jax_cp.model_flops / attention_flops / causal_pairs (the one FLOP
         count: MFU convention, or hardware FLOPs with recompute=True)
     jax_cp.cp_attention_fn (attention_fn of Flax's own attention modules)
+    jax_cp.remat_policy (the jax.checkpoint policy of a module's remat preset)
     from jax_cp.nnx import (DotProductAttention, MultiHeadAttention,
                             TransformerLayer)                  # Flax NNX
     from jax_cp.flax import (DotProductAttention, MultiHeadAttention,
@@ -37,6 +38,7 @@ from jax_cp.data import (
 from jax_cp.document_order import balance_document_order, permute_documents
 from jax_cp.flops import attention_flops, causal_pairs, model_flops
 from jax_cp.layout import CPBatch, CPLayout
+from jax_cp.modules.remat import remat_policy
 from jax_cp.packing import (
                                PackedRows,
                                balance_rows,
@@ -83,6 +85,7 @@ __all__ = [
     "permute_documents",
     "process_batch_rows",
     "recommend_strategy",
+    "remat_policy",
     "reorder_for_cp",
     "restore_from_cp",
 ]

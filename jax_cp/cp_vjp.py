@@ -32,11 +32,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_cp import call_plan, seqlen_guard
 from jax_cp.attention.api import window_kwargs
 from jax_cp.attention.merge import GradSum, add, merge_softmax_rows
 from jax_cp.cp_config import CPConfig
+from jax_cp.modules.remat import CONTEXT
 
 
 def _prefix(x, rows: int | None):
@@ -150,6 +152,9 @@ def cp_attention_vjp(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
 def _vjp_forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
   out, lse, halo = _guarded_forward(q, k, v, cu_seqlens, cu_seqlens_padded,
                                     cfg)
+  # Named for jax.checkpoint policies (jax_cp.modules.remat): a policy that
+  # saves "context" spares its backward the exchange and the forward calls.
+  out, lse, halo = checkpoint_name((out, lse, halo), CONTEXT)
   # Residuals are local, plus a small received halo (KVExchange.keeps_halo):
   # all-gathered K/V are rebuilt in the backward.
   return out, (q, k, v, cu_seqlens, cu_seqlens_padded, out, lse, halo)

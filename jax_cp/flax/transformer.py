@@ -6,26 +6,14 @@ from collections.abc import Callable
 
 import flax.linen as nn
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_cp import checks
-from jax_cp.flax import settings
 from jax_cp.flax.attention import Dtype, Initializer, MultiHeadAttention
 from jax_cp.layout import CPLayout
-
-# The MLP activations (shared with jax_cp.nnx): plain, and gated
-# (``act(gate(x)) * up(x)``).
-ACTIVATIONS = {"gelu": nn.gelu, "relu": nn.relu, "silu": nn.silu}
-GATED = {"swiglu": nn.silu, "geglu": nn.gelu}
-NORMS = ("rmsnorm", "layernorm")
-
-
-def mlp_hidden(activation: str, up: Callable, gate: Callable, pin: Callable):
-  """An MLP block's hidden activations from its projections of the input,
-  ``up()`` (and ``gate()`` for a gated activation, called only then), each
-  passed through ``pin`` (:meth:`jax_cp.CPLayout.shard_tokens`)."""
-  if activation in GATED:
-    return GATED[activation](pin(gate())) * pin(up())
-  return ACTIVATIONS[activation](pin(up()))
+from jax_cp.modules import common
+from jax_cp.modules.remat import DECODER_LAYER_INPUT, MLPWO, remat_policy
+from jax_cp.modules.remat import call as remat_call
 
 
 class MlpBlock(nn.Module):
@@ -54,9 +42,7 @@ class MlpBlock(nn.Module):
   layout: CPLayout | None = None
 
   def __post_init__(self):
-    if self.activation not in (*ACTIVATIONS, *GATED):
-      raise ValueError(f"activation={self.activation!r} is not one of "
-                       f"{[*ACTIVATIONS, *GATED]}")
+    common.check_activation(self.activation)
     super().__post_init__()
 
   @nn.compact
@@ -64,10 +50,11 @@ class MlpBlock(nn.Module):
     dense = lambda n, name: nn.Dense(
         n, use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, kernel_init=self.kernel_init, name=name)
-    pin = settings.check_layout(self.layout).shard_tokens
-    h = mlp_hidden(self.activation, lambda: dense(self.mlp_dim, "up")(x),
-                   lambda: dense(self.mlp_dim, "gate")(x), pin)
-    return pin(dense(x.shape[-1], "down")(h))
+    pin = common.check_layout(self.layout).shard_tokens
+    h = common.mlp_hidden(self.activation,
+                          lambda: dense(self.mlp_dim, "up")(x),
+                          lambda: dense(self.mlp_dim, "gate")(x), pin)
+    return checkpoint_name(pin(dense(x.shape[-1], "down")(h)), MLPWO)
 
 
 class TransformerLayer(nn.Module):
@@ -99,6 +86,12 @@ class TransformerLayer(nn.Module):
     layout: the :class:`jax_cp.CPLayout` (static; ``None``: no CP): its
       view ``"global"`` runs under ``jit`` with a mesh, ``"local"`` inside
       the caller's ``shard_map``.
+    remat: ``"none"`` (default), a preset name (``"save_context"``,
+      ``"minimal"``, ``"minimal_with_context"``, ``"full"``,
+      ``"offload_context"``) or a ``jax.checkpoint`` policy: what the
+      backward keeps of the layer's activations (:func:`jax_cp.remat_policy`;
+      docs/design.md, Rematerialization). The layer runs under ``nn.remat``
+      with that policy otherwise.
   """
 
   num_heads: int
@@ -116,13 +109,13 @@ class TransformerLayer(nn.Module):
   param_dtype: Dtype = jnp.float32
   kernel_init: Initializer = nn.initializers.lecun_normal()
   layout: CPLayout | None = None
+  remat: str | Callable = "none"
 
   def __post_init__(self):
-    settings.check_layout(self.layout)
+    common.check_layout(self.layout)
     checks.check_window_size(self.window_size, "causal")
-    if self.norm_type not in NORMS:
-      raise ValueError(f"norm_type={self.norm_type!r} is not one of "
-                       f"{list(NORMS)}")
+    remat_policy(self.remat)
+    common.check_norm_type(self.norm_type)
     super().__post_init__()
 
   def _norm(self, name: str) -> Callable:
@@ -130,7 +123,6 @@ class TransformerLayer(nn.Module):
     return cls(epsilon=self.norm_epsilon, dtype=self.dtype,
                param_dtype=self.param_dtype, name=name)
 
-  @nn.compact
   def __call__(self, x, cu_seqlens, cu_seqlens_padded=None,
                position_ids=None):
     """Applies the layer.
@@ -149,9 +141,16 @@ class TransformerLayer(nn.Module):
     Returns:
       ``[B, T, E]``, same layout as ``x``.
     """
-    layout, cu_seqlens, cu_seqlens_padded, _ = settings.call_inputs(
+    layout, cu_seqlens, cu_seqlens_padded, position_ids = common.call_inputs(
         self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
-        "TransformerLayer")
+        "TransformerLayer", self.rope_theta)
+    body = lambda module, x, pos: module._layer(
+        layout, x, cu_seqlens, cu_seqlens_padded, pos)
+    return remat_call(nn.remat, self.remat, body, self, x, position_ids)
+
+  @nn.compact
+  def _layer(self, layout, x, cu_seqlens, cu_seqlens_padded, position_ids):
+    x = checkpoint_name(x, DECODER_LAYER_INPUT)
     attn = MultiHeadAttention(
         num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
         num_gqa_groups=self.num_gqa_groups, head_dim=self.head_dim,

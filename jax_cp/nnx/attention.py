@@ -20,11 +20,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_cp import checks
-from jax_cp.flax import settings
-from jax_cp.flax.attention import head_features, kv_heads
 from jax_cp.layout import CPLayout
+from jax_cp.modules import common
+from jax_cp.modules.remat import OUT_PROJ, remat_policy
+from jax_cp.modules.remat import call as remat_call
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
@@ -37,7 +39,11 @@ class DotProductAttention(nnx.Module):
 
   No parameters. Queries ``[B, T, Hq, D]`` (or ``[T, Hq, D]``), keys and
   values ``[.., T, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA/MQA); returns the
-  attention output shaped like the queries.
+  attention output shaped like the queries. Records the strategy it used as
+  an int (:data:`jax_cp.nnx.STRATEGY_CODES`) as ``nnx.Intermediate``
+  ``cp_strategy_code`` when called under ``nnx.capture(...,
+  nnx.Intermediate)`` (the NNX form of a mutable Linen collection; outside
+  it nothing is recorded and the module's state is unchanged).
 
   Args:
     attn_mask_type: ``"causal"`` (default) or ``"no_mask"``.
@@ -55,7 +61,7 @@ class DotProductAttention(nnx.Module):
                softmax_scale: float | None = None,
                dtype: Dtype | None = None,
                layout: CPLayout | None = None):
-    settings.check_layout(layout)
+    common.check_layout(layout)
     checks.check_window_size(window_size, attn_mask_type)
     self.attn_mask_type = attn_mask_type
     self.window_size = None if window_size is None else tuple(window_size)
@@ -79,13 +85,16 @@ class DotProductAttention(nnx.Module):
     Returns:
       ``[.., T, Hq, D]`` in the layout of ``query``; 0 on padding tokens.
     """
-    layout = settings.check_layout(self.layout)
-    cu_seqlens, cu_seqlens_padded = settings.metadata(
+    layout = common.check_layout(self.layout)
+    cu_seqlens, cu_seqlens_padded = common.metadata(
         layout, cu_seqlens, cu_seqlens_padded, "DotProductAttention's batch")
-    settings.check_tokens(layout, query.shape[-3], cu_seqlens_padded, "query")
+    common.check_tokens(layout, query.shape[-3], cu_seqlens_padded, "query")
+    if hasattr(self, "__captures__"):   # set by nnx.capture for the call
+      self.sow(nnx.Intermediate, "cp_strategy_code",
+               jnp.int32(common.STRATEGY_CODES[layout.strategy]))
     if self.dtype is not None:
       query, key, value = (x.astype(self.dtype) for x in (query, key, value))
-    return settings.attend(layout, query, key, value, cu_seqlens,
+    return common.attend(layout, query, key, value, cu_seqlens,
                            cu_seqlens_padded,
                            attn_mask_type=self.attn_mask_type,
                            window_size=self.window_size,
@@ -121,6 +130,10 @@ class MultiHeadAttention(nnx.Module):
     bias_init: initializer of the projection biases.
     layout: the :class:`jax_cp.CPLayout` (``None``: no CP), passed to the
       :class:`DotProductAttention` unchanged.
+    remat: ``"none"`` (default), a preset name or a ``jax.checkpoint``
+      policy: what the backward keeps of the block's activations
+      (:func:`jax_cp.remat_policy`); the block runs under ``nnx.remat``
+      with that policy otherwise.
     rngs: the random streams of the initializers.
   """
 
@@ -139,12 +152,16 @@ class MultiHeadAttention(nnx.Module):
                kernel_init: Initializer = default_kernel_init,
                bias_init: Initializer = default_bias_init,
                layout: CPLayout | None = None,
+               remat: str | Callable = "none",
                rngs: nnx.Rngs):
-    settings.check_layout(layout)
+    common.check_layout(layout)
+    remat_policy(remat)
+    self.remat = remat
     self.num_heads = num_heads
-    self.num_kv_heads = kv_heads(num_heads, num_kv_heads, num_gqa_groups)
+    self.num_kv_heads = common.num_kv_heads(num_heads, num_kv_heads,
+                                            num_gqa_groups)
     self.in_features = in_features
-    self.head_dim = head_features(in_features, num_heads, head_dim)
+    self.head_dim = common.head_features(in_features, num_heads, head_dim)
     self.out_features = out_features or in_features
     self.rope_theta = rope_theta
     self.layout = layout
@@ -180,15 +197,18 @@ class MultiHeadAttention(nnx.Module):
     Returns:
       ``[.., T, out_features]``.
     """
-    layout, cu_seqlens, cu_seqlens_padded, cp_size = settings.call_inputs(
+    _, cu_seqlens, cu_seqlens_padded, position_ids = common.call_inputs(
         self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
-        "MultiHeadAttention")
+        "MultiHeadAttention", self.rope_theta)
     if x.shape[-1] != self.in_features:
       raise ValueError(f"x has {x.shape[-1]} features, the module was built "
                        f"for in_features={self.in_features}")
-    q, k = settings.rotate_qk(layout, self.query(x), self.key(x),
-                              self.rope_theta, position_ids,
-                              cu_seqlens_padded, cp_size)
-    v = self.value(x)
+    body = lambda module, x, pos: module._attend(x, cu_seqlens,
+                                                 cu_seqlens_padded, pos)
+    return remat_call(nnx.remat, self.remat, body, self, x, position_ids)
+
+  def _attend(self, x, cu_seqlens, cu_seqlens_padded, position_ids):
+    q, k, v = common.rotate_qkv(self.query(x), self.key(x), self.value(x),
+                                self.rope_theta, position_ids)
     out = self.attention(q, k, v, cu_seqlens, cu_seqlens_padded)
-    return self.out(out)
+    return checkpoint_name(self.out(out), OUT_PROJ)

@@ -3,12 +3,16 @@ as a Flax NNX module (the counterpart of :mod:`jax_cp.flax.transformer`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
-from jax_cp.flax import settings
-from jax_cp.flax.transformer import ACTIVATIONS, GATED, NORMS, mlp_hidden
 from jax_cp.layout import CPLayout
+from jax_cp.modules import common
+from jax_cp.modules.remat import DECODER_LAYER_INPUT, MLPWO, remat_policy
+from jax_cp.modules.remat import call as remat_call
 from jax_cp.nnx.attention import (
   Dtype,
   Initializer,
@@ -46,25 +50,23 @@ class MlpBlock(nnx.Module):
                kernel_init: Initializer = default_kernel_init,
                layout: CPLayout | None = None,
                rngs: nnx.Rngs):
-    if activation not in (*ACTIVATIONS, *GATED):
-      raise ValueError(f"activation={activation!r} is not one of "
-                       f"{[*ACTIVATIONS, *GATED]}")
-    self.layout = settings.check_layout(layout) if layout is not None \
+    common.check_activation(activation)
+    self.layout = common.check_layout(layout) if layout is not None \
         else None
     self.activation = activation
     dense = lambda i, o: nnx.Linear(
         i, o, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
         kernel_init=kernel_init, rngs=rngs)
-    if activation in GATED:
+    if activation in common.GATED:
       self.gate = dense(in_features, mlp_dim)
     self.up = dense(in_features, mlp_dim)
     self.down = dense(mlp_dim, in_features)
 
   def __call__(self, x):
-    pin = settings.check_layout(self.layout).shard_tokens
-    h = mlp_hidden(self.activation, lambda: self.up(x),
-                   lambda: self.gate(x), pin)
-    return pin(self.down(h))
+    pin = common.check_layout(self.layout).shard_tokens
+    h = common.mlp_hidden(self.activation, lambda: self.up(x),
+                          lambda: self.gate(x), pin)
+    return checkpoint_name(pin(self.down(h)), MLPWO)
 
 
 class TransformerLayer(nnx.Module):
@@ -99,6 +101,9 @@ class TransformerLayer(nnx.Module):
     layout: the :class:`jax_cp.CPLayout` (``None``: no CP): its view
       ``"global"`` runs under ``jit`` with a mesh, ``"local"`` inside the
       caller's ``shard_map``.
+    remat: ``"none"`` (default), a preset name or a ``jax.checkpoint``
+      policy, as in :class:`jax_cp.flax.TransformerLayer`; the layer runs
+      under ``nnx.remat`` with that policy otherwise.
     rngs: the random streams of the initializers.
   """
 
@@ -117,12 +122,13 @@ class TransformerLayer(nnx.Module):
                param_dtype: Dtype = jnp.float32,
                kernel_init: Initializer = default_kernel_init,
                layout: CPLayout | None = None,
+               remat: str | Callable = "none",
                rngs: nnx.Rngs):
-    settings.check_layout(layout)
-    if norm_type not in NORMS:
-      raise ValueError(f"norm_type={norm_type!r} is not one of "
-                       f"{list(NORMS)}")
+    common.check_layout(layout)
+    common.check_norm_type(norm_type)
+    remat_policy(remat)
     self.layout = layout
+    self.remat = remat
     norm_cls = nnx.RMSNorm if norm_type == "rmsnorm" else nnx.LayerNorm
     norm = lambda: norm_cls(in_features, epsilon=norm_epsilon, dtype=dtype,
                             param_dtype=param_dtype, rngs=rngs)
@@ -158,9 +164,15 @@ class TransformerLayer(nnx.Module):
     Returns:
       ``[B, T, E]``, same layout as ``x``.
     """
-    layout, cu_seqlens, cu_seqlens_padded, _ = settings.call_inputs(
+    layout, cu_seqlens, cu_seqlens_padded, position_ids = common.call_inputs(
         self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
-        "TransformerLayer")
+        "TransformerLayer", self.attention.rope_theta)
+    body = lambda layer, x, pos: layer._layer(layout, x, cu_seqlens,
+                                              cu_seqlens_padded, pos)
+    return remat_call(nnx.remat, self.remat, body, self, x, position_ids)
+
+  def _layer(self, layout, x, cu_seqlens, cu_seqlens_padded, position_ids):
+    x = checkpoint_name(x, DECODER_LAYER_INPUT)
     h = x + layout.shard_tokens(self.attention(
         self.pre_attention_norm(x), cu_seqlens, cu_seqlens_padded,
         position_ids))
