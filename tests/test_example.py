@@ -59,18 +59,13 @@ def test_defaults_that_follow_other_flags():
     config.Config(remat="everything")
 
 
-@pytest.mark.parametrize("remat, passed", [("none", {}),
-                                           ("minimal", {"remat": "minimal"})])
-def test_remat_reaches_the_layers_only_when_set(monkeypatch, remat, passed):
-  seen = []
-
-  def layer(*args, **kwargs):
-    seen.append({k: v for k, v in kwargs.items() if k == "remat"})
-    return nnx.Linear(1, 1, rngs=kwargs["rngs"])
-  monkeypatch.setattr(jax_cp.nnx, "TransformerLayer", layer)
-  cfg = config.Config(layers=2, remat=remat)
-  model.PackedLM(cfg, model.make_layout(cfg), rngs=nnx.Rngs(0))
-  assert seen == [passed, passed]
+def test_remat_flag_takes_the_library_presets_and_reaches_every_layer():
+  from jax_cp.modules.remat import PRESETS
+  assert config.REMAT == tuple(PRESETS)
+  cfg = config.Config(layers=2, d_model=32, heads=2, kv_heads=1,
+                      remat="save_context")
+  lm = model.PackedLM(cfg, model.make_layout(cfg), rngs=nnx.Rngs(0))
+  assert [lm.layer_0.remat, lm.layer_1.remat] == ["save_context"] * 2
 
 
 def test_rows_of_stdlib_files_are_deterministic_and_padded_for_the_strategy():

@@ -55,11 +55,10 @@ class PackedLM(nnx.Module):
     dtype = jnp.dtype(cfg.dtype)
     self.num_layers, self.layout = cfg.layers, layout
     self.embed = ByteEmbed(VOCAB_SIZE, cfg.d_model, dtype=dtype, rngs=rngs)
-    remat = {} if cfg.remat == "none" else {"remat": cfg.remat}
     for i in range(cfg.layers):
       setattr(self, f"layer_{i}", jax_cp.nnx.TransformerLayer(
           cfg.heads, cfg.d_model, num_kv_heads=cfg.kv_heads, dtype=dtype,
-          layout=layout, rngs=rngs, **remat))
+          layout=layout, remat=cfg.remat, rngs=rngs))
     self.final_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
     self.logits = nnx.Linear(cfg.d_model, VOCAB_SIZE, dtype=dtype,
                              rngs=rngs)
