@@ -121,7 +121,7 @@ class DotProductAttention(nn.Module):
     Returns:
       ``[.., T, Hq, D]`` in the layout of ``query``; 0 on padding tokens.
     """
-    layout = settings.check_layout(self.layout)
+    layout = settings.check_layout(self.layout).for_batch(cu_seqlens)
     cu_seqlens, cu_seqlens_padded = settings.metadata(
         layout, cu_seqlens, cu_seqlens_padded, "DotProductAttention's batch")
     settings.check_tokens(layout, query.shape[-3], cu_seqlens_padded, "query")
@@ -212,6 +212,7 @@ class MultiHeadAttention(nn.Module):
     Returns:
       ``[.., T, out_features]``.
     """
+    meta = (cu_seqlens, cu_seqlens_padded)
     layout, cu_seqlens, cu_seqlens_padded, cp_size = settings.call_inputs(
         self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
         "MultiHeadAttention")
@@ -230,8 +231,7 @@ class MultiHeadAttention(nn.Module):
                               window_size=self.window_size,
                               softmax_scale=self.softmax_scale,
                               dtype=self.dtype, layout=self.layout,
-                              name="attention")(q, k, v, cu_seqlens,
-                                                cu_seqlens_padded)
+                              name="attention")(q, k, v, *meta)
     return nn.DenseGeneral(self.out_features or features, axis=(-2, -1),
                            use_bias=self.use_bias, dtype=self.dtype,
                            param_dtype=self.param_dtype,

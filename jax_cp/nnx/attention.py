@@ -79,7 +79,7 @@ class DotProductAttention(nnx.Module):
     Returns:
       ``[.., T, Hq, D]`` in the layout of ``query``; 0 on padding tokens.
     """
-    layout = settings.check_layout(self.layout)
+    layout = settings.check_layout(self.layout).for_batch(cu_seqlens)
     cu_seqlens, cu_seqlens_padded = settings.metadata(
         layout, cu_seqlens, cu_seqlens_padded, "DotProductAttention's batch")
     settings.check_tokens(layout, query.shape[-3], cu_seqlens_padded, "query")
@@ -180,6 +180,7 @@ class MultiHeadAttention(nnx.Module):
     Returns:
       ``[.., T, out_features]``.
     """
+    meta = (cu_seqlens, cu_seqlens_padded)
     layout, cu_seqlens, cu_seqlens_padded, cp_size = settings.call_inputs(
         self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
         "MultiHeadAttention")
@@ -190,5 +191,6 @@ class MultiHeadAttention(nnx.Module):
                               self.rope_theta, position_ids,
                               cu_seqlens_padded, cp_size)
     v = self.value(x)
-    out = self.attention(q, k, v, cu_seqlens, cu_seqlens_padded)
+    # The caller's metadata: a CPBatch keeps its host check (CPBatch).
+    out = self.attention(q, k, v, *meta)
     return self.out(out)

@@ -158,7 +158,9 @@ class TransformerLayer(nnx.Module):
     Returns:
       ``[B, T, E]``, same layout as ``x``.
     """
-    layout, cu_seqlens, cu_seqlens_padded, _ = settings.call_inputs(
+    # The children get the caller's metadata: a CPBatch keeps its host
+    # check (CPBatch).
+    layout, _, _, _ = settings.call_inputs(
         self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
         "TransformerLayer")
     h = x + layout.shard_tokens(self.attention(
