@@ -9,6 +9,10 @@ Public API::
         document order that balances NO_LOAD_BALANCE)
     jax_cp.cp_attention (global view) / cp_attention_local (inside shard_map)
     jax_cp.fused_attention (the varlen primitive, no CP)
+    jax_cp.PackedRows / pack_documents / pad_multiple_for / balance_rows
+        (documents packed into rows with a strategy's padding)
+    jax_cp.model_flops / attention_flops / causal_pairs (the one FLOP
+        count: MFU convention, or hardware FLOPs with recompute=True)
     jax_cp.cp_attention_fn (attention_fn of Flax's own attention modules)
     from jax_cp.nnx import (DotProductAttention, MultiHeadAttention,
                             TransformerLayer)                  # Flax NNX
@@ -31,7 +35,14 @@ from jax_cp.data import (
                                process_batch_rows,
 )
 from jax_cp.document_order import balance_document_order, permute_documents
+from jax_cp.flops import attention_flops, causal_pairs, model_flops
 from jax_cp.layout import CPBatch, CPLayout
+from jax_cp.packing import (
+                               PackedRows,
+                               balance_rows,
+                               pack_documents,
+                               pad_multiple_for,
+)
 from jax_cp.partition import (
                                get_batch_on_this_cp_rank,
                                get_partition_indices,
@@ -49,8 +60,12 @@ __all__ = [
     "CPLayout",
     "CPCostEstimate",
     "CPLoadBalancingStrategy",
+    "PackedRows",
     "StrategyRecommendation",
+    "attention_flops",
     "balance_document_order",
+    "balance_rows",
+    "causal_pairs",
     "cp_attention",
     "cp_attention_fn",
     "cp_attention_local",
@@ -62,6 +77,9 @@ __all__ = [
     "longest_padded_document",
     "make_global_batch",
     "make_global_metadata",
+    "model_flops",
+    "pack_documents",
+    "pad_multiple_for",
     "permute_documents",
     "process_batch_rows",
     "recommend_strategy",

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from jax_cp import checks
+from jax_cp.flops import RECOMPUTE_BACKWARD_FACTOR, attention_flops
 from jax_cp.layout import CPLayout
 from jax_cp.strategy import CPLoadBalancingStrategy, as_strategy
 
@@ -51,9 +52,9 @@ H200_ATTENTION_FLOPS = 600e12
 H200_ALLGATHER_BUS_BANDWIDTH = 150e9
 #: Default fixed cost of one attention kernel call (launch + metadata), s.
 CALL_OVERHEAD_S = 20e-6
-#: FLOPs of forward + backward relative to the forward (FlashAttention
-#: convention: the backward does 2.5x the forward's matmul work).
-FWD_BWD_FLOP_FACTOR = 3.5
+#: FLOPs of forward + backward relative to the forward, as the GPU runs them
+#: (the fused backward recomputes Q K^T: 2.5x the forward, jax_cp.flops).
+FWD_BWD_FLOP_FACTOR = 1.0 + RECOMPUTE_BACKWARD_FACTOR
 #: K/V exchanges of forward + backward relative to the forward: forward
 #: gather, backward re-gather, and the reduce-scatter of dK/dV.
 FWD_BWD_BYTES_FACTOR = 3.0
@@ -345,7 +346,7 @@ def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded,
   for row in range(cuP.shape[0]):
     pairs += _rank_pairs(lens[row], cuP[row, :-1], plens[row], cp, total,
                          strategy, left)
-  flops = pairs * (4 * d * hq)
+  flops = attention_flops(pairs, num_heads=hq, head_dim=d, backward=False)
   mean = float(flops.sum()) / cp
   imbalance = float(flops.max()) / mean if mean > 0 else 1.0
   rows = cuP.shape[0]

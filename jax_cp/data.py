@@ -41,6 +41,17 @@ from jax_cp.partition import check_max_seqlen_bound, get_batch_on_this_cp_rank
 AxisNames = str | Sequence[str] | None
 
 
+class _Unset:
+  """make_global_batch's ``cp_axis`` when the caller passes none (``"cp"``
+  in the keyword form, the layout's own otherwise)."""
+
+  def __repr__(self) -> str:
+    return "'cp'"
+
+
+_UNSET: Any = _Unset()
+
+
 # ------------------------------------------------------------------ helpers
 
 
@@ -268,12 +279,17 @@ def make_global_batch(
     seq_dim: int = 1,
     global_batch_size: int | None = None,
     cu_seqlens=None,
-    cp_axis: str | None = None,
+    cp_axis: str | None = _UNSET,
     batch_axis: AxisNames = None,
     load_balancing_strategy=None,
     max_seqlen: int | None = None,
 ) -> CPBatch:
   """Global CP-sharded arrays from this process's packed rows.
+
+  Without CP (a layout with ``cp_axis=None``) the rows stay whole and in
+  physical order: sharded over the batch axes of the layout's mesh (data
+  parallel), or without a mesh put whole on this process's first device
+  (``jax.local_devices()[0]``), e.g. for a model evaluated on one device.
 
   For each device this process owns, the device's batch shard and cp rank
   are read from the mesh; its tokens are cut from the local rows on the host
@@ -291,10 +307,10 @@ def make_global_batch(
       in physical order (never reordered).
     layout: the :class:`jax_cp.CPLayout`, with its ``mesh`` (a
       ``jax.sharding.Mesh``, Explicit or Auto axes, spanning the devices of
-      every process), ``cp_axis``, ``batch_axis`` (``None`` replicates the
-      rows over every non-cp axis), strategy and ``max_seqlen`` (checked
-      here against the longest padded document). Or the mesh itself, with
-      the keyword settings below.
+      every process; optional without CP), ``cp_axis`` (``None``: no CP),
+      ``batch_axis`` (``None`` replicates the rows over every non-cp axis),
+      strategy and ``max_seqlen`` (checked here against the longest padded
+      document). Or the mesh itself, with the keyword settings below.
     seq_dim: the token dim of the arrays (1 for ``[B, T, ...]``).
     global_batch_size: optional ``B``; when given the number of local rows is
       checked against it (without it ``B`` is inferred from ``B_local``, which
@@ -306,13 +322,14 @@ def make_global_batch(
       metadata and cannot check the values) and assembled into the batch.
     cp_axis, batch_axis, load_balancing_strategy, max_seqlen: with a mesh
       as ``layout`` only: the keyword form of the layout (``cp_axis``
-      defaults to ``"cp"``).
+      defaults to ``"cp"``; ``cp_axis=None``: no CP).
 
   Returns:
     A :class:`jax_cp.CPBatch` (unpacks as ``(tensors,
     cu_seqlens_padded)``): the arrays ``[B, T, ...]`` in
     :func:`jax_cp.reorder_for_cp` layout with sharding ``P(batch_axis,
-    cp_axis)`` on ``(0, seq_dim)``, in the container of ``local_rows``; the
+    cp_axis)`` on ``(0, seq_dim)`` (without CP: in physical order,
+    ``P(batch_axis)``), in the container of ``local_rows``; the
     int32 metadata ``[B, N+1]`` (``cu_seqlens_padded``, and ``cu_seqlens``
     when given), sharded over ``batch_axis``, replicated over the cp axis;
     and the layout. Pass the batch to the attention and the modules: they
@@ -326,29 +343,31 @@ def make_global_batch(
       token length differs from ``cu_seqlens_padded[..., -1]``, the layout
       breaks the strategy's rules (``T % cp``, DUAL_CHUNK_SWAP's ``2*cp``
       divisibility), ``max_seqlen`` is exceeded, ``cu_seqlens`` disagrees
-      with ``cu_seqlens_padded``, an axis is unknown, or the layout has no
-      mesh.
+      with ``cu_seqlens_padded``, an axis is unknown, or a layout with CP
+      (or with a ``batch_axis``) has no mesh.
   """
   keywords = {k: v for k, v in dict(
-      cp_axis=cp_axis, batch_axis=batch_axis,
-      load_balancing_strategy=load_balancing_strategy,
+      batch_axis=batch_axis, load_balancing_strategy=load_balancing_strategy,
       max_seqlen=max_seqlen).items() if v is not None}
+  if cp_axis is not _UNSET:
+    keywords["cp_axis"] = cp_axis
   if not isinstance(layout, CPLayout):
     layout = CPLayout.build(None, "make_global_batch", mesh=layout,
                             **keywords)
   else:
     layout = CPLayout.build(layout, "make_global_batch", **keywords)
-  mesh = layout.mesh
-  if not isinstance(mesh, jax.sharding.Mesh):
+  mesh, cp_axis, batch_axis = layout.mesh, layout.cp_axis, layout.batch_axis
+  on_one_device = mesh is None and cp_axis is None
+  if on_one_device and batch_axis is not None:
+    raise ValueError(f"make_global_batch: batch_axis={batch_axis!r} needs "
+                     "the layout's mesh")
+  if not on_one_device and not isinstance(mesh, jax.sharding.Mesh):
     raise ValueError("make_global_batch needs the layout's mesh, a "
                      f"jax.sharding.Mesh (got {mesh!r})")
-  if layout.cp_axis is None:
-    raise ValueError("make_global_batch needs a layout with a cp_axis")
-  cp_axis, batch_axis = layout.cp_axis, layout.batch_axis
   max_seqlen = layout.max_seqlen
   checks.check_mesh_axis(mesh, cp_axis, "cp_axis")
-  axes = _batch_axes(mesh, batch_axis, cp_axis)
-  cp = mesh.shape[cp_axis]
+  axes = () if on_one_device else _batch_axes(mesh, batch_axis, cp_axis)
+  cp = 1 if cp_axis is None else mesh.shape[cp_axis]
   items, rebuild = _as_items(local_rows)
   if not items:
     raise ValueError("local_rows holds no arrays")
@@ -368,7 +387,8 @@ def make_global_batch(
     check_max_seqlen_bound(cuP, max_seqlen)
   local_tokens = total // cp
 
-  shards, n = _local_batch_shards(mesh, axes, None)
+  shards, n = (([0], 1) if on_one_device
+               else _local_batch_shards(mesh, axes, None))
   b = (_infer_global_batch(cuP.shape[0], shards, n, global_batch_size,
                            batch_axis) if batched else None)
   locate = _row_locator(_rows_of_shards(shards, n, b)) if batched else None
@@ -385,10 +405,16 @@ def make_global_batch(
     rows = locate(index[0], b) if batched else slice(None)
     key = (rows.start, rows.stop, rank_of(index))
     if key not in slices:
-      slices[key] = get_batch_on_this_cp_rank(
-          cuP[rows], *(x[rows] for _, x in items),
-          cp_rank=key[2], layout=layout, seq_dim=seq_dim)
+      slices[key] = (tuple(x[rows] for _, x in items) if cp_axis is None
+                     else get_batch_on_this_cp_rank(
+                         cuP[rows], *(x[rows] for _, x in items),
+                         cp_rank=key[2], layout=layout, seq_dim=seq_dim))
     return slices[key]
+
+  def sharding_of(spec):
+    if on_one_device:
+      return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return NamedSharding(mesh, spec)
 
   out = []
   for i, (_, x) in enumerate(items):
@@ -397,13 +423,12 @@ def make_global_batch(
     if batched:
       spec[0] = _batch_entry(axes)
     spec[seq_dim] = cp_axis
-    sharding = NamedSharding(mesh, P(*spec))
-    out.append(_assemble(shape, sharding,
+    out.append(_assemble(shape, sharding_of(P(*spec)),
                          lambda idx, i=i: local_slices(idx)[i]))
   meta_spec = P(_batch_entry(axes), None) if batched else P(None)
   meta_shape = (b, cuP.shape[1]) if batched else cuP.shape
   def global_meta(host):
-    return _assemble(meta_shape, NamedSharding(mesh, meta_spec),
+    return _assemble(meta_shape, sharding_of(meta_spec),
                      lambda idx: host.astype(np.int32)[
                          locate(idx[0], b) if batched else slice(None)])
 
