@@ -46,11 +46,9 @@ import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
-import datetime
 import gc
 import itertools
 import os
-import re
 import statistics
 import time
 import traceback
@@ -62,11 +60,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import jax_cp
-from benchmarks import reporting, timing
+from benchmarks import derived, profiling, results, tables, timing
+from benchmarks.names import DISTS, PASSES, STRATEGIES, VIOLATIONS
 from benchmarks.workload import (
-  DISTS,
-  PASSES,
-  STRATEGIES,
   Row,
   abstract_args,
   cp_forward,
@@ -82,9 +78,6 @@ from benchmarks.workload import (
 from jax_cp.attention.registry import resolve_backend
 from jax_cp.kv_exchange import choose_exchange
 
-_RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-_DIST_PRIORITY = ("one_doc", "short_128_1k", "uniform_1k_8k", "stdlib_mix")
-
 FULL = {"cp": [1, 2, 4], "strategies": list(STRATEGIES), "hkv": [8, 32],
         "tokens": [16384, 32768, 65536, 131072], "dists": list(DISTS),
         "passes": list(PASSES)}
@@ -93,11 +86,6 @@ QUICK = {"cp": [1, 2, 4], "strategies": list(STRATEGIES), "hkv": [8],
 
 
 # ----------------------------------------------------------------- programs
-
-
-_COLLECTIVE_RE = re.compile(
-    r"stablehlo\.(all_gather|reduce_scatter|collective_permute|all_to_all|"
-    r"all_reduce)")
 
 
 def core_exchange(strategy: str, cp: int, tokens: int, max_seqlen,
@@ -214,7 +202,7 @@ def build_plan(args) -> tuple[dict[tuple, Program], list[Measurement]]:
   # Run order = priority under --budget-s: the speed targets first
   # (fwd+bwd; one document, short documents), stdlib_mix last.
   passes = sorted(args.passes, key=PASSES[::-1].index)
-  dists = sorted(args.dists, key=_DIST_PRIORITY.index)
+  dists = sorted(args.dists, key=DISTS.index)
   impl = "cudnn" if args.backend == "cudnn" else None
   exposed = args.exchange in ("both", "exposed")
   standalone = args.exchange in ("both", "standalone")
@@ -323,7 +311,7 @@ def lower_and_compile(programs: dict[tuple, Program], plan, args, log):
       if prog.no_collectives:
         # Whatever communication the local copies missed stays in the
         # "exchange removed" step and is then missing from "exposed".
-        left = sorted(set(_COLLECTIVE_RE.findall(prog.lowered.as_text())))
+        left = profiling.stablehlo_collectives(prog.lowered.as_text())
         prog.note = ("collectives left in the no-exchange variant: "
                      + ", ".join(left)) if left else None
     except Exception as e:  # noqa: BLE001  (recorded; the run goes on)
@@ -423,11 +411,11 @@ def parse_args(argv: Sequence[str] | None = None):
   p.add_argument("--window", type=int, default=None,
                  help="causal sliding window (LEFT, 0) in every program")
   p.add_argument("--max-seqlen-violation", dest="violation",
-                 choices=("fallback", "checked_on_host"), default="fallback",
+                 choices=VIOLATIONS, default=VIOLATIONS[0],
                  help="the layout's guard of the max_seqlen bound in the CP "
                       "programs\n(fallback: the library's default lax.cond; "
                       "checked_on_host: none)")
-  p.add_argument("--out", default=_RESULTS)
+  p.add_argument("--out", default=results.RESULTS_DIR)
   p.add_argument("--dry-run", action="store_true",
                  help="print the plan (programs, measurements) and exit")
   p.add_argument("--verbose", action="store_true")
@@ -477,11 +465,8 @@ def run(args: argparse.Namespace, compiles: CompileCount) -> str:
   except ValueError as e:
     raise SystemExit(f"backend {args.backend!r} unusable here: {e}") from e
 
-  env = reporting.environment()
-  os.makedirs(args.out, exist_ok=True)
-  gpu = re.sub(r"[^A-Za-z0-9]+", "_", env["device_kind"]).strip("_")
-  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  path = os.path.join(args.out, f"results_{stamp}_{gpu}.json")
+  env = results.environment()
+  path = results.result_path(args.out, "results", env)
   payload = {"env": env, "args": vars(args), "records": [], "summary": {}}
 
   lower_and_compile(programs, plan, args, log)
@@ -547,7 +532,7 @@ def run(args: argparse.Namespace, compiles: CompileCount) -> str:
     log(f"{i + 1}/{len(plan)} {r['kind']} {r['dist']} T={r['tokens']} "
         f"Hkv={r['hkv']} {r['pass_name']} {r['strategy']} cp={r['cp']}: "
         f"{status}")
-    reporting.derive(payload["records"])
+    derived.derive(payload["records"])
     payload["summary"] = {
         "wall_s": time.perf_counter() - start,
         "compile_phase_s": compile_wall,
@@ -558,9 +543,9 @@ def run(args: argparse.Namespace, compiles: CompileCount) -> str:
                              for x in payload["records"]),
         "cudnn_graph_builds": sum(x.get("cudnn_graph_builds") or 0
                                   for x in payload["records"])}
-    reporting.write_json(path, payload)
+    results.write_result(path, payload)
   inputs.clear()
-  reporting.print_table(payload["records"])
+  tables.print_table(payload["records"])
   s = payload["summary"]
   log(f"done: {s['measurements']} measurements of {s['programs']} programs, "
       f"{s['xla_compiles']} XLA compiles; wrote {path}")

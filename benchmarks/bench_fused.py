@@ -33,9 +33,7 @@ alternating input sets
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,6 +45,8 @@ from jax._src.cudnn import fused_attention_stablehlo as fas
 
 import jax_cp
 from benchmarks import timing
+from benchmarks.names import DISTS
+from benchmarks.results import environment, result_path, write_result
 from benchmarks.workload import FWD_BWD_FLOP_FACTOR, pack_row
 
 
@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   p.add_argument("--hq", type=int, default=32)
   p.add_argument("--hkv", type=int, nargs="+", default=[8, 32])
   p.add_argument("--head-dim", type=int, default=128)
-  p.add_argument("--dists", nargs="+",
+  p.add_argument("--dists", nargs="+", choices=DISTS,
                  default=["one_doc", "uniform_1k_8k", "short_128_1k"])
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--backend", default="cudnn",
@@ -185,14 +185,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     print(f"| {r['dist']} | {r['hkv']} | {r['pass_']} | {r['variant']} | "
           f"{r['ms']:.2f} | {r['tflops']:.0f} | {vd} | {vp} |")
   if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "fused_" + datetime.date.today().isoformat()
-                        + ".json")
-    with open(path, "w") as f:
-      json.dump({"device": jax.devices()[0].device_kind,
-                 "jax": jax.__version__, "tokens": t, "hq": hq,
-                 "head_dim": d, "window": args.window,
-                 "results": results + paired}, f, indent=1)
+    env = environment()
+    path = write_result(result_path(args.out, "fused", env),
+                        {"env": env, "args": vars(args),
+                         "records": results + paired})
     print("wrote", path)
   return results + paired
 

@@ -36,18 +36,15 @@ markdown step table (``--table FILE.json`` prints it again).
 from __future__ import annotations
 
 import argparse
-import collections
-import datetime
-import glob
 import importlib.util
-import json
 import os
-import re
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import SimpleNamespace
+
+from benchmarks import profiling, results
+from benchmarks.names import DOC_ORDERS, STRATEGIES
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _EXAMPLES = os.path.join(os.path.dirname(_HERE), "examples")
@@ -70,8 +67,6 @@ def example(name: str):
 
 
 xla_flags = example("xla_flags")   # no jax import: flags are set before it
-
-STRATEGIES = ("dual_chunk_swap", "no_load_balance")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="static document-length bound (default: the data's)")
   p.add_argument("--backend", choices=("auto", "xla", "cudnn"),
                  default="auto")
-  p.add_argument("--doc-order", nargs="+", choices=("balanced", "packed"),
+  p.add_argument("--doc-order", nargs="+", choices=DOC_ORDERS,
                  default=["balanced"],
                  help="no_load_balance: the row's documents reordered to "
                  "balance the cp ranks (the example's default) and/or as "
@@ -118,10 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--profile-steps", type=int, default=4)
   p.add_argument("--hlo-collectives", action="store_true",
                  help="count the collectives of every compiled step")
-  p.add_argument("--device-plane", default="/device:GPU:0")
+  p.add_argument("--device-plane", default=profiling.DEVICE_PLANE)
   p.add_argument("--no-xla-flags", action="store_true",
                  help="GPU: do not add the example's XLA flags")
-  p.add_argument("--out", default=os.path.join(_HERE, "results"))
+  p.add_argument("--out", default=results.RESULTS_DIR)
   p.add_argument("--table", default=None, metavar="JSON",
                  help="print the step table of a JSON written earlier; "
                  "nothing is run")
@@ -151,175 +146,6 @@ def paired(prog_a: Program, prog_b: Program, reps: int,
           "ratio_q1": r.ratio_q1, "ratio_q3": r.ratio_q3,
           "ratio_min": r.ratio_min, "ratio_max": r.ratio_max,
           "ratios": r.ratios, "depth_a": r.depth_a, "depth_b": r.depth_b}
-
-
-# Kernel groups of the per-kernel profile, tried in this order on the
-# lower-cased kernel name.
-KERNEL_GROUPS: tuple[tuple[str, str], ...] = (
-    ("collective", (r"nccl|all-?reduce|all-?gather|reduce-?scatter|"
-                    r"collective|sendrecv")),
-    ("attention", (r"sdpa|fmha|flash|attn|attention|cudnn|jax_cp|"
-                   r"merge_rows")),
-    ("matmul", r"gemm|nvjet|cutlass|cublas|xmma|wgmma|matmul|\bdot"),
-    ("copy", r"memcpy|memset|copy|transpose|dynamic.update.slice"),
-)
-
-
-def kernel_group(name: str) -> str:
-  """``attention``, ``matmul``, ``collective``, ``copy`` or
-  ``elementwise`` (everything else: XLA's loop and reduction fusions)."""
-  low = name.lower()
-  for group, pattern in KERNEL_GROUPS:
-    if re.search(pattern, low):
-      return group
-  return "elementwise"
-
-
-def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
-  out: list[tuple[int, int]] = []
-  for s, e in sorted(intervals):
-    if out and s <= out[-1][1]:
-      out[-1] = (out[-1][0], max(out[-1][1], e))
-    else:
-      out.append((s, e))
-  return out
-
-
-def _covered(s: int, e: int, union: list[tuple[int, int]]) -> int:
-  return sum(max(0, min(e, b) - max(s, a)) for a, b in union)
-
-
-def idle_gaps(events: Sequence[tuple[int, int, str]], steps: int,
-              top: int = 12) -> dict:
-  """Where the device sits idle between its first and last kernel.
-
-  ``events`` are ``(start_ns, duration_ns, name)`` of one device's kernels
-  over ``steps`` steps dispatched back to back. Idle time is the span not
-  covered by any kernel. Each gap is charged to the pair (last kernel to
-  end before it, first kernel to start after it), so the same gap in every
-  step adds up under one pair.
-
-  Returns:
-    ``{"idle_ms": per step, "span_ms": per step, "pairs": [...]}``, the
-    ``top`` pairs by idle time, each ``{"before", "after", "ms"`` (per
-    step), ``"count"`` (per step), ``"max_us"}``.
-  """
-  if not events:
-    return {"idle_ms": 0.0, "span_ms": 0.0, "pairs": []}
-  ends = sorted((s + d, n) for s, d, n in events)
-  starts = sorted((s, n) for s, _, n in events)
-  union = _union([(s, s + d) for s, d, _ in events])
-  pairs = collections.defaultdict(lambda: [0, 0, 0])
-  j = k = 0
-  for (_, end), (start, _) in zip(union, union[1:]):
-    while j + 1 < len(ends) and ends[j + 1][0] <= end:
-      j += 1
-    while k < len(starts) and starts[k][0] < start:
-      k += 1
-    key = (ends[j][1], starts[k][1])
-    gap = start - end
-    pairs[key][0] += gap
-    pairs[key][1] += 1
-    pairs[key][2] = max(pairs[key][2], gap)
-  span = union[-1][1] - union[0][0]
-  idle = span - sum(e - s for s, e in union)
-  ranked = sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]
-  return {"idle_ms": idle / 1e6 / steps, "span_ms": span / 1e6 / steps,
-          "pairs": [{"before": b[:120], "after": a[:120],
-                     "ms": v[0] / 1e6 / steps, "count": v[1] / steps,
-                     "max_us": v[2] / 1e3} for (b, a), v in ranked]}
-
-
-def group_kernels(events: Sequence[tuple[int, int, str]], steps: int
-                  ) -> dict:
-  """Per-step milliseconds by group from kernel events ``(start_ns,
-  duration_ns, name)`` of one device: collectives split into
-  ``collective_exposed`` (no other kernel runs meanwhile) and
-  ``collective_overlapped``; ``busy`` is the union of all kernels."""
-  groups = collections.defaultdict(float)
-  per_kernel = collections.defaultdict(float)
-  launches = collections.Counter()
-  exposed = collections.defaultdict(float)
-  compute = _union([(s, s + d) for s, d, n in events
-                    if kernel_group(n) != "collective"])
-  for s, d, name in events:
-    g = kernel_group(name)
-    per_kernel[name] += d
-    launches[name] += 1
-    if g == "collective":
-      hidden = _covered(s, s + d, compute)
-      groups["collective_overlapped"] += hidden
-      groups["collective_exposed"] += d - hidden
-      exposed[name] += d - hidden
-    else:
-      groups[g] += d
-  busy = sum(e - s for s, e in _union([(s, s + d) for s, d, _ in events]))
-  ms = lambda ns: ns / 1e6 / steps
-  ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1])
-  return {
-      "groups_ms": {g: ms(v) for g, v in sorted(groups.items())},
-      "busy_ms": ms(busy),
-      "idle": idle_gaps(events, steps),
-      # Every kernel, heaviest first: per-step ms and launches per step
-      # (collectives: also the ms with no other kernel running).
-      "kernels": [dict({"name": n[:160], "group": kernel_group(n),
-                        "ms": ms(v), "launches": launches[n] / steps},
-                       **({"exposed_ms": ms(exposed[n])}
-                          if n in exposed else {}))
-                  for n, v in ranked]}
-
-
-def print_idle(idle: dict, out=None) -> None:
-  """Prints :func:`idle_gaps`' result, one pair a line."""
-  out = out or sys.stdout
-  print(f"  idle {idle['idle_ms']:.3f} of {idle['span_ms']:.3f} ms/step; "
-        "gaps by (kernel before -> kernel after): ms/step, gaps/step, "
-        "largest us", file=out)
-  for g in idle["pairs"]:
-    print(f"    {g['ms']:7.3f} {g['count']:5.1f} {g['max_us']:8.1f}  "
-          f"{g['before'][:60]} -> {g['after'][:60]}", file=out)
-
-
-def profile_program(run: Callable[[int], float], steps: int,
-                    device_plane: str) -> dict | None:
-  """Traces ``steps`` steps; the grouped kernels of ``device_plane`` (the
-  same parsing as ``profile_step.py``), or ``None`` without that plane
-  (CPU)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  trace_dir = tempfile.mkdtemp(prefix="jax_cp_step_profile_")
-  run(1)
-  with jax.profiler.trace(trace_dir):
-    run(steps)
-  paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
-                    recursive=True)
-  if not paths:
-    return None
-  data = jax.profiler.ProfileData.from_file(paths[0])
-  planes = sorted((p for p in data.planes if p.name.startswith(device_plane)),
-                  key=lambda p: p.name)
-  if not planes:
-    return None
-  events = [(ev.start_ns, ev.duration_ns, ev.name)
-            for line in planes[0].lines if "stream" in line.name.lower()
-            for ev in line.events]
-  return group_kernels(events, steps)
-
-
-# One collective instruction of HLO text: its result shape (tuples hold
-# ``/*index=N*/`` comments) and kind.
-COLLECTIVE_RE = re.compile(
-    r"= ((?:[^=\n]|/\*index=\d+\*/)*?) (all-gather|reduce-scatter|"
-    r"all-reduce|all-to-all|collective-permute)(?:-start)?\(")
-
-
-def hlo_collectives(hlo_text: str) -> dict[str, list[str]]:
-  """Collective kind -> the result shapes of its instructions (layouts
-  and index comments dropped), from compiled HLO text."""
-  out = collections.defaultdict(list)
-  for m in COLLECTIVE_RE.finditer(hlo_text):
-    shape = re.sub(r"\{[^}]*\}|/\*index=\d+\*/", "", m.group(1))
-    out[m.group(2)].append(shape[:400])
-  return dict(out)
 
 
 def _model_args(args, strategy: str) -> SimpleNamespace:
@@ -381,7 +207,7 @@ def build_program(args, strategy: str, cp: int | None, rows, max_seqlen):
   del optax
   prog = Program(step, state, batch)
   if args.hlo_collectives:
-    prog.collectives = hlo_collectives(
+    prog.collectives = profiling.hlo_collectives(
         step.lower(state, batch).compile().as_text())
   return prog, n_params
 
@@ -453,25 +279,22 @@ def run_bench(args) -> dict:
     if args.profile:
       for c, run in runs.items():
         key = "nocp" if c is None else f"cp={c}"
-        profiles[key] = profile_program(run.run, args.profile_steps,
-                                        args.device_plane)
+        profiles[key] = profiling.profile(run.run, args.profile_steps,
+                                          args.device_plane)
         if profiles[key]:
           g = profiles[key]["groups_ms"]
           print(f"  profile {key}: busy {profiles[key]['busy_ms']:.2f} ms; "
                 + ", ".join(f"{k} {v:.2f}" for k, v in g.items()),
                 flush=True)
-          print_idle(profiles[key]["idle"])
+          profiling.print_idle(profiles[key]["idle"])
     records.append({"strategy": strategy, "doc_order": order,
                     "kind": "config",
                     "documents": lens, "max_seqlen": max_seqlen,
                     "model_flops": flops, "matmul_params": n_params,
                     "profiles": profiles, "collectives": collectives})
     runs.clear()
-  return {"env": {
-      "date": datetime.datetime.now().isoformat(timespec="seconds"),
-      "device_kind": jax.devices()[0].device_kind,
-      "device_count": jax.device_count(), "jax": jax.__version__,
-      "xla_flags": os.environ.get("XLA_FLAGS", ""), "args": vars(args)},
+  return {"env": results.environment(
+      xla_flags=os.environ.get("XLA_FLAGS", ""), args=vars(args)),
           "records": records}
 
 
@@ -525,18 +348,13 @@ def step_table(result: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> dict:
   args = build_parser().parse_args(argv)
   if args.table:
-    with open(args.table) as f:
-      result = json.load(f)
+    result = results.read_result(args.table)
     print(step_table(result))
     return result
   _configure(args)
   result = run_bench(args)
-  os.makedirs(args.out, exist_ok=True)
-  kind = result["env"]["device_kind"].replace(" ", "_")
-  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  path = os.path.join(args.out, f"step_{stamp}_{kind}.json")
-  with open(path, "w") as f:
-    json.dump(result, f, indent=1)
+  path = results.write_result(
+      results.result_path(args.out, "step", result["env"]), result)
   result["path"] = path
   print(step_table(result))
   print(path)

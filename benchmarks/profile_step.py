@@ -5,7 +5,7 @@ from the JAX profiler, for one configuration.
         --dist short_128_1k --tokens 65536 --cp 2 --pass fwd_bwd
 
 Runs the jitted step a few times under ``jax.profiler.trace``, reads the
-XSpace with ``jax.profiler.ProfileData`` and prints, for the first GPU, the
+XSpace (:mod:`benchmarks.profiling`) and prints, for the first GPU, the
 device time per iteration of each kernel (summed over its launches), the
 number of launches, and the busy time against the wall time of a step;
 ``--gaps N`` adds where the device sits idle between kernels.
@@ -14,10 +14,6 @@ number of launches, and the busy time against the wall time of a step;
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
-import os
-import tempfile
 import time
 from collections.abc import Sequence
 
@@ -28,7 +24,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cp
-from benchmarks.bench_step import idle_gaps, print_idle
+from benchmarks import profiling
+from benchmarks.names import DISTS, PASSES, STRATEGIES, VIOLATIONS
 from benchmarks.workload import make_mesh, make_row
 
 
@@ -57,87 +54,24 @@ def build_step(args: argparse.Namespace):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (q, k, v, w)
 
 
-def load_profile(trace_dir: str):
-  """The ``jax.profiler.ProfileData`` of a trace directory."""
-  paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
-                    recursive=True)
-  if not paths:
-    raise SystemExit(f"no .xplane.pb under {trace_dir}")
-  return jax.profiler.ProfileData.from_file(paths[0])
-
-
-def device_plane(data, device_prefix: str):
-  """The first plane (by name) whose name starts with ``device_prefix``."""
-  planes = [p for p in data.planes if p.name.startswith(device_prefix)]
-  if not planes:
-    raise SystemExit("planes: " + ", ".join(p.name for p in data.planes))
-  return min(planes, key=lambda p: p.name)
-
-
-def kernel_table(data, device_prefix: str, line_filter: str = "stream"):
-  """``(plane name, ms per kernel name, launches per kernel name)`` summed
-  over the plane's lines whose name contains ``line_filter``."""
-  totals = collections.defaultdict(float)
-  counts = collections.Counter()
-  plane = device_plane(data, device_prefix)
-  for line in plane.lines:
-    if line_filter not in line.name.lower():
-      continue
-    for ev in line.events:
-      totals[ev.name] += ev.duration_ns / 1e6
-      counts[ev.name] += 1
-  if not totals:
-    raise SystemExit(f"no {line_filter!r} lines in {plane.name}; lines: "
-                     + ", ".join(line.name for line in plane.lines))
-  return plane.name, totals, counts
-
-
-def kernel_sequence(data, iters: int, device_prefix: str,
-                    line_filter: str = "stream"):
-  """One step's kernels in time order, from the middle of the traced
-  steps: (start offset ms, duration ms, stream, name)."""
-  plane = device_plane(data, device_prefix)
-  events = sorted((ev.start_ns, ev.duration_ns, line.name, ev.name)
-                  for line in plane.lines
-                  if line_filter in line.name.lower() for ev in line.events)
-  per_step = len(events) // iters
-  chunk = events[per_step * (iters // 2):per_step * (iters // 2 + 1)]
-  t0 = chunk[0][0] if chunk else 0
-  return [((s - t0) / 1e6, d / 1e6, line, name) for s, d, line, name in chunk]
-
-
-def host_table(data):
-  """Host-side events (XLA thunks, custom-call handlers, ...) by total
-  time: whether the host keeps ahead of the GPU."""
-  totals = collections.defaultdict(float)
-  counts = collections.Counter()
-  for plane in data.planes:
-    if not plane.name.startswith("/host:"):
-      continue
-    for line in plane.lines:
-      for ev in line.events:
-        totals[ev.name] += ev.duration_ns / 1e6
-        counts[ev.name] += 1
-  return totals, counts
-
-
 def main(argv: Sequence[str] | None = None) -> None:
   """Profiles one step and prints the tables."""
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--strategy", default="no_load_balance")
-  p.add_argument("--dist", default="short_128_1k")
+  p.add_argument("--strategy", default="no_load_balance",
+                 choices=STRATEGIES)
+  p.add_argument("--dist", default="short_128_1k", choices=DISTS)
   p.add_argument("--tokens", type=int, default=65536)
   p.add_argument("--cp", type=int, default=2)
   p.add_argument("--hq", type=int, default=32)
   p.add_argument("--hkv", type=int, default=8)
   p.add_argument("--head-dim", type=int, default=128)
   p.add_argument("--pass", dest="pass_name", default="fwd_bwd",
-                 choices=("fwd", "fwd_bwd"))
+                 choices=PASSES)
   p.add_argument("--backend", default="cudnn")
   p.add_argument("--iters", type=int, default=5)
   p.add_argument("--top", type=int, default=30)
-  p.add_argument("--device-plane", default="/device:GPU:0")
-  p.add_argument("--line-filter", default="stream",
+  p.add_argument("--device-plane", default=profiling.DEVICE_PLANE)
+  p.add_argument("--line-filter", default=profiling.KERNEL_LINES,
                  help="count the plane's lines whose name contains this "
                       "(lower case)")
   p.add_argument("--host-top", type=int, default=0,
@@ -153,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   p.add_argument("--window", type=int, default=None,
                  help="causal sliding window (LEFT, 0)")
   p.add_argument("--max-seqlen-violation", dest="violation",
-                 choices=("fallback", "checked_on_host"), default="fallback",
+                 choices=VIOLATIONS, default=VIOLATIONS[0],
                  help="the layout's guard of the max_seqlen bound")
   args = p.parse_args(argv)
   args.split = {"auto": None, "on": True, "off": False}[args.split]
@@ -167,39 +101,44 @@ def main(argv: Sequence[str] | None = None) -> None:
   t0 = time.perf_counter()   # dispatched back to back (a training loop)
   jax.block_until_ready([step(*inputs) for _ in range(4 * args.iters)])
   wall_pipelined = (time.perf_counter() - t0) / (4 * args.iters) * 1e3
-  trace_dir = tempfile.mkdtemp(prefix="jax_cp_profile_")
-  with jax.profiler.trace(trace_dir):   # back to back, as timed
-    jax.block_until_ready([step(*inputs) for _ in range(args.iters)])
-  data = load_profile(trace_dir)
-  name, totals, counts = kernel_table(data, args.device_plane,
-                                      args.line_filter)
+  run = lambda n: jax.block_until_ready([step(*inputs) for _ in range(n)])
+  data = profiling.load_trace(profiling.trace_steps(run, args.iters))
+  if data is None:
+    raise SystemExit("the trace holds no .xplane.pb")
+  plane = profiling.device_plane(data, args.device_plane)
+  if plane is None:
+    raise SystemExit("planes: " + ", ".join(p.name for p in data.planes))
+  events = profiling.kernel_events(plane, args.line_filter)
+  if not events:
+    raise SystemExit(f"no {args.line_filter!r} lines in {plane.name}; "
+                     "lines: " + ", ".join(line.name for line in plane.lines))
+  totals, counts = profiling.kernel_totals(events)
   busy = sum(totals.values()) / args.iters
   print(f"{args.strategy} {args.dist} T={args.tokens} cp={args.cp} "
         f"{args.pass_name}: wall {wall:.3f} ms/step (pipelined "
-        f"{wall_pipelined:.3f}), {name} kernels "
+        f"{wall_pipelined:.3f}), {plane.name} kernels "
         f"{busy:.3f} ms/step, {sum(counts.values()) / args.iters:.0f} "
         f"launches/step")
   print(f"{'ms/step':>9} {'launches':>8}  kernel")
-  for kname, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:args.top]:
-    print(f"{ms / args.iters:9.4f} {counts[kname] / args.iters:8.1f}  "
-          f"{kname[:110]}")
+  _print_top(totals, counts, args.iters, args.top)
   if args.sequence:
-    print(f"one step in time order ({name}): start ms, ms, stream, kernel")
-    for start, dur, line, kname in kernel_sequence(
-        data, args.iters, args.device_plane, args.line_filter):
+    print(f"one step in time order ({plane.name}): start ms, ms, stream, "
+          "kernel")
+    for start, dur, line, kname in profiling.one_step(events, args.iters):
       print(f"{start:8.4f} {dur:8.4f}  {line[-12:]:>12}  {kname[:90]}")
   if args.gaps:
-    plane = device_plane(data, args.device_plane)
-    events = [(ev.start_ns, ev.duration_ns, ev.name) for line in plane.lines
-              if args.line_filter in line.name.lower() for ev in line.events]
-    print_idle(idle_gaps(events, args.iters, args.gaps))
+    profiling.print_idle(profiling.idle_gaps(
+        [(s, d, n) for s, d, _, n in events], args.iters, args.gaps))
   if args.host_top:
-    htot, hcnt = host_table(data)
     print(f"host events (ms/step, count/step), top {args.host_top}:")
-    for hname, ms in sorted(htot.items(), key=lambda kv: -kv[1])[
-        :args.host_top]:
-      print(f"{ms / args.iters:9.4f} {hcnt[hname] / args.iters:8.1f}  "
-            f"{hname[:110]}")
+    _print_top(*profiling.kernel_totals(profiling.host_events(data)),
+               args.iters, args.host_top)
+
+
+def _print_top(totals, counts, iters: int, top: int) -> None:
+  """The ``top`` names by total time: ms and count per step."""
+  for name, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
+    print(f"{ms / iters:9.4f} {counts[name] / iters:8.1f}  {name[:110]}")
 
 
 if __name__ == "__main__":

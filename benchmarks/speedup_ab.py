@@ -34,21 +34,16 @@ line per (row, pass) and writes a JSON.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import json
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks import timing
+from benchmarks import results, timing
+from benchmarks.names import DISTS, DOC_ORDERS, PASSES, STRATEGIES, VIOLATIONS
 from benchmarks.workload import (
-  DISTS,
-  PASSES,
-  STRATEGIES,
   Row,
   arg_sets,
   balanced_row,
@@ -57,8 +52,6 @@ from benchmarks.workload import (
   make_row,
   with_pass,
 )
-
-_RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def program(cp: int, row: Row, strategy: str, backend: str, pass_name: str,
@@ -89,7 +82,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--dists", nargs="+", default=["short_128_1k",
                                                  "uniform_1k_8k", "one_doc"],
                  choices=DISTS)
-  p.add_argument("--passes", nargs="+", default=["fwd", "fwd_bwd"],
+  p.add_argument("--passes", nargs="+", default=list(PASSES),
                  choices=PASSES)
   p.add_argument("--tokens", type=int, default=65536)
   p.add_argument("--hq", type=int, default=32)
@@ -101,17 +94,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--window", type=int, default=None,
                  help="sliding window (LEFT, 0) in both programs")
-  p.add_argument("--doc-order", nargs="+", choices=("packed", "balanced"),
+  p.add_argument("--doc-order", nargs="+", choices=DOC_ORDERS,
                  default=["packed"],
                  help="each row as packed and/or with its documents "
                       "reordered to balance the cp ranks")
   p.add_argument("--max-seqlen-violation", dest="violation",
-                 choices=("fallback", "checked_on_host"), default="fallback",
+                 choices=VIOLATIONS, default=VIOLATIONS[0],
                  help="the layout's guard of the max_seqlen bound")
   p.add_argument("--against", choices=("cp1", "fallback"), default="cp1",
                  help="A: cp=1 (default), or the cp=N program with the "
                       "fallback guard")
-  p.add_argument("--out", default=_RESULTS)
+  p.add_argument("--out", default=results.RESULTS_DIR)
   args = p.parse_args(argv)
   if args.against == "fallback" and args.violation == "fallback":
     p.error("--against fallback needs --max-seqlen-violation "
@@ -166,15 +159,10 @@ def main(argv: Sequence[str] | None = None) -> str:
             f"{r['speedup_median']:9.3f}x"
             f"  {r['speedup_q1']:.3f}-{r['speedup_q3']:.3f}"
             f"  {r['speedup_min']:.3f}-{r['speedup_max']:.3f}", flush=True)
-  os.makedirs(args.out, exist_ok=True)
-  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  kind = jax.devices()[0].device_kind.replace(" ", "_")
-  path = os.path.join(args.out, f"speedup_ab_{stamp}_{kind}.json")
-  with open(path, "w") as f:
-    env = {"date": stamp, "device_kind": jax.devices()[0].device_kind,
-           "device_count": jax.device_count(), "jax": jax.__version__,
-           "args": vars(args)}
-    json.dump({"env": env, "records": records}, f, indent=1)
+  env = results.environment(args=vars(args))
+  path = results.write_result(
+      results.result_path(args.out, "speedup_ab", env),
+      {"env": env, "records": records})
   print(path)
   return path
 

@@ -27,10 +27,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cp
+from benchmarks.names import DISTS
 
-DISTS = ("one_doc", "uniform_1k_8k", "stdlib_mix", "short_128_1k")
-STRATEGIES = ("dual_chunk_swap", "no_load_balance")
-PASSES = ("fwd", "fwd_bwd")
 FWD_BWD_FLOP_FACTOR = 3.5
 
 _DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")

@@ -1,5 +1,6 @@
-"""CPU smoke tests of the benchmarks package: rows, timing, and each
-command-line script's main path with tiny sizes."""
+"""Tests of the benchmarks package: rows, timing, result files, targets,
+trace parsing, and each command-line script's main path with tiny sizes
+on CPU."""
 
 from __future__ import annotations
 
@@ -7,18 +8,30 @@ import glob
 import importlib.util
 import json
 import os
+import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import jax_cp
-from benchmarks import bench_cp, report, timing, workload
+from benchmarks import (
+  bench_cp,
+  names,
+  profiling,
+  report,
+  results,
+  tables,
+  targets,
+  timing,
+  workload,
+)
 
 HQ, HKV, D, T = 4, 2, 16, 256
 
 
 def test_pack_row_layouts():
-  for dist in workload.DISTS:
+  for dist in names.DISTS:
     for mult in (1, 4, 16):
       cu, cuP = workload.pack_row(dist, 4096, mult, seed=3)
       lens, plens = np.diff(cu), np.diff(cuP)
@@ -51,10 +64,17 @@ def bench_json(tmp_path_factory):
 
 
 def test_bench_json_fields(bench_json):
-  _, data = bench_json
+  path, data = bench_json
   env = data["env"]
   for key in ("date", "device_kind", "jax", "jaxlib", "cudnn", "platform"):
     assert key in env
+  # ISO 8601 dates: extended in the field, basic (the same moment) in the
+  # name.
+  date = results.parse_date(env["date"])
+  assert date.tzinfo is not None and env["date"] == date.isoformat()
+  assert os.path.basename(path) == (
+      f"results_{date.strftime('%Y%m%dT%H%M%SZ')}_"
+      f"{re.sub('[^A-Za-z0-9]+', '_', env['device_kind']).strip('_')}.json")
   s = data["summary"]
   # One XLA compile per program plus a few for the random inputs: nothing
   # is recompiled per measurement.
@@ -81,7 +101,7 @@ def test_bench_json_fields(bench_json):
       assert "overhead_vs_primitive" in r and r["primitive_ms"] > 0
       assert r["speedup"] == 1.0
     else:
-      assert r["strategy"] in workload.STRATEGIES
+      assert r["strategy"] in names.STRATEGIES
       assert "exposed_exchange_fraction" in r
       assert 0 < r["standalone_exchange_fraction"]
   one = {(r["strategy"], r["cp"]): r for r in cpa if r["dist"] == "one_doc"}
@@ -151,8 +171,7 @@ def test_speedup_ab_doc_orders(tmp_path):
   assert work[1] <= work[0]
   # The report keeps both orders apart (newest file wins per configuration,
   # the order part of it).
-  from benchmarks import reporting
-  rows = reporting.paired_rows(reporting.load_paired([path]))
+  rows = tables.paired_rows(results.load([path], results.paired_key).records)
   assert sum("| 128–1k docs" in r for r in rows) == 2
   assert sum("documents reordered" in r for r in rows) == 1
 
@@ -192,7 +211,7 @@ def test_no_communication_variant_has_no_collectives(bench_json):
   _, data = bench_json
   nocomm = [r for r in data["records"] if r["kind"] == "cp_attention_nocomm"]
   assert nocomm and not [r["note"] for r in nocomm if r.get("note")]
-  assert {r["strategy"] for r in nocomm} == set(workload.STRATEGIES)
+  assert {r["strategy"] for r in nocomm} == set(names.STRATEGIES)
 
 
 def test_timing_api():
@@ -242,3 +261,281 @@ def test_profile_step_main(capsys):
   out = capsys.readouterr().out
   assert "ms/step" in out and "launches/step" in out
   assert "one step in time order" in out and "host events" in out
+
+
+# ----------------------------------------------------------------- results
+
+
+_RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__))), "benchmarks", "results")
+
+
+def test_results_load_the_files_written_so_far():
+  """Every result file in benchmarks/results loads, names dated
+  %Y%m%d-%H%M%S included: bench_cp, speedup_ab (whose env.date has that
+  form too), bench_step and bench_fused files."""
+  paths = sorted(glob.glob(os.path.join(_RESULTS, "*.json")))
+  assert paths
+  for path in paths:
+    data = results.read_result(path)
+    assert data["records"], path
+    if not os.path.basename(path).startswith("fused_"):
+      assert results.file_date(data, path).year == 2026, path
+  cp = results.load([os.path.join(_RESULTS, "results_*.json")])
+  assert cp.records and len(cp.files) == len(glob.glob(
+      os.path.join(_RESULTS, "results_*.json")))
+  dates = [results.parse_date(f["date"]) for f in cp.files]
+  assert dates == sorted(dates)
+  paired = results.load([os.path.join(_RESULTS, "speedup_ab_*.json")],
+                        results.paired_key)
+  assert paired.records
+  # Windowed, reordered and guard pairs are configurations of their own.
+  assert {r.get("window") for r in paired.records} >= {None, 4095}
+  assert {r.get("doc_order", "packed") for r in paired.records} == {
+      "packed", "balanced"}
+  assert {r.get("against", "cp1") for r in paired.records} == {
+      "cp1", "fallback"}
+
+
+def _result(tmp_path, name, date, records):
+  path = str(tmp_path / name)
+  results.write_result(path, {"env": {"date": date, "device_kind": "X"},
+                              "records": records})
+  return path
+
+
+def test_results_newest_file_wins_across_date_forms(tmp_path):
+  """The file written last wins per key, whichever way its date is
+  written; a glob that matches nothing adds nothing, a missing path is an
+  error."""
+  rec = dict(dist="one_doc", pass_name="fwd", cp=2, strategy="s", tokens=8,
+             hkv=1, hq=2, head_dim=4, dtype="f32", speedup_median=1.0)
+  old = _result(tmp_path, "speedup_ab_20261129-234337_X.json",
+                "20261129-234337", [rec, dict(rec, window=3)])
+  new = _result(tmp_path, "speedup_ab_20261130T010000Z_X.json",
+                "2026-11-30T01:00:00+00:00", [dict(rec, speedup_median=2.0)])
+  older = _result(tmp_path, "speedup_ab_20261128T000000Z_X.json",
+                  "2026-11-28T00:00:00+00:00", [dict(rec, speedup_median=3.0)])
+  got = results.load([str(tmp_path / "*.json"), str(tmp_path / "none_*")],
+                     results.paired_key)
+  assert [f["path"] for f in got.files] == [older, old, new]
+  by_window = {r.get("window"): r for r in got.records}
+  assert by_window[None]["speedup_median"] == 2.0
+  assert by_window[None]["_file"] == os.path.basename(new)
+  assert by_window[3]["_date"] == "2026-11-29T23:43:37+00:00"
+  with pytest.raises(FileNotFoundError):
+    results.load([str(tmp_path / "missing.json")])
+
+
+def test_result_path_is_iso_dated():
+  env = {"date": "2026-12-01T07:15:03+00:00", "device_kind": "NVIDIA H200"}
+  assert results.result_path("d", "step", env, tag="nlb short") == os.path.join(
+      "d", "step_20261201T071503Z_NVIDIA_H200_nlb_short.json")
+  env = results.environment()
+  assert results.parse_date(env["date"]) is not None
+  assert env["date"].endswith("+00:00")
+  with pytest.raises(ValueError, match="date"):
+    results.result_path("d", "x", {"date": "yesterday", "device_kind": "X"})
+
+
+def test_write_result_is_atomic(tmp_path, monkeypatch):
+  """A write that fails half way leaves the previous file as it was, and
+  no temporary file."""
+  path = str(tmp_path / "sub" / "r.json")
+  assert results.write_result(path, {"records": [1]}) == path
+  real_dump = json.dump
+
+  def broken_dump(obj, f, **kw):
+    f.write('{"records": [')
+    raise OSError("disk full")
+  monkeypatch.setattr(json, "dump", broken_dump)
+  with pytest.raises(OSError, match="disk full"):
+    results.write_result(path, {"records": [2]})
+  monkeypatch.setattr(json, "dump", real_dump)
+  assert results.read_result(path)["records"] == [1]
+  results.write_result(path, {"records": [3]})
+  assert results.read_result(path)["records"] == [3]
+  assert os.listdir(tmp_path / "sub") == ["r.json"]
+
+
+def test_report_of_the_files_written_so_far(tmp_path):
+  """report's defaults: every bench_cp file listed, the targets table
+  filled from targets.json, windowed runs in tables of their own."""
+  md, _ = report.main(["--out", str(tmp_path)])
+  with open(md) as f:
+    text = f.read()
+  for path in glob.glob(os.path.join(_RESULTS, "results_*.json")):
+    assert f"`{os.path.basename(path)}`" in text
+  table = text.split("## Targets")[1].split("\n## ")[0]
+  n_rows = sum(line.startswith("| cp=") or line.startswith("| exposed")
+               for line in table.splitlines())
+  assert n_rows >= len([t for t in targets.load_targets()["targets"]
+                        if not t.get("optional")])
+  assert "✅ met" in table
+  assert ", window 4095\n" in text
+
+
+# ----------------------------------------------------------------- targets
+
+
+def _cp_record(**kw):
+  r = dict(kind="cp_attention", dist="one_doc", tokens=1024, hkv=2, hq=4,
+           pass_name="fwd_bwd", strategy="dual_chunk_swap", cp=2, row_id=0,
+           ms_median=1.0, ms_cp1=1.9, speedup=1.9, efficiency=0.95,
+           max_seqlen=1024, num_docs=1, longest_padded_doc=1024)
+  r.update(kw)
+  return r
+
+
+def test_target_rows_follow_the_targets_data():
+  """Thresholds and configurations come from the data: the same record
+  meets a target of 1.8x and misses one of 2x; an optional target with
+  nothing measured is left out, a required one says so."""
+  recs = [_cp_record(), _cp_record(window=7, speedup=9.0)]
+  entry = dict(check="speedup", dist="one_doc", strategy="dual_chunk_swap",
+               cp=2, **{"pass": "fwd_bwd"})
+  data = {"tokens": 1024, "hkv": 2, "targets": [
+      dict(entry, min=1.8), dict(entry, min=2),
+      dict(entry, cp=4, min=3.5, optional=True),
+      dict(entry, cp=4, min=3.5)]}
+  rows = targets.target_rows(recs, (), data)
+  assert len(rows) == 3
+  assert rows[0] == ("cp=2, one document, T=1k, DCS, forward+backward: "
+                     "speed-up ≥ 1.8×", "1.90× (1.90 → 1.00 ms)", "✅ met")
+  assert rows[1][0].endswith("≥ 2×") and rows[1][2] == "❌ missed"
+  assert rows[2][2] == "— not measured"
+  with pytest.raises(ValueError, match="check 'nope'"):
+    targets.target_rows(recs, (), {"tokens": 1, "targets": [{"check": "nope"}]})
+  text = tables.render_markdown(recs, [], (), rows)
+  assert ("| cp=2, one document, T=1k, DCS, forward+backward: speed-up ≥ "
+          "1.8× |") in text
+  assert "## T=1024, Hq=4, Hkv=2, forward+backward, window 7" in text
+
+
+def test_targets_json_names_known_checks():
+  data = targets.load_targets()
+  assert data["targets"] and data["hkv"] in (8, 32)
+  for t in data["targets"]:
+    assert t["check"] in targets.CHECKS
+    assert ("min" in t) != ("max" in t)
+  # Nothing measured: a row for every required target, none for optional.
+  rows = targets.target_rows([], (), data)
+  assert len(rows) == sum(not t.get("optional") for t in data["targets"])
+  assert {v for _, _, v in rows} == {"— not measured"}
+
+
+# ----------------------------------------------------------------- profiling
+
+
+def _event(start, duration, name):
+  return SimpleNamespace(start_ns=start, duration_ns=duration, name=name)
+
+
+def test_profiling_reads_a_synthetic_trace():
+  """Planes, lines and events as ProfileData has them: the first
+  /device:GPU:0 plane's stream lines are the kernels."""
+  gpu0 = SimpleNamespace(name="/device:GPU:0", lines=[
+      SimpleNamespace(name="Stream #13(compute)", events=[
+          _event(300, 100, "gemm"), _event(0, 100, "gemm"),
+          _event(100, 50, "fmha_fwd"), _event(400, 50, "fmha_fwd")]),
+      SimpleNamespace(name="XLA Ops", events=[_event(0, 999, "dot")])])
+  gpu1 = SimpleNamespace(name="/device:GPU:1", lines=[])
+  host = SimpleNamespace(name="/host:CPU", lines=[SimpleNamespace(
+      name="python", events=[_event(0, 2e6, "thunk"), _event(5, 1e6,
+                                                             "thunk")])])
+  data = SimpleNamespace(planes=[gpu1, host, gpu0])
+  plane = profiling.device_plane(data)
+  assert plane is gpu0 and profiling.device_plane(data, "/device:TPU") is None
+  events = profiling.kernel_events(plane)
+  assert [(s, n) for s, _, _, n in events] == [
+      (0, "gemm"), (100, "fmha_fwd"), (300, "gemm"), (400, "fmha_fwd")]
+  totals, counts = profiling.kernel_totals(events)
+  assert totals == {"gemm": 200e-6, "fmha_fwd": 100e-6}
+  assert counts == {"gemm": 2, "fmha_fwd": 2}
+  second = profiling.one_step(events, steps=2)
+  assert [(s, n) for s, _, _, n in second] == [(0.0, "gemm"),
+                                               (1e-4, "fmha_fwd")]
+  htot, hcnt = profiling.kernel_totals(profiling.host_events(data))
+  assert htot == {"thunk": 3.0} and hcnt == {"thunk": 2}
+  g = profiling.group_kernels([(s, d, n) for s, d, _, n in events], steps=2)
+  assert g["groups_ms"] == pytest.approx({"matmul": 100e-6,
+                                          "attention": 50e-6})
+  assert g["idle"]["idle_ms"] == pytest.approx(150e-6 / 2)
+
+
+def test_group_kernels_splits_exposed_and_overlapped_collectives():
+  ev = [(0, 100, "cudnn_generated_fort_native_sdpa_sm90_flash_fprop"),
+        (100, 50, "nvjet_sm90_tst_128x128"),
+        (50, 100, "ncclDevKernel_AllGather_RING_LL"),   # 50 hidden
+        (200, 10, "loop_add_fusion"),
+        (210, 5, "copy_fusion")]
+  got = profiling.group_kernels(ev, steps=1)
+  g = got["groups_ms"]
+  assert g["attention"] == pytest.approx(100e-6)
+  assert g["matmul"] == pytest.approx(50e-6)
+  assert g["collective_overlapped"] == pytest.approx(100e-6)
+  assert g["collective_exposed"] == pytest.approx(0.0)
+  assert g["elementwise"] == pytest.approx(10e-6)
+  assert g["copy"] == pytest.approx(5e-6)
+  assert got["busy_ms"] == pytest.approx(165e-6)
+  assert [k["launches"] for k in got["kernels"]] == [1] * 5
+  (nccl,) = [k for k in got["kernels"] if "exposed_ms" in k]
+  assert nccl["exposed_ms"] == pytest.approx(0.0)
+  assert got["kernels"][0]["name"].startswith("cudnn_generated")
+  assert profiling.kernel_group("ncclDevKernel_ReduceScatter") == \
+      "collective"
+
+
+def test_idle_gaps_charges_each_gap_to_the_kernels_around_it():
+  # Two steps: a [0,100), c [120,130), b [150,200); then the same 300 ns
+  # later. Gaps: a->c 20 twice, c->b 20 (only in the second step: a
+  # collective covers it in the first), b->a 100 once.
+  step = [(0, 100, "a"), (120, 10, "c"), (150, 50, "b")]
+  ev = step + [(s + 300, d, n) for s, d, n in step]
+  ev.append((130, 40, "nccl"))          # hides the c->b gap entirely
+  got = profiling.idle_gaps(ev, steps=2)
+  assert got["span_ms"] == pytest.approx(500e-6 / 2)
+  assert got["idle_ms"] == pytest.approx((20 + 100 + 20 + 20) / 2e6)
+  pairs = {(g["before"], g["after"]): g for g in got["pairs"]}
+  assert pairs[("b", "a")]["ms"] == pytest.approx(100 / 2e6)
+  assert pairs[("b", "a")]["count"] == 0.5
+  assert pairs[("a", "c")]["ms"] == pytest.approx(40 / 2e6)
+  assert pairs[("a", "c")]["max_us"] == pytest.approx(0.02)
+  assert pairs[("c", "b")]["ms"] == pytest.approx(20 / 2e6)  # second step
+  assert got["pairs"][0]["before"] == "b"
+
+
+def test_collectives_of_program_text():
+  hlo = """
+  %ag = (f32[4]{0}, f32[8,2]{1,0}) all-gather-start(%a, %b), dimensions={0}
+  %rs = (f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, """ \
+      """/*index=5*/f32[2]{0}) reduce-scatter(%a, %b, %c, %d, %e, %f)
+  %ar = f32[] all-reduce(%x), to_apply=%add
+  %mul = f32[4]{0} multiply(%ag, %ag)
+  """
+  got = profiling.hlo_collectives(hlo)
+  assert got == {"all-gather": ["(f32[4], f32[8,2])"],
+                 "reduce-scatter": ["(" + ", ".join(["f32[2]"] * 6) + ")"],
+                 "all-reduce": ["f32[]"]}
+  text = ('%0 = "stablehlo.all_gather"(%a) %1 = stablehlo.add %0 '
+          '%2 = "stablehlo.collective_permute"(%1) %3 = '
+          '"stablehlo.all_gather"(%2)')
+  assert profiling.stablehlo_collectives(text) == ["all_gather",
+                                                    "collective_permute"]
+
+
+def test_plot_draws_the_targets_configuration():
+  """The plot's records: cp > 1 without a window, at the targets' T and
+  Hkv when measured, else the largest T and smallest Hkv."""
+  from benchmarks import plots
+  data = {"tokens": 1024, "hkv": 2, "targets": []}
+  recs = [_cp_record(), _cp_record(pass_name="fwd"), _cp_record(hkv=8),
+          _cp_record(tokens=4096), _cp_record(window=7),
+          _cp_record(cp=1, strategy=None, speedup=1.0)]
+  cpa, tokens, hkv, passes = plots.plotted(recs, data)
+  assert (tokens, hkv, passes) == (1024, 2, ["fwd_bwd", "fwd"])
+  assert len(cpa) == 2 and all(r["cp"] == 2 and "window" not in r
+                               for r in cpa)
+  cpa, tokens, hkv, _ = plots.plotted(recs, dict(data, tokens=5, hkv=5))
+  assert (tokens, hkv, len(cpa)) == (4096, 2, 1)
+  assert plots.plotted([_cp_record(cp=1)], data) is None

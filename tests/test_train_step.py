@@ -202,62 +202,6 @@ def test_replicated_parameters_train_like_fsdp():
   np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-4)
 
 
-def test_group_kernels_splits_exposed_and_overlapped_collectives():
-  ev = [(0, 100, "cudnn_generated_fort_native_sdpa_sm90_flash_fprop"),
-        (100, 50, "nvjet_sm90_tst_128x128"),
-        (50, 100, "ncclDevKernel_AllGather_RING_LL"),   # 50 hidden
-        (200, 10, "loop_add_fusion"),
-        (210, 5, "copy_fusion")]
-  got = bench_step.group_kernels(ev, steps=1)
-  g = got["groups_ms"]
-  assert g["attention"] == pytest.approx(100e-6)
-  assert g["matmul"] == pytest.approx(50e-6)
-  assert g["collective_overlapped"] == pytest.approx(100e-6)
-  assert g["collective_exposed"] == pytest.approx(0.0)
-  assert g["elementwise"] == pytest.approx(10e-6)
-  assert g["copy"] == pytest.approx(5e-6)
-  assert got["busy_ms"] == pytest.approx(165e-6)
-  assert [k["launches"] for k in got["kernels"]] == [1] * 5
-  (nccl,) = [k for k in got["kernels"] if "exposed_ms" in k]
-  assert nccl["exposed_ms"] == pytest.approx(0.0)
-  assert got["kernels"][0]["name"].startswith("cudnn_generated")
-  assert bench_step.kernel_group("ncclDevKernel_ReduceScatter") == \
-      "collective"
-
-
-def test_idle_gaps_charges_each_gap_to_the_kernels_around_it():
-  # Two steps: a [0,100), c [120,130), b [150,200); then the same 300 ns
-  # later. Gaps: a->c 20 twice, c->b 20 (only in the second step: a
-  # collective covers it in the first), b->a 100 once.
-  step = [(0, 100, "a"), (120, 10, "c"), (150, 50, "b")]
-  ev = step + [(s + 300, d, n) for s, d, n in step]
-  ev.append((130, 40, "nccl"))          # hides the c->b gap entirely
-  got = bench_step.idle_gaps(ev, steps=2)
-  assert got["span_ms"] == pytest.approx(500e-6 / 2)
-  assert got["idle_ms"] == pytest.approx((20 + 100 + 20 + 20) / 2e6)
-  pairs = {(g["before"], g["after"]): g for g in got["pairs"]}
-  assert pairs[("b", "a")]["ms"] == pytest.approx(100 / 2e6)
-  assert pairs[("b", "a")]["count"] == 0.5
-  assert pairs[("a", "c")]["ms"] == pytest.approx(40 / 2e6)
-  assert pairs[("a", "c")]["max_us"] == pytest.approx(0.02)
-  assert pairs[("c", "b")]["ms"] == pytest.approx(20 / 2e6)  # second step
-  assert got["pairs"][0]["before"] == "b"
-
-
-def test_bench_step_reads_collectives_of_hlo_text():
-  hlo = """
-  %ag = (f32[4]{0}, f32[8,2]{1,0}) all-gather-start(%a, %b), dimensions={0}
-  %rs = (f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, f32[2]{0}, """ \
-      """/*index=5*/f32[2]{0}) reduce-scatter(%a, %b, %c, %d, %e, %f)
-  %ar = f32[] all-reduce(%x), to_apply=%add
-  %mul = f32[4]{0} multiply(%ag, %ag)
-  """
-  got = bench_step.hlo_collectives(hlo)
-  assert got == {"all-gather": ["(f32[4], f32[8,2])"],
-                 "reduce-scatter": ["(" + ", ".join(["f32[2]"] * 6) + ")"],
-                 "all-reduce": ["f32[]"]}
-
-
 def test_bench_step_smoke(tmp_path):
   result = bench_step.main([
       "--device", "cpu", "--cp", "1", "2", "--strategies", "dual_chunk_swap",

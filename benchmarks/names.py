@@ -1,0 +1,35 @@
+"""The configurations the benchmarks measure, and how tables name them.
+
+Standard library only: the report reads these without importing jax.
+"""
+
+from __future__ import annotations
+
+# Document distributions of a packed row (``workload.document_lengths``),
+# in the order runs measure them and tables list them: the speed targets'
+# rows (one document, short documents) first.
+DISTS = ("one_doc", "short_128_1k", "uniform_1k_8k", "stdlib_mix")
+DIST_LABEL = {"one_doc": "one document", "short_128_1k": "128–1k docs",
+              "uniform_1k_8k": "1k–8k docs",
+              "stdlib_mix": "stdlib .py sizes"}
+
+# CP load-balancing strategies, and their short names (``None``: the cp=1
+# program, which has no strategy).
+STRATEGIES = ("dual_chunk_swap", "no_load_balance")
+SHORT = {"dual_chunk_swap": "DCS", "no_load_balance": "NLB", None: "cp=1"}
+
+# What a program computes: the forward, or the forward and the gradients.
+PASSES = ("fwd", "fwd_bwd")
+PASS_LABEL = {"fwd": "forward", "fwd_bwd": "forward+backward"}
+
+# A row's documents as packed, or reordered by
+# ``jax_cp.balance_document_order`` to balance the cp ranks.
+DOC_ORDERS = ("packed", "balanced")
+
+# The layout's guard of the ``max_seqlen`` bound (``max_seqlen_violation``).
+VIOLATIONS = ("fallback", "checked_on_host")
+
+
+def dist_rank(dist: str) -> int:
+  """A distribution's place in :data:`DISTS` (unknown ones last)."""
+  return DISTS.index(dist) if dist in DISTS else len(DISTS)
