@@ -39,11 +39,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import glob
 import inspect
-import json
 import os
 import re
 import sys
@@ -465,7 +463,6 @@ def paired_ab(args, seq_len: int, cp: int) -> dict:
 
 def run(args) -> dict:
   """Every run of the arguments; the result dict (also printed)."""
-  import jax  # pylint: disable=import-outside-toplevel
   presets = list(dict.fromkeys(args.remat))
   skipped = []
   if not remat_supported():
@@ -496,27 +493,19 @@ def run(args) -> dict:
     print(f"A/B at T={fmt_tokens(args.ab)}: none {ab['ms_a']:.1f} ms, "
           f"save_context {ab['ms_b']:.1f} ms "
           f"({ab['save_context_over_none']:.3f}x)", flush=True)
-  dev = jax.devices()[0]
-  return {"env": {
-      "date": datetime.datetime.now().isoformat(timespec="seconds"),
-      "device_kind": dev.device_kind, "platform": dev.platform,
-      "device_count": jax.device_count(), "jax": jax.__version__,
-      "xla_flags": os.environ.get("XLA_FLAGS", ""),
-      "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
-      "args": vars(args), "skipped_presets": skipped},
-          "records": records}
+  from benchmarks import results  # pylint: disable=import-outside-toplevel
+  return {"env": results.environment(
+      xla_flags=os.environ.get("XLA_FLAGS", ""),
+      mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+      args=vars(args), skipped_presets=skipped), "records": records}
 
 
 # ------------------------------------------------------------- the report
 
 def _load_results(folder: str) -> list[dict]:
-  out = []
-  for path in sorted(glob.glob(os.path.join(folder, "memory_*.json"))):
-    with open(path) as f:
-      data = json.load(f)
-    data["path"] = os.path.basename(path)
-    out.append(data)
-  return out
+  from benchmarks import results  # pylint: disable=import-outside-toplevel
+  return [results.read_result(path) for path in
+          sorted(glob.glob(os.path.join(folder, "memory_*.json")))]
 
 
 def plot(results: list[dict], path: str) -> str | None:
@@ -652,14 +641,10 @@ def main(argv: Sequence[str] | None = None) -> str:
   _configure(args)
   args.started = time.monotonic()
   result = run(args)
-  os.makedirs(args.out, exist_ok=True)
-  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  kind = re.sub(r"[^A-Za-z0-9]+", "_", result["env"]["device_kind"])
-  tag = f"_{args.tag}" if args.tag else ""
-  path = os.path.join(args.out, f"memory_{stamp}_{kind}_{args.model}{tag}"
-                      ".json")
-  with open(path, "w") as f:
-    json.dump(result, f, indent=1, default=str)
+  from benchmarks import results  # pylint: disable=import-outside-toplevel
+  tag = "_".join(x for x in (args.model, args.tag) if x)
+  path = results.write_result(
+      results.result_path(args.out, "memory", result["env"], tag), result)
   print(f"wrote {path}", flush=True)
   if args.markdown:
     print(f"wrote {write_report(args.out, args.markdown)}", flush=True)
