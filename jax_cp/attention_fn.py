@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from jax_cp import checks
-from jax_cp.flax import settings
 from jax_cp.layout import CPBatch, CPLayout
+from jax_cp.modules import common
 
 
 def cp_attention_fn(layout: CPLayout | None = None, *,
@@ -49,7 +49,7 @@ def cp_attention_fn(layout: CPLayout | None = None, *,
       supports.
   """
   if layout is not None:
-    settings.check_layout(layout)
+    common.check_layout(layout)
   checks.check_window_size(window_size, attn_mask_type)
 
   def attention_fn(query, key, value, bias=None, mask=None,
@@ -85,7 +85,7 @@ def cp_attention_fn(layout: CPLayout | None = None, *,
         use, "the batch given to cp_attention_fn")
     if dtype is not None:
       query, key, value = (x.astype(dtype) for x in (query, key, value))
-    return settings.attend(use, query, key, value, cu_seqlens,
+    return common.attend(use, query, key, value, cu_seqlens,
                            cu_seqlens_padded, attn_mask_type=attn_mask_type,
                            window_size=window_size,
                            softmax_scale=softmax_scale)

@@ -22,7 +22,7 @@ from jax_cp.flax import (
   TransformerLayer,
   strategy_from_code,
 )
-from jax_cp.flax.settings import default_position_ids
+from jax_cp.modules.common import default_position_ids
 from tests import reference as ref
 
 CP, DP = 4, 2

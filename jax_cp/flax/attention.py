@@ -31,44 +31,11 @@ import jax
 import jax.numpy as jnp
 
 from jax_cp import checks
-from jax_cp.flax import settings
 from jax_cp.layout import CPLayout
+from jax_cp.modules import common
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
-
-
-def kv_heads(num_heads: int, num_kv_heads: int | None,
-             num_gqa_groups: int | None) -> int:
-  """The number of key/value heads from ``num_kv_heads`` or its alias
-  ``num_gqa_groups`` (default ``num_heads``).
-
-  Raises:
-    ValueError: the two disagree, or the result does not divide
-      ``num_heads``.
-  """
-  a, b = num_kv_heads, num_gqa_groups
-  if a is not None and b is not None and a != b:
-    raise ValueError(f"num_kv_heads={a} and its alias num_gqa_groups={b} "
-                     "disagree; set one of them")
-  kv = a if a is not None else b if b is not None else num_heads
-  if kv < 1 or num_heads % kv:
-    raise ValueError(f"num_kv_heads={kv} must divide num_heads={num_heads}")
-  return kv
-
-
-def head_features(features: int, num_heads: int,
-                  head_dim: int | None) -> int:
-  """``head_dim``, default ``features // num_heads``.
-
-  Raises:
-    ValueError: the result is not positive.
-  """
-  d = head_dim or features // num_heads
-  if d < 1:
-    raise ValueError(f"head_dim must be positive; got E={features} with "
-                     f"num_heads={num_heads}")
-  return d
 
 
 class DotProductAttention(nn.Module):
@@ -77,7 +44,7 @@ class DotProductAttention(nn.Module):
   No parameters. Queries ``[B, T, Hq, D]`` (or ``[T, Hq, D]``), keys and
   values ``[.., T, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA/MQA); returns the
   attention output shaped like the queries. Records the strategy it used as
-  an int (:data:`jax_cp.flax.settings.STRATEGY_CODES`) under
+  an int (:data:`jax_cp.flax.STRATEGY_CODES`) under
   ``intermediates/cp_strategy_code`` when that collection is mutable.
 
   Attributes:
@@ -100,7 +67,7 @@ class DotProductAttention(nn.Module):
   layout: CPLayout | None = None
 
   def __post_init__(self):
-    settings.check_layout(self.layout)
+    common.check_layout(self.layout)
     checks.check_window_size(self.window_size, self.attn_mask_type)
     super().__post_init__()
 
@@ -121,15 +88,15 @@ class DotProductAttention(nn.Module):
     Returns:
       ``[.., T, Hq, D]`` in the layout of ``query``; 0 on padding tokens.
     """
-    layout = settings.check_layout(self.layout).for_batch(cu_seqlens)
-    cu_seqlens, cu_seqlens_padded = settings.metadata(
+    layout = common.check_layout(self.layout).for_batch(cu_seqlens)
+    cu_seqlens, cu_seqlens_padded = common.metadata(
         layout, cu_seqlens, cu_seqlens_padded, "DotProductAttention's batch")
-    settings.check_tokens(layout, query.shape[-3], cu_seqlens_padded, "query")
+    common.check_tokens(layout, query.shape[-3], cu_seqlens_padded, "query")
     self.sow("intermediates", "cp_strategy_code",
-             jnp.int32(settings.STRATEGY_CODES[layout.strategy]))
+             jnp.int32(common.STRATEGY_CODES[layout.strategy]))
     if self.dtype is not None:
       query, key, value = (x.astype(self.dtype) for x in (query, key, value))
-    return settings.attend(layout, query, key, value, cu_seqlens,
+    return common.attend(layout, query, key, value, cu_seqlens,
                            cu_seqlens_padded,
                            attn_mask_type=self.attn_mask_type,
                            window_size=self.window_size,
@@ -184,15 +151,12 @@ class MultiHeadAttention(nn.Module):
   layout: CPLayout | None = None
 
   def __post_init__(self):
-    settings.check_layout(self.layout)
+    common.check_layout(self.layout)
     checks.check_window_size(self.window_size, self.attn_mask_type)
-    self.kv_heads  # noqa: B018  (reading the property validates the heads)
+    # The field holds the resolved count, as the NNX module's attribute.
+    self.num_kv_heads = common.num_kv_heads(
+        self.num_heads, self.num_kv_heads, self.num_gqa_groups)
     super().__post_init__()
-
-  @property
-  def kv_heads(self) -> int:
-    """The number of key/value heads (``num_kv_heads``/``num_gqa_groups``)."""
-    return kv_heads(self.num_heads, self.num_kv_heads, self.num_gqa_groups)
 
   @nn.compact
   def __call__(self, x, cu_seqlens, cu_seqlens_padded=None,
@@ -213,19 +177,19 @@ class MultiHeadAttention(nn.Module):
       ``[.., T, out_features]``.
     """
     meta = (cu_seqlens, cu_seqlens_padded)
-    layout, cu_seqlens, cu_seqlens_padded, cp_size = settings.call_inputs(
+    layout, cu_seqlens, cu_seqlens_padded, cp_size = common.call_inputs(
         self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
         "MultiHeadAttention")
     features = x.shape[-1]
-    head_dim = head_features(features, self.num_heads, self.head_dim)
+    head_dim = common.head_features(features, self.num_heads, self.head_dim)
     dense = lambda heads, name: nn.DenseGeneral(
         (heads, head_dim), use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, kernel_init=self.kernel_init,
         bias_init=self.bias_init, name=name)
     q = dense(self.num_heads, "query")(x)
-    k = dense(self.kv_heads, "key")(x)
-    v = dense(self.kv_heads, "value")(x)
-    q, k = settings.rotate_qk(layout, q, k, self.rope_theta, position_ids,
+    k = dense(self.num_kv_heads, "key")(x)
+    v = dense(self.num_kv_heads, "value")(x)
+    q, k = common.rotate_qk(layout, q, k, self.rope_theta, position_ids,
                               cu_seqlens_padded, cp_size)
     out = DotProductAttention(attn_mask_type=self.attn_mask_type,
                               window_size=self.window_size,

@@ -8,24 +8,9 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jax_cp import checks
-from jax_cp.flax import settings
 from jax_cp.flax.attention import Dtype, Initializer, MultiHeadAttention
 from jax_cp.layout import CPLayout
-
-# The MLP activations (shared with jax_cp.nnx): plain, and gated
-# (``act(gate(x)) * up(x)``).
-ACTIVATIONS = {"gelu": nn.gelu, "relu": nn.relu, "silu": nn.silu}
-GATED = {"swiglu": nn.silu, "geglu": nn.gelu}
-NORMS = ("rmsnorm", "layernorm")
-
-
-def mlp_hidden(activation: str, up: Callable, gate: Callable, pin: Callable):
-  """An MLP block's hidden activations from its projections of the input,
-  ``up()`` (and ``gate()`` for a gated activation, called only then), each
-  passed through ``pin`` (:meth:`jax_cp.CPLayout.shard_tokens`)."""
-  if activation in GATED:
-    return GATED[activation](pin(gate())) * pin(up())
-  return ACTIVATIONS[activation](pin(up()))
+from jax_cp.modules import common
 
 
 class MlpBlock(nn.Module):
@@ -54,9 +39,7 @@ class MlpBlock(nn.Module):
   layout: CPLayout | None = None
 
   def __post_init__(self):
-    if self.activation not in (*ACTIVATIONS, *GATED):
-      raise ValueError(f"activation={self.activation!r} is not one of "
-                       f"{[*ACTIVATIONS, *GATED]}")
+    common.check_activation(self.activation)
     super().__post_init__()
 
   @nn.compact
@@ -64,8 +47,8 @@ class MlpBlock(nn.Module):
     dense = lambda n, name: nn.Dense(
         n, use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, kernel_init=self.kernel_init, name=name)
-    pin = settings.check_layout(self.layout).shard_tokens
-    h = mlp_hidden(self.activation, lambda: dense(self.mlp_dim, "up")(x),
+    pin = common.check_layout(self.layout).shard_tokens
+    h = common.mlp_hidden(self.activation, lambda: dense(self.mlp_dim, "up")(x),
                    lambda: dense(self.mlp_dim, "gate")(x), pin)
     return pin(dense(x.shape[-1], "down")(h))
 
@@ -118,11 +101,9 @@ class TransformerLayer(nn.Module):
   layout: CPLayout | None = None
 
   def __post_init__(self):
-    settings.check_layout(self.layout)
+    common.check_layout(self.layout)
     checks.check_window_size(self.window_size, "causal")
-    if self.norm_type not in NORMS:
-      raise ValueError(f"norm_type={self.norm_type!r} is not one of "
-                       f"{list(NORMS)}")
+    common.check_norm_type(self.norm_type)
     super().__post_init__()
 
   def _norm(self, name: str) -> Callable:
@@ -151,7 +132,7 @@ class TransformerLayer(nn.Module):
     """
     # The children get the caller's metadata: a CPBatch keeps its host
     # check (CPBatch).
-    layout, _, _, _ = settings.call_inputs(
+    layout, _, _, _ = common.call_inputs(
         self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
         "TransformerLayer")
     attn = MultiHeadAttention(

@@ -22,9 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_cp import checks
-from jax_cp.flax import settings
-from jax_cp.flax.attention import head_features, kv_heads
 from jax_cp.layout import CPLayout
+from jax_cp.modules import common
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
@@ -37,7 +36,11 @@ class DotProductAttention(nnx.Module):
 
   No parameters. Queries ``[B, T, Hq, D]`` (or ``[T, Hq, D]``), keys and
   values ``[.., T, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA/MQA); returns the
-  attention output shaped like the queries.
+  attention output shaped like the queries. Records the strategy it used as
+  an int (:data:`jax_cp.nnx.STRATEGY_CODES`) as ``nnx.Intermediate``
+  ``cp_strategy_code`` when called under ``nnx.capture(...,
+  nnx.Intermediate)`` (the NNX form of a mutable Linen collection; outside
+  it nothing is recorded and the module's state is unchanged).
 
   Args:
     attn_mask_type: ``"causal"`` (default) or ``"no_mask"``.
@@ -55,7 +58,7 @@ class DotProductAttention(nnx.Module):
                softmax_scale: float | None = None,
                dtype: Dtype | None = None,
                layout: CPLayout | None = None):
-    settings.check_layout(layout)
+    common.check_layout(layout)
     checks.check_window_size(window_size, attn_mask_type)
     self.attn_mask_type = attn_mask_type
     self.window_size = None if window_size is None else tuple(window_size)
@@ -79,13 +82,16 @@ class DotProductAttention(nnx.Module):
     Returns:
       ``[.., T, Hq, D]`` in the layout of ``query``; 0 on padding tokens.
     """
-    layout = settings.check_layout(self.layout).for_batch(cu_seqlens)
-    cu_seqlens, cu_seqlens_padded = settings.metadata(
+    layout = common.check_layout(self.layout).for_batch(cu_seqlens)
+    cu_seqlens, cu_seqlens_padded = common.metadata(
         layout, cu_seqlens, cu_seqlens_padded, "DotProductAttention's batch")
-    settings.check_tokens(layout, query.shape[-3], cu_seqlens_padded, "query")
+    common.check_tokens(layout, query.shape[-3], cu_seqlens_padded, "query")
+    if hasattr(self, "__captures__"):   # set by nnx.capture for the call
+      self.sow(nnx.Intermediate, "cp_strategy_code",
+               jnp.int32(common.STRATEGY_CODES[layout.strategy]))
     if self.dtype is not None:
       query, key, value = (x.astype(self.dtype) for x in (query, key, value))
-    return settings.attend(layout, query, key, value, cu_seqlens,
+    return common.attend(layout, query, key, value, cu_seqlens,
                            cu_seqlens_padded,
                            attn_mask_type=self.attn_mask_type,
                            window_size=self.window_size,
@@ -140,11 +146,12 @@ class MultiHeadAttention(nnx.Module):
                bias_init: Initializer = default_bias_init,
                layout: CPLayout | None = None,
                rngs: nnx.Rngs):
-    settings.check_layout(layout)
+    common.check_layout(layout)
     self.num_heads = num_heads
-    self.num_kv_heads = kv_heads(num_heads, num_kv_heads, num_gqa_groups)
+    self.num_kv_heads = common.num_kv_heads(num_heads, num_kv_heads,
+                                            num_gqa_groups)
     self.in_features = in_features
-    self.head_dim = head_features(in_features, num_heads, head_dim)
+    self.head_dim = common.head_features(in_features, num_heads, head_dim)
     self.out_features = out_features or in_features
     self.rope_theta = rope_theta
     self.layout = layout
@@ -181,13 +188,13 @@ class MultiHeadAttention(nnx.Module):
       ``[.., T, out_features]``.
     """
     meta = (cu_seqlens, cu_seqlens_padded)
-    layout, cu_seqlens, cu_seqlens_padded, cp_size = settings.call_inputs(
+    layout, cu_seqlens, cu_seqlens_padded, cp_size = common.call_inputs(
         self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
         "MultiHeadAttention")
     if x.shape[-1] != self.in_features:
       raise ValueError(f"x has {x.shape[-1]} features, the module was built "
                        f"for in_features={self.in_features}")
-    q, k = settings.rotate_qk(layout, self.query(x), self.key(x),
+    q, k = common.rotate_qk(layout, self.query(x), self.key(x),
                               self.rope_theta, position_ids,
                               cu_seqlens_padded, cp_size)
     v = self.value(x)

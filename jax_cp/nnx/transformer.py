@@ -6,9 +6,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_cp.flax import settings
-from jax_cp.flax.transformer import ACTIVATIONS, GATED, NORMS, mlp_hidden
 from jax_cp.layout import CPLayout
+from jax_cp.modules import common
 from jax_cp.nnx.attention import (
   Dtype,
   Initializer,
@@ -46,23 +45,21 @@ class MlpBlock(nnx.Module):
                kernel_init: Initializer = default_kernel_init,
                layout: CPLayout | None = None,
                rngs: nnx.Rngs):
-    if activation not in (*ACTIVATIONS, *GATED):
-      raise ValueError(f"activation={activation!r} is not one of "
-                       f"{[*ACTIVATIONS, *GATED]}")
-    self.layout = settings.check_layout(layout) if layout is not None \
+    common.check_activation(activation)
+    self.layout = common.check_layout(layout) if layout is not None \
         else None
     self.activation = activation
     dense = lambda i, o: nnx.Linear(
         i, o, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
         kernel_init=kernel_init, rngs=rngs)
-    if activation in GATED:
+    if activation in common.GATED:
       self.gate = dense(in_features, mlp_dim)
     self.up = dense(in_features, mlp_dim)
     self.down = dense(mlp_dim, in_features)
 
   def __call__(self, x):
-    pin = settings.check_layout(self.layout).shard_tokens
-    h = mlp_hidden(self.activation, lambda: self.up(x),
+    pin = common.check_layout(self.layout).shard_tokens
+    h = common.mlp_hidden(self.activation, lambda: self.up(x),
                    lambda: self.gate(x), pin)
     return pin(self.down(h))
 
@@ -118,10 +115,8 @@ class TransformerLayer(nnx.Module):
                kernel_init: Initializer = default_kernel_init,
                layout: CPLayout | None = None,
                rngs: nnx.Rngs):
-    settings.check_layout(layout)
-    if norm_type not in NORMS:
-      raise ValueError(f"norm_type={norm_type!r} is not one of "
-                       f"{list(NORMS)}")
+    common.check_layout(layout)
+    common.check_norm_type(norm_type)
     self.layout = layout
     norm_cls = nnx.RMSNorm if norm_type == "rmsnorm" else nnx.LayerNorm
     norm = lambda: norm_cls(in_features, epsilon=norm_epsilon, dtype=dtype,
@@ -160,7 +155,7 @@ class TransformerLayer(nnx.Module):
     """
     # The children get the caller's metadata: a CPBatch keeps its host
     # check (CPBatch).
-    layout, _, _, _ = settings.call_inputs(
+    layout, _, _, _ = common.call_inputs(
         self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
         "TransformerLayer")
     h = x + layout.shard_tokens(self.attention(

@@ -1,5 +1,8 @@
-"""The CP layout of the modules of ``jax_cp.flax`` and ``jax_cp.nnx``, and
-the input checks they run at trace time.
+"""The runtime shared by the Linen modules of :mod:`jax_cp.flax` and the NNX
+modules of :mod:`jax_cp.nnx`: the layout and input checks they run at trace
+time, the head and MLP settings they validate alike, rotary embedding of
+queries and keys, and the attention call. Framework-neutral: nothing here
+imports Flax.
 
 Every module holds one static ``layout`` field, a :class:`jax_cp.CPLayout`
 (``None``: no CP). A parent hands its layout to its children, so a layout
@@ -9,16 +12,24 @@ unchanged. The checks here run before any projection or attention kernel.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_cp import checks, partition
 from jax_cp import context_parallel as _cp
-from jax_cp.flax import rotary
 from jax_cp.layout import NO_CP, CPLayout, unpack_metadata
+from jax_cp.modules import rotary
 from jax_cp.strategy import CPLoadBalancingStrategy
+
+# The MLP activations: plain, and gated (``act(gate(x)) * up(x)``).
+ACTIVATIONS = {"gelu": jax.nn.gelu, "relu": jax.nn.relu,
+               "silu": jax.nn.silu}
+GATED = {"swiglu": jax.nn.silu, "geglu": jax.nn.gelu}
+NORMS = ("rmsnorm", "layernorm")
 
 # Int codes ``DotProductAttention`` sows into "intermediates" (strings cannot
 # be sown): the position of the strategy in the enum.
@@ -29,6 +40,61 @@ STRATEGY_CODES: dict[CPLoadBalancingStrategy, int] = {
 def strategy_from_code(code: Any) -> CPLoadBalancingStrategy:
   """Inverse of :data:`STRATEGY_CODES` (accepts a sown array)."""
   return list(CPLoadBalancingStrategy)[int(np.asarray(code).reshape(-1)[0])]
+
+
+def num_kv_heads(num_heads: int, num_kv_heads: int | None,
+                 num_gqa_groups: int | None) -> int:
+  """The number of key/value heads from ``num_kv_heads`` or its alias
+  ``num_gqa_groups`` (default ``num_heads``).
+
+  Raises:
+    ValueError: the two disagree, or the result does not divide
+      ``num_heads``.
+  """
+  a, b = num_kv_heads, num_gqa_groups
+  if a is not None and b is not None and a != b:
+    raise ValueError(f"num_kv_heads={a} and its alias num_gqa_groups={b} "
+                     "disagree; set one of them")
+  kv = a if a is not None else b if b is not None else num_heads
+  if kv < 1 or num_heads % kv:
+    raise ValueError(f"num_kv_heads={kv} must divide num_heads={num_heads}")
+  return kv
+
+
+def head_features(features: int, num_heads: int,
+                  head_dim: int | None) -> int:
+  """``head_dim``, default ``features // num_heads``.
+
+  Raises:
+    ValueError: the result is not positive.
+  """
+  d = head_dim or features // num_heads
+  if d < 1:
+    raise ValueError(f"head_dim must be positive; got E={features} with "
+                     f"num_heads={num_heads}")
+  return d
+
+
+def check_activation(activation: str) -> None:
+  """Raises ValueError unless ``activation`` is an MLP activation."""
+  if activation not in (*ACTIVATIONS, *GATED):
+    raise ValueError(f"activation={activation!r} is not one of "
+                     f"{[*ACTIVATIONS, *GATED]}")
+
+
+def check_norm_type(norm_type: str) -> None:
+  """Raises ValueError unless ``norm_type`` is one of :data:`NORMS`."""
+  if norm_type not in NORMS:
+    raise ValueError(f"norm_type={norm_type!r} is not one of {list(NORMS)}")
+
+
+def mlp_hidden(activation: str, up: Callable, gate: Callable, pin: Callable):
+  """An MLP block's hidden activations from its projections of the input,
+  ``up()`` (and ``gate()`` for a gated activation, called only then), each
+  passed through ``pin`` (:meth:`jax_cp.CPLayout.shard_tokens`)."""
+  if activation in GATED:
+    return GATED[activation](pin(gate())) * pin(up())
+  return ACTIVATIONS[activation](pin(up()))
 
 
 def check_layout(layout: CPLayout | None) -> CPLayout:
@@ -89,6 +155,8 @@ def check_tokens(layout: CPLayout, n_tokens: int, cu_seqlens_padded,
 
 
 def check_position_ids(position_ids, x_shape, argname: str = "x") -> None:
+  """Raises ValueError unless ``position_ids`` (if given) has the shape of
+  ``x`` without its feature dim."""
   if position_ids is not None and tuple(np.shape(position_ids)) != tuple(
       x_shape[:-1]):
     raise ValueError(f"position_ids must have the shape of {argname} without "
