@@ -106,8 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "PRESET=T entries (default: the longest listed T "
                       "that trained, else --search-step)")
   p.add_argument("--time-budget", type=float, default=None,
-                 help="seconds: the search tries no new T after this much "
-                      "time since the start (it reports the bracket found)")
+                 help="seconds for the whole run: each search gets an even "
+                      "share of what is left when it starts and tries no new"
+                      " T past it (it reports the bracket found)")
   p.add_argument("--search-step", type=parse_tokens, default=16384,
                  help="granularity of the search (and of every T)")
   p.add_argument("--search-max", type=parse_tokens, default=1 << 23)
@@ -191,6 +192,7 @@ class Step:
   rows: object
   matmul_params: int
   cfg: object
+  compile_s: float
 
   def __call__(self, state, batch):
     return self.fn(state, batch)
@@ -234,9 +236,11 @@ def build_step(args, seq_len: int, cp: int, remat: str,
     return (optax.apply_updates(params, updates), opt), loss
 
   fn = jax.jit(step, donate_argnums=(0,) if donate else ())
+  t0 = time.perf_counter()
   with jax.set_mesh(mesh):
     compiled = fn.lower(state, batch).compile()
-  return Step(compiled, state, batch, compiled, rows, n_params, cfg)
+  return Step(compiled, state, batch, compiled, rows, n_params, cfg,
+              time.perf_counter() - t0)
 
 
 def memory_analysis(compiled) -> dict:
@@ -313,6 +317,7 @@ def measure(args, seq_len: int, cp: int, remat: str, *, timed: bool = True
                kv_heads=cfg.kv_heads, dtype=cfg.dtype,
                max_seqlen=int(step.rows.max_seqlen),
                attention_scratch_bytes=attention_scratch(cfg, cp),
+               compile_s=step.compile_s,
                **memory_analysis(step.compiled))
     planned = sum(rec.get(k, 0) for k in ("temp_bytes", "argument_bytes",
                                           "output_bytes"))
@@ -374,17 +379,53 @@ def _print(rec: dict) -> None:
   print(line, flush=True)
 
 
-def longest_trainable(args, cp: int, remat: str, listed: list[dict]
-                      ) -> dict:
-  """Doubles T from the start until a step fails, then bisects to
-  ``--search-step``: the longest T that trains, with every try."""
+def planned_bytes(rec: dict) -> int | None:
+  """What a run needs on the device: XLA's temp, arguments and outputs
+  (less the donated ones, which reuse the arguments) plus the cuDNN
+  backward scratch; None without a memory analysis."""
+  if not rec.get("temp_bytes"):
+    return None
+  return (rec["temp_bytes"] + rec.get("argument_bytes", 0)
+          + rec.get("output_bytes", 0) - rec.get("alias_bytes", 0)
+          + rec.get("attention_scratch_bytes", 0))
+
+
+def predict_longest(points: list[tuple[int, int]], fixed: int,
+                    limit: float) -> int | None:
+  """The T at which ``fixed + slope * T (+ intercept)`` reaches
+  ``limit``: a line through the ``(T, planned bytes)`` points (through
+  ``(0, fixed)`` with one point); None without points or growth."""
+  pts = sorted(set(points))
+  if not pts:
+    return None
+  if len(pts) == 1:
+    (t0, b0), = pts
+    slope, base = (b0 - fixed) / t0, fixed
+  else:
+    (t0, b0), (t1, b1) = pts[0], pts[-1]
+    slope = (b1 - b0) / (t1 - t0)
+    base = b0 - slope * t0
+  if slope <= 0:
+    return None
+  return int((limit - base) / slope)
+
+
+def longest_trainable(args, cp: int, remat: str, listed: list[dict],
+                      budget_s: float | None = None) -> dict:
+  """The longest T that trains, to ``--search-step``. T doubles from the
+  start until a step fails, then the bracket is bisected. Where the device
+  reports its memory limit, the runs so far predict where the limit is
+  (:func:`predict_longest`) and the search tries 5 % below and above that
+  first, so that the bracket is narrow from the start. ``budget_s``:
+  seconds after which no new T is tried (the bracket so far is returned).
+  """
   step = args.search_step
-  known = {r["seq_len"]: r["status"] == "ok" for r in listed
-           if r.get("kind") == "run" and r["cp"] == cp
-           and r["remat"] == remat}
-  fits = [t for t, ok in known.items() if ok]
-  t = search_start(args, remat) or (max(fits) if fits else step)
-  t = max(step, t // step * step)
+  started = time.monotonic()
+  mine = [r for r in listed if r.get("kind") == "run" and r["cp"] == cp
+          and r["remat"] == remat]
+  known = {r["seq_len"]: r["status"] == "ok" for r in mine}
+  points = [(r["seq_len"], planned_bytes(r)) for r in mine
+            if r["status"] == "ok" and planned_bytes(r)]
   tries: list[dict] = []
   out_of_time = False
 
@@ -393,26 +434,46 @@ def longest_trainable(args, cp: int, remat: str, listed: list[dict]
     nonlocal out_of_time
     if n in known:
       return known[n]
-    if (args.time_budget is not None
-        and time.monotonic() - args.started > args.time_budget):
+    if budget_s is not None and time.monotonic() - started > budget_s:
       out_of_time = True
       return None
     rec = measure(args, n, cp, remat, timed=False)
     tries.append(rec)
     known[n] = rec["status"] == "ok"
+    if known[n] and planned_bytes(rec):
+      points.append((n, planned_bytes(rec)))
     _print(rec)
     return known[n]
 
+  def guesses(lo: int) -> list[int]:
+    """5 % below and above the predicted limit, past ``lo``."""
+    limit = (args.memory_limit * 1e9 if args.memory_limit is not None
+             else device_memory().get("bytes_limit"))
+    fixed = min((r.get("argument_bytes", 0) for r in mine + tries
+                 if r.get("argument_bytes")), default=0)
+    t = predict_longest(points, fixed, limit) if limit else None
+    if t is None:
+      return []
+    out = [int(0.95 * t) // step * step, -(-int(1.05 * t) // step) * step]
+    return [g for g in out if g > lo and g <= args.search_max]
+
   lo, hi = 0, None
-  while t <= args.search_max:
+  first = search_start(args, remat) or max(
+      [t for t, ok in known.items() if ok], default=step)
+  queue = [max(step, first // step * step)]
+  while queue and hi is None:
+    t = queue.pop(0)
     ok = trains(t)
     if ok is None:
       break
     if not ok:
       hi = t
-      break
-    lo, t = t, 2 * t
-  while hi is not None and hi - lo > step:
+    else:
+      lo = max(lo, t)
+      queue = guesses(lo) if not queue else queue
+      if not queue and 2 * lo <= args.search_max:
+        queue = [2 * lo]
+  while hi is not None and hi - lo > step and not out_of_time:
     mid = (lo + hi) // 2 // step * step
     ok = trains(mid) if mid > lo else None
     if ok is None:
@@ -472,6 +533,7 @@ def run(args) -> dict:
       print(f"skipping remat presets {skipped}: this jax_cp's "
             "TransformerLayer has no remat field", flush=True)
   records: list[dict] = []
+  searches = 0
   for remat in presets:
     for cp in args.cp:
       for t in sorted(set(args.seq_lens)):
@@ -479,7 +541,13 @@ def run(args) -> dict:
         records.append(dict(kind="run", **rec))
         _print(rec)
       if args.search:
-        s = longest_trainable(args, cp, remat, records)
+        budget = None
+        if args.time_budget is not None:
+          left = len(presets) * len(args.cp) - searches
+          budget = max(0.0, args.time_budget - (
+              time.monotonic() - args.started)) / left
+        searches += 1
+        s = longest_trainable(args, cp, remat, records, budget)
         records.append(s)
         print(f"longest T that trains ({model_name(args)}, cp={cp}, "
               f"{remat}): {fmt_tokens(s['longest_seq_len'] or 0)} (first "

@@ -80,3 +80,29 @@ def test_cpu_run_writes_json_and_report(tmp_path):
   text = md.read_text()
   assert text.count("| cpu | example* | 256 |") == 2
   assert os.path.basename(path).startswith("memory_")
+
+
+def test_search_predicts_the_limit(monkeypatch):
+  """With a memory limit and runs whose planned bytes grow linearly, the
+  search tries around the predicted limit first: a few tries, not the
+  doubling's and bisection's dozen, and still the exact answer."""
+  per_token, fixed, limit = 50_000, 3 * 10**9, 40e9
+  seen = []
+
+  def fake(args, t, cp, remat, timed=True):
+    seen.append(t)
+    need = fixed + per_token * t
+    return dict(model="m", seq_len=t, cp=cp, remat=remat,
+                status="ok" if need <= limit else "oom",
+                temp_bytes=per_token * t, argument_bytes=fixed)
+
+  monkeypatch.setattr(bench_memory, "measure", fake)
+  args = _args(["--search", "--memory-limit", "40", "--search-start",
+                "64k"])
+  got = bench_memory.longest_trainable(args, 1, "none", [])
+  want = int((limit - fixed) / per_token) // 16384 * 16384
+  assert got["longest_seq_len"] == want
+  assert got["first_failing_seq_len"] == want + 16384
+  assert len(seen) <= 6, seen
+  assert bench_memory.predict_longest([(10, 30), (20, 50)], 0, 90) == 40
+  assert bench_memory.predict_longest([(10, 30)], 10, 90) == 40
