@@ -350,9 +350,11 @@ def measure(args, seq_len: int, cp: int, remat: str, *, timed: bool = True
                  mfu=(flops / (ms / 1e3) / (peak * 1e12 * cp)
                       if peak else None))
   except Exception as err:  # pylint: disable=broad-except
-    if not (is_out_of_memory(err) or isinstance(err, MemoryError)):
-      raise
-    rec.update(status="oom", error=f"{type(err).__name__}: {err}"[:600],
+    # Recorded, not raised: one preset that does not run (e.g. host
+    # offload where XLA lacks it) leaves the others measured.
+    oom = is_out_of_memory(err) or isinstance(err, MemoryError)
+    rec.update(status="oom" if oom else "error",
+               error=f"{type(err).__name__}: {err}"[:1200],
                **device_memory())
   finally:
     del step
@@ -377,6 +379,8 @@ def _print(rec: dict) -> None:
     line += (f"  {rec['ms_per_step']:9.1f} ms {rec['tok_per_s']:10.0f} tok/s"
              + (f" MFU {mfu:.1%}" if mfu is not None else ""))
   print(line, flush=True)
+  if rec.get("status") == "error":
+    print(f"  error: {rec['error']}", flush=True)
 
 
 def planned_bytes(rec: dict) -> int | None:
@@ -427,18 +431,21 @@ def longest_trainable(args, cp: int, remat: str, listed: list[dict],
   points = [(r["seq_len"], planned_bytes(r)) for r in mine
             if r["status"] == "ok" and planned_bytes(r)]
   tries: list[dict] = []
-  out_of_time = False
+  stopped = False
 
   def trains(n: int) -> bool | None:
     """Whether a step at ``n`` runs; None when out of time."""
-    nonlocal out_of_time
+    nonlocal stopped
     if n in known:
       return known[n]
     if budget_s is not None and time.monotonic() - started > budget_s:
-      out_of_time = True
+      stopped = True
       return None
     rec = measure(args, n, cp, remat, timed=False)
     tries.append(rec)
+    if rec["status"] == "error":    # not memory: no T will do
+      stopped = True
+      return None
     known[n] = rec["status"] == "ok"
     if known[n] and planned_bytes(rec):
       points.append((n, planned_bytes(rec)))
@@ -473,7 +480,7 @@ def longest_trainable(args, cp: int, remat: str, listed: list[dict],
       queue = guesses(lo) if not queue else queue
       if not queue and 2 * lo <= args.search_max:
         queue = [2 * lo]
-  while hi is not None and hi - lo > step and not out_of_time:
+  while hi is not None and hi - lo > step and not stopped:
     mid = (lo + hi) // 2 // step * step
     ok = trains(mid) if mid > lo else None
     if ok is None:
@@ -482,7 +489,9 @@ def longest_trainable(args, cp: int, remat: str, listed: list[dict],
   return dict(kind="search", model=model_name(args), cp=cp, remat=remat,
               longest_seq_len=lo or None, first_failing_seq_len=hi,
               search_step=step, search_max=args.search_max,
-              out_of_time=out_of_time,
+              stopped_early=stopped,
+              error=next((r["error"] for r in tries
+                          if r["status"] == "error"), None),
               tries=[dict(seq_len=r["seq_len"], status=r["status"])
                      for r in tries])
 
@@ -556,11 +565,16 @@ def run(args) -> dict:
     print("skipping the A/B: this jax_cp's TransformerLayer has no remat "
           "field", flush=True)
   elif args.ab is not None:
-    ab = paired_ab(args, args.ab, min(args.cp))
-    records.append(ab)
-    print(f"A/B at T={fmt_tokens(args.ab)}: none {ab['ms_a']:.1f} ms, "
-          f"save_context {ab['ms_b']:.1f} ms "
-          f"({ab['save_context_over_none']:.3f}x)", flush=True)
+    try:
+      ab = paired_ab(args, args.ab, min(args.cp))
+    except Exception as err:  # pylint: disable=broad-except
+      print(f"A/B at T={fmt_tokens(args.ab)} failed: {err}"[:1200],
+            flush=True)
+    else:
+      records.append(ab)
+      print(f"A/B at T={fmt_tokens(args.ab)}: none {ab['ms_a']:.1f} ms, "
+            f"save_context {ab['ms_b']:.1f} ms "
+            f"({ab['save_context_over_none']:.3f}x)", flush=True)
   from benchmarks import results  # pylint: disable=import-outside-toplevel
   return {"env": results.environment(
       xla_flags=os.environ.get("XLA_FLAGS", ""),
@@ -654,6 +668,10 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
     for d, r in searches:
       tries = ", ".join(f"{fmt_tokens(t['seq_len'])} {t['status']}"
                         for t in r["tries"])
+      if r.get("error"):
+        tries += f"; error: {r['error'][:160]}"
+      elif r.get("stopped_early"):
+        tries += "; stopped by the time budget"
       first = r.get("first_failing_seq_len")
       lines.append(
           f"| {d['env']['device_kind']} | {r['model']} | {r['cp']} | "
