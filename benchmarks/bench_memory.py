@@ -419,7 +419,7 @@ def longest_trainable(args, cp: int, remat: str, listed: list[dict],
   """The longest T that trains, to ``--search-step``. T doubles from the
   start until a step fails, then the bracket is bisected. Where the device
   reports its memory limit, the runs so far predict where the limit is
-  (:func:`predict_longest`) and the search tries 5 % below and above that
+  (:func:`predict_longest`) and the search tries 3 % below and above that
   first, so that the bracket is narrow from the start. ``budget_s``:
   seconds after which no new T is tried (the bracket so far is returned).
   """
@@ -453,7 +453,7 @@ def longest_trainable(args, cp: int, remat: str, listed: list[dict],
     return known[n]
 
   def guesses(lo: int) -> list[int]:
-    """5 % below and above the predicted limit, past ``lo``."""
+    """3 % below and above the predicted limit, past ``lo``."""
     limit = (args.memory_limit * 1e9 if args.memory_limit is not None
              else device_memory().get("bytes_limit"))
     fixed = min((r.get("argument_bytes", 0) for r in mine + tries
@@ -461,7 +461,7 @@ def longest_trainable(args, cp: int, remat: str, listed: list[dict],
     t = predict_longest(points, fixed, limit) if limit else None
     if t is None:
       return []
-    out = [int(0.95 * t) // step * step, -(-int(1.05 * t) // step) * step]
+    out = [int(0.97 * t) // step * step, -(-int(1.03 * t) // step) * step]
     return [g for g in out if g > lo and g <= args.search_max]
 
   lo, hi = 0, None
