@@ -44,7 +44,6 @@ import glob
 import inspect
 import os
 import re
-import sys
 import time
 from collections.abc import Sequence
 
@@ -129,21 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="the report rebuilt from every memory_*.json in --out "
                       "('' : none)")
   p.add_argument("--tag", default="", help="appended to the JSON name")
+  p.add_argument("--no-xla-flags", action="store_true",
+                 help="GPU: do not add the example's XLA flags")
   return p
-
-
-def _configure(args) -> None:
-  """Before jax is imported: CPU devices for the largest cp."""
-  if args.device == "cpu":
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-      os.environ["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_"
-                                 f"count={max(args.cp)}").strip()
-  else:
-    sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "examples"))
-    import xla_flags  # pylint: disable=import-outside-toplevel
-    xla_flags.add_gpu_flags()
 
 
 def remat_supported() -> bool:
@@ -624,6 +611,15 @@ def plot(results: list[dict], path: str) -> str | None:
   return path
 
 
+def _table(title: str | None, header: Sequence[str],
+           rows: Sequence[Sequence[object]]) -> list[str]:
+  """A markdown table (under a ``##`` title when given)."""
+  out = [f"## {title}", ""] if title else []
+  out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+  return out + [""]
+
+
 def markdown(results: list[dict], plot_name: str | None) -> str:
   """MEMORY.md: the runs, the longest T per preset, the A/B."""
   gb = lambda v: "-" if v is None else f"{v / 1e9:.2f}"
@@ -637,60 +633,51 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
            "call (`jax_cp.attention.cudnn_workspace`), allocated at run "
            "time on top of XLA's buffers; *B/tok/layer*: temp per local "
            "token per layer.", ""]
-  runs = [(d, r) for d in results for r in d["records"]
-          if r.get("kind") == "run"]
+  of = lambda kind: [(d["env"].get("device_kind"), r) for d in results
+                     for r in d["records"] if r.get("kind") == kind]
+  runs = sorted(of("run"), key=lambda x: (
+      x[1]["model"], x[1]["remat"], x[1]["cp"], x[1]["seq_len"]))
   if runs:
-    lines += ["| device | model | T | cp | remat | status | temp GB | "
-              "args GB | peak GB | scratch GB | B/tok/layer | ms/step | "
-              "tok/s | MFU |", "|" + "---|" * 14]
-    for d, r in sorted(runs, key=lambda x: (
-        x[1]["model"], x[1]["remat"], x[1]["cp"], x[1]["seq_len"])):
-      mfu = r.get("mfu")
-      lines.append(
-          f"| {d['env']['device_kind']} | {r['model']} | "
-          f"{fmt_tokens(r['seq_len'])} | {r['cp']} | {r['remat']} | "
-          f"{r.get('status')} | {gb(r.get('temp_bytes'))} | "
-          f"{gb(r.get('argument_bytes'))} | "
-          f"{gb(r.get('peak_bytes_in_use'))} | "
-          f"{gb(r.get('attention_scratch_bytes'))} | "
-          + (f"{r['temp_bytes_per_token_per_layer']:.0f}"
-             if r.get("temp_bytes_per_token_per_layer") else "-") + " | "
-          + (f"{r['ms_per_step']:.1f} | {r['tok_per_s']:.0f}"
-             if r.get("ms_per_step") else "- | -") + " | "
-          + (f"{mfu:.1%}" if mfu is not None else "-") + " |")
-    lines.append("")
-  searches = [(d, r) for d in results for r in d["records"]
-              if r.get("kind") == "search"]
-  if searches:
-    lines += ["## Longest T that trains", "",
-              "| device | model | cp | remat | longest T | first failing T |"
-              " tries |", "|" + "---|" * 7]
-    for d, r in searches:
-      tries = ", ".join(f"{fmt_tokens(t['seq_len'])} {t['status']}"
-                        for t in r["tries"])
-      if r.get("error"):
-        tries += f"; error: {r['error'][:160]}"
-      elif r.get("stopped_early"):
-        tries += "; stopped by the time budget"
-      first = r.get("first_failing_seq_len")
-      lines.append(
-          f"| {d['env']['device_kind']} | {r['model']} | {r['cp']} | "
-          f"{r['remat']} | {fmt_tokens(r['longest_seq_len'] or 0)} | "
-          f"{fmt_tokens(first) if first else '-'} | {tries} |")
-    lines.append("")
-  abs_ = [(d, r) for d in results for r in d["records"]
-          if r.get("kind") == "ab"]
-  if abs_:
-    lines += ["## save_context against none (paired A/B)", "",
-              "| device | model | T | cp | none ms | save_context ms | "
-              "save_context / none (IQR) |", "|" + "---|" * 7]
-    for d, r in abs_:
-      lines.append(
-          f"| {d['env']['device_kind']} | {r['model']} | "
-          f"{fmt_tokens(r['seq_len'])} | {r['cp']} | {r['ms_a']:.1f} | "
-          f"{r['ms_b']:.1f} | {r['save_context_over_none']:.3f} "
-          f"({r['ratio_q1']:.3f}-{r['ratio_q3']:.3f}) |")
-    lines.append("")
+    per = lambda r: r.get("temp_bytes_per_token_per_layer")
+    lines += _table(None, (
+        "device", "model", "T", "cp", "remat", "status", "temp GB",
+        "args GB", "peak GB", "scratch GB", "B/tok/layer", "ms/step",
+        "tok/s", "MFU"), [
+            (dev, r["model"], fmt_tokens(r["seq_len"]), r["cp"],
+             r["remat"], r.get("status"), gb(r.get("temp_bytes")),
+             gb(r.get("argument_bytes")), gb(r.get("peak_bytes_in_use")),
+             gb(r.get("attention_scratch_bytes")),
+             f"{per(r):.0f}" if per(r) else "-",
+             f"{r['ms_per_step']:.1f}" if r.get("ms_per_step") else "-",
+             f"{r['tok_per_s']:.0f}" if r.get("tok_per_s") else "-",
+             f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-")
+            for dev, r in runs])
+
+  def tries(r):
+    text = ", ".join(f"{fmt_tokens(t['seq_len'])} {t['status']}"
+                     for t in r["tries"])
+    if r.get("error"):
+      return text + f"; error: {r['error'][:160]}"
+    return text + ("; stopped by the time budget"
+                   if r.get("stopped_early") else "")
+
+  if of("search"):
+    lines += _table("Longest T that trains", (
+        "device", "model", "cp", "remat", "longest T", "first failing T",
+        "tries"), [
+            (dev, r["model"], r["cp"], r["remat"],
+             fmt_tokens(r["longest_seq_len"] or 0),
+             fmt_tokens(r["first_failing_seq_len"])
+             if r.get("first_failing_seq_len") else "-", tries(r))
+            for dev, r in of("search")])
+  if of("ab"):
+    lines += _table("save_context against none (paired A/B)", (
+        "device", "model", "T", "cp", "none ms", "save_context ms",
+        "save_context / none (IQR)"), [
+            (dev, r["model"], fmt_tokens(r["seq_len"]), r["cp"],
+             f"{r['ms_a']:.1f}", f"{r['ms_b']:.1f}",
+             f"{r['save_context_over_none']:.3f} ({r['ratio_q1']:.3f}-"
+             f"{r['ratio_q3']:.3f})") for dev, r in of("ab")])
   skipped = sorted({p for d in results for p in d["env"].get(
       "skipped_presets", [])})
   if skipped:
@@ -724,7 +711,10 @@ def main(argv: Sequence[str] | None = None) -> str:
     parse_tokens(value if eq else entry)
   if args.dtype is None:
     args.dtype = "bfloat16" if args.device == "gpu" else "float32"
-  _configure(args)
+  # The platform set-up of bench_step (CPU devices for the largest cp, or
+  # the example's GPU flags), before jax is imported.
+  from benchmarks import bench_step  # pylint: disable=import-outside-toplevel
+  bench_step._configure(args)  # pylint: disable=protected-access
   args.started = time.monotonic()
   result = run(args)
   from benchmarks import results  # pylint: disable=import-outside-toplevel

@@ -73,6 +73,15 @@ def _axes(value, argname: str) -> tuple[str, ...]:
   return axes
 
 
+def _optional_bound(value, argname: str) -> int | None:
+  """``value`` as an int, checked to be None or a positive int."""
+  if value is not None and (isinstance(value, bool) or not isinstance(
+      value, (int, np.integer)) or value < 1):
+    raise ValueError(f"{argname} must be None or a positive int, got "
+                     f"{value!r}")
+  return None if value is None else int(value)
+
+
 def _check_comm_type(value, argname: str) -> None:
   if value not in (*checks.CP_COMM_TYPES, checks.CP_COMM_LOCAL_COPIES):
     raise ValueError(f"{argname}={value!r} is not supported; jax_cp "
@@ -145,13 +154,7 @@ class CPLayout:
     _check_comm_type(self.comm_type, "comm_type")
     if not isinstance(self.backend, str):
       raise ValueError(f"backend must be a string, got {self.backend!r}")
-    w = self.max_seqlen
-    if w is not None and (isinstance(w, bool) or not isinstance(
-        w, (int, np.integer)) or w < 1):
-      raise ValueError(f"max_seqlen must be None or a positive int, got "
-                       f"{w!r}")
-    if w is not None:
-      set_("max_seqlen", int(w))
+    set_("max_seqlen", _optional_bound(self.max_seqlen, "max_seqlen"))
     checks.check_max_seqlen_violation(self.max_seqlen_violation)
     if self.view not in VIEWS:
       raise ValueError(f"view={self.view!r} is not one of {list(VIEWS)}")
@@ -426,13 +429,8 @@ class CPBatch:
     if not isinstance(self.layout, CPLayout):
       raise ValueError(f"CPBatch.layout must be a CPLayout, got "
                        f"{type(self.layout).__name__}")
-    w = self.checked_max_seqlen
-    if w is not None and (isinstance(w, bool) or not isinstance(
-        w, (int, np.integer)) or w < 1):
-      raise ValueError(f"checked_max_seqlen must be None or a positive int, "
-                       f"got {w!r}")
-    if w is not None:
-      object.__setattr__(self, "checked_max_seqlen", int(w))
+    object.__setattr__(self, "checked_max_seqlen", _optional_bound(
+        self.checked_max_seqlen, "checked_max_seqlen"))
 
   def check_on_host(self, max_seqlen: int | None = None) -> CPBatch:
     """This batch, recording that its metadata hold no padded document
