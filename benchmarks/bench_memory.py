@@ -668,7 +668,8 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
             (dev, r["model"], r["cp"], r["remat"],
              fmt_tokens(r["longest_seq_len"] or 0),
              fmt_tokens(r["first_failing_seq_len"])
-             if r.get("first_failing_seq_len") else "-", tries(r))
+             if r.get("first_failing_seq_len")
+             else f"none up to {fmt_tokens(r['search_max'])}", tries(r))
             for dev, r in of("search")])
   if of("ab"):
     lines += _table("save_context against none (paired A/B)", (
