@@ -185,29 +185,25 @@ class Step:
     return self.fn(state, batch)
 
 
-def build_step(args, seq_len: int, cp: int, remat: str,
-               donate: bool = True) -> Step:
-  """The example's model, an AdamW step over one packed row, compiled."""
+def _example_train():
+  """``examples.packed_lm.train`` (the example's optimizer, sharded state
+  and step), or None where this checkout's example has none."""
+  try:
+    from examples.packed_lm import train  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+  return train
+
+
+def _local_step(model):
+  """``(step, state)``: an AdamW step over ``(params, opt_state)`` with the
+  example's loss, for an example package without ``train``."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
-
-  import jax_cp  # pylint: disable=import-outside-toplevel
-  from examples.packed_lm import model as lm  # pylint: disable=import-outside-toplevel
-  cfg = _model_config(args, seq_len, cp, remat)
-  rows = _rows(cfg, cp)
-  mesh = jax.make_mesh((1, cp), (lm.DATA, lm.CP),
-                       devices=jax.devices()[:cp])
-  layout = lm.make_layout(cfg, mesh, max_seqlen=rows.max_seqlen)
-  batch = jax_cp.make_global_batch(rows.tensors, rows.cu_seqlens_padded,
-                                   layout, cu_seqlens=rows.cu_seqlens)
-  with jax.set_mesh(mesh):
-    model = lm.PackedLM(cfg, layout, rngs=nnx.Rngs(cfg.seed))
-  n_params = lm.matmul_params(model)
   graphdef, params = nnx.split(model)
   tx = optax.adamw(1e-4)
-  state = (params, tx.init(params))
 
   def loss_fn(params, batch):
     logits = nnx.merge(graphdef, params)(batch)
@@ -222,9 +218,41 @@ def build_step(args, seq_len: int, cp: int, remat: str,
     updates, opt = tx.update(grads, opt, params)
     return (optax.apply_updates(params, updates), opt), loss
 
-  fn = jax.jit(step, donate_argnums=(0,) if donate else ())
-  t0 = time.perf_counter()
+  return jax.jit(step, donate_argnums=0), (params, tx.init(params))
+
+
+def build_step(args, seq_len: int, cp: int, remat: str) -> Step:
+  """The example's model and training step over one packed row, compiled
+  (the state is donated: call it as ``state, loss = step(state, batch)``).
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  import jax_cp  # pylint: disable=import-outside-toplevel
+  from examples.packed_lm import model as lm  # pylint: disable=import-outside-toplevel
+  cfg = _model_config(args, seq_len, cp, remat)
+  rows = _rows(cfg, cp)
+  # As the example's mesh: Auto axes, data x cp.
+  mesh = jax.make_mesh((1, cp), (lm.DATA, lm.CP),
+                       devices=jax.devices()[:cp],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  layout = lm.make_layout(cfg, mesh, max_seqlen=rows.max_seqlen)
+  batch = jax_cp.make_global_batch(rows.tensors, rows.cu_seqlens_padded,
+                                   layout, cu_seqlens=rows.cu_seqlens)
+  train = _example_train()
   with jax.set_mesh(mesh):
+    if train is not None:
+      tx = train.make_optimizer(cfg)
+      graphdef, state, shardings = train.init_state(cfg, layout, tx, mesh)
+      model = nnx.merge(graphdef, state)[0]
+      fn = train.make_train_step(graphdef, shardings, mesh,
+                                 cfg.param_sharding)
+    else:
+      model = lm.PackedLM(cfg, layout, rngs=nnx.Rngs(cfg.seed))
+      fn, state = _local_step(model)
+    n_params = lm.matmul_params(model)
+    del model
+    t0 = time.perf_counter()
     compiled = fn.lower(state, batch).compile()
   return Step(compiled, state, batch, compiled, rows, n_params, cfg,
               time.perf_counter() - t0)
@@ -281,9 +309,16 @@ def _resolved_backend(args) -> str:
 
 
 def _peak_tflops(args) -> float | None:
+  """``--peak-tflops``, else the example's table for this GPU (989 on GPU
+  without it), else None (no MFU)."""
+  import jax  # pylint: disable=import-outside-toplevel
   if args.peak_tflops is not None:
     return args.peak_tflops
-  return 989.0 if args.device == "gpu" else None
+  if args.device != "gpu":
+    return None
+  train = _example_train()
+  peak = train.peak_tflops(jax.devices()[0]) if train is not None else None
+  return peak or 989.0
 
 
 def measure(args, seq_len: int, cp: int, remat: str, *, timed: bool = True
@@ -506,11 +541,19 @@ def paired_ab(args, seq_len: int, cp: int) -> dict:
   """``none`` (A) against ``save_context`` (B) at ``seq_len``, timed in
   alternation (``benchmarks.timing.paired``): ratio = time(A) / time(B)."""
   from benchmarks import timing  # pylint: disable=import-outside-toplevel
-  a = build_step(args, seq_len, cp, "none", donate=False)
-  b = build_step(args, seq_len, cp, "save_context", donate=False)
-  r = timing.paired(a.fn, [(a.state, a.batch)], b.fn, [(b.state, b.batch)],
-                    reps=args.ab_reps, warmup=1)
-  del a, b
+  steps = [build_step(args, seq_len, cp, p) for p in ("none",
+                                                       "save_context")]
+
+  def runner(step: Step):
+    """One step per call, the donated state carried along."""
+    def run_one():
+      step.state, loss = step(step.state, step.batch)
+      return loss
+    return run_one
+
+  a, b = (runner(s) for s in steps)
+  r = timing.paired(a, [()], b, [()], reps=args.ab_reps, warmup=1)
+  del steps, a, b
   gc.collect()
   return dict(kind="ab", model=model_name(args), seq_len=seq_len, cp=cp,
               a="none", b="save_context", ms_a=r.ms_a, ms_b=r.ms_b,

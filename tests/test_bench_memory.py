@@ -106,3 +106,38 @@ def test_search_predicts_the_limit(monkeypatch):
   assert len(seen) <= 6, seen
   assert bench_memory.predict_longest([(10, 30), (20, 50)], 0, 90) == 40
   assert bench_memory.predict_longest([(10, 30)], 10, 90) == 40
+
+
+def test_paired_ab_carries_the_donated_state(monkeypatch):
+  """The A/B calls each step with the state the previous call returned
+  (the example's step donates it), and reports save_context / none."""
+  import jax
+  import jax.numpy as jnp
+
+  calls = {"none": 0, "save_context": 0}
+
+  def fake_build(args, t, cp, remat):
+    work = 2 if remat == "none" else 1
+
+    @jax.jit
+    def fn(state, batch):
+      x = state
+      for _ in range(20 * work):
+        x = jnp.tanh(x @ batch)
+      return x, jnp.sum(x)
+
+    def counted(state, batch):
+      calls[remat] += 1
+      return fn(state, batch)
+
+    x = jnp.ones((64, 64)) / 64
+    return bench_memory.Step(counted, x, x, None, None, 0, None, 0.0)
+
+  monkeypatch.setattr(bench_memory, "build_step", fake_build)
+  args = _args(["--ab", "256", "--ab-reps", "2"])
+  got = bench_memory.paired_ab(args, 256, 1)
+  assert got["kind"] == "ab" and got["a"] == "none"
+  assert got["ms_a"] > 0 and got["ms_b"] > 0
+  assert got["save_context_over_none"] == pytest.approx(
+      got["ms_b"] / got["ms_a"], rel=0.5)
+  assert calls["none"] > 2 and calls["save_context"] > 2
