@@ -460,10 +460,16 @@ def longest_trainable(args, cp: int, remat: str, listed: list[dict],
     nonlocal stopped
     if n in known:
       return known[n]
-    if budget_s is not None and time.monotonic() - started > budget_s:
+    # No try that would end past the budget (a try takes about as long as
+    # the one before).
+    last = tries[-1]["try_s"] if tries else 0.0
+    if budget_s is not None and (time.monotonic() - started + last
+                                 > budget_s):
       stopped = True
       return None
+    t0 = time.monotonic()
     rec = measure(args, n, cp, remat, timed=False)
+    rec["try_s"] = time.monotonic() - t0
     tries.append(rec)
     if rec["status"] == "error":    # not memory: no T will do
       stopped = True
@@ -514,8 +520,8 @@ def longest_trainable(args, cp: int, remat: str, listed: list[dict],
               stopped_early=stopped,
               error=next((r["error"] for r in tries
                           if r["status"] == "error"), None),
-              tries=[dict(seq_len=r["seq_len"], status=r["status"])
-                     for r in tries])
+              tries=[dict(seq_len=r["seq_len"], status=r["status"],
+                          seconds=round(r["try_s"], 1)) for r in tries])
 
 
 def search_start(args, remat: str) -> int | None:
@@ -572,25 +578,7 @@ def run(args) -> dict:
       print(f"skipping remat presets {skipped}: this jax_cp's "
             "TransformerLayer has no remat field", flush=True)
   records: list[dict] = []
-  searches = 0
-  for remat in presets:
-    for cp in args.cp:
-      for t in sorted(set(args.seq_lens)):
-        rec = measure(args, t, cp, remat)
-        records.append(dict(kind="run", **rec))
-        _print(rec)
-      if args.search:
-        budget = None
-        if args.time_budget is not None:
-          left = len(presets) * len(args.cp) - searches
-          budget = max(0.0, args.time_budget - (
-              time.monotonic() - args.started)) / left
-        searches += 1
-        s = longest_trainable(args, cp, remat, records, budget)
-        records.append(s)
-        print(f"longest T that trains ({model_name(args)}, cp={cp}, "
-              f"{remat}): {fmt_tokens(s['longest_seq_len'] or 0)} (first "
-              f"failing: {s['first_failing_seq_len']})", flush=True)
+  # The A/B first: the searches then share the time that is left.
   if args.ab is not None and not remat_supported():
     print("skipping the A/B: this jax_cp's TransformerLayer has no remat "
           "field", flush=True)
@@ -605,6 +593,22 @@ def run(args) -> dict:
       print(f"A/B at T={fmt_tokens(args.ab)}: none {ab['ms_a']:.1f} ms, "
             f"save_context {ab['ms_b']:.1f} ms "
             f"({ab['save_context_over_none']:.3f}x)", flush=True)
+  groups = [(remat, cp) for remat in presets for cp in args.cp]
+  for remat, cp in groups:
+    for t in sorted(set(args.seq_lens)):
+      rec = measure(args, t, cp, remat)
+      records.append(dict(kind="run", **rec))
+      _print(rec)
+  for i, (remat, cp) in enumerate(groups if args.search else []):
+    budget = None
+    if args.time_budget is not None:
+      budget = max(0.0, args.time_budget - (
+          time.monotonic() - args.started)) / (len(groups) - i)
+    s = longest_trainable(args, cp, remat, records, budget)
+    records.append(s)
+    print(f"longest T that trains ({model_name(args)}, cp={cp}, {remat}): "
+          f"{fmt_tokens(s['longest_seq_len'] or 0)} (first failing: "
+          f"{s['first_failing_seq_len']})", flush=True)
   from benchmarks import results  # pylint: disable=import-outside-toplevel
   return {"env": results.environment(
       xla_flags=os.environ.get("XLA_FLAGS", ""),

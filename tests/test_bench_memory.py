@@ -141,3 +141,11 @@ def test_paired_ab_carries_the_donated_state(monkeypatch):
   assert got["save_context_over_none"] == pytest.approx(
       got["ms_b"] / got["ms_a"], rel=0.5)
   assert calls["none"] > 2 and calls["save_context"] > 2
+
+
+def test_search_stops_at_its_budget(monkeypatch):
+  monkeypatch.setattr(bench_memory, "measure", lambda *a, **k: 1 / 0)
+  args = _args(["--search", "--search-start", "64k"])
+  got = bench_memory.longest_trainable(args, 1, "none", [], budget_s=0.0)
+  assert got["stopped_early"] and got["tries"] == []
+  assert got["longest_seq_len"] is None
