@@ -726,6 +726,16 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
              f"{r['ms_a']:.1f}", f"{r['ms_b']:.1f}",
              f"{r['save_context_over_none']:.3f} ({r['ratio_q1']:.3f}-"
              f"{r['ratio_q3']:.3f})") for dev, r in of("ab")])
+  for d in results:
+    env = d["env"]
+    limits = {r["bytes_limit"] for r in d["records"] if r.get("bytes_limit")}
+    lines.append(
+        f"- {env.get('date')}, {env.get('device_kind')}: "
+        f"`XLA_PYTHON_CLIENT_MEM_FRACTION`="
+        f"{env.get('mem_fraction') or 'unset (0.75)'}"
+        + (f", allocator limit {max(limits) / 1e9:.1f} GB" if limits else "")
+        + f"; `{' '.join(_argv(env.get('args', {})))}`")
+  lines.append("")
   skipped = sorted({p for d in results for p in d["env"].get(
       "skipped_presets", [])})
   if skipped:
@@ -734,6 +744,25 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
   if plot_name:
     lines += [f"![bytes per token per layer]({plot_name})", ""]
   return "\n".join(lines)
+
+
+def _argv(args: dict) -> list[str]:
+  """The options of a recorded run that shape what it measured."""
+  keys = ("model", "remat", "seq_lens", "cp", "search", "ab", "time_budget")
+  out = []
+  for k in keys:
+    v = args.get(k)
+    if v in (None, False, [], ""):
+      continue
+    flag = "--" + k.replace("_", "-")
+    if v is True:
+      out.append(flag)
+    elif isinstance(v, list):
+      out += [flag, *(fmt_tokens(x) if isinstance(x, int) and k != "cp"
+                      else str(x) for x in v)]
+    else:
+      out += [flag, fmt_tokens(v) if k == "ab" else str(v)]
+  return out
 
 
 def write_report(out: str, path: str) -> str:
