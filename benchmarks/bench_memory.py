@@ -521,7 +521,9 @@ def longest_trainable(args, cp: int, remat: str, listed: list[dict],
               error=next((r["error"] for r in tries
                           if r["status"] == "error"), None),
               tries=[dict(seq_len=r["seq_len"], status=r["status"],
-                          seconds=round(r["try_s"], 1)) for r in tries])
+                          seconds=round(r["try_s"], 1),
+                          temp_bytes=r.get("temp_bytes"),
+                          layers=r.get("layers")) for r in tries])
 
 
 def search_start(args, remat: str) -> int | None:
@@ -726,6 +728,7 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
              f"{r['ms_a']:.1f}", f"{r['ms_b']:.1f}",
              f"{r['save_context_over_none']:.3f} ({r['ratio_q1']:.3f}-"
              f"{r['ratio_q3']:.3f})") for dev, r in of("ab")])
+  lines += _growth_table(results)
   for d in results:
     env = d["env"]
     limits = {r["bytes_limit"] for r in d["records"] if r.get("bytes_limit")}
@@ -744,6 +747,39 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
   if plot_name:
     lines += [f"![bytes per token per layer]({plot_name})", ""]
   return "\n".join(lines)
+
+
+def _growth_table(results: list[dict]) -> list[str]:
+  """Per (device, model, preset, cp): XLA temp bytes per additional local
+  token per layer, the slope between the shortest and the longest T
+  compiled (listed runs and search tries): what a layer keeps per token,
+  without the fixed part (gradients and optimizer temporaries)."""
+  points: dict[tuple, dict[int, tuple[int, int]]] = {}
+  for d in results:
+    dev = d["env"].get("device_kind")
+    for r in d["records"]:
+      found = ([r] if r.get("kind") == "run" else
+               [dict(t, model=r["model"], remat=r["remat"], cp=r["cp"])
+                for t in r.get("tries", [])] if r.get("kind") == "search"
+               else [])
+      for x in found:
+        if x.get("temp_bytes") and x.get("layers"):
+          key = (dev, x["model"], x["remat"], x["cp"])
+          points.setdefault(key, {})[x["seq_len"] // x["cp"]] = (
+              x["temp_bytes"], x["layers"])
+  rows = []
+  for (dev, model, remat, cp), pts in sorted(points.items()):
+    if len(pts) < 2:
+      continue
+    (t0, (b0, layers)), (t1, (b1, _)) = min(pts.items()), max(pts.items())
+    rows.append((dev, model, remat, cp,
+                 f"{fmt_tokens(t0 * cp)}-{fmt_tokens(t1 * cp)}",
+                 f"{(b1 - b0) / (t1 - t0) / layers:.0f}"))
+  if not rows:
+    return []
+  return _table("Growth per token", (
+      "device", "model", "remat", "cp", "T range", "temp B per local token "
+      "per layer (slope)"), rows)
 
 
 def _argv(args: dict) -> list[str]:

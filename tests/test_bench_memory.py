@@ -149,3 +149,18 @@ def test_search_stops_at_its_budget(monkeypatch):
   got = bench_memory.longest_trainable(args, 1, "none", [], budget_s=0.0)
   assert got["stopped_early"] and got["tries"] == []
   assert got["longest_seq_len"] is None
+
+
+def test_growth_table_is_the_slope():
+  """Bytes per added local token per layer, from a run and a search try;
+  the fixed part of the temp memory drops out."""
+  fixed, per = 5 * 10**9, 3000
+  run = dict(kind="run", model="big", remat="full", cp=2, seq_len=1 << 16,
+             temp_bytes=fixed + per * 4 * (1 << 15), layers=4)
+  search = dict(kind="search", model="big", remat="full", cp=2, tries=[
+      dict(seq_len=1 << 18, status="ok", layers=4,
+           temp_bytes=fixed + per * 4 * (1 << 17))])
+  lines = bench_memory._growth_table(
+      [dict(env=dict(device_kind="H200"), records=[run, search])])
+  assert lines[0] == "## Growth per token"
+  assert lines[-2] == "| H200 | big | full | 2 | 64k-256k | 3000 |"
