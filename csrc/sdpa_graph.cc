@@ -320,6 +320,36 @@ ffi::ErrorOr<std::shared_ptr<const BuiltGraph>> GetOrBuild(
   return cache.graphs.emplace(key, *built).first->second;
 }
 
+std::string Gigabytes(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2f GB", static_cast<double>(bytes) / 1e9);
+  return buf;
+}
+
+// What a failed workspace allocation asked for. For the backward, the
+// frontend's float32 buffers sized by the packed token totals (set in
+// DescribeBackward; jax_cp/attention/cudnn_workspace.py has the same
+// formula): the dQ accumulator, dK/dV at the query heads with GQA, and the
+// softmax sums.
+std::string WorkspaceFailure(const char* call, const SdpaGraphKey& key,
+                             int64_t bytes) {
+  std::string msg = CallContext(call, key) + ": workspace allocation of " +
+                    std::to_string(bytes) + " bytes (" + Gigabytes(bytes) +
+                    ") failed";
+  if (key.direction != SdpaDirection::kBackward) return msg;
+  const int64_t f32 = 4, hq = key.heads_q, d = key.head_dim;
+  const int64_t dq = key.tokens_q * hq * d * f32;
+  const int64_t dkv =
+      key.heads_q != key.heads_kv ? 2 * key.tokens_kv * hq * d * f32 : 0;
+  const int64_t sums = key.tokens_q * hq * f32;
+  return msg + "; the cuDNN backward keeps float32 buffers sized by the " +
+         "call's tokens: dQ accumulator Tq*Hq*D*4 = " + Gigabytes(dq) +
+         ", dK/dV at Hq heads (GQA) 2*Tkv*Hq*D*4 = " + Gigabytes(dkv) +
+         ", softmax sums Tq*Hq*4 = " + Gigabytes(sums) +
+         " (jax_cp.attention.cudnn_workspace.backward_workspace); fewer " +
+         "tokens per call (a larger cp size) shrink it";
+}
+
 ffi::Error RunSdpaGraphImpl(const char* call, const SdpaGraphKey& key,
                             cudaStream_t stream, ffi::ScratchAllocator& scratch,
                             std::unordered_map<int64_t, void*>& uid_to_ptr) {
@@ -356,9 +386,7 @@ ffi::Error RunSdpaGraphImpl(const char* call, const SdpaGraphKey& key,
         scratch.Allocate(static_cast<size_t>(built.workspace_bytes), 16);
     if (!ws.has_value()) {
       return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        CallContext(call, key) + ": workspace allocation of " +
-                            std::to_string(built.workspace_bytes) +
-                            " bytes failed");
+                        WorkspaceFailure(call, key, built.workspace_bytes));
     }
     workspace = *ws;
   }

@@ -80,7 +80,7 @@ def cp_attention_fn(layout: CPLayout | None = None, *,
     given = {k: v for k, v in unsupported.items() if v is not None}
     if given:
       raise ValueError(f"cp_attention_fn does not support {sorted(given)}")
-    use = mask.layout if layout is None else layout
+    use = (mask.layout if layout is None else layout).for_batch(mask)
     cu_seqlens, cu_seqlens_padded = mask.metadata(
         use, "the batch given to cp_attention_fn")
     if dtype is not None:

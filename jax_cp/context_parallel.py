@@ -148,7 +148,7 @@ def _layout_and_metadata(what, layout, layout_kwargs, cu_seqlens,
     layout = cu_seqlens.layout
   layout = CPLayout.build(layout, what, **layout_kwargs)
   cu, cuP = unpack_metadata(cu_seqlens, cu_seqlens_padded, layout, what)
-  return layout, cu, cuP
+  return layout.for_batch(cu_seqlens), cu, cuP
 
 
 def _bound_axis_size(cp_axis: str) -> int:
@@ -170,6 +170,7 @@ def _run_local(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded):
   # shard_map into the next (a layer after this one), not one raised
   # outside into it.
   seqlen_guard.check(cfg, cuP)
+  k4, v4 = seqlen_guard.poison(cfg, cuP, k4, v4)
   out = cp_attention_vjp(q4, k4, v4, cu, cuP, cfg)
   return out[0] if squeeze else out
 

@@ -44,9 +44,11 @@ class CPConfig:
     bound_check: what a step does in-graph when its metadata holds a padded
       document longer than ``max_seqlen`` (:mod:`jax_cp.seqlen_guard`):
       ``"fallback"`` (run ``unbounded``), ``"error"`` (a ``checkify``
-      check), or None: nothing to check (no bound below T, concrete
-      metadata, checked by value already, or a bounded program that is
-      exact for longer documents too).
+      check), ``"trusted"`` (checked on the host: no branch, outputs made
+      NaN where the bound is broken all the same,
+      :func:`jax_cp.seqlen_guard.poison`), or None: nothing to check (no
+      bound below T, concrete metadata, checked by value already, or a
+      bounded program that is exact for longer documents too).
     unbounded: with ``bound_check="fallback"``, the same call with
       ``max_seqlen = T`` (the all-gather, or a sliding window's halo;
       bounds of the row length).
@@ -136,11 +138,12 @@ def make_config(q_shape, k_shape, v_shape, dtype, cu_seqlens,
   cfg = config(bound)
   if bound >= total_tokens or checks.concrete(cu_seqlens_padded) is not None:
     return cfg    # no bound, or one checked by value above
-  if max_seqlen_violation == "checked_on_host":
-    return cfg    # the caller checked the values (no in-graph check)
   if max_seqlen_violation == "error":
     return dataclasses.replace(cfg, bound_check="error")
   unbounded = config(total_tokens)
   if seqlen_guard.bounded_program_is_exact(cfg, unbounded):
     return cfg
+  if max_seqlen_violation == "checked_on_host":
+    # The caller checked the values: no branch, only the poison.
+    return dataclasses.replace(cfg, bound_check="trusted")
   return dataclasses.replace(cfg, bound_check="fallback", unbounded=unbounded)

@@ -333,7 +333,10 @@ def make_global_batch(
     int32 metadata ``[B, N+1]`` (``cu_seqlens_padded``, and ``cu_seqlens``
     when given), sharded over ``batch_axis``, replicated over the cp axis;
     and the layout. Pass the batch to the attention and the modules: they
-    check that their layout matches it.
+    check that their layout matches it. With a ``max_seqlen``, the batch
+    records that its metadata were checked against it
+    (``checked_max_seqlen``), so attention given it compiles no fallback
+    branch even under ``jit`` (:class:`jax_cp.CPBatch`).
 
   Raises:
     ValueError: the row count is not what this process's devices hold, a
@@ -433,7 +436,7 @@ def make_global_batch(
       tensors=rebuild(out), cu_seqlens_padded=global_meta(cuP),
       cu_seqlens=(None if cu_seqlens is None
                   else global_meta(np.asarray(cu_seqlens))),
-      layout=layout)
+      layout=layout, checked_max_seqlen=max_seqlen)
 
 
 __all__: Sequence[str] = ("make_global_batch",

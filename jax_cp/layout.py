@@ -73,6 +73,15 @@ def _axes(value, argname: str) -> tuple[str, ...]:
   return axes
 
 
+def _optional_bound(value, argname: str) -> int | None:
+  """``value`` as an int, checked to be None or a positive int."""
+  if value is not None and (isinstance(value, bool) or not isinstance(
+      value, (int, np.integer)) or value < 1):
+    raise ValueError(f"{argname} must be None or a positive int, got "
+                     f"{value!r}")
+  return None if value is None else int(value)
+
+
 def _check_comm_type(value, argname: str) -> None:
   if value not in (*checks.CP_COMM_TYPES, checks.CP_COMM_LOCAL_COPIES):
     raise ValueError(f"{argname}={value!r} is not supported; jax_cp "
@@ -149,13 +158,7 @@ class CPLayout:
     _check_comm_type(self.comm_type, "comm_type")
     if not isinstance(self.backend, str):
       raise ValueError(f"backend must be a string, got {self.backend!r}")
-    w = self.max_seqlen
-    if w is not None and (isinstance(w, bool) or not isinstance(
-        w, (int, np.integer)) or w < 1):
-      raise ValueError(f"max_seqlen must be None or a positive int, got "
-                       f"{w!r}")
-    if w is not None:
-      set_("max_seqlen", int(w))
+    set_("max_seqlen", _optional_bound(self.max_seqlen, "max_seqlen"))
     checks.check_max_seqlen_violation(self.max_seqlen_violation)
     if self.view not in VIEWS:
       raise ValueError(f"view={self.view!r} is not one of {list(VIEWS)}")
@@ -330,6 +333,21 @@ class CPLayout:
     """The settings that decide which tokens each rank holds."""
     return {name: getattr(self, name) for name in _TOKEN_FIELDS}
 
+  def for_batch(self, batch: Any) -> CPLayout:
+    """The layout attention runs ``batch`` with: ``self``, or, where
+    ``batch`` is a :class:`CPBatch` whose metadata were checked on the host
+    against a bound no larger than ``max_seqlen``
+    (:attr:`CPBatch.checked_max_seqlen`) and ``max_seqlen_violation`` is
+    ``"fallback"``, a copy with ``"checked_on_host"``: the step then
+    compiles no fallback branch. Arrays and unchecked batches keep the
+    layout's setting."""
+    checked = getattr(batch, "checked_max_seqlen", None)
+    if (not isinstance(batch, CPBatch) or checked is None
+        or self.max_seqlen is None or checked > self.max_seqlen
+        or self.max_seqlen_violation != "fallback"):
+      return self
+    return self.replace(max_seqlen_violation="checked_on_host")
+
   def check_matches(self, other: CPLayout, what: str) -> None:
     """Raises unless ``other`` puts every token where this layout does.
 
@@ -373,6 +391,23 @@ class CPBatch:
 
   Unpacks as the pair ``(tensors, cu_seqlens_padded)``.
 
+  **Checked on the host.** A batch whose metadata were checked against the
+  layout's ``max_seqlen`` on the host (:func:`jax_cp.make_global_batch`,
+  :meth:`check_on_host`) records the bound in ``checked_max_seqlen``,
+  static data that survives ``jit``: attention given the batch, traced or
+  not, runs as with ``max_seqlen_violation="checked_on_host"``
+  (:meth:`CPLayout.for_batch`), with no fallback branch and none of its
+  memory. The record is a promise about the values of the metadata leaves,
+  and pytree operations keep static data whatever leaves they are given
+  (``jax.tree.map``, ``tree_unflatten``, ``dataclasses.replace``), so a
+  batch whose metadata change after the check keeps it. Attention guards
+  against that: with a trusted bound it still evaluates the bound on the
+  traced metadata (a few integer ops) and makes the outputs and gradients
+  NaN where it is broken (:func:`jax_cp.seqlen_guard.poison`), never a
+  silent wrong answer. To change the metadata, build a new ``CPBatch``
+  (unchecked: the layout's ``max_seqlen_violation`` applies) and call
+  :meth:`check_on_host` on it.
+
   Attributes:
     tensors: the token arrays (one array, or a dict / tuple of arrays) in
       the layout, or None when the batch carries only metadata.
@@ -382,6 +417,8 @@ class CPBatch:
       given; attention then needs it).
     layout: the :class:`CPLayout` the tensors are in (static; keyword
       only, never assumed).
+    checked_max_seqlen: the bound every padded document of the metadata
+      was checked against on the host (static; None: not checked).
   """
 
   tensors: Any
@@ -389,11 +426,37 @@ class CPBatch:
   cu_seqlens: Any = None
   layout: CPLayout = dataclasses.field(kw_only=True,
                                        metadata=dict(static=True))
+  checked_max_seqlen: int | None = dataclasses.field(
+      default=None, kw_only=True, metadata=dict(static=True))
 
   def __post_init__(self):
     if not isinstance(self.layout, CPLayout):
       raise ValueError(f"CPBatch.layout must be a CPLayout, got "
                        f"{type(self.layout).__name__}")
+    object.__setattr__(self, "checked_max_seqlen", _optional_bound(
+        self.checked_max_seqlen, "checked_max_seqlen"))
+
+  def check_on_host(self, max_seqlen: int | None = None) -> CPBatch:
+    """This batch, recording that its metadata hold no padded document
+    longer than ``max_seqlen`` (default: the layout's), checked now on
+    the host.
+
+    Raises:
+      ValueError: no bound (neither ``max_seqlen`` nor the layout's), the
+        metadata are traced (not on the host), or a padded document is
+        longer than the bound.
+    """
+    w = self.layout.max_seqlen if max_seqlen is None else max_seqlen
+    if w is None:
+      raise ValueError("check_on_host needs a bound: max_seqlen=, or a "
+                       "layout with max_seqlen")
+    cuP = checks.concrete(self.cu_seqlens_padded)
+    if cuP is None:
+      raise ValueError("check_on_host needs concrete cu_seqlens_padded (on "
+                       "the host, outside jit); these are traced")
+    checks.check_cu_seqlens_padded(cuP)
+    checks.check_max_seqlen_bound(cuP, w)
+    return dataclasses.replace(self, checked_max_seqlen=w)
 
   def __iter__(self):
     return iter((self.tensors, self.cu_seqlens_padded))

@@ -17,6 +17,14 @@ in the step, as :attr:`jax_cp.cp_config.CPConfig.bound_check` says:
 * ``"error"``: :func:`check` adds a :func:`jax.experimental.checkify.check`;
   the caller wraps the step in :func:`jax.experimental.checkify.checkify`
   and gets the error back (untransformed, tracing it raises and says so).
+* ``"trusted"`` (``max_seqlen_violation="checked_on_host"``, or a
+  :class:`jax_cp.CPBatch` checked on the host): the bounded program only,
+  with no ``cond`` and none of the fallback's memory. :func:`poison` still
+  evaluates the predicate and multiplies the local keys and values by NaN
+  where it holds, so metadata that broke the promise give NaN outputs and
+  gradients instead of a silently wrong answer. The products fuse into the
+  producers of the keys and values: no buffer of their own and no host
+  wait.
 """
 
 from __future__ import annotations
@@ -78,3 +86,16 @@ def run(cfg, cu_seqlens_padded, branch, *operands):
   return jax.lax.cond(exceeds_bound(cu_seqlens_padded, cfg.max_seqlen),
                       functools.partial(branch, cfg.unbounded),
                       functools.partial(branch, cfg), *operands)
+
+
+def poison(cfg, cu_seqlens_padded, *arrays):
+  """With ``bound_check="trusted"``: ``arrays`` (the local keys and
+  values) times NaN where some padded document is longer than the bound,
+  else times 1 (exactly themselves). Both, so that the output and every
+  gradient turn NaN: a backend may treat a NaN row of scores as empty in
+  its backward (the xla backend's ``dv`` would stay finite)."""
+  if cfg.bound_check != "trusted":
+    return arrays
+  broken = exceeds_bound(cu_seqlens_padded, cfg.max_seqlen)
+  return tuple(x * jnp.where(broken, jnp.nan, 1).astype(x.dtype)
+               for x in arrays)

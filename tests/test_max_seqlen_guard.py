@@ -417,15 +417,15 @@ def test_predicate():
 
 def test_checked_on_host_has_no_guard():
   """``"checked_on_host"``: the caller vouches for the bound, so the step
-  carries no check and no conditional, and a batch within the bound gives
-  the reference results."""
+  carries no check and no conditional (only the NaN poison of a broken
+  promise), and a batch within the bound gives the reference results."""
   layout = jax_cp.CPLayout(max_seqlen=12,
                            max_seqlen_violation="checked_on_host")
   assert layout.max_seqlen_violation == "checked_on_host"
   with pytest.raises(ValueError, match="max_seqlen_violation='unchecked'"):
     jax_cp.CPLayout(max_seqlen=12, max_seqlen_violation="unchecked")
   cfg = traced_config(NLB, 4, 12, "checked_on_host")
-  assert cfg.bound_check is None and cfg.unbounded is None
+  assert cfg.bound_check == "trusted" and cfg.unbounded is None
   assert cfg.exchange.kind == "halo"
   q, k, v, w = qkv(5)
   cu, cuP = WITHIN

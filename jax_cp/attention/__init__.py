@@ -5,6 +5,8 @@
 * :mod:`~jax_cp.attention.registry`: the table of backends, and choosing one.
 * :mod:`~jax_cp.attention.xla`, :mod:`~jax_cp.attention.cudnn`: the backends.
 * :mod:`~jax_cp.attention.merge`: row merges, portable versions.
+* :mod:`~jax_cp.attention.cudnn_workspace`: the cuDNN backward's scratch
+  memory, as a formula.
 * :mod:`~jax_cp.attention.api`: ``fused_attention``.
 """
 

@@ -91,7 +91,7 @@ class DotProductAttention(nn.Module):
     Returns:
       ``[.., T, Hq, D]`` in the layout of ``query``; 0 on padding tokens.
     """
-    layout = common.check_layout(self.layout)
+    layout = common.check_layout(self.layout).for_batch(cu_seqlens)
     cu_seqlens, cu_seqlens_padded = common.metadata(
         layout, cu_seqlens, cu_seqlens_padded, "DotProductAttention's batch")
     common.check_tokens(layout, query.shape[-3], cu_seqlens_padded, "query")
@@ -184,7 +184,9 @@ class MultiHeadAttention(nn.Module):
     Returns:
       ``[.., T, out_features]``.
     """
-    layout, cu_seqlens, cu_seqlens_padded, position_ids = common.call_inputs(
+    # The caller's metadata goes on down: a CPBatch keeps its host check
+    # (CPBatch).
+    layout, _, _, position_ids = common.call_inputs(
         self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
         "MultiHeadAttention", self.rope_theta)
     body = lambda module, x, pos: module._attend(x, cu_seqlens,

@@ -85,7 +85,7 @@ class DotProductAttention(nnx.Module):
     Returns:
       ``[.., T, Hq, D]`` in the layout of ``query``; 0 on padding tokens.
     """
-    layout = common.check_layout(self.layout)
+    layout = common.check_layout(self.layout).for_batch(cu_seqlens)
     cu_seqlens, cu_seqlens_padded = common.metadata(
         layout, cu_seqlens, cu_seqlens_padded, "DotProductAttention's batch")
     common.check_tokens(layout, query.shape[-3], cu_seqlens_padded, "query")
@@ -197,7 +197,9 @@ class MultiHeadAttention(nnx.Module):
     Returns:
       ``[.., T, out_features]``.
     """
-    _, cu_seqlens, cu_seqlens_padded, position_ids = common.call_inputs(
+    # The caller's metadata goes on down: a CPBatch keeps its host check
+    # (CPBatch).
+    _, _, _, position_ids = common.call_inputs(
         self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
         "MultiHeadAttention", self.rope_theta)
     if x.shape[-1] != self.in_features:

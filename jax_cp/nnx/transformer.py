@@ -164,7 +164,9 @@ class TransformerLayer(nnx.Module):
     Returns:
       ``[B, T, E]``, same layout as ``x``.
     """
-    layout, cu_seqlens, cu_seqlens_padded, position_ids = common.call_inputs(
+    # The caller's metadata goes on down: a CPBatch keeps its host check
+    # (CPBatch).
+    layout, _, _, position_ids = common.call_inputs(
         self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
         "TransformerLayer", self.attention.rope_theta)
     body = lambda layer, x, pos: layer._layer(layout, x, cu_seqlens,

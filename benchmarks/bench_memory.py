@@ -1,0 +1,774 @@
+"""Memory of a training step of the example's model against the row length.
+
+For a model (``--model example``: 4 layers, d_model 1024, 16/4 heads;
+``--model big``: 16 layers, d_model 2048, 32/8 heads; head dim 64 both), a
+list of row lengths T (``--seq-lens 64k 128k``), cp sizes and remat presets
+(``--remat none save_context``), one row per step (the Python standard
+library's files as documents of at most ``--max-doc-len`` bytes), the
+example's model (``examples/packed_lm``) with an AdamW step, each run
+records:
+
+* XLA's compiled memory analysis: temp, arguments, outputs (bytes);
+* the device's ``peak_bytes_in_use`` after the run, where the platform
+  reports it (the process's running maximum: runs go by increasing T);
+* the cuDNN backward's scratch for the step's main attention call (local
+  tokens ``T / cp``), which XLA does not plan:
+  :func:`jax_cp.attention.cudnn_workspace.backward_workspace_bytes`;
+* ms/step, tok/s and MFU (``jax_cp.flops.model_flops``).
+
+``--search`` adds, per (preset, cp), the longest T that trains: T doubles
+from ``--search-start`` until a step fails (out of memory, caught), then
+bisects between the last T that trained and the first that failed, to
+``--search-step`` (16k) granularity. ``--ab T`` times the ``none`` and
+``save_context`` steps at T in alternation (paired A/B).
+
+Each invocation writes ``memory_<date>_<device>.json`` into ``--out`` and
+rebuilds ``--markdown`` (``benchmarks/results/MEMORY.md``) from every such
+file there: a table of the runs, the longest T per preset, the A/B, and a
+plot (matplotlib, when installed) of XLA temp bytes per local token per
+layer against T, one line per preset. Several invocations (e.g. one per
+model) thus share one report.
+
+CPU (xla backend, small shapes)::
+
+  python -m benchmarks.bench_memory --device cpu --layers 1 --d-model 64 \\
+      --heads 2 --kv-heads 1 --seq-lens 512 1024 --cp 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import glob
+import os
+import re
+import time
+from collections.abc import Sequence
+
+MODELS = {
+    "example": dict(layers=4, d_model=1024, heads=16, kv_heads=4),
+    "big": dict(layers=16, d_model=2048, heads=32, kv_heads=8),
+}
+PRESETS = ("none", "save_context", "minimal", "minimal_with_context", "full",
+           "offload_context")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_MARKDOWN = os.path.join(_HERE, "results", "MEMORY.md")
+
+
+def parse_tokens(text: str) -> int:
+  """``"65536"``, ``"64k"`` (x1024) or ``"1M"`` (x1024**2)."""
+  m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", str(text))
+  if not m:
+    raise argparse.ArgumentTypeError(f"not a token count: {text!r}")
+  scale = {"": 1, "k": 1 << 10, "m": 1 << 20}[m.group(2).lower()]
+  return int(m.group(1)) * scale
+
+
+def fmt_tokens(n: int) -> str:
+  """The inverse of :func:`parse_tokens` where exact (``64k``, ``1M``)."""
+  for unit, scale in (("M", 1 << 20), ("k", 1 << 10)):
+    if n >= scale and n % scale == 0:
+      return f"{n // scale}{unit}"
+  return str(n)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="python -m benchmarks.bench_memory",
+      description=__doc__.split("\n\n")[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--device", default="gpu", choices=("cpu", "gpu"))
+  p.add_argument("--model", default="example", choices=sorted(MODELS))
+  for name in ("layers", "d_model", "heads", "kv_heads"):
+    p.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                   help=f"override the model's {name}")
+  p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                 help="default: bfloat16 on GPU, float32 on CPU")
+  p.add_argument("--backend", default="auto",
+                 choices=("auto", "xla", "cudnn"))
+  p.add_argument("--strategy", default="no_load_balance",
+                 choices=("no_load_balance", "dual_chunk_swap"))
+  p.add_argument("--seq-lens", type=parse_tokens, nargs="*", default=[],
+                 help="row lengths T (64k, 1M, ...)")
+  p.add_argument("--cp", type=int, nargs="+", default=[1])
+  p.add_argument("--remat", nargs="+", default=["none"], choices=PRESETS)
+  p.add_argument("--max-doc-len", type=parse_tokens, default=16384,
+                 help="documents cut to this many bytes")
+  p.add_argument("--steps", type=int, default=3, help="timed steps")
+  p.add_argument("--warmup", type=int, default=1)
+  p.add_argument("--search", action="store_true",
+                 help="find the longest T that trains, per preset and cp")
+  p.add_argument("--search-start", nargs="+", default=[],
+                 help="first T of the search: one T for every preset, or "
+                      "PRESET=T entries (default: the longest listed T "
+                      "that trained, else --search-step)")
+  p.add_argument("--time-budget", type=float, default=None,
+                 help="seconds for the whole run: each search gets an even "
+                      "share of what is left when it starts and tries no new"
+                      " T past it (it reports the bracket found)")
+  p.add_argument("--search-step", type=parse_tokens, default=16384,
+                 help="granularity of the search (and of every T)")
+  p.add_argument("--search-max", type=parse_tokens, default=1 << 23)
+  p.add_argument("--ab", type=parse_tokens, default=None,
+                 help="time the none and save_context steps at this T in "
+                      "alternation (paired A/B)")
+  p.add_argument("--ab-reps", type=int, default=5)
+  p.add_argument("--memory-limit", type=float, default=None,
+                 help="GB: treat a step whose compiled temp + arguments + "
+                      "outputs exceed this as failing (the search on a "
+                      "machine that does not run out)")
+  p.add_argument("--peak-tflops", type=float, default=None,
+                 help="per device, for the MFU (default: 989 on GPU)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", default=os.path.join(_HERE, "results"),
+                 help="folder of the JSON files")
+  p.add_argument("--markdown", default=DEFAULT_MARKDOWN,
+                 help="the report rebuilt from every memory_*.json in --out "
+                      "('' : none)")
+  p.add_argument("--tag", default="", help="appended to the JSON name")
+  return p
+
+
+def _model_config(args, seq_len: int, cp: int, remat: str):
+  from examples.packed_lm.config import Config  # pylint: disable=import-outside-toplevel
+  sizes = dict(MODELS[args.model])
+  for k in sizes:
+    if getattr(args, k) is not None:
+      sizes[k] = getattr(args, k)
+  return Config(device=args.device, dtype=args.dtype, seq_len=seq_len,
+                batch=1, dp=1, cp=cp, remat=remat, strategy=args.strategy,
+                backend=args.backend, max_doc_len=args.max_doc_len,
+                doc_order="packed", seed=args.seed, **sizes)
+
+
+def _rows(cfg, cp: int):
+  import jax_cp  # pylint: disable=import-outside-toplevel
+  docs = _documents(cfg.seed, cfg.max_doc_len)
+  return jax_cp.pack_documents(docs, cfg.seq_len, 1,
+                               jax_cp.pad_multiple_for(cfg.strategy, cp))
+
+
+def _documents(seed: int, max_doc_len: int):
+  """The example's documents: the standard library's files as bytes."""
+  from examples.packed_lm.data import iter_documents  # pylint: disable=import-outside-toplevel
+  return iter_documents(seed, max_doc_len)
+
+
+@dataclasses.dataclass
+class Step:
+  """A compiled training step, its state and batch."""
+
+  fn: object
+  state: object
+  batch: object
+  compiled: object
+  rows: object
+  matmul_params: int
+  cfg: object
+  compile_s: float
+
+  def __call__(self, state, batch):
+    return self.fn(state, batch)
+
+
+def build_step(args, seq_len: int, cp: int, remat: str) -> Step:
+  """The example's model and training step over one packed row, compiled
+  (the state is donated: call it as ``state, loss = step(state, batch)``).
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  import jax_cp  # pylint: disable=import-outside-toplevel
+  from examples.packed_lm import model as lm  # pylint: disable=import-outside-toplevel
+  from examples.packed_lm import train  # pylint: disable=import-outside-toplevel
+  cfg = _model_config(args, seq_len, cp, remat)
+  rows = _rows(cfg, cp)
+  # As the example's mesh: Auto axes, data x cp.
+  mesh = jax.make_mesh((1, cp), (lm.DATA, lm.CP),
+                       devices=jax.devices()[:cp],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  layout = lm.make_layout(cfg, mesh, max_seqlen=rows.max_seqlen)
+  batch = jax_cp.make_global_batch(rows.tensors, rows.cu_seqlens_padded,
+                                   layout, cu_seqlens=rows.cu_seqlens)
+  with jax.set_mesh(mesh):
+    tx = train.make_optimizer(cfg)
+    graphdef, state, shardings = train.init_state(cfg, layout, tx, mesh)
+    model = nnx.merge(graphdef, state)[0]
+    fn = train.make_train_step(graphdef, shardings, mesh, cfg.param_sharding)
+    n_params = lm.matmul_params(model)
+    del model
+    t0 = time.perf_counter()
+    compiled = fn.lower(state, batch).compile()
+  return Step(compiled, state, batch, compiled, rows, n_params, cfg,
+              time.perf_counter() - t0)
+
+
+def memory_analysis(compiled) -> dict:
+  """XLA's compiled sizes (bytes); empty where the backend has none."""
+  try:
+    ma = compiled.memory_analysis()
+  except Exception:  # pylint: disable=broad-except
+    return {}
+  if ma is None:
+    return {}
+  keys = ("temp_size_in_bytes", "argument_size_in_bytes",
+          "output_size_in_bytes", "alias_size_in_bytes",
+          "generated_code_size_in_bytes")
+  return {k.replace("_size_in_bytes", "_bytes"): int(getattr(ma, k, 0) or 0)
+          for k in keys}
+
+
+def device_memory() -> dict:
+  """``peak_bytes_in_use`` and ``bytes_limit`` of device 0, if reported."""
+  import jax  # pylint: disable=import-outside-toplevel
+  try:
+    stats = jax.devices()[0].memory_stats() or {}
+  except Exception:  # pylint: disable=broad-except
+    stats = {}
+  return {k: int(stats[k]) for k in ("peak_bytes_in_use", "bytes_limit",
+                                     "bytes_in_use") if k in stats}
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+  """An allocation failure (XLA's, or the cuDNN workspace's)."""
+  text = f"{type(err).__name__}: {err}"
+  return any(s in text for s in ("RESOURCE_EXHAUSTED", "Out of memory",
+                                 "out of memory", "OOM", "workspace "
+                                 "allocation", "Resource exhausted"))
+
+
+def attention_scratch(cfg, cp: int) -> int:
+  """The cuDNN backward workspace of the main call, local tokens T/cp."""
+  from jax_cp.attention.cudnn_workspace import backward_workspace_bytes  # pylint: disable=import-outside-toplevel
+  tl = cfg.seq_len // cp
+  return backward_workspace_bytes(tl, tl, cfg.heads, cfg.kv_heads,
+                                  cfg.d_model // cfg.heads)
+
+
+def _resolved_backend(args) -> str:
+  from jax_cp.attention.registry import resolve_backend  # pylint: disable=import-outside-toplevel
+  try:
+    return resolve_backend(args.backend, args.device).name
+  except Exception:  # pylint: disable=broad-except
+    return args.backend
+
+
+def _peak_tflops(args) -> float | None:
+  """``--peak-tflops``, else the example's table for this GPU (989 on GPU
+  without it), else None (no MFU)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  if args.peak_tflops is not None:
+    return args.peak_tflops
+  if args.device != "gpu":
+    return None
+  from examples.packed_lm import train  # pylint: disable=import-outside-toplevel
+  return train.peak_tflops(jax.devices()[0]) or 989.0
+
+
+def measure(args, seq_len: int, cp: int, remat: str, *, timed: bool = True
+            ) -> dict:
+  """One run: compile, memory analysis, ``warmup + steps`` steps. A failure
+  (out of memory, or over ``--memory-limit``) gives ``status`` "oom" (or
+  "error") and its message instead of timings."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  import jax_cp.flops  # pylint: disable=import-outside-toplevel
+  rec = dict(model=model_name(args), seq_len=seq_len, cp=cp, remat=remat,
+             strategy=args.strategy, backend=_resolved_backend(args))
+  step = None
+  try:
+    step = build_step(args, seq_len, cp, remat)
+    cfg = step.cfg
+    rec.update(layers=cfg.layers, d_model=cfg.d_model, heads=cfg.heads,
+               kv_heads=cfg.kv_heads, dtype=cfg.dtype,
+               max_seqlen=int(step.rows.max_seqlen),
+               attention_scratch_bytes=attention_scratch(cfg, cp),
+               compile_s=step.compile_s,
+               **memory_analysis(step.compiled))
+    planned = sum(rec.get(k, 0) for k in ("temp_bytes", "argument_bytes",
+                                          "output_bytes"))
+    if args.memory_limit is not None and planned > args.memory_limit * 1e9:
+      raise MemoryError(f"RESOURCE_EXHAUSTED (--memory-limit): {planned} "
+                        f"bytes planned > {args.memory_limit} GB")
+    state, losses = step.state, []
+    n = (args.warmup + args.steps) if timed else 1
+    t0 = None
+    for i in range(n):
+      if timed and i == args.warmup:
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+      state, loss = step(state, step.batch)
+      losses.append(loss)
+    jax.block_until_ready(losses)
+    elapsed = time.perf_counter() - t0 if t0 is not None else None
+    last = float(losses[-1])
+    rec.update(status="ok" if last == last else "nan", loss=last,
+               **device_memory())
+    if elapsed is not None and args.steps:
+      ms = elapsed / args.steps * 1e3
+      flops = jax_cp.flops.model_flops(
+          step.rows.cu_seqlens, tokens=seq_len,
+          matmul_params=step.matmul_params, num_layers=cfg.layers,
+          num_heads=cfg.heads, head_dim=cfg.d_model // cfg.heads)
+      peak = _peak_tflops(args)
+      rec.update(ms_per_step=ms, tok_per_s=seq_len / (ms / 1e3),
+                 model_flops=flops,
+                 mfu=(flops / (ms / 1e3) / (peak * 1e12 * cp)
+                      if peak else None))
+  except Exception as err:  # pylint: disable=broad-except
+    # Recorded, not raised: one preset that does not run (e.g. host
+    # offload where XLA lacks it) leaves the others measured.
+    oom = is_out_of_memory(err) or isinstance(err, MemoryError)
+    rec.update(status="oom" if oom else "error",
+               error=f"{type(err).__name__}: {err}"[:1200],
+               **device_memory())
+  finally:
+    del step
+    gc.collect()
+  tl = seq_len // cp
+  if rec.get("temp_bytes") and rec.get("layers"):
+    rec["temp_bytes_per_token_per_layer"] = (
+        rec["temp_bytes"] / tl / rec["layers"])
+  return rec
+
+
+def _print(rec: dict) -> None:
+  gb = lambda k: (f"{rec[k] / 1e9:7.2f}" if rec.get(k) is not None
+                  else "      -")
+  line = (f"{rec['model']:>7} T={fmt_tokens(rec['seq_len']):>6} "
+          f"cp={rec['cp']} {rec['remat']:>20} {rec.get('status', '?'):>4} "
+          f"temp {gb('temp_bytes')} GB args {gb('argument_bytes')} GB "
+          f"peak {gb('peak_bytes_in_use')} GB scratch "
+          f"{gb('attention_scratch_bytes')} GB")
+  if rec.get("ms_per_step") is not None:
+    mfu = rec.get("mfu")
+    line += (f"  {rec['ms_per_step']:9.1f} ms {rec['tok_per_s']:10.0f} tok/s"
+             + (f" MFU {mfu:.1%}" if mfu is not None else ""))
+  print(line, flush=True)
+  if rec.get("status") == "error":
+    print(f"  error: {rec['error']}", flush=True)
+
+
+def planned_bytes(rec: dict) -> int | None:
+  """What a run needs on the device: XLA's temp, arguments and outputs
+  (less the donated ones, which reuse the arguments) plus the cuDNN
+  backward scratch; None without a memory analysis."""
+  if not rec.get("temp_bytes"):
+    return None
+  return (rec["temp_bytes"] + rec.get("argument_bytes", 0)
+          + rec.get("output_bytes", 0) - rec.get("alias_bytes", 0)
+          + rec.get("attention_scratch_bytes", 0))
+
+
+def predict_longest(points: list[tuple[int, int]], fixed: int,
+                    limit: float) -> int | None:
+  """The T at which ``fixed + slope * T (+ intercept)`` reaches
+  ``limit``: a line through the ``(T, planned bytes)`` points (through
+  ``(0, fixed)`` with one point); None without points or growth."""
+  pts = sorted(set(points))
+  if not pts:
+    return None
+  if len(pts) == 1:
+    (t0, b0), = pts
+    slope, base = (b0 - fixed) / t0, fixed
+  else:
+    (t0, b0), (t1, b1) = pts[0], pts[-1]
+    slope = (b1 - b0) / (t1 - t0)
+    base = b0 - slope * t0
+  if slope <= 0:
+    return None
+  return int((limit - base) / slope)
+
+
+def longest_trainable(args, cp: int, remat: str, listed: list[dict],
+                      budget_s: float | None = None) -> dict:
+  """The longest T that trains, to ``--search-step``. T doubles from the
+  start until a step fails, then the bracket is bisected. Where the device
+  reports its memory limit, the runs so far predict where the limit is
+  (:func:`predict_longest`) and the search tries 3 % below and above that
+  first, so that the bracket is narrow from the start. ``budget_s``:
+  seconds after which no new T is tried (the bracket so far is returned).
+  """
+  step = args.search_step
+  started = time.monotonic()
+  mine = [r for r in listed if r.get("kind") == "run" and r["cp"] == cp
+          and r["remat"] == remat]
+  known = {r["seq_len"]: r["status"] == "ok" for r in mine}
+  points = [(r["seq_len"], planned_bytes(r)) for r in mine
+            if r["status"] == "ok" and planned_bytes(r)]
+  tries: list[dict] = []
+  stopped = False
+
+  def trains(n: int) -> bool | None:
+    """Whether a step at ``n`` runs; None when out of time."""
+    nonlocal stopped
+    if n in known:
+      return known[n]
+    # No try that would end past the budget (a try takes about as long as
+    # the one before).
+    last = tries[-1]["try_s"] if tries else 0.0
+    if budget_s is not None and (time.monotonic() - started + last
+                                 > budget_s):
+      stopped = True
+      return None
+    t0 = time.monotonic()
+    rec = measure(args, n, cp, remat, timed=False)
+    rec["try_s"] = time.monotonic() - t0
+    tries.append(rec)
+    if rec["status"] == "error":    # not memory: no T will do
+      stopped = True
+      return None
+    known[n] = rec["status"] == "ok"
+    if known[n] and planned_bytes(rec):
+      points.append((n, planned_bytes(rec)))
+    _print(rec)
+    return known[n]
+
+  def guesses(lo: int) -> list[int]:
+    """3 % below and above the predicted limit, past ``lo``."""
+    limit = (args.memory_limit * 1e9 if args.memory_limit is not None
+             else device_memory().get("bytes_limit"))
+    fixed = min((r.get("argument_bytes", 0) for r in mine + tries
+                 if r.get("argument_bytes")), default=0)
+    t = predict_longest(points, fixed, limit) if limit else None
+    if t is None:
+      return []
+    out = [int(0.97 * t) // step * step, -(-int(1.03 * t) // step) * step]
+    return [g for g in out if g > lo and g <= args.search_max]
+
+  lo, hi = 0, None
+  first = search_start(args, remat) or max(
+      [t for t, ok in known.items() if ok], default=step)
+  queue = [max(step, first // step * step)]
+  while queue and hi is None:
+    t = queue.pop(0)
+    ok = trains(t)
+    if ok is None:
+      break
+    if not ok:
+      hi = t
+    else:
+      lo = max(lo, t)
+      queue = guesses(lo) if not queue else queue
+      if not queue and 2 * lo <= args.search_max:
+        queue = [2 * lo]
+  while hi is not None and hi - lo > step and not stopped:
+    mid = (lo + hi) // 2 // step * step
+    ok = trains(mid) if mid > lo else None
+    if ok is None:
+      break
+    lo, hi = (mid, hi) if ok else (lo, mid)
+  return dict(kind="search", model=model_name(args), cp=cp, remat=remat,
+              longest_seq_len=lo or None, first_failing_seq_len=hi,
+              search_step=step, search_max=args.search_max,
+              stopped_early=stopped,
+              error=next((r["error"] for r in tries
+                          if r["status"] == "error"), None),
+              tries=[dict(seq_len=r["seq_len"], status=r["status"],
+                          seconds=round(r["try_s"], 1),
+                          temp_bytes=r.get("temp_bytes"),
+                          layers=r.get("layers")) for r in tries])
+
+
+def search_start(args, remat: str) -> int | None:
+  """The ``--search-start`` of ``remat``: its ``PRESET=T`` entry, else a
+  plain T, else None."""
+  plain = None
+  for entry in args.search_start:
+    name, eq, value = entry.partition("=")
+    if eq and name == remat:
+      return parse_tokens(value)
+    if not eq:
+      plain = parse_tokens(entry)
+  return plain
+
+
+def model_name(args) -> str:
+  """``--model``, marked ``*`` when a size is overridden."""
+  custom = any(getattr(args, k) is not None for k in MODELS[args.model])
+  return args.model + ("*" if custom else "")
+
+
+def paired_ab(args, seq_len: int, cp: int) -> dict:
+  """``none`` (A) against ``save_context`` (B) at ``seq_len``, timed in
+  alternation (``benchmarks.timing.paired``): ratio = time(A) / time(B)."""
+  from benchmarks import timing  # pylint: disable=import-outside-toplevel
+  steps = [build_step(args, seq_len, cp, p) for p in ("none",
+                                                       "save_context")]
+
+  def runner(step: Step):
+    """One step per call, the donated state carried along."""
+    def run_one():
+      step.state, loss = step(step.state, step.batch)
+      return loss
+    return run_one
+
+  a, b = (runner(s) for s in steps)
+  r = timing.paired(a, [()], b, [()], reps=args.ab_reps, warmup=1)
+  del steps, a, b
+  gc.collect()
+  return dict(kind="ab", model=model_name(args), seq_len=seq_len, cp=cp,
+              a="none", b="save_context", ms_a=r.ms_a, ms_b=r.ms_b,
+              save_context_over_none=1.0 / r.ratio_median,
+              ratio_q1=1.0 / r.ratio_q3, ratio_q3=1.0 / r.ratio_q1)
+
+
+def run(args) -> dict:
+  """Every run of the arguments; the result dict (also printed)."""
+  presets = list(dict.fromkeys(args.remat))
+  records: list[dict] = []
+  # The A/B first: the searches then share the time that is left.
+  if args.ab is not None:
+    try:
+      ab = paired_ab(args, args.ab, min(args.cp))
+    except Exception as err:  # pylint: disable=broad-except
+      print(f"A/B at T={fmt_tokens(args.ab)} failed: {err}"[:1200],
+            flush=True)
+    else:
+      records.append(ab)
+      print(f"A/B at T={fmt_tokens(args.ab)}: none {ab['ms_a']:.1f} ms, "
+            f"save_context {ab['ms_b']:.1f} ms "
+            f"({ab['save_context_over_none']:.3f}x)", flush=True)
+  groups = [(remat, cp) for remat in presets for cp in args.cp]
+  for remat, cp in groups:
+    for t in sorted(set(args.seq_lens)):
+      rec = measure(args, t, cp, remat)
+      records.append(dict(kind="run", **rec))
+      _print(rec)
+  for i, (remat, cp) in enumerate(groups if args.search else []):
+    budget = None
+    if args.time_budget is not None:
+      budget = max(0.0, args.time_budget - (
+          time.monotonic() - args.started)) / (len(groups) - i)
+    s = longest_trainable(args, cp, remat, records, budget)
+    records.append(s)
+    print(f"longest T that trains ({model_name(args)}, cp={cp}, {remat}): "
+          f"{fmt_tokens(s['longest_seq_len'] or 0)} (first failing: "
+          f"{s['first_failing_seq_len']})", flush=True)
+  from benchmarks import results  # pylint: disable=import-outside-toplevel
+  return {"env": results.environment(
+      xla_flags=os.environ.get("XLA_FLAGS", ""),
+      mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+      args=vars(args)), "records": records}
+
+
+# ------------------------------------------------------------- the report
+
+def _load_results(folder: str) -> list[dict]:
+  from benchmarks import results  # pylint: disable=import-outside-toplevel
+  return [results.read_result(path) for path in
+          sorted(glob.glob(os.path.join(folder, "memory_*.json")))]
+
+
+def plot(results: list[dict], path: str) -> str | None:
+  """Temp bytes per local token per layer against T, a line per (model,
+  preset, cp); None without matplotlib."""
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+  lines: dict[tuple, list[tuple[int, float]]] = {}
+  for data in results:
+    for r in data["records"]:
+      if r.get("kind") == "run" and r.get("temp_bytes_per_token_per_layer"):
+        key = (r["model"], r["remat"], r["cp"])
+        lines.setdefault(key, []).append(
+            (r["seq_len"], r["temp_bytes_per_token_per_layer"]))
+  if not lines:
+    return None
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for (model, remat, cp), pts in sorted(lines.items()):
+    pts.sort()
+    ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], marker="o",
+            label=f"{model} {remat} cp={cp}")
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("tokens per row T")
+  ax.set_ylabel("XLA temp KB per local token per layer")
+  ax.grid(True, alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+def _table(title: str | None, header: Sequence[str],
+           rows: Sequence[Sequence[object]]) -> list[str]:
+  """A markdown table (under a ``##`` title when given)."""
+  out = [f"## {title}", ""] if title else []
+  out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+  return out + [""]
+
+
+def markdown(results: list[dict], plot_name: str | None) -> str:
+  """MEMORY.md: the runs, the longest T per preset, the A/B."""
+  gb = lambda v: "-" if v is None else f"{v / 1e9:.2f}"
+  lines = ["# Memory of a training step against the row length", "",
+           "Written by `benchmarks/bench_memory.py` from the "
+           "`memory_*.json` files beside this report. One packed row per "
+           "step (the standard library's files as documents), AdamW. "
+           "*temp*, *args*: XLA's compiled memory analysis; *peak*: the "
+           "device's `peak_bytes_in_use` (the process's running maximum); "
+           "*scratch*: the cuDNN backward workspace of the main attention "
+           "call (`jax_cp.attention.cudnn_workspace`), allocated at run "
+           "time on top of XLA's buffers; *B/tok/layer*: temp per local "
+           "token per layer.", ""]
+  of = lambda kind: [(d["env"].get("device_kind"), r) for d in results
+                     for r in d["records"] if r.get("kind") == kind]
+  runs = sorted(of("run"), key=lambda x: (
+      x[1]["model"], x[1]["remat"], x[1]["cp"], x[1]["seq_len"]))
+  if runs:
+    per = lambda r: r.get("temp_bytes_per_token_per_layer")
+    lines += _table(None, (
+        "device", "model", "T", "cp", "remat", "status", "temp GB",
+        "args GB", "peak GB", "scratch GB", "B/tok/layer", "ms/step",
+        "tok/s", "MFU"), [
+            (dev, r["model"], fmt_tokens(r["seq_len"]), r["cp"],
+             r["remat"], r.get("status"), gb(r.get("temp_bytes")),
+             gb(r.get("argument_bytes")), gb(r.get("peak_bytes_in_use")),
+             gb(r.get("attention_scratch_bytes")),
+             f"{per(r):.0f}" if per(r) else "-",
+             f"{r['ms_per_step']:.1f}" if r.get("ms_per_step") else "-",
+             f"{r['tok_per_s']:.0f}" if r.get("tok_per_s") else "-",
+             f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-")
+            for dev, r in runs])
+
+  def tries(r):
+    text = ", ".join(f"{fmt_tokens(t['seq_len'])} {t['status']}"
+                     for t in r["tries"])
+    if r.get("error"):
+      return text + f"; error: {r['error'][:160]}"
+    return text + ("; stopped by the time budget"
+                   if r.get("stopped_early") else "")
+
+  if of("search"):
+    lines += _table("Longest T that trains", (
+        "device", "model", "cp", "remat", "longest T", "first failing T",
+        "tries"), [
+            (dev, r["model"], r["cp"], r["remat"],
+             fmt_tokens(r["longest_seq_len"] or 0),
+             fmt_tokens(r["first_failing_seq_len"])
+             if r.get("first_failing_seq_len")
+             else f"none up to {fmt_tokens(r['search_max'])}", tries(r))
+            for dev, r in of("search")])
+  if of("ab"):
+    lines += _table("save_context against none (paired A/B)", (
+        "device", "model", "T", "cp", "none ms", "save_context ms",
+        "save_context / none (IQR)"), [
+            (dev, r["model"], fmt_tokens(r["seq_len"]), r["cp"],
+             f"{r['ms_a']:.1f}", f"{r['ms_b']:.1f}",
+             f"{r['save_context_over_none']:.3f} ({r['ratio_q1']:.3f}-"
+             f"{r['ratio_q3']:.3f})") for dev, r in of("ab")])
+  lines += _growth_table(results)
+  for d in results:
+    env = d["env"]
+    limits = {r["bytes_limit"] for r in d["records"] if r.get("bytes_limit")}
+    lines.append(
+        f"- {env.get('date')}, {env.get('device_kind')}: "
+        f"`XLA_PYTHON_CLIENT_MEM_FRACTION`="
+        f"{env.get('mem_fraction') or 'unset (0.75)'}"
+        + (f", allocator limit {max(limits) / 1e9:.1f} GB" if limits else "")
+        + f"; `{' '.join(_argv(env.get('args', {})))}`")
+  lines.append("")
+  if plot_name:
+    lines += [f"![bytes per token per layer]({plot_name})", ""]
+  return "\n".join(lines)
+
+
+def _growth_table(results: list[dict]) -> list[str]:
+  """Per (device, model, preset, cp): XLA temp bytes per additional local
+  token per layer, the slope between the shortest and the longest T
+  compiled (listed runs and search tries): what a layer keeps per token,
+  without the fixed part (gradients and optimizer temporaries)."""
+  points: dict[tuple, dict[int, tuple[int, int]]] = {}
+  for d in results:
+    dev = d["env"].get("device_kind")
+    for r in d["records"]:
+      found = ([r] if r.get("kind") == "run" else
+               [dict(t, model=r["model"], remat=r["remat"], cp=r["cp"])
+                for t in r.get("tries", [])] if r.get("kind") == "search"
+               else [])
+      for x in found:
+        if x.get("temp_bytes") and x.get("layers"):
+          key = (dev, x["model"], x["remat"], x["cp"])
+          points.setdefault(key, {})[x["seq_len"] // x["cp"]] = (
+              x["temp_bytes"], x["layers"])
+  rows = []
+  for (dev, model, remat, cp), pts in sorted(points.items()):
+    if len(pts) < 2:
+      continue
+    (t0, (b0, layers)), (t1, (b1, _)) = min(pts.items()), max(pts.items())
+    rows.append((dev, model, remat, cp,
+                 f"{fmt_tokens(t0 * cp)}-{fmt_tokens(t1 * cp)}",
+                 f"{(b1 - b0) / (t1 - t0) / layers:.0f}"))
+  if not rows:
+    return []
+  return _table("Growth per token", (
+      "device", "model", "remat", "cp", "T range", "temp B per local token "
+      "per layer (slope)"), rows)
+
+
+def _argv(args: dict) -> list[str]:
+  """The options of a recorded run that shape what it measured."""
+  keys = ("model", "remat", "seq_lens", "cp", "search", "ab", "time_budget")
+  out = []
+  for k in keys:
+    v = args.get(k)
+    if v in (None, False, [], ""):
+      continue
+    flag = "--" + k.replace("_", "-")
+    if v is True:
+      out.append(flag)
+    elif isinstance(v, list):
+      out += [flag, *(fmt_tokens(x) if isinstance(x, int) and k != "cp"
+                      else str(x) for x in v)]
+    else:
+      out += [flag, fmt_tokens(v) if k == "ab" else str(v)]
+  return out
+
+
+def write_report(out: str, path: str) -> str:
+  """Rebuilds the report at ``path`` from ``out``'s JSON files."""
+  results = _load_results(out)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  png = os.path.splitext(path)[0] + "_per_token.png"
+  made = plot(results, png)
+  with open(path, "w") as f:
+    f.write(markdown(results, os.path.basename(made) if made else None))
+  return path
+
+
+def main(argv: Sequence[str] | None = None) -> str:
+  """Runs, writes the JSON (and the report); returns the JSON's path."""
+  args = build_parser().parse_args(argv)
+  if not args.seq_lens and not args.search and args.ab is None:
+    raise SystemExit("nothing to do: give --seq-lens, --search or --ab")
+  for entry in args.search_start:
+    name, eq, value = entry.partition("=")
+    if eq and name not in PRESETS:
+      raise SystemExit(f"--search-start {entry}: {name!r} is not a preset")
+    parse_tokens(value if eq else entry)
+  if args.dtype is None:
+    args.dtype = "bfloat16" if args.device == "gpu" else "float32"
+  # The platform set-up of bench_step (CPU devices for the largest cp, or
+  # the example's GPU flags), before jax is imported.
+  from benchmarks import bench_step  # pylint: disable=import-outside-toplevel
+  bench_step._configure(args)  # pylint: disable=protected-access
+  args.started = time.monotonic()
+  result = run(args)
+  from benchmarks import results  # pylint: disable=import-outside-toplevel
+  tag = "_".join(x for x in (args.model, args.tag) if x)
+  path = results.write_result(
+      results.result_path(args.out, "memory", result["env"], tag), result)
+  print(f"wrote {path}", flush=True)
+  if args.markdown:
+    print(f"wrote {write_report(args.out, args.markdown)}", flush=True)
+  return path
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,132 @@
+"""The scratch memory of the ``"cudnn"`` backend's SDPA backward, as a formula.
+
+The handler asks XLA's FFI scratch allocator for the workspace of its
+cuDNN frontend graph when it runs, outside the buffers XLA plans at compile
+time: ``compile().memory_analysis()`` does not count it, and at long rows it
+is the allocation that fails last. For a ragged (THD) backward with the
+packed token totals given (``set_max_total_seq_len_q/kv``, as
+``csrc/sdpa_graph.cc`` does), the frontend's part of the workspace is four
+float32 buffers sized by the call's tokens:
+
+* the dQ accumulator, ``Tq * Hq * D * 4`` bytes: dQ is accumulated in
+  float32 over the key blocks and converted to the I/O dtype at the end;
+* with GQA/MQA (``Hq != Hkv``), dK and dV at the ``Hq`` query heads,
+  ``Tkv * Hq * D * 4`` bytes each: every query head's share, reduced over
+  each group of ``Hq / Hkv`` heads into dK/dV afterwards (none with
+  ``Hq == Hkv``);
+* the softmax sums ``rowsum(dO * O)``, ``Tq * Hq * 4`` bytes.
+
+So at ``Tq = Tkv = T`` a GQA backward needs ``T * Hq * (12 D + 4)`` bytes:
+at T = 1M tokens, Hq = 16, D = 64, that is 12.95 GB (4.29 GB dQ, 8.59 GB dK
+and dV, 0.07 GB sums), more than Q, K, V, O and dO together in bf16. The
+frontend has no attribute that drops these buffers (its only other dQ path,
+the dP workspace, is ``S * Hq * s_q * s_kv * 2`` bytes and runs only in
+deterministic mode); the workspace shrinks with the tokens of one call, i.e.
+with more cp ranks.
+
+Where the frontend ignores the totals (a head dim that is not a multiple
+of 16, or pre-Hopper "ampere style" kernels), it sizes the dQ accumulator
+and the sums by ``S * max_seqlen_q`` instead (S: the segment slots) and
+leaves dK/dV at Hq heads to cuDNN's own workspace.
+
+The cuDNN engine adds a small workspace of its own to what
+``get_workspace_size`` reports; :func:`backward_workspace_bytes` is the
+frontend's part, the bulk of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+_F32 = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardWorkspace:
+  """The frontend buffers of one SDPA backward call, in bytes.
+
+  Attributes:
+    dq_accum: the float32 dQ accumulator.
+    dk_full_heads: float32 dK at the query heads (GQA/MQA only, else 0).
+    dv_full_heads: float32 dV at the query heads (GQA/MQA only, else 0).
+    softmax_sum: the float32 ``rowsum(dO * O)`` per query row and head.
+  """
+
+  dq_accum: int
+  dk_full_heads: int
+  dv_full_heads: int
+  softmax_sum: int
+
+  @property
+  def total(self) -> int:
+    """All four buffers."""
+    return (self.dq_accum + self.dk_full_heads + self.dv_full_heads
+            + self.softmax_sum)
+
+
+def _positive(name: str, value) -> int:
+  if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+  return value
+
+
+def backward_workspace(tokens_q: int, tokens_kv: int, heads_q: int,
+                       heads_kv: int, head_dim: int, *,
+                       head_dim_v: int | None = None,
+                       segments: int | None = None,
+                       max_seqlen_q: int | None = None,
+                       packed_totals: bool | None = None
+                       ) -> BackwardWorkspace:
+  """The frontend workspace of one ``jax_cp_cudnn_sdpa_bwd`` call.
+
+  Args:
+    tokens_q, tokens_kv: the rows of the call's Q and K/V buffers (the
+      local chunk of one cp rank, for the main call of a step).
+    heads_q, heads_kv: query and key/value heads (``heads_q % heads_kv ==
+      0``).
+    head_dim: the Q/K head dim; ``head_dim_v`` that of V (default the
+      same).
+    segments, max_seqlen_q: the graph's segment slots and per-segment
+      bound; needed only where the frontend ignores the packed totals.
+    packed_totals: whether the frontend honours the packed token totals;
+      default: both head dims are multiples of 16 (Hopper and newer).
+
+  Returns:
+    The four buffers (:class:`BackwardWorkspace`).
+
+  Raises:
+    ValueError: a negative or non-int size, heads that do not divide, or
+      ``packed_totals=False`` without ``segments`` and ``max_seqlen_q``.
+  """
+  for name, value in (("tokens_q", tokens_q), ("tokens_kv", tokens_kv),
+                      ("heads_q", heads_q), ("heads_kv", heads_kv),
+                      ("head_dim", head_dim)):
+    _positive(name, value)
+  dv = head_dim if head_dim_v is None else _positive("head_dim_v",
+                                                      head_dim_v)
+  if heads_kv < 1 or heads_q % heads_kv:
+    raise ValueError(f"heads_kv={heads_kv} must be positive and divide "
+                     f"heads_q={heads_q}")
+  if packed_totals is None:
+    packed_totals = head_dim % 16 == 0 and dv % 16 == 0
+  if packed_totals:
+    rows_q = tokens_q
+  else:
+    if segments is None or max_seqlen_q is None:
+      raise ValueError("packed_totals=False sizes the buffers by segments * "
+                       "max_seqlen_q: pass both")
+    rows_q = _positive("segments", segments) * _positive("max_seqlen_q",
+                                                         max_seqlen_q)
+  gqa = heads_q != heads_kv and packed_totals
+  return BackwardWorkspace(
+      dq_accum=rows_q * heads_q * head_dim * _F32,
+      dk_full_heads=tokens_kv * heads_q * head_dim * _F32 if gqa else 0,
+      dv_full_heads=tokens_kv * heads_q * dv * _F32 if gqa else 0,
+      softmax_sum=rows_q * heads_q * _F32)
+
+
+def backward_workspace_bytes(tokens_q: int, tokens_kv: int, heads_q: int,
+                             heads_kv: int, head_dim: int, **kwargs) -> int:
+  """:func:`backward_workspace`'s total in bytes (same arguments)."""
+  return backward_workspace(tokens_q, tokens_kv, heads_q, heads_kv,
+                            head_dim, **kwargs).total

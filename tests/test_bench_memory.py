@@ -1,0 +1,166 @@
+"""benchmarks/bench_memory.py on CPU: one tiny run per cp size writes the
+JSON and the report with every field; the longest-T search doubles, then
+bisects to its step, against a stand-in for the runs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from benchmarks import bench_memory
+
+
+def test_tokens():
+  assert bench_memory.parse_tokens("64k") == 65536
+  assert bench_memory.parse_tokens("1M") == 1 << 20
+  assert bench_memory.parse_tokens("300") == 300
+  assert bench_memory.fmt_tokens(3 << 18) == "768k"
+  with pytest.raises(Exception, match="not a token count"):
+    bench_memory.parse_tokens("1.5M")
+
+
+def _args(argv):
+  args = bench_memory.build_parser().parse_args(argv)
+  args.started = 0.0
+  return args
+
+
+@pytest.mark.parametrize("limit, start, want, want_fail", [
+    (200_000, "16k", 192 * 1024, 208 * 1024),   # doubles 16k..256k, bisects
+    (10_000, "16k", None, 16 * 1024),           # the first T fails
+    (10**9, "1M", 2 << 20, None),               # all fit up to --search-max
+])
+def test_search_doubles_then_bisects(monkeypatch, limit, start, want,
+                                     want_fail):
+  """A stand-in run trains up to ``limit`` tokens: the search finds the
+  largest multiple of 16k below it, and tries each T at most once."""
+  seen = []
+
+  def fake(args, t, cp, remat, timed=True):
+    seen.append(t)
+    return dict(model="m", seq_len=t, cp=cp, remat=remat,
+                status="ok" if t <= limit else "oom")
+
+  monkeypatch.setattr(bench_memory, "measure", fake)
+  args = _args(["--search", "--search-start", f"save_context={start}",
+                "--search-max", "2M"])
+  got = bench_memory.longest_trainable(args, 1, "save_context", [])
+  assert got["longest_seq_len"] == want
+  assert got["first_failing_seq_len"] == want_fail
+  assert len(seen) == len(set(seen))
+  assert all(t % (16 * 1024) == 0 for t in seen)
+  if want is not None and want_fail is not None:
+    assert want_fail - want == 16 * 1024
+
+
+def test_cpu_run_writes_json_and_report(tmp_path):
+  """Two tiny runs (cp 1 and 2, xla backend): compiled sizes, timings and
+  the scratch formula in the JSON, one table row each in MEMORY.md."""
+  md = tmp_path / "MEMORY.md"
+  path = bench_memory.main([
+      "--device", "cpu", "--backend", "xla", "--layers", "1", "--d-model",
+      "32", "--heads", "2", "--kv-heads", "1", "--seq-lens", "256",
+      "--cp", "1", "2", "--steps", "1", "--max-doc-len", "96",
+      "--out", str(tmp_path), "--markdown", str(md)])
+  with open(path) as f:
+    data = json.load(f)
+  runs = [r for r in data["records"] if r["kind"] == "run"]
+  assert [r["cp"] for r in runs] == [1, 2]
+  for r in runs:
+    assert r["status"] == "ok" and r["backend"] == "xla"
+    assert r["temp_bytes"] > 0 and r["argument_bytes"] > 0
+    assert r["ms_per_step"] > 0 and r["tok_per_s"] > 0
+    assert r["max_seqlen"] <= 96
+    t = 256 // r["cp"]
+    assert r["attention_scratch_bytes"] == t * 2 * (12 * 16 + 4)
+    assert r["temp_bytes_per_token_per_layer"] == pytest.approx(
+        r["temp_bytes"] / t)
+  text = md.read_text()
+  assert text.count("| cpu | example* | 256 |") == 2
+  assert os.path.basename(path).startswith("memory_")
+
+
+def test_search_predicts_the_limit(monkeypatch):
+  """With a memory limit and runs whose planned bytes grow linearly, the
+  search tries around the predicted limit first: a few tries, not the
+  doubling's and bisection's dozen, and still the exact answer."""
+  per_token, fixed, limit = 50_000, 3 * 10**9, 40e9
+  seen = []
+
+  def fake(args, t, cp, remat, timed=True):
+    seen.append(t)
+    need = fixed + per_token * t
+    return dict(model="m", seq_len=t, cp=cp, remat=remat,
+                status="ok" if need <= limit else "oom",
+                temp_bytes=per_token * t, argument_bytes=fixed)
+
+  monkeypatch.setattr(bench_memory, "measure", fake)
+  args = _args(["--search", "--memory-limit", "40", "--search-start",
+                "64k"])
+  got = bench_memory.longest_trainable(args, 1, "none", [])
+  want = int((limit - fixed) / per_token) // 16384 * 16384
+  assert got["longest_seq_len"] == want
+  assert got["first_failing_seq_len"] == want + 16384
+  assert len(seen) <= 6, seen
+  assert bench_memory.predict_longest([(10, 30), (20, 50)], 0, 90) == 40
+  assert bench_memory.predict_longest([(10, 30)], 10, 90) == 40
+
+
+def test_paired_ab_carries_the_donated_state(monkeypatch):
+  """The A/B calls each step with the state the previous call returned
+  (the example's step donates it), and reports save_context / none."""
+  import jax
+  import jax.numpy as jnp
+
+  calls = {"none": 0, "save_context": 0}
+
+  def fake_build(args, t, cp, remat):
+    work = 2 if remat == "none" else 1
+
+    @jax.jit
+    def fn(state, batch):
+      x = state
+      for _ in range(20 * work):
+        x = jnp.tanh(x @ batch)
+      return x, jnp.sum(x)
+
+    def counted(state, batch):
+      calls[remat] += 1
+      return fn(state, batch)
+
+    x = jnp.ones((64, 64)) / 64
+    return bench_memory.Step(counted, x, x, None, None, 0, None, 0.0)
+
+  monkeypatch.setattr(bench_memory, "build_step", fake_build)
+  args = _args(["--ab", "256", "--ab-reps", "2"])
+  got = bench_memory.paired_ab(args, 256, 1)
+  assert got["kind"] == "ab" and got["a"] == "none"
+  assert got["ms_a"] > 0 and got["ms_b"] > 0
+  assert got["save_context_over_none"] == pytest.approx(
+      got["ms_b"] / got["ms_a"], rel=0.5)
+  assert calls["none"] > 2 and calls["save_context"] > 2
+
+
+def test_search_stops_at_its_budget(monkeypatch):
+  monkeypatch.setattr(bench_memory, "measure", lambda *a, **k: 1 / 0)
+  args = _args(["--search", "--search-start", "64k"])
+  got = bench_memory.longest_trainable(args, 1, "none", [], budget_s=0.0)
+  assert got["stopped_early"] and got["tries"] == []
+  assert got["longest_seq_len"] is None
+
+
+def test_growth_table_is_the_slope():
+  """Bytes per added local token per layer, from a run and a search try;
+  the fixed part of the temp memory drops out."""
+  fixed, per = 5 * 10**9, 3000
+  run = dict(kind="run", model="big", remat="full", cp=2, seq_len=1 << 16,
+             temp_bytes=fixed + per * 4 * (1 << 15), layers=4)
+  search = dict(kind="search", model="big", remat="full", cp=2, tries=[
+      dict(seq_len=1 << 18, status="ok", layers=4,
+           temp_bytes=fixed + per * 4 * (1 << 17))])
+  lines = bench_memory._growth_table(
+      [dict(env=dict(device_kind="H200"), records=[run, search])])
+  assert lines[0] == "## Growth per token"
+  assert lines[-2] == "| H200 | big | full | 2 | 64k-256k | 3000 |"

@@ -1,0 +1,202 @@
+"""A CPBatch checked on the host carries the fact through ``jit``: attention
+given it compiles no fallback branch under the default
+``max_seqlen_violation="fallback"``, at the memory of ``"checked_on_host"``;
+a batch not checked keeps the fallback; metadata changed after the check
+give NaN, never a silently wrong answer."""
+
+import dataclasses
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_cp
+from jax_cp import CPBatch, CPLayout, seqlen_guard
+from jax_cp.flax import TransformerLayer
+from tests import reference as ref
+
+CP, W = 4, 64
+NLB = "no_load_balance"
+
+
+def _mesh():
+  return jax.make_mesh((CP,), ("cp",), devices=jax.devices()[:CP],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _metadata(rng, total, longest):
+  """[1, N+1] cu_seqlens, cu_seqlens_padded: random padded documents of at
+  most ``longest`` tokens filling ``total``, valid lengths below them."""
+  plens = []
+  while sum(plens) < total:
+    plens.append(min(int(rng.integers(1, longest + 1)), total - sum(plens)))
+  lens = [int(rng.integers(1, p + 1)) for p in plens]
+  cum = lambda x: np.concatenate([[0], np.cumsum(x)]).astype(np.int32)[None]
+  return cum(lens), cum(plens)
+
+
+def _layout(violation="fallback"):
+  return CPLayout(mesh=_mesh(), strategy=NLB, max_seqlen=W, backend="xla",
+                  max_seqlen_violation=violation)
+
+
+def _layer_step(layout):
+  """jit(grad) of a TransformerLayer over a batch given as an argument."""
+  layer = TransformerLayer(num_heads=4, num_kv_heads=2, head_dim=16,
+                           mlp_dim=64, layout=layout)
+
+  def loss(params, batch):
+    y = layer.apply(params, batch.tensors["x"], batch)
+    return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+  return layer, jax.jit(jax.grad(loss))
+
+
+def _compiled(layout, batch):
+  layer, step = _layer_step(layout)
+  with jax.set_mesh(layout.mesh):
+    params = jax.eval_shape(
+        lambda: layer.init(jax.random.key(0), batch.tensors["x"], batch))
+    return step.lower(params, batch).compile()
+
+
+def test_host_checked_batch_costs_no_fallback_memory():
+  """A bounded NO_LOAD_BALANCE gradient step taking a batch from
+  ``make_global_batch`` as a jit argument, default settings: temp memory
+  within 2 % of ``"checked_on_host"`` and no all-gather; the same batch
+  not checked compiles the fallback (all-gather, conditional, more
+  memory)."""
+  rng = np.random.default_rng(0)
+  t = 1024
+  cu, cuP = _metadata(rng, t, W)
+  x = rng.standard_normal((1, t, 32)).astype(np.float32)
+  layout = _layout()
+  batch = jax_cp.make_global_batch(dict(x=x), cuP, layout, cu_seqlens=cu)
+  assert batch.checked_max_seqlen == W
+  trusted = _layout("checked_on_host")
+  on_host = jax_cp.make_global_batch(dict(x=x), cuP, trusted, cu_seqlens=cu)
+
+  def temp_and_text(layout, batch):
+    c = _compiled(layout, batch)
+    return c.memory_analysis().temp_size_in_bytes, c.as_text()
+
+  got, text = temp_and_text(layout, batch)
+  want, _ = temp_and_text(trusted, on_host)
+  assert abs(got - want) <= 0.02 * want, (got, want)
+  assert "all-gather" not in text and " conditional(" not in text
+  # The NaN poison of a trusted bound is free too: no more than the
+  # program without it.
+  with mock.patch.object(seqlen_guard, "poison", lambda cfg, cuP, *a: a):
+    bare, _ = temp_and_text(layout, batch)
+  assert got <= 1.02 * bare, (got, bare)
+
+  raw = CPBatch(batch.tensors, batch.cu_seqlens_padded, batch.cu_seqlens,
+                layout=layout)
+  assert raw.checked_max_seqlen is None
+  fallback, text = temp_and_text(layout, raw)
+  assert "all-gather" in text and " conditional(" in text
+  assert fallback > 1.2 * want, (fallback, want)
+
+
+def _attention_step(batch):
+  """jit(value, grads) of cp_attention on the batch's q, k, v."""
+
+  def loss(q, k, v, b, w):
+    out = jax_cp.cp_attention(q, k, v, b)
+    return jnp.sum(out * w), out
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+def _qkv_batch(rng, t, cu, cuP, layout):
+  mk = lambda h: rng.standard_normal((1, t, h, 8)).astype(np.float32)
+  host = dict(q=mk(4), k=mk(2), v=mk(2))
+  return host, jax_cp.make_global_batch(host, cuP, layout, cu_seqlens=cu)
+
+
+def _reference(host, w, cu, cuP):
+  f = lambda q, k, v: ref.batched_attention(q, k, v, cu, cuP)
+  out = f(host["q"], host["k"], host["v"])
+  grads = jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2))(
+      host["q"], host["k"], host["v"])
+  return out, grads
+
+
+def _run(batch, w):
+  b = batch.tensors
+  with jax.set_mesh(batch.layout.mesh):
+    (_, out), grads = _attention_step(batch)(b["q"], b["k"], b["v"], batch, w)
+  # NO_LOAD_BALANCE keeps the physical order: no restore needed.
+  return np.asarray(out), [np.asarray(g) for g in grads]
+
+
+def test_host_checked_results_and_forged_metadata():
+  """Within the bound the host-checked batch gives the reference; its
+  metadata swapped after the check for a row with a longer document, by
+  pytree ops that keep static data (``tree_unflatten``,
+  ``dataclasses.replace``), give NaN outputs and gradients; a new CPBatch
+  with those metadata is unchecked and falls back to the right answer."""
+  rng = np.random.default_rng(1)
+  t = 256
+  layout = _layout()
+  cu, cuP = _metadata(rng, t, W)
+  host, batch = _qkv_batch(rng, t, cu, cuP, layout)
+  w = rng.standard_normal((1, t, 4, 8)).astype(np.float32)
+  out, grads = _run(batch, w)
+  want, want_grads = _reference(host, w, cu, cuP)
+  np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+  for g, gw in zip(grads, want_grads):
+    np.testing.assert_allclose(g, gw, atol=5e-5, rtol=5e-5)
+
+  long_cu, long_cuP = _metadata(rng, t, 3 * W)
+  assert np.diff(long_cuP).max() > W
+  meta = lambda a: jax.device_put(a, batch.cu_seqlens_padded.sharding)
+  leaves, tree = jax.tree.flatten(batch)
+  new = {id(batch.cu_seqlens_padded): meta(long_cuP),
+         id(batch.cu_seqlens): meta(long_cu)}
+  forged = jax.tree.unflatten(tree, [new.get(id(x), x) for x in leaves])
+  replaced = dataclasses.replace(batch, cu_seqlens_padded=meta(long_cuP),
+                                 cu_seqlens=meta(long_cu))
+  valid = ref.valid_token_mask(long_cu[0], long_cuP[0])
+  for bad in (forged, replaced):
+    assert bad.checked_max_seqlen == W     # the fact survives pytree ops
+    out, grads = _run(bad, w)
+    assert all(np.isnan(g[0][valid]).all() for g in grads)
+    assert np.isnan(out[0][valid]).all()
+
+  fresh = CPBatch(batch.tensors, meta(long_cuP), meta(long_cu),
+                  layout=layout)
+  assert fresh.checked_max_seqlen is None
+  out, grads = _run(fresh, w)
+  want, want_grads = _reference(host, w, long_cu, long_cuP)
+  np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+  for g, gw in zip(grads, want_grads):
+    np.testing.assert_allclose(g, gw, atol=5e-5, rtol=5e-5)
+
+
+def test_check_on_host_and_for_batch():
+  """``check_on_host`` checks concrete metadata and records the bound;
+  ``CPLayout.for_batch`` trusts only a bound within the layout's, under
+  ``"fallback"``."""
+  rng = np.random.default_rng(2)
+  cu, cuP = _metadata(rng, 128, 2 * W)
+  layout = CPLayout(cp_size=CP, strategy=NLB, max_seqlen=2 * W)
+  raw = CPBatch(None, cuP, cu, layout=layout)
+  checked = raw.check_on_host()
+  assert checked.checked_max_seqlen == 2 * W and raw.checked_max_seqlen is None
+  with pytest.raises(ValueError, match="longest padded document"):
+    raw.check_on_host(max_seqlen=int(np.diff(cuP).max()) - 1)
+  with pytest.raises(ValueError, match="concrete cu_seqlens_padded"):
+    jax.jit(lambda c: CPBatch(None, c, cu, layout=layout).check_on_host(
+    ).cu_seqlens_padded)(cuP)
+  with pytest.raises(ValueError, match="checked_max_seqlen"):
+    CPBatch(None, cuP, cu, layout=layout, checked_max_seqlen=0)
+  assert layout.for_batch(checked).max_seqlen_violation == "checked_on_host"
+  assert layout.for_batch(raw) is layout
+  assert layout.for_batch(cu) is layout
+  tighter = layout.replace(max_seqlen=W)
+  assert tighter.for_batch(checked) is tighter
+  strict = layout.replace(max_seqlen_violation="error")
+  assert strict.for_batch(checked) is strict
