@@ -41,8 +41,10 @@ class Call:
     kv_rows: the call reads only the first ``kv_rows`` rows of its KV
       buffer; None = all.
     overlaps_previous: its Q rows are those of earlier calls (the
-      triangles of split bottom-right blocks); every other call's rows are
-      disjoint from all others'.
+      triangles of split bottom-right blocks, the parts of a windowed
+      DUAL_CHUNK_SWAP block); every other call's rows are disjoint from
+      all others'. In the forward such a call's out/lse are merged into
+      the earlier calls' by log-sum-exp.
     halo_rows: None, or this is the *halo call* of NO_LOAD_BALANCE's
       straddling document (:func:`_split_straddle`): the document's first
       local Q rows against its keys before the chunk, and this is the int32
@@ -59,12 +61,18 @@ class Call:
       ``halo_rows``, so they add nothing. Otherwise a halo call is an
       unmasked rectangle on the exchanged buffer in sequence order, with
       exact segments.
+    mirrored: the call reads the local Q (and in the backward out, dO,
+      lse) and the exchanged K/V with the row order of each whole buffer
+      reversed, and its outputs are reversed back; its segments are exact
+      ranges of the mirrored buffers (DUAL_CHUNK_SWAP's windowed *far*
+      call, :func:`_dcs_window_calls`). It ``overlaps_previous``.
 
   The calls of a step cover disjoint Q rows, so their outputs merge
   without log-sum-exp rescaling: a later call writes its rows into the
   buffers of the calls before it (in place when the backend
-  ``supports_in_place``), or the planner adds them. The one exception is
-  a halo call, whose rows are merged by log-sum-exp.
+  ``supports_in_place``), or the planner adds them. The exceptions are a
+  halo call, whose rows are merged by log-sum-exp, and the calls that
+  ``overlaps_previous``.
   """
 
   meta: metadata.StepMetadata
@@ -77,6 +85,7 @@ class Call:
   overlaps_previous: bool = False
   halo_rows: jnp.ndarray | None = None
   reversed: bool = False
+  mirrored: bool = False
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -205,6 +214,79 @@ def merge_calls(calls: list[Call]) -> Call:
                              max_kv=max(c.max_kv for c in calls))
 
 
+def window_left(cfg: CPConfig, call: Call) -> int:
+  """The band a call runs with: the config's window on a causal call in
+  sequence order, none (-1) on an unmasked call and on a reversed or
+  mirrored call (whose rows all lie within the window, so its plain
+  top-left mask is the band already)."""
+  if call.mask == "no_mask" or call.reversed or call.mirrored:
+    return -1
+  return cfg.window_left
+
+
+def _dcs_window_steps(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
+                      ) -> list[tuple[Call, Call, Call]]:
+  """DUAL_CHUNK_SWAP with a sliding window: per step (chunk ``k``) the
+  ``(diag, near, far)`` calls of :func:`metadata.split_windowed_block`,
+  none of them bottom-right (docs/design.md, Call plans).
+
+  Bounds, with ``c = ceil(W / 2cp)`` the longest chunk: ``diag`` ``c x
+  c``, ``near`` ``c`` Q rows against at most ``left - 1`` keys (and no
+  more than the ``(2cp-1) c`` before the last chunk), ``far`` at most
+  ``min(left, c)`` each way."""
+  cp, left = cfg.cp_size, cfg.window_left
+  c = max(_ceil_div(cfg.max_seqlen, 2 * cp), 1)
+  near_kv = max(min(left - 1, (2 * cp - 1) * c), 1)
+  far = max(min(left, c), 1)
+  steps = []
+  for step in (0, 1):
+    m = metadata.dual_chunk_swap_step(cu_seqlens, cu_seqlens_padded, cp,
+                                      rank, step)
+    d, n, f = metadata.split_windowed_block(m, left, cfg.local_tokens,
+                                            cfg.total_tokens)
+    steps.append((
+        Call(d, "causal_top_left", c, c, True),
+        Call(n, "no_mask", c, near_kv, True, overlaps_previous=True),
+        Call(f, "causal_top_left", far, far, True, overlaps_previous=True,
+             mirrored=True)))
+  return steps
+
+
+def _dcs_window_split(cfg: CPConfig) -> bool:
+  """DUAL_CHUNK_SWAP at cp > 1 with a window, run without bottom-right
+  calls (:attr:`CPConfig.dcs_window_split`)."""
+  return (cfg.strategy is not _NLB and cfg.cp_size > 1
+          and cfg.window_left >= 0 and cfg.dcs_window_split)
+
+
+def _dcs_window_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank,
+                      backward: bool) -> list[Call]:
+  """The windowed DUAL_CHUNK_SWAP plan of one direction.
+
+  Forward: three calls, each over both steps (a forward may read the
+  same KV rows from several segments): the top-left diagonal bands, the
+  unmasked near rectangles and the mirrored far triangles, the last two
+  merged into the first by log-sum-exp. Backward: the same, except that
+  the two steps' near rectangles run as separate calls: a fused kernel
+  writes dK/dV per segment, and step 1's near keys may reach into step
+  0's (a short document). The diagonals read chunks ``r`` and
+  ``2cp-1-r``, the far triangles disjoint ranges (step 1's far keys end
+  ``left - q`` rows or more before its chunk, past step 0's chunk). With
+  a window of 0 only the diagonals run; with 1 no near keys exist."""
+  steps = _dcs_window_steps(cfg, cu_seqlens, cu_seqlens_padded, rank)
+  diag = merge_calls([s[0] for s in steps])
+  near = [s[1] for s in steps]
+  far = merge_calls([s[2] for s in steps])
+  left = cfg.window_left
+  if left <= 0:
+    return [diag]
+  if left == 1:
+    return [diag, far]
+  if backward:
+    return [diag, *near, far]
+  return [diag, merge_calls(near), far]
+
+
 def _step_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
                 ) -> list[Call]:
   """The calls of both directions, in forward order: one per step
@@ -239,6 +321,9 @@ def forward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
   halo call's out/lse are merged into the local call's rows by
   log-sum-exp (the only forward call whose rows are not disjoint from the
   others')."""
+  if _dcs_window_split(cfg):
+    return _dcs_window_calls(cfg, cu_seqlens, cu_seqlens_padded, rank,
+                             backward=False)
   calls = _step_calls(cfg, cu_seqlens, cu_seqlens_padded, rank)
   if cfg.strategy is not _NLB and len(calls) > 1:
     return [merge_calls(calls)]
@@ -304,8 +389,12 @@ def backward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
   The steps read overlapping KV rows (chunks ``0..r`` of every
   document), so they stay separate calls; their triangles do not (chunk
   ``r`` against chunk ``2cp-1-r``) and run as one call after both
-  rectangles. With a sliding window they stay whole bottom-right calls
-  (docs/design.md, Sliding window)."""
+  rectangles. With a sliding window: :func:`_dcs_window_calls`, none
+  bottom-right (or, with ``dcs_window_split`` off, whole bottom-right
+  banded calls per step)."""
+  if _dcs_window_split(cfg):
+    return _dcs_window_calls(cfg, cu_seqlens, cu_seqlens_padded, rank,
+                             backward=True)
   calls = _step_calls(cfg, cu_seqlens, cu_seqlens_padded, rank)
   out, triangles = [], []
   for call in reversed(calls):

@@ -35,7 +35,8 @@ import jax.numpy as jnp
 
 from jax_cp import call_plan, seqlen_guard
 from jax_cp.attention.api import window_kwargs
-from jax_cp.attention.merge import GradSum, add, merge_softmax_rows
+from jax_cp.attention.merge import (GradSum, add, merge_softmax,
+                                    merge_softmax_rows)
 from jax_cp.cp_config import CPConfig
 
 
@@ -76,6 +77,29 @@ def _exchange(cfg: CPConfig, k, v, cu_seqlens_padded):
   return kx, vx, None
 
 
+def _mirror(x):
+  """``x`` with the rows of axis 1 in reverse order (a mirrored call's
+  buffers, :attr:`jax_cp.call_plan.Call.mirrored`)."""
+  return jnp.flip(x, axis=1)
+
+
+def _part_forward(cfg: CPConfig, call: call_plan.Call, q, kc, vc):
+  """(out, lse) ``[B, Tl, ..]`` of a call whose rows overlap earlier
+  calls' (:attr:`jax_cp.call_plan.Call.overlaps_previous`), in sequence
+  order: a mirrored call reads mirrored buffers and its results are
+  mirrored back."""
+  if call.mirrored:
+    q, kc, vc = _mirror(q), _mirror(kc), _mirror(vc)
+  o, l = cfg.backend.forward(
+      _flat(q), _flat(kc), _flat(vc),
+      call_plan.segments(call, q.shape[1], kc.shape[1]), mask=call.mask,
+      scale=cfg.scale, **window_kwargs(call_plan.window_left(cfg, call)))
+  o, l = o.reshape(q.shape), l.reshape(q.shape[:3])
+  if call.mirrored:
+    o, l = _mirror(o), _mirror(l)
+  return o, l
+
+
 def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
   """(out, lse, saved): what the backward reuses of the exchange, the
   received K|V halo when the exchange keeps it, the all-gathered
@@ -83,9 +107,13 @@ def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
   backend = cfg.backend
   kx, vx, halo = _exchange(cfg, k, v, cu_seqlens_padded)
   out = lse = None
+  parts = []
   for call in call_plan.forward_calls(cfg, cu_seqlens, cu_seqlens_padded,
                                       _rank(cfg)):
-    assert not call.overlaps_previous, call
+    if call.overlaps_previous:
+      kc, vc = _call_kv(call, k, v, kx, vx, halo)
+      parts.append(_part_forward(cfg, call, q, kc, vc))
+      continue
     if call.exchanged and halo is not None and out is not None:
       # The halo call waits for the halo: keep it after the earlier calls,
       # which then hide the exchange (XLA may otherwise schedule it first).
@@ -98,7 +126,7 @@ def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
     in_place = out is not None and backend.supports_in_place
     # The first call's outputs hold 0 / -inf on the other calls' rows.
     extra = dict(into=(_flat(out), _flat(lse))) if in_place else {}
-    extra.update(window_kwargs(cfg.window_left))
+    extra.update(window_kwargs(call_plan.window_left(cfg, call)))
     o, l = backend.forward(_flat(q), _flat(kc), _flat(vc), seg,
                            mask=call.mask, scale=cfg.scale, **extra)
     o, l = o.reshape(q.shape), l.reshape(q.shape[:3])
@@ -106,6 +134,8 @@ def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
       out, lse = o, l
     else:
       out, lse = add(out, o), jnp.maximum(lse, l)
+  if parts:
+    out, lse = merge_softmax(out, lse, parts)
   if cfg.keep_gathered_kv:
     saved = (kx, vx)
   else:
@@ -296,25 +326,27 @@ def _backward(cfg: CPConfig, residuals, dout):
       continue
     kc, vc = _call_kv(call, k, v, kx, vx, halo)
     rows = write.q_rows
-    qc = _prefix(q, rows)
-    # A halo call that is not reversed is an unmasked rectangle: no band.
-    extra = ({} if call.halo_rows is not None else
-             window_kwargs(cfg.window_left))
+    qc, oc, lc, dc = (_prefix(x, rows) for x in (q, out, lse, dout))
+    if call.mirrored:
+      qc, oc, lc, dc, kc, vc = map(_mirror, (qc, oc, lc, dc, kc, vc))
+    extra = window_kwargs(call_plan.window_left(cfg, call))
     if backend.supports_in_place:
       extra.update(dq_into=_flat(dq.full) if write.into else None)
     dq_i, dk_i, dv_i = backend.backward(
-        _flat(qc), _flat(kc), _flat(vc),
-        _flat(_prefix(out, rows)),
-        _prefix(lse, rows).reshape(-1, q.shape[2]),
-        _flat(_prefix(dout, rows)),
+        _flat(qc), _flat(kc), _flat(vc), _flat(oc),
+        lc.reshape(-1, q.shape[2]), _flat(dc),
         call_plan.segments(call, qc.shape[1], kc.shape[1]), mask=call.mask,
         scale=cfg.scale, **extra)
+    dq_i, dk_i, dv_i = (dq_i.reshape(qc.shape), dk_i.reshape(kc.shape),
+                        dv_i.reshape(vc.shape))
+    if call.mirrored:
+      dq_i, dk_i, dv_i = map(_mirror, (dq_i, dk_i, dv_i))
     if write.into:
-      dq.full = dq_i.reshape(q.shape)
+      dq.full = dq_i
     else:
-      dq.add(dq_i.reshape(qc.shape), rows)
-    (dkx if call.exchanged else dk).add(dk_i.reshape(kc.shape), call.kv_rows)
-    (dvx if call.exchanged else dv).add(dv_i.reshape(vc.shape), call.kv_rows)
+      dq.add(dq_i, rows)
+    (dkx if call.exchanged else dk).add(dk_i, call.kv_rows)
+    (dvx if call.exchanged else dv).add(dv_i, call.kv_rows)
   merge = backend.merge_rows
   dq = dq.total(merge, q.dtype)
   dk, dv = dk.total(merge, k.dtype), dv.total(merge, v.dtype)

@@ -102,6 +102,49 @@ def split_bottom_right(meta: StepMetadata) -> tuple[StepMetadata, StepMetadata]:
   return rect, diag
 
 
+def split_windowed_block(meta: StepMetadata, window_left: int,
+                         q_tokens: int, kv_tokens: int
+                         ) -> tuple[StepMetadata, StepMetadata, StepMetadata]:
+  """Splits a windowed bottom-right segment into three parts that cuDNN
+  runs as fast top-left or unmasked calls (docs/design.md, Call plans).
+
+  The segment's ``q`` Q rows are the last ``q`` of its ``kv`` keys (a
+  DUAL_CHUNK_SWAP chunk), so Q row ``j`` sits at key row ``X + j`` with
+  ``X = kv_offset + kv - q``, and sees the keys ``[X + j - left, X + j]``
+  of the segment. With ``h = min(left, kv - q)`` keys before ``X`` in
+  reach, ``b = min(max(left - q, 0), h)`` of them (the nearest) seen by
+  every row and ``f = h - b`` further ones:
+
+  * ``diag``: Q against the keys ``[X, X + q)``, the top-left band;
+  * ``near``: all Q rows against the ``b`` keys ``[X - b, X)``, unmasked;
+  * ``far``: the first ``n = min(q, left)`` Q rows against the ``f`` keys
+    ``[X - h, X - b)``: row ``j`` sees key ``X - b - 1 - m`` when
+    ``m <= n - 1 - j``, which with both axes reversed is plain top-left
+    causal. Its offsets are in the *mirrored* buffers (row ``t`` of a
+    row of ``q_tokens`` Q rows at ``q_tokens - 1 - t``, of ``kv_tokens``
+    KV rows at ``kv_tokens - 1 - t``).
+
+  Parts without work have ``q_len = kv_len = 0``.
+  """
+  left = int(window_left)
+  q = meta.q_lens
+  live = q > 0
+  before = jnp.where(live, meta.kv_lens - q, 0)
+  start = meta.kv_offsets + before
+  h = jnp.minimum(before, left)
+  b = jnp.minimum(jnp.maximum(left - q, 0), h)
+  f = h - b
+  n = jnp.minimum(q, left)
+  diag = StepMetadata(q, meta.q_offsets, q, start)
+  near = StepMetadata(jnp.where(b > 0, q, 0), meta.q_offsets, b, start - b)
+  has_far = live & (f > 0)
+  far = StepMetadata(jnp.where(has_far, n, 0),
+                     jnp.clip(q_tokens - meta.q_offsets - n, 0, q_tokens),
+                     jnp.where(has_far, f, 0),
+                     jnp.clip(kv_tokens - (start - b), 0, kv_tokens))
+  return diag, near, far
+
+
 def no_load_balance_split(cu_seqlens, cu_seqlens_padded, cp_size: int, rank,
                           total_tokens: int, exchanged_start
                           ) -> tuple[StepMetadata, StepMetadata]:
