@@ -35,8 +35,12 @@ import jax.numpy as jnp
 
 from jax_cp import call_plan, seqlen_guard
 from jax_cp.attention.api import window_kwargs
-from jax_cp.attention.merge import (GradSum, add, merge_softmax,
-                                    merge_softmax_rows)
+from jax_cp.attention.merge import (
+  GradSum,
+  add,
+  merge_softmax,
+  merge_softmax_rows,
+)
 from jax_cp.cp_config import CPConfig
 
 

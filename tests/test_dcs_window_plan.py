@@ -1,0 +1,217 @@
+"""DUAL_CHUNK_SWAP with a sliding window: its call plan runs no
+bottom-right call (docs/design.md, Call plans). The three parts of a
+windowed block cover its band exactly; the plan's calls and their masks,
+each way; cp_attention at cp 1/2/4/8 against the windowed reference on
+the unpartitioned rows, forward and gradients, on the xla backend and on
+the strict in-place test backend; the ``JAX_CP_DCS_WINDOW_PLAN`` switch
+and its warning."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_cp import CPLoadBalancingStrategy as S
+from jax_cp import call_plan, cp_config, metadata
+from jax_cp.attention import registry, xla
+from jax_cp.attention.backend import Segments
+from tests import test_inplace_planner as planner
+from tests.inplace_backend import make_backend
+from tests.test_sliding_window import check_cp
+
+DCS = S.DUAL_CHUNK_SWAP
+T = 64
+
+
+# ---------------------------------------------------------------------------
+# The split of one windowed bottom-right block
+# ---------------------------------------------------------------------------
+
+
+def _pairs(q_len, kv_len, q_off, kv_off, mask, tq, tkv, left=-1):
+  """Boolean [tq, tkv]: the (Q row, KV row) pairs one segment sees."""
+  i32 = lambda x: jnp.asarray([x], jnp.int32)
+  seg = Segments(i32(q_len), i32(kv_len), i32(q_off), i32(kv_off), tq, tkv)
+  ok, _ = xla.segment_mask(seg, tq, tkv, mask, left)
+  return np.asarray(ok)
+
+
+def _split_pairs(q, kv, q_off, kv_off, left, tq, tkv):
+  """The pairs of the windowed bottom-right block and of each of its three
+  parts (the far part mapped back from the mirrored buffers)."""
+  one = lambda x: jnp.asarray([[x]], jnp.int32)
+  meta = metadata.StepMetadata(one(q), one(q_off), one(kv), one(kv_off))
+  want = _pairs(q, kv, q_off, kv_off, "causal_bottom_right", tq, tkv, left)
+  d, n, f = (metadata.StepMetadata(*(int(np.asarray(x)[0, 0]) for x in m))
+             for m in metadata.split_windowed_block(meta, left, tq, tkv))
+  seg = lambda m: (m.q_lens, m.kv_lens, m.q_offsets, m.kv_offsets)
+  diag = _pairs(*seg(d), "causal_top_left", tq, tkv, left)
+  near = _pairs(*seg(n), "no_mask", tq, tkv)
+  far = _pairs(*seg(f), "causal_top_left", tq, tkv)[::-1, ::-1]
+  return want, diag, near, far, f
+
+
+@pytest.mark.parametrize("left", [0, 1, 2, 5, 9, 16, 30])
+def test_split_covers_the_band_exactly(left):
+  """For blocks of every shape (Q shorter, equal to and longer than the
+  window, keys before it fewer and more than the window): the diagonal
+  band, the near rectangle and the far triangle are disjoint and
+  together are the bottom-right band; the far part is top-left causal
+  in the mirrored buffers, at most ``left`` rows and keys."""
+  tq, tkv = 24, 40
+  for q in (1, 3, 8, 12):
+    for before in (0, 1, 4, 9, 20):
+      q_off, kv_off = 5, 3
+      kv = before + q
+      want, diag, near, far, f = _split_pairs(q, kv, q_off, kv_off, left,
+                                              tq, tkv)
+      got = diag.astype(int) + near + far
+      assert got.max() <= 1, (q, before, left)
+      np.testing.assert_array_equal(got.astype(bool), want,
+                                    err_msg=f"q={q} before={before}")
+      assert f.q_lens <= max(left, 0) and f.kv_lens <= max(left, 0)
+      assert f.kv_lens <= f.q_lens
+
+
+def test_split_of_an_empty_block_has_no_work():
+  zero = jnp.zeros((1, 2), jnp.int32)
+  meta = metadata.StepMetadata(zero, zero, jnp.full((1, 2), 7), zero + 4)
+  for part in metadata.split_windowed_block(meta, 5, 16, 32):
+    np.testing.assert_array_equal(part.q_lens, 0)
+    np.testing.assert_array_equal(part.kv_lens, 0)
+
+
+# ---------------------------------------------------------------------------
+# The call plan
+# ---------------------------------------------------------------------------
+
+
+def _config(left, cp=2, backend="xla", max_seqlen=None):
+  cuP = np.array([[0, 24, 40, 64]], np.int32)
+  cu = np.array([[0, 20, 34, 58]], np.int32)
+  cfg = cp_config.make_config(
+      (1, T, 4, 8), (1, T, 2, 8), (1, T, 2, 8), jnp.bfloat16, cu, cuP,
+      cp_size=cp, cp_axis="cp", load_balancing_strategy=DCS,
+      cp_comm_type="all_gather", attn_mask_type="causal",
+      softmax_scale=None, backend=backend, max_seqlen=max_seqlen,
+      window_size=(left, 0), split_causal_backward=None, total_tokens=T)
+  return cfg, cu, cuP
+
+
+def _plan(cfg, cu, cuP, rank=1):
+  r = jnp.int32(rank)
+  describe = lambda calls: [
+      (c.mask, call_plan.window_left(cfg, c), c.mirrored) for c in calls]
+  return (describe(call_plan.forward_calls(cfg, cu, cuP, r)),
+          describe(call_plan.backward_calls(cfg, cu, cuP, r)))
+
+
+@pytest.mark.parametrize("left", [2, 7, 30])
+def test_windowed_plan_has_no_bottom_right_call(left):
+  """Forward: the diagonal bands (top-left, banded), the near rectangles
+  (unmasked) and the mirrored far triangles (top-left, no band needed),
+  each over both steps. Backward: the same with the two steps' near
+  rectangles apart."""
+  cfg, cu, cuP = _config(left)
+  assert cfg.window_left == left and cfg.dcs_window_split
+  fwd, bwd = _plan(cfg, cu, cuP)
+  diag = ("causal_top_left", left, False)
+  near = ("no_mask", -1, False)
+  far = ("causal_top_left", -1, True)
+  assert fwd == [diag, near, far]
+  assert bwd == [diag, near, near, far]
+
+
+def test_windows_zero_and_one_and_above_every_document():
+  """Window 0: the diagonals alone; window 1: no key is near; a window
+  reaching past the longest document is plain causal (the unwindowed
+  plan: one bottom-right forward call without a band)."""
+  cfg, cu, cuP = _config(0)
+  assert _plan(cfg, cu, cuP) == ([("causal_top_left", 0, False)],) * 2
+  cfg, cu, cuP = _config(1)
+  fwd, bwd = _plan(cfg, cu, cuP)
+  assert fwd == bwd == [("causal_top_left", 1, False),
+                        ("causal_top_left", -1, True)]
+  cfg, cu, cuP = _config(23, max_seqlen=24)
+  assert cfg.window_left == -1
+  fwd, _ = _plan(cfg, cu, cuP)
+  assert fwd == [("causal_bottom_right", -1, False)]
+
+
+@pytest.fixture
+def fake_cudnn(monkeypatch):
+  """A strict in-place test backend registered as "cudnn" for one test."""
+  monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
+  registry.register_backend(make_backend("cudnn"))
+
+
+def test_switch_to_bottom_right_warns_on_cudnn(monkeypatch, fake_cudnn):
+  """JAX_CP_DCS_WINDOW_PLAN=bottom_right: the whole banded bottom-right
+  calls, and on cudnn a warning naming the cost and NO_LOAD_BALANCE; the
+  default plan warns nothing."""
+  del fake_cudnn
+  import warnings  # pylint: disable=import-outside-toplevel
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    cfg, _, _ = _config(7, backend="cudnn")
+  assert cfg.dcs_window_split
+  monkeypatch.setenv(cp_config.DCS_WINDOW_PLAN_ENV, "bottom_right")
+  with pytest.warns(RuntimeWarning, match="11x slower.*NO_LOAD_BALANCE"):
+    cfg, cu, cuP = _config(7, backend="cudnn")
+  fwd, bwd = _plan(cfg, cu, cuP)
+  assert fwd == [("causal_bottom_right", 7, False)]
+  assert bwd == [("causal_bottom_right", 7, False)] * 2
+  monkeypatch.setenv(cp_config.DCS_WINDOW_PLAN_ENV, "fast")
+  with pytest.raises(ValueError, match="JAX_CP_DCS_WINDOW_PLAN"):
+    _config(7)
+
+
+# ---------------------------------------------------------------------------
+# cp_attention against the reference
+# ---------------------------------------------------------------------------
+
+# (cp, window). The rows of tests/test_sliding_window.py: many short
+# documents and one long one, whose chunks are T / 2cp = 32, 16, 8, 4
+# tokens at cp 1, 2, 4, 8: windows 0 and 1, below, equal to and above a
+# chunk, and above every document (the plain causal plan).
+CASES = [(1, 9), (2, 0), (2, 1), (2, 7), (2, 16), (2, 40), (2, 70),
+         (4, 8), (4, 21), (8, 3)]
+SLOW_CASES = [(1, 40), (4, 1), (4, 5), (8, 4), (8, 13)]
+
+
+@pytest.mark.parametrize("cp,left", CASES)
+def test_matches_reference(cp, left):
+  check_cp(cp, DCS, left, seed=cp + left)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp,left", SLOW_CASES)
+def test_matches_reference_more(cp, left):
+  check_cp(cp, DCS, left, seed=cp + left)
+
+
+# The strict in-place test backend's fixture (its call log).
+inplace = planner.inplace
+
+# (cp, window, batch, max_seqlen): on the strict backend, which turns
+# overlapping Q rows of one call, or overlapping KV rows of one backward
+# call (cuDNN writes dK/dV per segment), into NaN.
+INPLACE_CASES = [(2, 3, 2, None), (2, 12, 1, None), (4, 6, 1, 32),
+                 (8, 2, 1, None)]
+
+
+@pytest.mark.parametrize("cp,left,batch,max_seqlen", INPLACE_CASES)
+def test_in_place_backend(inplace, cp, left, batch,
+                          max_seqlen):
+  log = planner.check_case(inplace, 7 * cp + left, cp, DCS, batch,
+                   max_seqlen=max_seqlen, window=left)
+  for kind, n in (("forward", 3), ("backward", 4)):
+    masks = sorted(c["mask"] for c in log if c["kind"] == kind)
+    assert masks == sorted(["causal_top_left"] * 2
+                           + ["no_mask"] * (n - 2)), log
+
+
+def test_in_place_backend_traced_metadata(inplace):
+  """Traced metadata and a bound: both programs of the guard."""
+  log = planner.check_case(inplace, 3, 2, DCS, 1, max_seqlen=32, window=5,
+                   traced=True)
+  assert all(c["mask"] != "causal_bottom_right" for c in log), log
