@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_cp
 from jax_cp import CPLoadBalancingStrategy as S
 from jax_cp import call_plan, cp_config, metadata
 from jax_cp.attention import registry, xla
@@ -215,3 +216,32 @@ def test_in_place_backend_traced_metadata(inplace):
   log = planner.check_case(inplace, 3, 2, DCS, 1, max_seqlen=32, window=5,
                    traced=True)
   assert all(c["mask"] != "causal_bottom_right" for c in log), log
+
+
+# ---------------------------------------------------------------------------
+# The cost model
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("left,calls", [(0, 2), (1, 4), (4095, 7)])
+def test_recommend_strategy_charges_the_windowed_plans_calls(left, calls):
+  """With a window DUAL_CHUNK_SWAP is charged the calls of its windowed
+  plan (forward + backward: 1 + 1, 2 + 2, 3 + 4), NO_LOAD_BALANCE its two
+  each way; a window past every document is the plain causal plan."""
+  cu = np.array([0, 65536])
+  kw = dict(num_heads_q=32, num_heads_kv=8, window_size=(left, 0))
+  rec = jax_cp.recommend_strategy(cu, cu, 2, **kw)
+  free = jax_cp.recommend_strategy(cu, cu, 2, call_overhead_s=0.0, **kw)
+  extra = {s: rec.predicted_time_s[s] - free.predicted_time_s[s]
+           for s in rec.predicted_time_s}
+  assert extra["dual_chunk_swap"] == pytest.approx(calls * 20e-6)
+  assert extra["no_load_balance"] == pytest.approx(
+      (2 if left == 0 else 4) * 20e-6)
+  docs = np.arange(0, 65537, 4096)
+  rec = jax_cp.recommend_strategy(docs, docs, 2, max_seqlen=4096,
+                                  call_overhead_s=1e-3, **kw)
+  free = jax_cp.recommend_strategy(docs, docs, 2, max_seqlen=4096,
+                                   call_overhead_s=0.0, **kw)
+  extra = (rec.predicted_time_s["dual_chunk_swap"]
+           - free.predicted_time_s["dual_chunk_swap"])
+  assert extra == pytest.approx((calls if left < 4095 else 2) * 1e-3)
