@@ -61,11 +61,12 @@ class Call:
       ``halo_rows``, so they add nothing. Otherwise a halo call is an
       unmasked rectangle on the exchanged buffer in sequence order, with
       exact segments.
-    mirrored: the call reads the local Q (and in the backward out, dO,
-      lse) and the exchanged K/V with the row order of each whole buffer
-      reversed, and its outputs are reversed back; its segments are exact
-      ranges of the mirrored buffers (DUAL_CHUNK_SWAP's windowed *far*
-      call, :func:`_dcs_window_calls`). It ``overlaps_previous``.
+    window_rows: None, or the call runs over the compact buffers of
+      DUAL_CHUNK_SWAP's windowed near and far parts (their index maps,
+      :func:`metadata.window_compaction`): Q (and in the backward out,
+      dO, lse) gathered from the local rows, K/V from the exchanged ones;
+      its outputs are gathered back (:func:`_dcs_window_calls`). It
+      ``overlaps_previous``.
 
   The calls of a step cover disjoint Q rows, so their outputs merge
   without log-sum-exp rescaling: a later call writes its rows into the
@@ -85,7 +86,7 @@ class Call:
   overlaps_previous: bool = False
   halo_rows: jnp.ndarray | None = None
   reversed: bool = False
-  mirrored: bool = False
+  window_rows: metadata.WindowRows | None = None
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -217,39 +218,12 @@ def merge_calls(calls: list[Call]) -> Call:
 def window_left(cfg: CPConfig, call: Call) -> int:
   """The band a call runs with: the config's window on a causal call in
   sequence order, none (-1) on an unmasked call and on a reversed or
-  mirrored call (whose rows all lie within the window, so its plain
+  compact one (whose rows all lie within the window, so its plain
   top-left mask is the band already)."""
-  if call.mask == "no_mask" or call.reversed or call.mirrored:
+  if (call.mask == "no_mask" or call.reversed
+      or call.window_rows is not None):
     return -1
   return cfg.window_left
-
-
-def _dcs_window_steps(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
-                      ) -> list[tuple[Call, Call, Call]]:
-  """DUAL_CHUNK_SWAP with a sliding window: per step (chunk ``k``) the
-  ``(diag, near, far)`` calls of :func:`metadata.split_windowed_block`,
-  none of them bottom-right (docs/design.md, Call plans).
-
-  Bounds, with ``c = ceil(W / 2cp)`` the longest chunk: ``diag`` ``c x
-  c``, ``near`` ``c`` Q rows against at most ``left - 1`` keys (and no
-  more than the ``(2cp-1) c`` before the last chunk), ``far`` at most
-  ``min(left, c)`` each way."""
-  cp, left = cfg.cp_size, cfg.window_left
-  c = max(_ceil_div(cfg.max_seqlen, 2 * cp), 1)
-  near_kv = max(min(left - 1, (2 * cp - 1) * c), 1)
-  far = max(min(left, c), 1)
-  steps = []
-  for step in (0, 1):
-    m = metadata.dual_chunk_swap_step(cu_seqlens, cu_seqlens_padded, cp,
-                                      rank, step)
-    d, n, f = metadata.split_windowed_block(m, left, cfg.local_tokens,
-                                            cfg.total_tokens)
-    steps.append((
-        Call(d, "causal_top_left", c, c, True),
-        Call(n, "no_mask", c, near_kv, True, overlaps_previous=True),
-        Call(f, "causal_top_left", far, far, True, overlaps_previous=True,
-             mirrored=True)))
-  return steps
 
 
 def _dcs_window_split(cfg: CPConfig) -> bool:
@@ -259,32 +233,51 @@ def _dcs_window_split(cfg: CPConfig) -> bool:
           and cfg.window_left >= 0 and cfg.dcs_window_split)
 
 
-def _dcs_window_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank,
-                      backward: bool) -> list[Call]:
-  """The windowed DUAL_CHUNK_SWAP plan of one direction.
+def _dcs_window_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
+                      ) -> list[Call]:
+  """DUAL_CHUNK_SWAP with a sliding window, the same three calls each way,
+  none bottom-right (:func:`metadata.split_windowed_block`; docs/design.md,
+  Call plans):
 
-  Forward: three calls, each over both steps (a forward may read the
-  same KV rows from several segments): the top-left diagonal bands, the
-  unmasked near rectangles and the mirrored far triangles, the last two
-  merged into the first by log-sum-exp. Backward: the same, except that
-  the two steps' near rectangles run as separate calls: a fused kernel
-  writes dK/dV per segment, and step 1's near keys may reach into step
-  0's (a short document). The diagonals read chunks ``r`` and
-  ``2cp-1-r``, the far triangles disjoint ranges (step 1's far keys end
-  ``left - q`` rows or more before its chunk, past step 0's chunk). With
-  a window of 0 only the diagonals run; with 1 no near keys exist."""
-  steps = _dcs_window_steps(cfg, cu_seqlens, cu_seqlens_padded, rank)
-  diag = merge_calls([s[0] for s in steps])
-  near = [s[1] for s in steps]
-  far = merge_calls([s[2] for s in steps])
-  left = cfg.window_left
-  if left <= 0:
+  * ``diag``: both steps' chunks against their own keys, the top-left
+    band, on the exchanged buffer (the first call: it makes out/lse, dq);
+  * ``near``: unmasked, each chunk's rows against its nearest ``b`` keys
+    before it;
+  * ``far``: top-left causal, its first ``min(q, left)`` rows in reverse
+    order against the next ``f`` keys in reverse order.
+
+  ``near`` and ``far`` run over compact buffers that hold, per (step,
+  document), the rows and keys they need (:func:`metadata.window_compaction`),
+  so no two segments share a KV row and each runs as one backward call;
+  their results are merged by log-sum-exp (forward) or summed (backward)
+  into the diagonal's. Bounds, with ``c = ceil(W / 2cp)`` the longest
+  chunk: ``diag`` ``c x c``, ``near`` ``min(left, c)`` rows against at
+  most ``left - 1`` keys, ``far`` ``min(left, c)`` each way. With a
+  window of 0 the diagonals alone run; with 1 no key is near."""
+  cp, left = cfg.cp_size, cfg.window_left
+  c = max(_ceil_div(cfg.max_seqlen, 2 * cp), 1)
+  steps = tuple(metadata.dual_chunk_swap_step(cu_seqlens, cu_seqlens_padded,
+                                              cp, rank, step)
+                for step in (0, 1))
+  tl, t = cfg.local_tokens, cfg.total_tokens
+  diag = merge_calls([
+      Call(metadata.split_windowed_block(m, left, tl, t)[0],
+           "causal_top_left", c, c, True) for m in steps])
+  if left == 0:
     return [diag]
+  sq, skv = metadata.window_compaction_sizes(
+      cu_seqlens_padded.shape[-1] - 1, cp, left, c, tl, t)
+  near, far, rows = metadata.window_compaction(
+      steps, cu_seqlens_padded, cp, left, tl, t, sq, skv)
+  rows_q = max(min(left, c), 1)
+  far_call = Call(far, "causal_top_left", rows_q, rows_q, True,
+                  overlaps_previous=True, window_rows=rows)
   if left == 1:
-    return [diag, far]
-  if backward:
-    return [diag, *near, far]
-  return [diag, merge_calls(near), far]
+    return [diag, far_call]
+  near_call = Call(near, "no_mask", rows_q,
+                   max(min(left - 1, (2 * cp - 1) * c), 1), True,
+                   overlaps_previous=True, window_rows=rows)
+  return [diag, near_call, far_call]
 
 
 def _step_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
@@ -322,8 +315,7 @@ def forward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
   log-sum-exp (the only forward call whose rows are not disjoint from the
   others')."""
   if _dcs_window_split(cfg):
-    return _dcs_window_calls(cfg, cu_seqlens, cu_seqlens_padded, rank,
-                             backward=False)
+    return _dcs_window_calls(cfg, cu_seqlens, cu_seqlens_padded, rank)
   calls = _step_calls(cfg, cu_seqlens, cu_seqlens_padded, rank)
   if cfg.strategy is not _NLB and len(calls) > 1:
     return [merge_calls(calls)]
@@ -393,8 +385,7 @@ def backward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
   bottom-right (or, with ``dcs_window_split`` off, whole bottom-right
   banded calls per step)."""
   if _dcs_window_split(cfg):
-    return _dcs_window_calls(cfg, cu_seqlens, cu_seqlens_padded, rank,
-                             backward=True)
+    return _dcs_window_calls(cfg, cu_seqlens, cu_seqlens_padded, rank)
   calls = _step_calls(cfg, cu_seqlens, cu_seqlens_padded, rank)
   out, triangles = [], []
   for call in reversed(calls):

@@ -391,17 +391,17 @@ def _dcs_window_plan_calls(window_left: int, max_seqlen: int
                           ) -> tuple[int, int] | None:
   """(forward, backward) attention calls per rank of DUAL_CHUNK_SWAP's
   windowed plan at cp > 1 (docs/design.md, Call plans): the top-left
-  diagonals, the near rectangles (two calls in the backward) and the
-  mirrored far triangles; the diagonals alone for a window of 0, no near
-  rectangles for 1. None without a window, or with one that reaches past
-  every document (``left >= max_seqlen - 1``: the plain causal plan)."""
+  diagonals, the near rectangles and the far triangles each way; the
+  diagonals alone for a window of 0, no near rectangles for 1. None
+  without a window, or with one that reaches past every document
+  (``left >= max_seqlen - 1``: the plain causal plan)."""
   if window_left < 0 or window_left >= max_seqlen - 1:
     return None
   if window_left == 0:
     return 1, 1
   if window_left == 1:
     return 2, 2
-  return 3, 4
+  return 3, 3
 
 
 def recommend_strategy(cu_seqlens, cu_seqlens_padded, cp_size: int, *,

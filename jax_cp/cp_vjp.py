@@ -81,27 +81,20 @@ def _exchange(cfg: CPConfig, k, v, cu_seqlens_padded):
   return kx, vx, None
 
 
-def _mirror(x):
-  """``x`` with the rows of axis 1 in reverse order (a mirrored call's
-  buffers, :attr:`jax_cp.call_plan.Call.mirrored`)."""
-  return jnp.flip(x, axis=1)
+def _gather_rows(x, idx, valid, fill=0):
+  """Rows ``idx [B, n]`` of axis 1 of ``x [B, T, ...]``, ``fill`` where
+  not ``valid [B, n]``: the compact buffers of DUAL_CHUNK_SWAP's windowed
+  near and far calls (:attr:`jax_cp.call_plan.Call.window_rows`), and
+  their results put back."""
+  tail = (1,) * (x.ndim - 2)
+  g = jnp.take_along_axis(x, idx.reshape(idx.shape + tail), axis=1)
+  return jnp.where(valid.reshape(valid.shape + tail), g,
+                   jnp.asarray(fill, x.dtype))
 
 
-def _part_forward(cfg: CPConfig, call: call_plan.Call, q, kc, vc):
-  """(out, lse) ``[B, Tl, ..]`` of a call whose rows overlap earlier
-  calls' (:attr:`jax_cp.call_plan.Call.overlaps_previous`), in sequence
-  order: a mirrored call reads mirrored buffers and its results are
-  mirrored back."""
-  if call.mirrored:
-    q, kc, vc = _mirror(q), _mirror(kc), _mirror(vc)
-  o, l = cfg.backend.forward(
-      _flat(q), _flat(kc), _flat(vc),
-      call_plan.segments(call, q.shape[1], kc.shape[1]), mask=call.mask,
-      scale=cfg.scale, **window_kwargs(call_plan.window_left(cfg, call)))
-  o, l = o.reshape(q.shape), l.reshape(q.shape[:3])
-  if call.mirrored:
-    o, l = _mirror(o), _mirror(l)
-  return o, l
+def _compact_kv(rows, kc, vc):
+  return (_gather_rows(kc, rows.kv_src, rows.kv_valid),
+          _gather_rows(vc, rows.kv_src, rows.kv_valid))
 
 
 def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
@@ -111,13 +104,21 @@ def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
   backend = cfg.backend
   kx, vx, halo = _exchange(cfg, k, v, cu_seqlens_padded)
   out = lse = None
-  parts = []
+  compact, rows = [], None
   for call in call_plan.forward_calls(cfg, cu_seqlens, cu_seqlens_padded,
                                       _rank(cfg)):
-    if call.overlaps_previous:
-      kc, vc = _call_kv(call, k, v, kx, vx, halo)
-      parts.append(_part_forward(cfg, call, q, kc, vc))
+    if call.window_rows is not None:
+      if rows is None:
+        rows = call.window_rows
+        qc = _gather_rows(q, rows.q_src, rows.q_valid)
+        kc, vc = _compact_kv(rows, *_call_kv(call, k, v, kx, vx, halo))
+      o, l = backend.forward(
+          _flat(qc), _flat(kc), _flat(vc),
+          call_plan.segments(call, qc.shape[1], kc.shape[1]),
+          mask=call.mask, scale=cfg.scale)
+      compact.append((o.reshape(qc.shape), l.reshape(qc.shape[:3])))
       continue
+    assert not call.overlaps_previous, call
     if call.exchanged and halo is not None and out is not None:
       # The halo call waits for the halo: keep it after the earlier calls,
       # which then hide the exchange (XLA may otherwise schedule it first).
@@ -138,8 +139,13 @@ def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
       out, lse = o, l
     else:
       out, lse = add(out, o), jnp.maximum(lse, l)
-  if parts:
-    out, lse = merge_softmax(out, lse, parts)
+  if compact:
+    # The near and far parts' rows, merged among themselves, put back on
+    # the local rows and merged into the diagonals' by log-sum-exp.
+    o, l = merge_softmax(*compact[0], compact[1:])
+    out, lse = merge_softmax(out, lse, [
+        (_gather_rows(o, rows.q_inv, rows.q_has),
+         _gather_rows(l, rows.q_inv, rows.q_has, -jnp.inf))])
   if cfg.keep_gathered_kv:
     saved = (kx, vx)
   else:
@@ -320,7 +326,24 @@ def _backward(cfg: CPConfig, residuals, dout):
   calls = call_plan.backward_calls(cfg, cu_seqlens, cu_seqlens_padded,
                                    _rank(cfg))
   writes = call_plan.dq_writes(calls, backend.supports_in_place)
+  dqc, dkc, dvc, compact = GradSum(), GradSum(), GradSum(), None
   for call, write in zip(calls, writes):
+    if call.window_rows is not None:
+      if compact is None:
+        wrows = call.window_rows
+        compact = [_gather_rows(x, wrows.q_src, wrows.q_valid)
+                   for x in (q, out, lse, dout)]
+        compact += _compact_kv(wrows, *_call_kv(call, k, v, kx, vx, halo))
+      qc, oc, lc, dc, kc, vc = compact
+      dq_i, dk_i, dv_i = backend.backward(
+          _flat(qc), _flat(kc), _flat(vc), _flat(oc),
+          lc.reshape(-1, q.shape[2]), _flat(dc),
+          call_plan.segments(call, qc.shape[1], kc.shape[1]),
+          mask=call.mask, scale=cfg.scale)
+      dqc.add(dq_i.reshape(qc.shape), None)
+      dkc.add(dk_i.reshape(kc.shape), None)
+      dvc.add(dv_i.reshape(vc.shape), None)
+      continue
     if call.reversed:
       dq_h, dk_h, dv_h = _reversed_halo_backward(cfg, call, q, k, kx, vx,
                                                  halo, out, lse, dout)
@@ -331,8 +354,6 @@ def _backward(cfg: CPConfig, residuals, dout):
     kc, vc = _call_kv(call, k, v, kx, vx, halo)
     rows = write.q_rows
     qc, oc, lc, dc = (_prefix(x, rows) for x in (q, out, lse, dout))
-    if call.mirrored:
-      qc, oc, lc, dc, kc, vc = map(_mirror, (qc, oc, lc, dc, kc, vc))
     extra = window_kwargs(call_plan.window_left(cfg, call))
     if backend.supports_in_place:
       extra.update(dq_into=_flat(dq.full) if write.into else None)
@@ -343,14 +364,21 @@ def _backward(cfg: CPConfig, residuals, dout):
         scale=cfg.scale, **extra)
     dq_i, dk_i, dv_i = (dq_i.reshape(qc.shape), dk_i.reshape(kc.shape),
                         dv_i.reshape(vc.shape))
-    if call.mirrored:
-      dq_i, dk_i, dv_i = map(_mirror, (dq_i, dk_i, dv_i))
     if write.into:
       dq.full = dq_i
     else:
       dq.add(dq_i, rows)
     (dkx if call.exchanged else dk).add(dk_i, call.kv_rows)
     (dvx if call.exchanged else dv).add(dv_i, call.kv_rows)
+  if compact is not None:
+    # The near and far parts' gradients, put back on their rows: dq on the
+    # local ones, dK/dV on the exchanged ones (per step: the two steps'
+    # regions may hold the same key).
+    dq.add(_gather_rows(dqc.full, wrows.q_inv, wrows.q_has), None)
+    for st in (0, 1):
+      idx, has = wrows.kv_inv[st], wrows.kv_has[st]
+      dkx.add(_gather_rows(dkc.full, idx, has), None)
+      dvx.add(_gather_rows(dvc.full, idx, has), None)
   merge = backend.merge_rows
   dq = dq.total(merge, q.dtype)
   dk, dv = dk.total(merge, k.dtype), dv.total(merge, v.dtype)
