@@ -10,10 +10,11 @@ For every rank ``r`` of a ``--cp`` layout (default 2) the plan's forward
 and backward calls (:func:`jax_cp.call_plan.forward_calls`,
 :func:`jax_cp.call_plan.backward_calls`) run as the rank runs them: the
 rank's local Q rows ``[T/cp, Hq, D]`` against the exchanged K/V
-``[T, Hkv, D]`` (or the local ones), the call's segments, mask and band,
-on random inputs (a mirrored or reversed call's timing does not depend on
-the row order of its inputs). Each is paired
-(:func:`benchmarks.timing.paired`, A and B in alternation) with the
+``[T, Hkv, D]`` (or the local ones; a call over compact buffers, their
+sizes), the call's segments, mask and band, on random inputs (a reversed
+or compact call's timing does not depend on which rows its inputs hold).
+Each is paired (:func:`benchmarks.timing.paired`, A and B in alternation)
+with the
 *reference*: the same segments and bounds, top-left causal with the
 layout's band. Per call it prints
 
@@ -117,7 +118,8 @@ def time_call(backend, direction, call, cfg, seg, arrays, reps, cache):
   pairs = segment_pairs(seg, call.mask, band)
   ref_pairs = segment_pairs(seg, "causal_top_left", ref_left)
   per_pair = (r.ratio_median * ref_pairs / pairs) if pairs else float("nan")
-  return dict(mask=call.mask, window_left=band, mirrored=call.mirrored,
+  return dict(mask=call.mask, window_left=band,
+              compact=call.window_rows is not None,
               reversed=call.reversed, pairs=pairs, ref_pairs=ref_pairs,
               ms=r.ms_a, ms_ref=r.ms_b, time_ratio=r.ratio_median,
               time_ratio_q1=r.ratio_q1, time_ratio_q3=r.ratio_q3,
@@ -139,6 +141,9 @@ def _config(args, row, cp):
 
 def _call_tokens(cfg, call):
   """(Q rows, KV rows) of the buffers a call reads."""
+  rows = call.window_rows
+  if rows is not None:
+    return rows.q_src.shape[-1], rows.kv_src.shape[-1]
   tq = cfg.local_tokens if call.q_rows is None else call.q_rows
   if not call.exchanged:
     return tq, cfg.local_tokens
@@ -178,7 +183,7 @@ def bench_row(args, dist: str, rng, cache) -> list[dict[str, Any]]:
                 else "no pairs (fixed work only)")
         print(f"{dist:14s} {direction} rank {rank} call {i} "
               f"{rec['mask']:19s} band {rec['window_left']:5d}"
-              f"{' mirrored' if rec['mirrored'] else ''}"
+              f"{' compact' if rec['compact'] else ''}"
               f"{' reversed' if rec['reversed'] else ''}: "
               f"{rec['ms']:8.3f} ms vs top-left {rec['ms_ref']:8.3f} ms, "
               f"time {rec['time_ratio']:.3f}, {work}", flush=True)

@@ -441,8 +441,9 @@ def segments(call: Call, q_tokens: int, kv_tokens: int) -> Segments:
   ``kv_tokens`` KV rows -> one segment list over the flattened rows,
   heaviest segment first.
 
-  Every CP call satisfies ``kv_len >= q_len`` with ``kv_len > 0`` whenever
-  ``q_len > 0``, so every covered row sees a key (``rows_see_keys``).
+  Every CP call has ``kv_len > 0`` whenever ``q_len > 0`` (and
+  ``kv_len >= q_len`` where it is bottom-right), so every covered row sees
+  a key (``rows_see_keys``).
 
   Segment order does not change the result. Fused kernels start their
   thread blocks roughly in segment order, so putting the most work (causal

@@ -83,9 +83,10 @@ class CPConfig:
       residual memory grows by at most Q's. The backward then has no
       all-gather to wait for.
     dcs_window_split: DUAL_CHUNK_SWAP with a window runs each chunk as a
-      top-left band, an unmasked near rectangle and a mirrored top-left
-      far triangle (docs/design.md, Call plans); off, as whole
-      bottom-right banded calls, whose cuDNN backward is much slower. An
+      top-left band, an unmasked near rectangle and a top-left far
+      triangle over reversed rows and keys (docs/design.md, Call plans);
+      off, as whole bottom-right banded calls, whose cuDNN backward is
+      much slower. An
       internal switch for measurements, read from the environment
       variable :data:`DCS_WINDOW_PLAN_ENV` (``"split"``, the default, or
       ``"bottom_right"``).
