@@ -6,6 +6,7 @@ the unpartitioned rows, forward and gradients, on the xla backend and on
 the strict in-place test backend; the ``JAX_CP_DCS_WINDOW_PLAN`` switch
 and its warning."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -243,3 +244,24 @@ def test_recommend_strategy_charges_the_windowed_plans_calls(left, calls):
   extra = (rec.predicted_time_s["dual_chunk_swap"]
            - free.predicted_time_s["dual_chunk_swap"])
   assert extra == pytest.approx((calls if left < 4095 else 2) * 1e-3)
+
+
+def test_traced_metadata_takes_the_guard_on_xla():
+  """The windowed plan depends on the bound (the compact buffers' sizes,
+  a window of W - 1 or more dropped), so with traced metadata even the
+  xla backend, exact past the kernels' bounds, keeps the fallback."""
+  cfgs = []
+
+  def config(cu, cuP):
+    cfgs.append(cp_config.make_config(
+        (1, T, 4, 8), (1, T, 2, 8), (1, T, 2, 8), jnp.float32, cu, cuP,
+        cp_size=2, cp_axis="cp", load_balancing_strategy=DCS,
+        cp_comm_type="all_gather", attn_mask_type="causal",
+        softmax_scale=None, backend="xla", max_seqlen=16,
+        window_size=(20, 0), split_causal_backward=None, total_tokens=T))
+    return cu
+
+  jax.eval_shape(config, *[jax.ShapeDtypeStruct((1, 3), jnp.int32)] * 2)
+  (cfg,) = cfgs
+  assert cfg.window_left == -1 and cfg.bound_check == "fallback"
+  assert cfg.unbounded.window_left == 20
