@@ -375,10 +375,10 @@ def _backward(cfg: CPConfig, residuals, dout):
     # local ones, dK/dV on the exchanged ones (per step: the two steps'
     # regions may hold the same key).
     dq.add(_gather_rows(dqc.full, wrows.q_inv, wrows.q_has), None)
-    for st in (0, 1):
-      idx, has = wrows.kv_inv[st], wrows.kv_has[st]
-      dkx.add(_gather_rows(dkc.full, idx, has), None)
-      dvx.add(_gather_rows(dvc.full, idx, has), None)
+    for part, total in ((dkc, dkx), (dvc, dvx)):
+      total.add(sum(_gather_rows(part.full, wrows.kv_inv[st],
+                                 wrows.kv_has[st]).astype(jnp.float32)
+                    for st in (0, 1)), None)
   merge = backend.merge_rows
   dq = dq.total(merge, q.dtype)
   dk, dv = dk.total(merge, k.dtype), dv.total(merge, v.dtype)
