@@ -265,3 +265,59 @@ def test_traced_metadata_takes_the_guard_on_xla():
   (cfg,) = cfgs
   assert cfg.window_left == -1 and cfg.bound_check == "fallback"
   assert cfg.unbounded.window_left == 20
+
+
+def _compact_pairs(cp, rank, left, cu, cuP):
+  """Per (local Q row, gathered KV row): how many of rank ``rank``'s
+  windowed calls compute the pair (the diagonals on the exchanged buffer,
+  near and far through the compact buffers' index maps), and the pairs the
+  window holds."""
+  tl = T // cp
+  steps = tuple(metadata.dual_chunk_swap_step(cu, cuP, cp, rank, s)
+                for s in (0, 1))
+  c = T // (2 * cp)
+  sq, skv = metadata.window_compaction_sizes(cu.shape[-1] - 1, cp, left, c,
+                                             tl, T)
+  near, far, rows = metadata.window_compaction(steps, cuP, cp, left, tl, T,
+                                               sq, skv)
+  got = np.zeros((tl, T), int)
+  for m in steps:
+    d = metadata.split_windowed_block(m, left, tl, T)[0]
+    for ql, qo, _, ko in zip(*(np.asarray(x)[0] for x in d)):
+      for j in range(ql):
+        got[qo + j, ko + max(j - left, 0):ko + j + 1] += 1
+  q_src, kv_src = np.asarray(rows.q_src[0]), np.asarray(rows.kv_src[0])
+  for part, causal in ((near, False), (far, True)):
+    for ql, qo, kl, ko in zip(*(np.asarray(x)[0] for x in part)):
+      for i in range(ql):
+        for m in range(kl if not causal else min(i + 1, kl)):
+          got[q_src[qo + i], kv_src[ko + m]] += 1
+  want = np.zeros((tl, T), int)
+  local = jax_cp.get_partition_indices(cuP[0], cp, rank, DCS)
+  for t in range(tl):
+    g = int(local[t])
+    b = int(np.searchsorted(cuP[0], g, side="right")) - 1
+    p = g - cuP[0, b]
+    if p < cu[0, b + 1] - cu[0, b]:
+      want[t, cuP[0, b] + max(p - left, 0):g + 1] = 1
+  return got, want, rows
+
+
+@pytest.mark.parametrize("cp,left", [(2, 1), (2, 5), (2, 20), (4, 3),
+                                     (4, 12)])
+def test_compaction_covers_each_rank_window_once(cp, left):
+  """On a row of documents shorter and longer than the window and its
+  chunks, every pair of a rank's window is computed by exactly one call,
+  and the index maps of the compact buffers invert each other."""
+  if cp == 2:
+    cu = np.array([[0, 3, 14, 16, 33, 57]], np.int32)
+    cuP = np.array([[0, 4, 16, 20, 40, 64]], np.int32)
+  else:
+    cu = np.array([[0, 3, 11, 16, 32, 52]], np.int32)
+    cuP = np.array([[0, 8, 16, 24, 40, 64]], np.int32)
+  for rank in range(cp):
+    got, want, rows = _compact_pairs(cp, rank, left, cu, cuP)
+    np.testing.assert_array_equal(got, want, err_msg=f"rank {rank}")
+    valid = np.asarray(rows.q_valid[0])
+    inv = np.asarray(rows.q_inv[0])[np.asarray(rows.q_src[0])[valid]]
+    np.testing.assert_array_equal(inv, np.flatnonzero(valid))
