@@ -208,13 +208,12 @@ def main(argv: Sequence[str] | None = None) -> str:
   p.add_argument("--cp", type=int, default=2)
   p.add_argument("--dists", nargs="+", default=["one_doc", "uniform_1k_8k"],
                  choices=DISTS)
-  p.add_argument("--tokens", type=int, default=65536)
-  p.add_argument("--hq", type=int, default=32)
-  p.add_argument("--hkv", type=int, default=8)
-  p.add_argument("--head-dim", type=int, default=128)
+  # The shape: T = 64k, Hq 32, Hkv 8, D 128, window 4095, bf16.
+  for flag, default in (("--tokens", 65536), ("--hq", 32), ("--hkv", 8),
+                        ("--head-dim", 128), ("--window", 4095)):
+    p.add_argument(flag, type=int, default=default)
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--backend", default="cudnn")
-  p.add_argument("--window", type=int, default=4095)
   p.add_argument("--plan", choices=("split", "bottom_right"), default=None,
                  help="DUAL_CHUNK_SWAP's windowed plan (default: "
                       f"${cp_config.DCS_WINDOW_PLAN_ENV}, else split)")

@@ -3,6 +3,8 @@ devices): the gradient program's cuDNN calls by mask type and band, no
 bottom-right banded call in the forward or the backward. Skipped when the
 extension (``jax_cp._jax_cp_cuda``) is not built."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,9 @@ from jax_cp import cp_config
 from tests.test_cudnn_lowering import custom_calls, lower_for_cuda
 
 HQ, HKV, D, T = 8, 2, 64, 64
+# Three documents, one shorter than the windows' chunks, padded to 8.
+CU = np.array([0, 20, 34, 58], np.int32)
+CU_P = np.array([0, 24, 40, 64], np.int32)
 CODES = cudnn_backend.MASK_CODES
 TARGETS = cudnn_backend.FFI_TARGETS
 
@@ -25,19 +30,12 @@ TARGETS = cudnn_backend.FFI_TARGETS
 def _calls(strategy, window, cp=2):
   """{"forward", "backward"} -> sorted [(mask, window_left)] of the cuDNN
   calls in the gradient program of cp_attention at ``cp``."""
-  devices = jax.devices("cpu")[:cp]
-  mesh = jax.make_mesh((cp,), ("cp",), devices=devices,
-                       axis_types=(jax.sharding.AxisType.Auto,))
-  cu = np.array([0, 20, 34, 58], np.int32)
-  cu_p = np.array([0, 24, 40, 64], np.int32)
-
-  def loss(q, k, v):
-    out = jax_cp.cp_attention(
-        q, k, v, cu, cu_p, mesh=mesh, cp_axis="cp", backend="cudnn",
-        load_balancing_strategy=strategy,
-        window_size=None if window is None else (window, 0))
-    return jnp.sum(out.astype(jnp.float32))
-
+  mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:cp]), ("cp",))
+  attn = functools.partial(
+      jax_cp.cp_attention, cu_seqlens=CU, cu_seqlens_padded=CU_P, mesh=mesh,
+      cp_axis="cp", backend="cudnn", load_balancing_strategy=strategy,
+      window_size=None if window is None else (window, 0))
+  loss = lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32))
   sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("cp"))
   args = [jax.ShapeDtypeStruct((T, h, D), jnp.bfloat16, sharding=sh)
           for h in (HQ, HKV, HKV)]

@@ -46,14 +46,13 @@ def test_windowed_dual_chunk_swap_matches_reference(left):
   q, k, v = (jnp.asarray(rng.standard_normal((2, T, h, D)), jnp.bfloat16)
              for h in (HQ, HKV, HKV))
   w = jnp.asarray(rng.standard_normal((2, T, HQ, D)), jnp.float32)
-  mesh = jax.make_mesh((CP,), ("cp",), devices=gpus[:CP],
-                       axis_types=(jax.sharding.AxisType.Auto,))
-  attn = functools.partial(jax_cp.cp_attention, mesh=mesh, backend="cudnn",
-                           load_balancing_strategy=DCS,
-                           window_size=(left, 0))
+  layout = jax_cp.CPLayout(
+      mesh=jax.sharding.Mesh(np.array(gpus[:CP]), ("cp",)), cp_axis="cp",
+      strategy=DCS, backend="cudnn")
 
   def loss(q, k, v, w):
-    out = attn(q, k, v, cu, cuP)
+    out = jax_cp.cp_attention(q, k, v, cu, cuP, layout=layout,
+                              window_size=(left, 0))
     return jnp.sum(out.astype(jnp.float32) * w), out
 
   re = lambda x: jax_cp.reorder_for_cp(x, cuP, CP, DCS, seq_dim=1)
