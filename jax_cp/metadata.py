@@ -137,7 +137,9 @@ def split_windowed_block(meta: StepMetadata, window_left: int,
     row of ``q_tokens`` Q rows at ``q_tokens - 1 - t``, of ``kv_tokens``
     KV rows at ``kv_tokens - 1 - t``).
 
-  Parts without work have ``q_len = kv_len = 0``.
+  Parts without work have ``q_len = kv_len = 0``. The call plan runs the
+  diagonal as returned and the near and far parts over compact buffers
+  instead (:func:`window_compaction`, the same parts with other offsets).
   """
   q = meta.q_lens
   live = q > 0

@@ -321,3 +321,24 @@ def test_compaction_covers_each_rank_window_once(cp, left):
     valid = np.asarray(rows.q_valid[0])
     inv = np.asarray(rows.q_inv[0])[np.asarray(rows.q_src[0])[valid]]
     np.testing.assert_array_equal(inv, np.flatnonzero(valid))
+
+
+@pytest.mark.slow
+def test_bench_call_plan_runs(tmp_path):
+  """benchmarks/bench_call_plan.py on the xla backend, tiny: one record
+  per call of each rank's plan (3 each way) and one total per rank and
+  direction."""
+  import json  # pylint: disable=import-outside-toplevel
+
+  from benchmarks import bench_call_plan  # pylint: disable=import-outside-toplevel
+  path = bench_call_plan.main([
+      "--backend", "xla", "--tokens", "128", "--hq", "2", "--hkv", "1",
+      "--head-dim", "8", "--window", "9", "--dtype", "float32", "--reps",
+      "1", "--dists", "one_doc", "--out", str(tmp_path)])
+  with open(path) as f:
+    records = json.load(f)["records"]
+  calls = [r for r in records if "call" in r]
+  assert len(calls) == 2 * 2 * 3
+  assert {r["mask"] for r in calls} == {"causal_top_left", "no_mask"}
+  assert all(r["ms"] > 0 and r["ms_ref"] > 0 for r in calls)
+  assert len([r for r in records if "total_ms" in r]) == 4
