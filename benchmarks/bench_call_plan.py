@@ -29,7 +29,8 @@ layout's band. Per call it prints
 and per rank the sum of its calls against the one-GPU program's one
 top-left call over the whole row, whose ``1/cp`` is the ideal share.
 ``JAX_CP_DCS_WINDOW_PLAN=bottom_right`` (or ``--plan bottom_right``) times
-DUAL_CHUNK_SWAP's banded bottom-right plan instead, for comparison.
+DUAL_CHUNK_SWAP's banded bottom-right plan instead, ``split_backward`` its
+bottom-right forward call with the split backward, for comparison.
 Writes a JSON next to the other results.
 """
 
@@ -214,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     p.add_argument(flag, type=int, default=default)
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--backend", default="cudnn")
-  p.add_argument("--plan", choices=("split", "bottom_right"), default=None,
+  p.add_argument("--plan", choices=cp_config.DCS_WINDOW_PLANS, default=None,
                  help="DUAL_CHUNK_SWAP's windowed plan (default: "
                       f"${cp_config.DCS_WINDOW_PLAN_ENV}, else split)")
   p.add_argument("--reps", type=int, default=3)

@@ -226,11 +226,12 @@ def window_left(cfg: CPConfig, call: Call) -> int:
   return cfg.window_left
 
 
-def _dcs_window_split(cfg: CPConfig) -> bool:
+def _dcs_window_split(cfg: CPConfig, backward: bool) -> bool:
   """DUAL_CHUNK_SWAP at cp > 1 with a window, run without bottom-right
-  calls (:attr:`CPConfig.dcs_window_split`)."""
+  calls in this direction (:attr:`CPConfig.dcs_window_plan`)."""
+  split = ("split", "split_backward") if backward else ("split",)
   return (cfg.strategy is not _NLB and cfg.cp_size > 1
-          and cfg.window_left >= 0 and cfg.dcs_window_split)
+          and cfg.window_left >= 0 and cfg.dcs_window_plan in split)
 
 
 def _dcs_window_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
@@ -314,7 +315,7 @@ def forward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
   halo call's out/lse are merged into the local call's rows by
   log-sum-exp (the only forward call whose rows are not disjoint from the
   others')."""
-  if _dcs_window_split(cfg):
+  if _dcs_window_split(cfg, backward=False):
     return _dcs_window_calls(cfg, cu_seqlens, cu_seqlens_padded, rank)
   calls = _step_calls(cfg, cu_seqlens, cu_seqlens_padded, rank)
   if cfg.strategy is not _NLB and len(calls) > 1:
@@ -382,9 +383,9 @@ def backward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
   document), so they stay separate calls; their triangles do not (chunk
   ``r`` against chunk ``2cp-1-r``) and run as one call after both
   rectangles. With a sliding window: :func:`_dcs_window_calls`, none
-  bottom-right (or, with ``dcs_window_split`` off, whole bottom-right
-  banded calls per step)."""
-  if _dcs_window_split(cfg):
+  bottom-right (or, with ``dcs_window_plan="bottom_right"``, whole
+  bottom-right banded calls per step)."""
+  if _dcs_window_split(cfg, backward=True):
     return _dcs_window_calls(cfg, cu_seqlens, cu_seqlens_padded, rank)
   calls = _step_calls(cfg, cu_seqlens, cu_seqlens_padded, rank)
   out, triangles = [], []

@@ -25,19 +25,19 @@ _DCS = CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
 _NLB = CPLoadBalancingStrategy.NO_LOAD_BALANCE
 
 #: The environment variable that picks DUAL_CHUNK_SWAP's windowed call
-#: plan (:attr:`CPConfig.dcs_window_split`), for A/B measurements.
+#: plan (:attr:`CPConfig.dcs_window_plan`), for A/B measurements.
 DCS_WINDOW_PLAN_ENV = "JAX_CP_DCS_WINDOW_PLAN"
-_DCS_WINDOW_PLANS = ("split", "bottom_right")
+DCS_WINDOW_PLANS = ("split", "split_backward", "bottom_right")
 
 
-def dcs_window_split_from_env() -> bool:
-  """:attr:`CPConfig.dcs_window_split` as :data:`DCS_WINDOW_PLAN_ENV`
+def dcs_window_plan_from_env() -> str:
+  """:attr:`CPConfig.dcs_window_plan` as :data:`DCS_WINDOW_PLAN_ENV`
   says (unset: ``"split"``)."""
   plan = os.environ.get(DCS_WINDOW_PLAN_ENV, "split")
-  if plan not in _DCS_WINDOW_PLANS:
+  if plan not in DCS_WINDOW_PLANS:
     raise ValueError(f"{DCS_WINDOW_PLAN_ENV} must be one of "
-                     f"{_DCS_WINDOW_PLANS}, got {plan!r}")
-  return plan == "split"
+                     f"{DCS_WINDOW_PLANS}, got {plan!r}")
+  return plan
 
 
 def _warn_bottom_right_window() -> None:
@@ -82,14 +82,14 @@ class CPConfig:
       size of the local Q (``2 * cp * Hkv <= Hq``, e.g. GQA at cp = 2), so
       residual memory grows by at most Q's. The backward then has no
       all-gather to wait for.
-    dcs_window_split: DUAL_CHUNK_SWAP with a window runs each chunk as a
-      top-left band, an unmasked near rectangle and a top-left far
-      triangle over reversed rows and keys (docs/design.md, Call plans);
-      off, as whole bottom-right banded calls, whose cuDNN backward is
-      much slower. An
-      internal switch for measurements, read from the environment
-      variable :data:`DCS_WINDOW_PLAN_ENV` (``"split"``, the default, or
-      ``"bottom_right"``).
+    dcs_window_plan: DUAL_CHUNK_SWAP's plan with a window (docs/design.md,
+      Call plans): ``"split"`` (the default) runs each chunk as a top-left
+      band, an unmasked near rectangle and a top-left far triangle over
+      reversed rows and keys, each way; ``"split_backward"`` the forward
+      as one banded bottom-right call and the backward split;
+      ``"bottom_right"`` banded bottom-right calls each way, whose cuDNN
+      backward is much slower. An internal switch for measurements, read
+      from the environment variable :data:`DCS_WINDOW_PLAN_ENV`.
   """
 
   strategy: CPLoadBalancingStrategy
@@ -106,7 +106,7 @@ class CPConfig:
   bound_check: str | None = None
   unbounded: CPConfig | None = None
   keep_gathered_kv: bool = False
-  dcs_window_split: bool = True
+  dcs_window_plan: str = "split"
 
   @property
   def local_tokens(self) -> int:
@@ -146,7 +146,7 @@ def make_config(q_shape, k_shape, v_shape, dtype, cu_seqlens,
   checks.check_max_seqlen_violation(max_seqlen_violation)
   resolved = resolve_backend(backend, platform)
 
-  dcs_split = dcs_window_split_from_env()
+  dcs_plan = dcs_window_plan_from_env()
 
   def config(w: int) -> CPConfig:
     """The layout for the bound ``w``."""
@@ -166,8 +166,8 @@ def make_config(q_shape, k_shape, v_shape, dtype, cu_seqlens,
         window_left=left)
     keep = (exchange.kind == "all_gather" and
             2 * cp_size * k_shape[-2] <= q_shape[-2])
-    if (strategy is _DCS and cp_size > 1 and left >= 0 and not dcs_split
-        and resolved.name == "cudnn"):
+    if (strategy is _DCS and cp_size > 1 and left >= 0
+        and dcs_plan == "bottom_right" and resolved.name == "cudnn"):
       _warn_bottom_right_window()
     return CPConfig(strategy=strategy, cp_axis=cp_axis, cp_size=cp_size,
                     causal=attn_mask_type == "causal",
@@ -176,7 +176,7 @@ def make_config(q_shape, k_shape, v_shape, dtype, cu_seqlens,
                     max_seqlen=w, split_causal_backward=bool(split),
                     exchange=exchange,
                     window_left=left, keep_gathered_kv=keep,
-                    dcs_window_split=dcs_split)
+                    dcs_window_plan=dcs_plan)
 
   cfg = config(bound)
   if bound >= total_tokens or checks.concrete(cu_seqlens_padded) is not None:

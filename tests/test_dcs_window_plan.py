@@ -114,7 +114,7 @@ def test_windowed_plan_has_no_bottom_right_call(left):
   (unmasked) and the far triangles (top-left, no band needed), each over
   both steps, the last two over the compact buffers."""
   cfg, cu, cuP = _config(left)
-  assert cfg.window_left == left and cfg.dcs_window_split
+  assert cfg.window_left == left and cfg.dcs_window_plan == "split"
   fwd, bwd = _plan(cfg, cu, cuP)
   diag = ("causal_top_left", left, False)
   near = ("no_mask", -1, True)
@@ -147,20 +147,29 @@ def fake_cudnn(monkeypatch):
 
 def test_switch_to_bottom_right_warns_on_cudnn(monkeypatch, fake_cudnn):
   """JAX_CP_DCS_WINDOW_PLAN=bottom_right: the whole banded bottom-right
-  calls, and on cudnn a warning naming the cost and NO_LOAD_BALANCE; the
-  default plan warns nothing."""
+  calls, and on cudnn a warning naming the cost and NO_LOAD_BALANCE;
+  split_backward: a banded bottom-right forward, the split backward, no
+  warning; the default plan warns nothing."""
   del fake_cudnn
   import warnings  # pylint: disable=import-outside-toplevel
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     cfg, _, _ = _config(7, backend="cudnn")
-  assert cfg.dcs_window_split
+  assert cfg.dcs_window_plan == "split"
   monkeypatch.setenv(cp_config.DCS_WINDOW_PLAN_ENV, "bottom_right")
   with pytest.warns(RuntimeWarning, match="11x slower.*NO_LOAD_BALANCE"):
     cfg, cu, cuP = _config(7, backend="cudnn")
   fwd, bwd = _plan(cfg, cu, cuP)
   assert fwd == [("causal_bottom_right", 7, False)]
   assert bwd == [("causal_bottom_right", 7, False)] * 2
+  monkeypatch.setenv(cp_config.DCS_WINDOW_PLAN_ENV, "split_backward")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    cfg, cu, cuP = _config(7, backend="cudnn")
+  fwd, bwd = _plan(cfg, cu, cuP)
+  assert fwd == [("causal_bottom_right", 7, False)]
+  assert bwd == [("causal_top_left", 7, False), ("no_mask", -1, True),
+                 ("causal_top_left", -1, True)]
   monkeypatch.setenv(cp_config.DCS_WINDOW_PLAN_ENV, "fast")
   with pytest.raises(ValueError, match="JAX_CP_DCS_WINDOW_PLAN"):
     _config(7)
@@ -177,6 +186,12 @@ def test_switch_to_bottom_right_warns_on_cudnn(monkeypatch, fake_cudnn):
 CASES = [(1, 9), (2, 0), (2, 1), (2, 7), (2, 16), (2, 40), (2, 70),
          (4, 8), (4, 21), (8, 3)]
 SLOW_CASES = [(1, 40), (4, 1), (4, 5), (8, 4), (8, 13)]
+
+
+@pytest.mark.parametrize("plan", ["split_backward", "bottom_right"])
+def test_other_plans_match_reference(plan, monkeypatch):
+  monkeypatch.setenv(cp_config.DCS_WINDOW_PLAN_ENV, plan)
+  check_cp(2, DCS, 7, seed=5)
 
 
 @pytest.mark.parametrize("cp,left", CASES)
