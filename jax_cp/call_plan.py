@@ -41,8 +41,10 @@ class Call:
     kv_rows: the call reads only the first ``kv_rows`` rows of its KV
       buffer; None = all.
     overlaps_previous: its Q rows are those of earlier calls (the
-      triangles of split bottom-right blocks); every other call's rows are
-      disjoint from all others'.
+      triangles of split bottom-right blocks, the parts of a windowed
+      DUAL_CHUNK_SWAP block); every other call's rows are disjoint from
+      all others'. In the forward such a call's out/lse are merged into
+      the earlier calls' by log-sum-exp.
     halo_rows: None, or this is the *halo call* of NO_LOAD_BALANCE's
       straddling document (:func:`_split_straddle`): the document's first
       local Q rows against its keys before the chunk, and this is the int32
@@ -59,6 +61,12 @@ class Call:
       ``halo_rows``, so they add nothing. Otherwise a halo call is an
       unmasked rectangle on the exchanged buffer in sequence order, with
       exact segments.
+    window_rows: None, or the call runs over the compact buffers of
+      DUAL_CHUNK_SWAP's windowed near and far parts (their index maps,
+      :func:`metadata.window_compaction`): Q (and in the backward out,
+      dO, lse) gathered from the local rows, K/V from the exchanged ones;
+      its outputs are gathered back (:func:`_dcs_window_calls`). It
+      ``overlaps_previous``.
     tiled: every row holds one document slot that may fill it (cp=1, N=1,
       a bound of the whole row): the backend's segments are tiled
       (:attr:`jax_cp.attention.backend.Segments.tiled`).
@@ -66,8 +74,9 @@ class Call:
   The calls of a step cover disjoint Q rows, so their outputs merge
   without log-sum-exp rescaling: a later call writes its rows into the
   buffers of the calls before it (in place when the backend
-  ``supports_in_place``), or the planner adds them. The one exception is
-  a halo call, whose rows are merged by log-sum-exp.
+  ``supports_in_place``), or the planner adds them. The exceptions are a
+  halo call, whose rows are merged by log-sum-exp, and the calls that
+  ``overlaps_previous``.
   """
 
   meta: metadata.StepMetadata
@@ -80,6 +89,7 @@ class Call:
   overlaps_previous: bool = False
   halo_rows: jnp.ndarray | None = None
   reversed: bool = False
+  window_rows: metadata.WindowRows | None = None
   tiled: bool = False
 
 
@@ -209,6 +219,72 @@ def merge_calls(calls: list[Call]) -> Call:
                              max_kv=max(c.max_kv for c in calls))
 
 
+def window_left(cfg: CPConfig, call: Call) -> int:
+  """The band a call runs with: the config's window on a causal call in
+  sequence order, none (-1) on an unmasked call and on a reversed or
+  compact one (whose rows all lie within the window, so its plain
+  top-left mask is the band already)."""
+  if (call.mask == "no_mask" or call.reversed
+      or call.window_rows is not None):
+    return -1
+  return cfg.window_left
+
+
+def _dcs_window_split(cfg: CPConfig, backward: bool) -> bool:
+  """DUAL_CHUNK_SWAP at cp > 1 with a window, run without bottom-right
+  calls in this direction (:attr:`CPConfig.dcs_window_plan`)."""
+  split = ("split", "split_backward") if backward else ("split",)
+  return (cfg.strategy is not _NLB and cfg.cp_size > 1
+          and cfg.window_left >= 0 and cfg.dcs_window_plan in split)
+
+
+def _dcs_window_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
+                      ) -> list[Call]:
+  """DUAL_CHUNK_SWAP with a sliding window, the same three calls each way,
+  none bottom-right (:func:`metadata.split_windowed_block`; docs/design.md,
+  Call plans):
+
+  * ``diag``: both steps' chunks against their own keys, the top-left
+    band, on the exchanged buffer (the first call: it makes out/lse, dq);
+  * ``near``: unmasked, each chunk's rows against its nearest ``b`` keys
+    before it;
+  * ``far``: top-left causal, its first ``min(q, left)`` rows in reverse
+    order against the next ``f`` keys in reverse order.
+
+  ``near`` and ``far`` run over compact buffers that hold, per (step,
+  document), the rows and keys they need (:func:`metadata.window_compaction`),
+  so no two segments share a KV row and each runs as one backward call;
+  their results are merged by log-sum-exp (forward) or summed (backward)
+  into the diagonal's. Bounds, with ``c = ceil(W / 2cp)`` the longest
+  chunk: ``diag`` ``c x c``, ``near`` ``min(left, c)`` rows against at
+  most ``left - 1`` keys, ``far`` ``min(left, c)`` each way. With a
+  window of 0 the diagonals alone run; with 1 no key is near."""
+  cp, left = cfg.cp_size, cfg.window_left
+  c = max(_ceil_div(cfg.max_seqlen, 2 * cp), 1)
+  steps = tuple(metadata.dual_chunk_swap_step(cu_seqlens, cu_seqlens_padded,
+                                              cp, rank, step)
+                for step in (0, 1))
+  tl, t = cfg.local_tokens, cfg.total_tokens
+  diag = merge_calls([
+      Call(metadata.split_windowed_block(m, left, tl, t)[0],
+           "causal_top_left", c, c, True) for m in steps])
+  if left == 0:
+    return [diag]
+  sq, skv = metadata.window_compaction_sizes(
+      cu_seqlens_padded.shape[-1] - 1, cp, left, c, tl, t)
+  near, far, rows = metadata.window_compaction(
+      steps, cu_seqlens_padded, cp, left, tl, t, sq, skv)
+  rows_q = max(min(left, c), 1)
+  far_call = Call(far, "causal_top_left", rows_q, rows_q, True,
+                  overlaps_previous=True, window_rows=rows)
+  if left == 1:
+    return [diag, far_call]
+  near_call = Call(near, "no_mask", rows_q,
+                   max(min(left - 1, (2 * cp - 1) * c), 1), True,
+                   overlaps_previous=True, window_rows=rows)
+  return [diag, near_call, far_call]
+
+
 def _step_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
                 ) -> list[Call]:
   """The calls of both directions, in forward order: one per step
@@ -243,6 +319,8 @@ def forward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
   halo call's out/lse are merged into the local call's rows by
   log-sum-exp (the only forward call whose rows are not disjoint from the
   others')."""
+  if _dcs_window_split(cfg, backward=False):
+    return _dcs_window_calls(cfg, cu_seqlens, cu_seqlens_padded, rank)
   calls = _step_calls(cfg, cu_seqlens, cu_seqlens_padded, rank)
   if cfg.strategy is not _NLB and len(calls) > 1:
     return [merge_calls(calls)]
@@ -311,8 +389,11 @@ def backward_calls(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
   The steps read overlapping KV rows (chunks ``0..r`` of every
   document), so they stay separate calls; their triangles do not (chunk
   ``r`` against chunk ``2cp-1-r``) and run as one call after both
-  rectangles. With a sliding window they stay whole bottom-right calls
-  (docs/design.md, Sliding window)."""
+  rectangles. With a sliding window: :func:`_dcs_window_calls`, none
+  bottom-right (or, with ``dcs_window_plan="bottom_right"``, whole
+  bottom-right banded calls per step)."""
+  if _dcs_window_split(cfg, backward=True):
+    return _dcs_window_calls(cfg, cu_seqlens, cu_seqlens_padded, rank)
   calls = _step_calls(cfg, cu_seqlens, cu_seqlens_padded, rank)
   out, triangles = [], []
   for call in reversed(calls):
@@ -368,8 +449,9 @@ def segments(call: Call, q_tokens: int, kv_tokens: int) -> Segments:
   ``kv_tokens`` KV rows -> one segment list over the flattened rows,
   heaviest segment first.
 
-  Every CP call satisfies ``kv_len >= q_len`` with ``kv_len > 0`` whenever
-  ``q_len > 0``, so every covered row sees a key (``rows_see_keys``).
+  Every CP call has ``kv_len > 0`` whenever ``q_len > 0`` (and
+  ``kv_len >= q_len`` where it is bottom-right), so every covered row sees
+  a key (``rows_see_keys``).
 
   Segment order does not change the result. Fused kernels start their
   thread blocks roughly in segment order, so putting the most work (causal

@@ -326,6 +326,23 @@ def pad_cu_seqlens(cu_seqlens, multiple: int) -> np.ndarray:
   return out.reshape(np.shape(cu_seqlens))
 
 
+def _dcs_window_plan_calls(window_left: int, max_seqlen: int
+                          ) -> tuple[int, int] | None:
+  """(forward, backward) attention calls per rank of DUAL_CHUNK_SWAP's
+  windowed plan at cp > 1 (docs/design.md, Call plans): the top-left
+  diagonals, the near rectangles and the far triangles each way; the
+  diagonals alone for a window of 0, no near rectangles for 1. None
+  without a window, or with one that reaches past every document
+  (``left >= max_seqlen - 1``: the plain causal plan)."""
+  if window_left < 0 or window_left >= max_seqlen - 1:
+    return None
+  if window_left == 0:
+    return 1, 1
+  if window_left == 1:
+    return 2, 2
+  return 3, 3
+
+
 def recommend_strategy(cu_seqlens, cu_seqlens_padded, cp_size: int, *,
                        num_heads_q: int = 1, num_heads_kv: int = 1,
                        head_dim: int = 128, dtype_bytes: int = 2,
@@ -351,8 +368,10 @@ def recommend_strategy(cu_seqlens, cu_seqlens_padded, cp_size: int, *,
   window is given and ``bounded_exchange`` is on, else the full all-gather.
   With a window both strategies' work counts only the keys in the window,
   so contiguous chunks are close to balanced and NO_LOAD_BALANCE usually
-  wins (a halo of at most ``left`` tokens). Ties go to
-  DUAL_CHUNK_SWAP (the default).
+  wins (a halo of at most ``left`` tokens); each is charged the calls of
+  the plan it runs (DUAL_CHUNK_SWAP's windowed plan:
+  :func:`_dcs_window_plan_calls`; NO_LOAD_BALANCE's local and halo calls).
+  Ties go to DUAL_CHUNK_SWAP (the default).
 
   Args:
     cu_seqlens, cu_seqlens_padded: the batch (``[N+1]`` or ``[B, N+1]``), in
@@ -408,6 +427,14 @@ def recommend_strategy(cu_seqlens, cu_seqlens_padded, cp_size: int, *,
   times = {_DCS.value: dcs.predicted_time_s(**model),
            _NLB.value: nlb.predicted_time_s(
                bounded_exchange=bounded_exchange, **model)}
+  plan = _dcs_window_plan_calls(
+      dcs.window_left, min(max_seqlen or dcs.total_tokens, dcs.total_tokens))
+  if plan is not None and cp_size > 1:
+    # The estimate charges one call per direction; the windowed plan runs
+    # more (NO_LOAD_BALANCE's two each way are its calls_per_rank).
+    calls = plan[0] + (plan[1] if include_backward else 0)
+    times[_DCS.value] += (calls - (2 if include_backward else 1)) \
+        * call_overhead_s
   best = _NLB if times[_NLB.value] < times[_DCS.value] else _DCS
   other = _DCS if best is _NLB else _NLB
   reason = (f"{best.value} is predicted at {times[best.value] * 1e3:.3f} ms "

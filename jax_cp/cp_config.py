@@ -10,6 +10,8 @@ forward and backward read the same instance.
 from __future__ import annotations
 
 import dataclasses
+import os
+import warnings
 from typing import Any
 
 from jax_cp import checks, seqlen_guard
@@ -21,6 +23,31 @@ from jax_cp.strategy import CPLoadBalancingStrategy, as_strategy
 
 _DCS = CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
 _NLB = CPLoadBalancingStrategy.NO_LOAD_BALANCE
+
+#: The environment variable that picks DUAL_CHUNK_SWAP's windowed call
+#: plan (:attr:`CPConfig.dcs_window_plan`), for A/B measurements.
+DCS_WINDOW_PLAN_ENV = "JAX_CP_DCS_WINDOW_PLAN"
+DCS_WINDOW_PLANS = ("split", "split_backward", "bottom_right")
+
+
+def dcs_window_plan_from_env() -> str:
+  """:attr:`CPConfig.dcs_window_plan` as :data:`DCS_WINDOW_PLAN_ENV`
+  says (unset: ``"split"``)."""
+  plan = os.environ.get(DCS_WINDOW_PLAN_ENV, "split")
+  if plan not in DCS_WINDOW_PLANS:
+    raise ValueError(f"{DCS_WINDOW_PLAN_ENV} must be one of "
+                     f"{DCS_WINDOW_PLANS}, got {plan!r}")
+  return plan
+
+
+def _warn_bottom_right_window() -> None:
+  """The warning of a DUAL_CHUNK_SWAP window run as bottom-right banded
+  calls on cudnn (shown once per process by Python's default filter)."""
+  warnings.warn(
+      "DUAL_CHUNK_SWAP with a sliding window runs bottom-right banded cuDNN "
+      f"calls ({DCS_WINDOW_PLAN_ENV}=bottom_right), whose backward cuDNN "
+      "9.19 runs about 11x slower than a top-left band; unset it, or use "
+      "NO_LOAD_BALANCE with a window.", RuntimeWarning, stacklevel=4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +84,14 @@ class CPConfig:
       size of the local Q (``2 * cp * Hkv <= Hq``, e.g. GQA at cp = 2), so
       residual memory grows by at most Q's. The backward then has no
       all-gather to wait for.
+    dcs_window_plan: DUAL_CHUNK_SWAP's plan with a window (docs/design.md,
+      Call plans): ``"split"`` (the default) runs each chunk as a top-left
+      band, an unmasked near rectangle and a top-left far triangle over
+      reversed rows and keys, each way; ``"split_backward"`` the forward
+      as one banded bottom-right call and the backward split;
+      ``"bottom_right"`` banded bottom-right calls each way, whose cuDNN
+      backward is much slower. An internal switch for measurements, read
+      from the environment variable :data:`DCS_WINDOW_PLAN_ENV`.
   """
 
   strategy: CPLoadBalancingStrategy
@@ -73,6 +108,7 @@ class CPConfig:
   bound_check: str | None = None
   unbounded: CPConfig | None = None
   keep_gathered_kv: bool = False
+  dcs_window_plan: str = "split"
 
   @property
   def local_tokens(self) -> int:
@@ -112,28 +148,37 @@ def make_config(q_shape, k_shape, v_shape, dtype, cu_seqlens,
   checks.check_max_seqlen_violation(max_seqlen_violation)
   resolved = resolve_backend(backend, platform, dtype)
 
+  dcs_plan = dcs_window_plan_from_env()
+
   def config(w: int) -> CPConfig:
     """The layout for the bound ``w``."""
+    left = window_left
+    if strategy is _DCS and left >= w - 1:
+      left = -1    # no document is longer than the window: plain causal
     split = split_causal_backward
     if split is None:
       split = resolved.name == "cudnn"
-    if window_left >= 0:
+    if left >= 0:
       # The rectangle of a split bottom-right block would need the band too:
       # windowed blocks run their backward whole.
       split = False
     exchange = choose_exchange(
         strategy is _NLB, cp_axis, cp_size, total_tokens, w,
         communicate=cp_comm_type != checks.CP_COMM_LOCAL_COPIES,
-        window_left=window_left)
+        window_left=left)
     keep = (exchange.kind == "all_gather" and
             2 * cp_size * k_shape[-2] <= q_shape[-2])
+    if (strategy is _DCS and cp_size > 1 and left >= 0
+        and dcs_plan == "bottom_right" and resolved.name == "cudnn"):
+      _warn_bottom_right_window()
     return CPConfig(strategy=strategy, cp_axis=cp_axis, cp_size=cp_size,
                     causal=attn_mask_type == "causal",
                     scale=default_scale(q_shape[-1], softmax_scale),
                     backend=resolved, total_tokens=total_tokens,
                     max_seqlen=w, split_causal_backward=bool(split),
                     exchange=exchange,
-                    window_left=window_left, keep_gathered_kv=keep)
+                    window_left=left, keep_gathered_kv=keep,
+                    dcs_window_plan=dcs_plan)
 
   cfg = config(bound)
   if bound >= total_tokens or checks.concrete(cu_seqlens_padded) is not None:

@@ -36,7 +36,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_cp import call_plan, seqlen_guard
 from jax_cp.attention.api import window_kwargs
-from jax_cp.attention.merge import GradSum, add, merge_softmax_rows
+from jax_cp.attention.merge import (
+  GradSum,
+  add,
+  merge_softmax,
+  merge_softmax_rows,
+)
 from jax_cp.cp_config import CPConfig
 from jax_cp.modules.remat import CONTEXT
 
@@ -78,6 +83,22 @@ def _exchange(cfg: CPConfig, k, v, cu_seqlens_padded):
   return kx, vx, None
 
 
+def _gather_rows(x, idx, valid, fill=0):
+  """Rows ``idx [B, n]`` of axis 1 of ``x [B, T, ...]``, ``fill`` where
+  not ``valid [B, n]``: the compact buffers of DUAL_CHUNK_SWAP's windowed
+  near and far calls (:attr:`jax_cp.call_plan.Call.window_rows`), and
+  their results put back."""
+  tail = (1,) * (x.ndim - 2)
+  g = jnp.take_along_axis(x, idx.reshape(idx.shape + tail), axis=1)
+  return jnp.where(valid.reshape(valid.shape + tail), g,
+                   jnp.asarray(fill, x.dtype))
+
+
+def _compact_kv(rows, kc, vc):
+  return (_gather_rows(kc, rows.kv_src, rows.kv_valid),
+          _gather_rows(vc, rows.kv_src, rows.kv_valid))
+
+
 def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
   """(out, lse, saved): what the backward reuses of the exchange, the
   received K|V halo when the exchange keeps it, the all-gathered
@@ -85,8 +106,20 @@ def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
   backend = cfg.backend
   kx, vx, halo = _exchange(cfg, k, v, cu_seqlens_padded)
   out = lse = None
+  compact, rows = [], None
   for call in call_plan.forward_calls(cfg, cu_seqlens, cu_seqlens_padded,
                                       _rank(cfg)):
+    if call.window_rows is not None:
+      if rows is None:
+        rows = call.window_rows
+        qc = _gather_rows(q, rows.q_src, rows.q_valid)
+        kc, vc = _compact_kv(rows, *_call_kv(call, k, v, kx, vx, halo))
+      o, l = backend.forward(
+          _flat(qc), _flat(kc), _flat(vc),
+          call_plan.segments(call, qc.shape[1], kc.shape[1]),
+          mask=call.mask, scale=cfg.scale)
+      compact.append((o.reshape(qc.shape), l.reshape(qc.shape[:3])))
+      continue
     assert not call.overlaps_previous, call
     if call.exchanged and halo is not None and out is not None:
       # The halo call waits for the halo: keep it after the earlier calls,
@@ -100,7 +133,7 @@ def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
     in_place = out is not None and backend.supports_in_place
     # The first call's outputs hold 0 / -inf on the other calls' rows.
     extra = dict(into=(_flat(out), _flat(lse))) if in_place else {}
-    extra.update(window_kwargs(cfg.window_left))
+    extra.update(window_kwargs(call_plan.window_left(cfg, call)))
     o, l = backend.forward(_flat(q), _flat(kc), _flat(vc), seg,
                            mask=call.mask, scale=cfg.scale, **extra)
     o, l = o.reshape(q.shape), l.reshape(q.shape[:3])
@@ -108,6 +141,13 @@ def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
       out, lse = o, l
     else:
       out, lse = add(out, o), jnp.maximum(lse, l)
+  if compact:
+    # The near and far parts' rows, merged among themselves, put back on
+    # the local rows and merged into the diagonals' by log-sum-exp.
+    o, l = merge_softmax(*compact[0], compact[1:])
+    out, lse = merge_softmax(out, lse, [
+        (_gather_rows(o, rows.q_inv, rows.q_has),
+         _gather_rows(l, rows.q_inv, rows.q_has, -jnp.inf))])
   if cfg.keep_gathered_kv:
     saved = (kx, vx)
   else:
@@ -291,7 +331,24 @@ def _backward(cfg: CPConfig, residuals, dout):
   calls = call_plan.backward_calls(cfg, cu_seqlens, cu_seqlens_padded,
                                    _rank(cfg))
   writes = call_plan.dq_writes(calls, backend.supports_in_place)
+  dqc, dkc, dvc, compact = GradSum(), GradSum(), GradSum(), None
   for call, write in zip(calls, writes):
+    if call.window_rows is not None:
+      if compact is None:
+        wrows = call.window_rows
+        compact = [_gather_rows(x, wrows.q_src, wrows.q_valid)
+                   for x in (q, out, lse, dout)]
+        compact += _compact_kv(wrows, *_call_kv(call, k, v, kx, vx, halo))
+      qc, oc, lc, dc, kc, vc = compact
+      dq_i, dk_i, dv_i = backend.backward(
+          _flat(qc), _flat(kc), _flat(vc), _flat(oc),
+          lc.reshape(-1, q.shape[2]), _flat(dc),
+          call_plan.segments(call, qc.shape[1], kc.shape[1]),
+          mask=call.mask, scale=cfg.scale)
+      dqc.add(dq_i.reshape(qc.shape), None)
+      dkc.add(dk_i.reshape(kc.shape), None)
+      dvc.add(dv_i.reshape(vc.shape), None)
+      continue
     if call.reversed:
       dq_h, dk_h, dv_h = _reversed_halo_backward(cfg, call, q, k, kx, vx,
                                                  halo, out, lse, dout)
@@ -301,25 +358,32 @@ def _backward(cfg: CPConfig, residuals, dout):
       continue
     kc, vc = _call_kv(call, k, v, kx, vx, halo)
     rows = write.q_rows
-    qc = _prefix(q, rows)
-    # A halo call that is not reversed is an unmasked rectangle: no band.
-    extra = ({} if call.halo_rows is not None else
-             window_kwargs(cfg.window_left))
+    qc, oc, lc, dc = (_prefix(x, rows) for x in (q, out, lse, dout))
+    extra = window_kwargs(call_plan.window_left(cfg, call))
     if backend.supports_in_place:
       extra.update(dq_into=_flat(dq.full) if write.into else None)
     dq_i, dk_i, dv_i = backend.backward(
-        _flat(qc), _flat(kc), _flat(vc),
-        _flat(_prefix(out, rows)),
-        _prefix(lse, rows).reshape(-1, q.shape[2]),
-        _flat(_prefix(dout, rows)),
+        _flat(qc), _flat(kc), _flat(vc), _flat(oc),
+        lc.reshape(-1, q.shape[2]), _flat(dc),
         call_plan.segments(call, qc.shape[1], kc.shape[1]), mask=call.mask,
         scale=cfg.scale, **extra)
+    dq_i, dk_i, dv_i = (dq_i.reshape(qc.shape), dk_i.reshape(kc.shape),
+                        dv_i.reshape(vc.shape))
     if write.into:
-      dq.full = dq_i.reshape(q.shape)
+      dq.full = dq_i
     else:
-      dq.add(dq_i.reshape(qc.shape), rows)
-    (dkx if call.exchanged else dk).add(dk_i.reshape(kc.shape), call.kv_rows)
-    (dvx if call.exchanged else dv).add(dv_i.reshape(vc.shape), call.kv_rows)
+      dq.add(dq_i, rows)
+    (dkx if call.exchanged else dk).add(dk_i, call.kv_rows)
+    (dvx if call.exchanged else dv).add(dv_i, call.kv_rows)
+  if compact is not None:
+    # The near and far parts' gradients, put back on their rows: dq on the
+    # local ones, dK/dV on the exchanged ones (per step: the two steps'
+    # regions may hold the same key).
+    dq.add(_gather_rows(dqc.full, wrows.q_inv, wrows.q_has), None)
+    for part, total in ((dkc, dkx), (dvc, dvx)):
+      total.add(sum(_gather_rows(part.full, wrows.kv_inv[st],
+                                 wrows.kv_has[st]).astype(jnp.float32)
+                    for st in (0, 1)), None)
   merge = backend.merge_rows
   dq = dq.total(merge, q.dtype)
   dk, dv = dk.total(merge, k.dtype), dv.total(merge, v.dtype)

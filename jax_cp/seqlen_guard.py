@@ -43,13 +43,17 @@ def bounded_program_is_exact(cfg, unbounded) -> bool:
   (its config with ``max_seqlen = T``) for documents of any length, so no
   fallback is needed: the same exchange, no call reading a prefix sized by
   the bound (NO_LOAD_BALANCE's halo call reads the first ``min(W-1,
-  Tl)`` rows; docs/design.md, Call plans), and a backend whose results do
-  not depend on the kernels' static bounds."""
+  Tl)`` rows; windowed DUAL_CHUNK_SWAP's compact buffers are sized by the
+  chunk bound, and a window of ``W - 1`` or more is dropped;
+  docs/design.md, Call plans), and a backend whose results do not depend
+  on the kernels' static bounds."""
   if not cfg.backend.exact_past_bounds or cfg.exchange != unbounded.exchange:
     return False
   prefix = (cfg.strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE
             and cfg.cp_size > 1 and cfg.max_seqlen - 1 < cfg.local_tokens)
-  return not prefix
+  window = (cfg.strategy is CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
+            and cfg.cp_size > 1 and unbounded.window_left >= 0)
+  return not (prefix or window)
 
 
 def longest_padded(cu_seqlens_padded):

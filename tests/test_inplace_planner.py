@@ -201,6 +201,12 @@ def check_case(log, seed, cp, strategy, batch, max_seqlen=None, window=-1,
     # writes into another's outputs or dq.
     assert all(c["mask"] != "causal_bottom_right" for c in log), log
     assert not any(c["into"] for c in log), log
+  elif cp > 1 and strategy is DCS and window >= 0:
+    # Windowed: a top-left band, an unmasked near rectangle and a mirrored
+    # far triangle per step, each way; the last two overlap the first's
+    # rows, so they are merged (forward) or summed (dq), never written in.
+    assert all(c["mask"] != "causal_bottom_right" for c in log), log
+    assert not any(c["into"] for c in log), log
   elif cp > 1 and strategy is DCS:
     # Both steps run as one forward call (one per branch of the max_seqlen
     # guard), so none writes into another's; in the backward a later call

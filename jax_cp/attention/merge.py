@@ -105,6 +105,37 @@ def merge_softmax_rows(out, lse, part_out, part_lse, valid,
   return out, lse
 
 
+def merge_softmax(out, lse, parts):
+  """Attention over disjoint key sets of the same rows, merged over all
+  rows: ``out [B, T, H, D]`` / ``lse [B, T, H]`` of one call and
+  ``parts``, a list of ``(out_i, lse_i)`` of the same shapes from calls
+  over other keys. Each row becomes the softmax over the union of its
+  keys::
+
+      lse' = log(sum_i exp(lse_i))
+      out' = sum_i out_i * exp(lse_i - lse')
+
+  in one float32 pass; ``out'`` in ``out``'s dtype. Rows whose every
+  ``lse_i`` is ``-inf`` (no keys) get 0 and ``-inf``.
+  """
+  f32 = jnp.promote_types(out.dtype, jnp.float32)
+  outs = [out] + [o for o, _ in parts]
+  lses = [lse.astype(f32)] + [l.astype(f32) for _, l in parts]
+  top = lses[0]
+  for l in lses[1:]:
+    top = jnp.maximum(top, l)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  weights = [jnp.exp(l - top) for l in lses]
+  z = sum(weights[1:], weights[0])
+  some = z > 0
+  inv = jnp.where(some, 1.0 / jnp.where(some, z, 1.0), 0.0)
+  merged = sum((o.astype(f32) * (w * inv)[..., None]
+                for o, w in zip(outs[1:], weights[1:])),
+               outs[0].astype(f32) * (weights[0] * inv)[..., None])
+  total = jnp.where(some, top + jnp.log(jnp.where(some, z, 1.0)), -jnp.inf)
+  return merged.astype(out.dtype), total.astype(lse.dtype)
+
+
 class GradSum:
   """The running sum of one gradient over the attention calls of a step.
 
