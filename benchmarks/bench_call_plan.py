@@ -37,9 +37,7 @@ Writes a JSON next to the other results.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
 import os
 import statistics
 from collections.abc import Sequence
@@ -49,13 +47,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import timing
-from benchmarks.workload import DISTS, make_row
+from benchmarks import results, timing
+from benchmarks.names import DISTS
+from benchmarks.workload import make_row
 from jax_cp import call_plan, cp_config
 from jax_cp.attention.api import window_kwargs
 from jax_cp.attention.backend import Segments
-
-_RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def segment_pairs(seg: Segments, mask: str, left: int) -> int:
@@ -220,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> str:
                       f"${cp_config.DCS_WINDOW_PLAN_ENV}, else split)")
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--out", default=_RESULTS)
+  p.add_argument("--out", default=results.RESULTS_DIR)
   args = p.parse_args(argv)
   if args.plan is not None:
     os.environ[cp_config.DCS_WINDOW_PLAN_ENV] = args.plan
@@ -233,15 +230,11 @@ def main(argv: Sequence[str] | None = None) -> str:
   if worst:
     print(f"largest per-pair ratio of a call: {max(worst):.3f} "
           f"(median {statistics.median(worst):.3f})")
-  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  device = jax.devices()[0].device_kind.replace(" ", "_")
-  os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, f"call_plan_{stamp}_{device}.json")
-  with open(path, "w") as f:
-    json.dump({"args": vars(args),
-               "plan": os.environ.get(cp_config.DCS_WINDOW_PLAN_ENV,
-                                      "split"),
-               "records": records}, f, indent=1)
+  env = results.environment(
+      dcs_window_plan=os.environ.get(cp_config.DCS_WINDOW_PLAN_ENV, "split"))
+  path = results.write_result(
+      results.result_path(args.out, "call_plan", env),
+      {"env": env, "args": vars(args), "records": records})
   print(f"wrote {path}")
   return path
 
