@@ -1,0 +1,162 @@
+"""Weak scaling of the example's training step (``bench_step --weak``).
+
+The tokens per GPU are fixed and the row grows with the GPUs: for every cp
+of ``--cp`` (default 1, 2, 4, ... up to the device count) and every
+``--weak`` tokens-per-GPU value ``n``, one row of ``T = cp * n`` tokens
+trains on a ``1 x cp`` mesh (the first ``cp`` devices). The rows
+(:data:`benchmarks.names.SCALING_ROWS`, ``--rows``):
+
+* ``dcs_one_doc``: DUAL_CHUNK_SWAP on one document of ``T`` tokens (the
+  standard library's files joined);
+* ``nlb_short``: NO_LOAD_BALANCE on files cut at ``--max-doc-len`` (1024)
+  bytes, in the order of ``--doc-order`` (``balanced``: reordered so that
+  every rank's chunk holds near-equal attention work);
+* ``nlb_one_doc``: NO_LOAD_BALANCE on the one-document row, for the
+  measured NO_LOAD_BALANCE / DUAL_CHUNK_SWAP step-time ratio against the
+  predicted ``(2 cp - 1) / cp`` (the last rank's causal work over the
+  balanced share).
+
+Each program is timed alone (attention FLOPs grow with ``T``, so cp=N and
+cp=1 are different work and are not paired): its device-only steady time
+per step, :func:`benchmarks.timing.steady` with blocks of about
+``--block-ms``. Reported per program: model TFLOP/s per GPU (MFU
+convention, :func:`jax_cp.model_flops`, over ``cp`` devices), MFU against
+``--peak-tflops`` and, in the report, the efficiency against cp=1 (TFLOP/s
+per GPU at cp over that at cp=1). The result file
+(``scaling_<date>_<device>.json``) is rewritten after every program, and
+:mod:`benchmarks.scaling_report` then writes ``SCALING.md`` (and its plot)
+from every ``scaling_*.json`` of ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+from benchmarks import bench_step, results, scaling_report
+from benchmarks.names import SCALING_ROW
+
+
+def default_cps(device_count: int) -> list[int]:
+  """1, 2, 4, ... up to ``device_count``."""
+  out = [1]
+  while out[-1] * 2 <= device_count:
+    out.append(out[-1] * 2)
+  return out
+
+
+def one_document_rows(cfg, cp: int):
+  """``cfg.batch`` rows of one document of ``cfg.seq_len`` tokens each (the
+  standard library's files in ``cfg.seed``'s order, joined and cut), padded
+  for ``cfg.strategy`` on ``cp`` ranks."""
+  # pylint: disable-next=import-outside-toplevel
+  import jax_cp
+  from examples.packed_lm import data  # pylint: disable=import-outside-toplevel
+  parts, need = [], cfg.seq_len
+  for doc in data.iter_documents(cfg.seed):
+    parts.append(doc)
+    need -= doc.size
+    if need <= 0:
+      break
+  doc = np.concatenate(parts)[:cfg.seq_len]
+  return jax_cp.pack_documents([doc] * cfg.batch, cfg.seq_len, cfg.batch,
+                               jax_cp.pad_multiple_for(cfg.strategy, cp))
+
+
+def rows_for(args, row: str, cp: int, tokens: int):
+  """``(args for this program, rows)`` of ``row`` with ``tokens`` per row
+  on ``cp`` ranks."""
+  from examples.packed_lm import data  # pylint: disable=import-outside-toplevel
+  strategy, docs = SCALING_ROW[row]
+  order = args.doc_order[0] if strategy == "no_load_balance" else "packed"
+  prog_args = argparse.Namespace(**{**vars(args), "seq_len": tokens})
+  cfg = bench_step.example_config(prog_args, strategy, order)
+  if docs == "one_doc":
+    return prog_args, one_document_rows(cfg, cp)
+  return prog_args, data.load_rows(cfg, args.batch, cp)
+
+
+def time_program(prog, block_ms: float) -> dict:
+  """First call (compilation included), one synced call, and the steady
+  seconds per step of ``prog`` (a :class:`benchmarks.bench_step.Program`)."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from benchmarks import timing  # pylint: disable=import-outside-toplevel
+  out = {}
+  for name in ("first_s", "synced_s"):
+    t0 = time.perf_counter()
+    jax.block_until_ready(prog.step())
+    out[name] = time.perf_counter() - t0
+  out["depth"] = timing.pipeline_depth(out["synced_s"], block_ms)
+  out["step_s"] = timing.steady(prog.step, [()], out["depth"])
+  return out
+
+
+def measure(args, row: str, cp: int, tokens_per_gpu: int) -> dict:
+  """One program's record: ``row`` at ``cp`` with ``tokens_per_gpu``."""
+  import jax_cp  # pylint: disable=import-outside-toplevel
+  strategy, _ = SCALING_ROW[row]
+  tokens = cp * tokens_per_gpu
+  prog_args, rows = rows_for(args, row, cp, tokens)
+  max_seqlen = args.max_seqlen or rows.max_seqlen
+  prog, n_params = bench_step.build_program(prog_args, strategy, cp, rows,
+                                            max_seqlen)
+  t = time_program(prog, args.block_ms)
+  flops = jax_cp.model_flops(rows.cu_seqlens, tokens=rows.tokens.size,
+                             matmul_params=n_params, num_layers=args.layers,
+                             num_heads=args.heads,
+                             head_dim=args.d_model // args.heads)
+  step_s = t["step_s"]
+  return dict(
+      kind="weak", row=row, strategy=strategy,
+      doc_order=prog_args.doc_order[0] if strategy == "no_load_balance"
+      else "packed", model=args.model_name, layers=args.layers,
+      d_model=args.d_model, heads=args.heads, kv_heads=args.kv_heads,
+      dtype=args.dtype, remat=args.remat, batch=args.batch,
+      max_doc_len=args.max_doc_len,
+      tokens_per_gpu=tokens_per_gpu, cp=cp, seq_len=tokens,
+      documents=int((np.diff(rows.cu_seqlens[0]) > 0).sum()),
+      max_seqlen=max_seqlen, matmul_params=n_params, model_flops=flops,
+      first_s=t["first_s"], synced_ms=t["synced_s"] * 1e3, depth=t["depth"],
+      ms=step_s * 1e3, tok_s=rows.tokens.size / step_s,
+      tflops_per_gpu=flops / step_s / cp / 1e12,
+      mfu=flops / step_s / (args.peak_tflops * 1e12 * cp))
+
+
+def run(args) -> dict:
+  """Every (tokens per GPU, row, cp) of ``args``; the result file is
+  written after each program and ``SCALING.md`` at the end. Returns the
+  result with its ``path``."""
+  import jax  # pylint: disable=import-outside-toplevel
+  cps = sorted(set(args.cp or default_cps(jax.device_count())))
+  if max(cps) > jax.device_count():
+    raise SystemExit(f"--cp {max(cps)} needs that many devices; jax sees "
+                     f"{jax.device_count()}")
+  env = results.environment(xla_flags=os.environ.get("XLA_FLAGS", ""),
+                            args=vars(args))
+  result = {"env": env, "records": []}
+  path = results.result_path(args.out, "scaling", env, args.tag)
+  start = time.monotonic()
+  plan = [(n, row, cp) for n in args.weak for row in args.rows for cp in cps]
+  for i, (n, row, cp) in enumerate(plan):
+    if args.budget_s and time.monotonic() - start > args.budget_s:
+      print(f"--budget-s {args.budget_s:g} spent: {len(plan) - i} of "
+            f"{len(plan)} programs not measured", flush=True)
+      break
+    rec = measure(args, row, cp, n)
+    result["records"].append(rec)
+    results.write_result(path, result)
+    print(f"{args.model_name} {row:12s} {n // 1024:4d}k/GPU cp={cp} "
+          f"T={rec['seq_len']:>8,}: {rec['ms']:9.2f} ms, "
+          f"{rec['tflops_per_gpu']:6.1f} TFLOP/s/GPU, MFU {rec['mfu']:.1%} "
+          f"(first call {rec['first_s']:.0f} s)", flush=True)
+  print(scaling_report.summary(result["records"]))
+  md = scaling_report.write(os.path.join(args.out, "scaling_*.json"),
+                            args.out)
+  result["path"] = path
+  print(path)
+  print(md)
+  return result
