@@ -102,6 +102,14 @@ def tokens_label(n: int) -> str:
   return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
+def row_label(r: dict) -> str:
+  """A record's row as tables name it; short documents with their cut."""
+  label = SCALING_ROW_LABEL.get(r["row"], r["row"])
+  if r["row"] == "nlb_short" and r.get("max_doc_len"):
+    label = label.replace("≤ 1k", f"≤ {tokens_label(r['max_doc_len'])}")
+  return label
+
+
 def _model_title(r: dict) -> str:
   preset = " (the example's)" if r["model"] == "example" else ""
   return (f"{r['model']}{preset}: {r['layers']} layers, d_model "
@@ -111,7 +119,10 @@ def _model_title(r: dict) -> str:
 
 def summary(records: Sequence[dict]) -> str:
   """Markdown: per model a table of every program, then the strategy
-  ratios on one document."""
+  ratios on one document and the programs that failed (``weak_error``
+  records)."""
+  failed = [r for r in records if r.get("kind") == "weak_error"]
+  records = [r for r in records if r.get("kind") == "weak"]
   groups = collections.defaultdict(list)
   for r in with_efficiency(records):
     groups[_model_title(r)].append(r)
@@ -123,7 +134,7 @@ def summary(records: Sequence[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in recs:
       lines.append(
-          f"| {SCALING_ROW_LABEL.get(r['row'], r['row'])} | "
+          f"| {row_label(r)} | "
           f"{tokens_label(r['tokens_per_gpu'])} | {r['cp']} | "
           f"{r['seq_len']:,} | "
           f"{r['documents']} | {r['ms']:.2f} | {r['tflops_per_gpu']:.1f} | "
@@ -138,6 +149,11 @@ def summary(records: Sequence[dict]) -> str:
               f"{x['cp']} | {number(x['measured'], '.3f')} | "
               f"{number(x['predicted'], '.3f')} |" for x in ratios]
     parts.append("\n".join(lines))
+  if failed:
+    parts.append("Failed programs:\n\n" + "\n".join(
+        f"* {r['model']}, {SCALING_ROW_LABEL.get(r['row'], r['row'])}, "
+        f"{tokens_label(r['tokens_per_gpu'])}/GPU, cp={r['cp']}: "
+        f"`{r['error']}`" for r in failed))
   return "\n\n".join(parts) + "\n" if parts else "(no weak-scaling records)\n"
 
 
@@ -185,6 +201,9 @@ def plot(records: Sequence[dict], path: str) -> str | None:
 def markdown(loaded: results.Loaded, plot_name: str | None) -> str:
   """The whole ``SCALING.md``."""
   recs = [r for r in loaded.records if r.get("kind") == "weak"]
+  done = {_where(r) for r in recs}
+  failed = [r for r in loaded.records if r.get("kind") == "weak_error"
+            and _where(r) not in done]      # and not measured since
   env = loaded.files[-1] if loaded.files else {}
   head = [
       "# Weak scaling: model TFLOP/s per GPU", "",
@@ -202,7 +221,7 @@ def markdown(loaded: results.Loaded, plot_name: str | None) -> str:
       + ".",
       f"Device: {env.get('device_kind', '?')}, jax {env.get('jax', '?')}, "
       f"cuDNN {env.get('cudnn', '?')}.", ""]
-  body = [summary(recs)]
+  body = [summary(recs + failed)]
   targets = target_rows(recs)
   if targets:
     body += ["### Targets", "", "| target | measured | verdict |",
@@ -231,8 +250,18 @@ def write(patterns: str | Sequence[str], out_dir: str) -> str:
   return path
 
 
+def _where(r: dict) -> tuple:
+  return (r["row"], r["model"], r["tokens_per_gpu"], r["cp"])
+
+
 def _key_or_none(r: dict) -> tuple:
-  return scaling_key(r) if r.get("kind") == "weak" else (id(r),)
+  """Merge key: the configuration of a weak-scaling record, the program of
+  a failed one; other records are kept apart."""
+  if r.get("kind") == "weak":
+    return scaling_key(r)
+  if r.get("kind") == "weak_error":
+    return ("error", *_where(r))
+  return (id(r),)
 
 
 def main(argv: Sequence[str] | None = None) -> str:

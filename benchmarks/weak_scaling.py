@@ -80,18 +80,28 @@ def rows_for(args, row: str, cp: int, tokens: int):
 
 
 def time_program(prog, block_ms: float) -> dict:
-  """First call (compilation included), one synced call, and the steady
-  seconds per step of ``prog`` (a :class:`benchmarks.bench_step.Program`)."""
+  """First call (compilation included), one synced call, and the seconds
+  per step of ``prog`` (a :class:`benchmarks.bench_step.Program`): steady
+  (:func:`benchmarks.timing.steady`, blocks of about ``block_ms``) when a
+  step is shorter than a block; else the fastest of three synced calls (a
+  step that long hides the host's dispatch between steps, and the steady
+  slope would cost six more)."""
   import jax  # pylint: disable=import-outside-toplevel
 
   from benchmarks import timing  # pylint: disable=import-outside-toplevel
-  out = {}
-  for name in ("first_s", "synced_s"):
+
+  def synced() -> float:
     t0 = time.perf_counter()
     jax.block_until_ready(prog.step())
-    out[name] = time.perf_counter() - t0
+    return time.perf_counter() - t0
+  out = {"first_s": synced(), "synced_s": synced()}
   out["depth"] = timing.pipeline_depth(out["synced_s"], block_ms)
-  out["step_s"] = timing.steady(prog.step, [()], out["depth"])
+  if out["synced_s"] * 1e3 >= block_ms:
+    out["timing"] = "synced"
+    out["step_s"] = min([out["synced_s"], synced(), synced()])
+  else:
+    out["timing"] = "steady"
+    out["step_s"] = timing.steady(prog.step, [()], out["depth"])
   return out
 
 
@@ -121,6 +131,7 @@ def measure(args, row: str, cp: int, tokens_per_gpu: int) -> dict:
       documents=int((np.diff(rows.cu_seqlens[0]) > 0).sum()),
       max_seqlen=max_seqlen, matmul_params=n_params, model_flops=flops,
       first_s=t["first_s"], synced_ms=t["synced_s"] * 1e3, depth=t["depth"],
+      timing=t["timing"],
       ms=step_s * 1e3, tok_s=rows.tokens.size / step_s,
       tflops_per_gpu=flops / step_s / cp / 1e12,
       mfu=flops / step_s / (args.peak_tflops * 1e12 * cp))
@@ -146,7 +157,17 @@ def run(args) -> dict:
       print(f"--budget-s {args.budget_s:g} spent: {len(plan) - i} of "
             f"{len(plan)} programs not measured", flush=True)
       break
-    rec = measure(args, row, cp, n)
+    try:
+      rec = measure(args, row, cp, n)
+    except jax.errors.JaxRuntimeError as e:   # e.g. out of memory: go on
+      msg = str(e).splitlines()[0][:300]
+      result["records"].append(dict(kind="weak_error", row=row, cp=cp,
+                                    tokens_per_gpu=n, model=args.model_name,
+                                    error=msg))
+      results.write_result(path, result)
+      print(f"{args.model_name} {row} {n} tokens/GPU cp={cp}: {msg}",
+            flush=True)
+      continue
     result["records"].append(rec)
     results.write_result(path, result)
     print(f"{args.model_name} {row:12s} {n // 1024:4d}k/GPU cp={cp} "
