@@ -80,6 +80,18 @@ def commands(n: int, args: Sequence[str], device: str, port: int,
            "--process-id", str(i)] for i in range(n)]
 
 
+def stop(procs: Sequence[subprocess.Popen]) -> None:
+  """SIGKILL to the process group of each of ``procs`` still running (each
+  started with ``start_new_session=True``), then waits for all."""
+  for p in procs:
+    if p.poll() is None:
+      try:
+        os.killpg(p.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+    p.wait()
+
+
 def _forward(i: int, stream, sink, log) -> None:
   for line in stream:
     sink.write(f"[{i}] {line}")
@@ -132,13 +144,7 @@ def launch(n: int, args: Sequence[str], *, device: str = "gpu",
         break
       time.sleep(0.2)
   finally:
-    for p in procs:
-      if p.poll() is None:
-        try:
-          os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-          pass
-      p.wait()
+    stop(procs)
     for t in threads:
       t.join(timeout=5)
     for log in logs:
