@@ -67,16 +67,17 @@ def one_document_rows(cfg, cp: int):
 
 
 def rows_for(args, row: str, cp: int, tokens: int):
-  """``(args for this program, rows)`` of ``row`` with ``tokens`` per row
-  on ``cp`` ranks."""
+  """``(args for this program, rows, document order)`` of ``row`` with
+  ``tokens`` per row on ``cp`` ranks (one document has no order: packed)."""
   from examples.packed_lm import data  # pylint: disable=import-outside-toplevel
   strategy, docs = SCALING_ROW[row]
-  order = args.doc_order[0] if strategy == "no_load_balance" else "packed"
+  order = ("packed" if strategy != "no_load_balance" or docs == "one_doc"
+           else args.doc_order[0])
   prog_args = argparse.Namespace(**{**vars(args), "seq_len": tokens})
   cfg = bench_step.example_config(prog_args, strategy, order)
   if docs == "one_doc":
-    return prog_args, one_document_rows(cfg, cp)
-  return prog_args, data.load_rows(cfg, args.batch, cp)
+    return prog_args, one_document_rows(cfg, cp), order
+  return prog_args, data.load_rows(cfg, args.batch, cp), order
 
 
 def time_program(prog, block_ms: float) -> dict:
@@ -110,7 +111,7 @@ def measure(args, row: str, cp: int, tokens_per_gpu: int) -> dict:
   import jax_cp  # pylint: disable=import-outside-toplevel
   strategy, _ = SCALING_ROW[row]
   tokens = cp * tokens_per_gpu
-  prog_args, rows = rows_for(args, row, cp, tokens)
+  prog_args, rows, order = rows_for(args, row, cp, tokens)
   max_seqlen = args.max_seqlen or rows.max_seqlen
   prog, n_params = bench_step.build_program(prog_args, strategy, cp, rows,
                                             max_seqlen)
@@ -121,9 +122,8 @@ def measure(args, row: str, cp: int, tokens_per_gpu: int) -> dict:
                              head_dim=args.d_model // args.heads)
   step_s = t["step_s"]
   return dict(
-      kind="weak", row=row, strategy=strategy,
-      doc_order=prog_args.doc_order[0] if strategy == "no_load_balance"
-      else "packed", model=args.model_name, layers=args.layers,
+      kind="weak", row=row, strategy=strategy, doc_order=order,
+      model=args.model_name, layers=args.layers,
       d_model=args.d_model, heads=args.heads, kv_heads=args.kv_heads,
       dtype=args.dtype, remat=args.remat, batch=args.batch,
       max_doc_len=args.max_doc_len,
@@ -139,9 +139,12 @@ def measure(args, row: str, cp: int, tokens_per_gpu: int) -> dict:
 
 def run(args) -> dict:
   """Every (tokens per GPU, row, cp) of ``args``; the result file is
-  written after each program and ``SCALING.md`` at the end. Returns the
-  result with its ``path``."""
+  written after each program; at the end ``SCALING.md`` (printed) from
+  every ``scaling_*.json`` of ``args.out``. Returns the result with its
+  ``path``."""
   import jax  # pylint: disable=import-outside-toplevel
+  if args.profile:
+    raise SystemExit("--profile is not measured with --weak")
   cps = sorted(set(args.cp or default_cps(jax.device_count())))
   if max(cps) > jax.device_count():
     raise SystemExit(f"--cp {max(cps)} needs that many devices; jax sees "
@@ -174,10 +177,11 @@ def run(args) -> dict:
           f"T={rec['seq_len']:>8,}: {rec['ms']:9.2f} ms, "
           f"{rec['tflops_per_gpu']:6.1f} TFLOP/s/GPU, MFU {rec['mfu']:.1%} "
           f"(first call {rec['first_s']:.0f} s)", flush=True)
-  print(scaling_report.summary(result["records"]))
   md = scaling_report.write(os.path.join(args.out, "scaling_*.json"),
                             args.out)
   result["path"] = path
+  with open(md) as f:      # this run's and every earlier file's programs
+    print(f.read())
   print(path)
   print(md)
   return result
