@@ -11,6 +11,7 @@ import io
 import json
 import math
 import pathlib
+import shlex
 import sys
 
 import pytest
@@ -102,6 +103,33 @@ def test_failed_programs_listed_until_measured(tmp_path):
   path = scaling_report.write(str(tmp_path / "scaling_*.json"),
                               str(tmp_path))
   assert "RESOURCE_EXHAUSTED" not in pathlib.Path(path).read_text()
+
+
+def _readme_commands(module: str) -> list[list[str]]:
+  """The flags of every ``python -m <module>`` command in the "Scaling
+  out" section of benchmarks/README.md (continuations joined)."""
+  text = (pathlib.Path(__file__).resolve().parents[1] / "benchmarks" /
+          "README.md").read_text()
+  section = text.split("## Scaling out")[1].split("\n## ")[0]
+  lines = section.replace("\\\n", " ").splitlines()
+  words = [shlex.split(line.split("#")[0]) for line in lines
+           if line.startswith("python -m ")]
+  return [w[3:] for w in words if w[:3] == ["python", "-m", module]]
+
+
+def test_readme_scaling_commands_parse():
+  """Every command of the section uses flags the scripts have."""
+  from benchmarks import bench_step  # pylint: disable=import-outside-toplevel
+  weak = _readme_commands("benchmarks.bench_step")
+  assert len(weak) >= 5
+  for argv in weak:
+    args = bench_step.resolve(bench_step.build_parser().parse_args(argv))
+    assert args.weak and args.budget_s, argv
+  assert {bench_step.resolve(bench_step.build_parser().parse_args(a))
+          .model_name for a in weak} == {"example", "big"}
+  compare = _readme_commands("tests.gpu.compare_multiprocess")
+  assert sorted(a[1] for a in compare) == ["2", "4", "8"]
+  assert _readme_commands("benchmarks.scaling_report") == [[]]
 
 
 # --------------------------------------------------------------- launcher
