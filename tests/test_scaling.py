@@ -130,6 +130,11 @@ def test_readme_scaling_commands_parse():
   compare = _readme_commands("tests.gpu.compare_multiprocess")
   assert sorted(a[1] for a in compare) == ["2", "4", "8"]
   assert _readme_commands("benchmarks.scaling_report") == [[]]
+  # pylint: disable-next=import-outside-toplevel
+  from examples.packed_lm import config
+  jobs = [config.parse_args(a) for a in _readme_commands(
+      "examples.packed_lm")]
+  assert [(c.dp, c.cp, c.batch) for c in jobs] == [(1, 4, 1), (2, 4, 2)]
 
 
 # --------------------------------------------------------------- launcher
