@@ -111,8 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="count the collectives of every compiled step")
   p.add_argument("--device-plane", default=profiling.DEVICE_PLANE)
   p.add_argument("--budget-s", type=float, default=None,
-                 help="--weak: measure no further program after this many "
-                 "seconds (what was measured is kept)")
+                 help="--weak: start no program that would likely end "
+                 "after this many seconds (1.5 x the last one's time; what "
+                 "was measured is kept)")
   p.add_argument("--tag", default=None, help="suffix of the result file")
   p.add_argument("--out", default=results.RESULTS_DIR)
   p.add_argument("--table", default=None, metavar="JSON",

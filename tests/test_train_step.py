@@ -283,3 +283,16 @@ def test_bench_step_weak_scaling(tmp_path):
   text = (tmp_path / "SCALING.md").read_text()   # cp=64 is skipped
   assert "| DCS, one document | 96 | 2 | 192 | 1 |" in text
   assert "| NLB (balanced), docs ≤ 20 | 96 | 1 | 96 |" in text
+
+
+@requires_devices(2)
+def test_bench_step_weak_budget_stops_after_the_first(tmp_path, capsys):
+  result = bench_step.main([
+      "--device", "cpu", "--weak", "32", "--cp", "1", "2", "--rows",
+      "nlb_short", "--layers", "1", "--d-model", "16", "--heads", "2",
+      "--kv-heads", "1", "--dtype", "float32", "--max-doc-len", "8",
+      "--backend", "xla", "--block-ms", "1", "--budget-s", "1e-9",
+      "--out", str(tmp_path)])
+  assert [r["cp"] for r in result["records"]] == [1]
+  assert "--budget-s 1e-09: 1 of 2 programs not measured" in (
+      capsys.readouterr().out)
