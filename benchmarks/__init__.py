@@ -8,6 +8,8 @@ timing), :mod:`benchmarks.results` (writing and loading result files),
 :mod:`benchmarks.derived` (speed-ups and shares across records),
 :mod:`benchmarks.targets` (the speed targets of ``targets.json``),
 :mod:`benchmarks.tables` and :mod:`benchmarks.plots` (``RESULTS.md``,
-``speedup.png``) and :mod:`benchmarks.profiling` (kernels of a profiler
-trace, collectives of program text).
+``speedup.png``), :mod:`benchmarks.weak_scaling` and
+:mod:`benchmarks.scaling_report` (``bench_step --weak``, ``SCALING.md``)
+and :mod:`benchmarks.profiling` (kernels of a profiler trace, collectives
+of program text).
 """

@@ -22,6 +22,12 @@ the CP model at cp=1 against the same model built with ``cp_axis=None``
 (plain attention, no mesh) on one device: the cost of the CP machinery when
 there is nothing to split.
 
+``--weak TOKENS_PER_GPU ...`` measures weak scaling instead
+(:mod:`benchmarks.weak_scaling`): T = cp x tokens per GPU, each program
+timed alone, model TFLOP/s per GPU and the efficiency against cp=1, written
+to ``scaling_<date>_<device>.json`` and ``SCALING.md``. ``--model big``
+(16 layers, d_model 2048, 32/8 heads) replaces the model flags.
+
 MFU = model FLOPs per step (:func:`jax_cp.model_flops`, the MFU
 convention: ``6 N`` per token for the matmuls plus causal attention per
 document, backward 2x forward, no recompute) / step time /
@@ -43,8 +49,8 @@ import time
 from collections.abc import Sequence
 
 from benchmarks import profiling, results
-from benchmarks.names import DOC_ORDERS, STRATEGIES
-from examples.packed_lm.config import Config  # no jax import
+from benchmarks.names import DOC_ORDERS, MODELS, SCALING_ROWS, STRATEGIES
+from examples.packed_lm.config import REMAT, Config  # no jax import
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,20 +58,32 @@ def build_parser() -> argparse.ArgumentParser:
       description=__doc__.split("\n\n")[0],
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
-  p.add_argument("--cp", type=int, nargs="+", default=[1, 2],
-                 help="cp sizes; 1 is the base every other is paired with")
+  p.add_argument("--cp", type=int, nargs="+", default=None,
+                 help="cp sizes; 1 is the base every other is paired with "
+                 "(default: 1 2; --weak: 1, 2, 4, ... up to the devices)")
   p.add_argument("--strategies", nargs="+", choices=STRATEGIES,
                  default=list(STRATEGIES))
-  p.add_argument("--layers", type=int, default=4)
-  p.add_argument("--d-model", type=int, default=1024)
-  p.add_argument("--heads", type=int, default=16)
-  p.add_argument("--kv-heads", type=int, default=4)
+  p.add_argument("--weak", type=int, nargs="+", default=None,
+                 metavar="TOKENS_PER_GPU",
+                 help="weak scaling: T = cp x each of these, per row of "
+                 "--rows (benchmarks/weak_scaling.py)")
+  p.add_argument("--rows", nargs="+", choices=SCALING_ROWS,
+                 default=list(SCALING_ROWS), help="--weak: the rows")
+  p.add_argument("--model", choices=sorted(MODELS), default=None,
+                 help="a preset of --layers --d-model --heads --kv-heads")
+  example = MODELS["example"]
+  p.add_argument("--layers", type=int, default=example["layers"])
+  p.add_argument("--d-model", type=int, default=example["d_model"])
+  p.add_argument("--heads", type=int, default=example["heads"])
+  p.add_argument("--kv-heads", type=int, default=example["kv_heads"])
+  p.add_argument("--remat", choices=REMAT, default="none")
   p.add_argument("--dtype", choices=("float32", "bfloat16"),
                  default="bfloat16")
   p.add_argument("--seq-len", type=int, default=32768, help="tokens per row")
   p.add_argument("--batch", type=int, default=1, help="rows per step")
-  p.add_argument("--max-doc-len", type=int, default=16384,
-                 help="cut files to this many bytes")
+  p.add_argument("--max-doc-len", type=int, default=None,
+                 help="cut files to this many bytes (default 16384; "
+                 "--weak: 1024)")
   p.add_argument("--max-seqlen", type=int, default=None,
                  help="static document-length bound (default: the data's)")
   p.add_argument("--backend", choices=("auto", "xla", "cudnn"),
@@ -92,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--hlo-collectives", action="store_true",
                  help="count the collectives of every compiled step")
   p.add_argument("--device-plane", default=profiling.DEVICE_PLANE)
+  p.add_argument("--budget-s", type=float, default=None,
+                 help="--weak: start no program that would likely end "
+                 "after this many seconds (1.5 x the last one's time; what "
+                 "was measured is kept)")
+  p.add_argument("--tag", default=None, help="suffix of the result file")
   p.add_argument("--out", default=results.RESULTS_DIR)
   p.add_argument("--table", default=None, metavar="JSON",
                  help="print the step table of a JSON written earlier; "
@@ -106,7 +129,24 @@ def _configure(args) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
       os.environ["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_"
-                                 f"count={max(args.cp)}").strip()
+                                 f"count={max(args.cp or [8])}").strip()
+
+
+def resolve(args) -> argparse.Namespace:
+  """The defaults that depend on other flags: ``--model``'s sizes (and
+  ``model_name``, the preset's name or ``L<layers>-d<d_model>``), the cp
+  sizes and the document cut of the mode."""
+  if args.model:
+    for key, value in MODELS[args.model].items():
+      setattr(args, key, value)
+  sizes = {k: getattr(args, k) for k in MODELS["example"]}
+  args.model_name = next((name for name, m in MODELS.items() if m == sizes),
+                         f"L{args.layers}-d{args.d_model}")
+  if args.cp is None and not args.weak:
+    args.cp = [1, 2]
+  if args.max_doc_len is None:
+    args.max_doc_len = 1024 if args.weak else 16384
+  return args
 
 
 def paired(prog_a: Program, prog_b: Program, reps: int,
@@ -134,7 +174,8 @@ def example_config(args, strategy: str, doc_order: str = "packed",
                 seq_len=args.seq_len, batch=args.batch,
                 max_doc_len=args.max_doc_len, seed=args.seed,
                 doc_order=doc_order, steps=1000, warmup=10,
-                param_sharding=param_sharding or args.param_sharding)
+                param_sharding=param_sharding or args.param_sharding,
+                remat=args.remat)
 
 
 class Program:
@@ -325,7 +366,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     result = results.read_result(args.table)
     print(step_table(result))
     return result
+  resolve(args)
   _configure(args)
+  if args.weak:
+    from benchmarks import weak_scaling  # pylint: disable=import-outside-toplevel
+    return weak_scaling.run(args)
   result = run_bench(args)
   path = results.write_result(
       results.result_path(args.out, "step", result["env"]), result)

@@ -40,3 +40,20 @@ VIOLATIONS = ("fallback", "checked_on_host")
 def dist_rank(dist: str) -> int:
   """A distribution's place in :data:`DISTS` (unknown ones last)."""
   return DISTS.index(dist) if dist in DISTS else len(DISTS)
+
+
+# The example's model (``examples/packed_lm``, as ``bench_step`` builds it)
+# and a larger one: layers, width, query and key/value heads.
+MODELS = {"example": dict(layers=4, d_model=1024, heads=16, kv_heads=4),
+          "big": dict(layers=16, d_model=2048, heads=32, kv_heads=8)}
+
+# The rows of ``bench_step --weak`` (weak scaling): which strategy runs on
+# which row. ``one_doc``: one document of the whole row; ``short``:
+# documents cut at ``--max-doc-len`` (1k), reordered for the ranks.
+SCALING_ROWS = ("dcs_one_doc", "nlb_short", "nlb_one_doc")
+SCALING_ROW = {"dcs_one_doc": ("dual_chunk_swap", "one_doc"),
+               "nlb_short": ("no_load_balance", "short"),
+               "nlb_one_doc": ("no_load_balance", "one_doc")}
+SCALING_ROW_LABEL = {"dcs_one_doc": "DCS, one document",
+                     "nlb_short": "NLB (balanced), docs ≤ 1k",
+                     "nlb_one_doc": "NLB, one document"}

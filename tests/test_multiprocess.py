@@ -18,8 +18,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +30,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cp
+from examples import launch_local
 from jax_cp import CPLoadBalancingStrategy as S
 from tests import reference as ref
 from tests._devices import devices, requires_devices
@@ -194,12 +193,6 @@ def test_init_distributed_single_process(monkeypatch):
 # ---------------------------------------------------------- two processes
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _child_env(xla_flags: str) -> dict:
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(
@@ -214,7 +207,7 @@ def _launch(tmp_path, timeout: float, *worker_args: str, n: int = 2):
   """Starts ``n`` workers (each its own process group), waits up to
   ``timeout`` seconds in all, and kills every group that is left, whatever
   happens. Returns [(returncode, stdout, stderr)] and the wall time."""
-  port = _free_port()
+  port = launch_local.free_port()
   # 4 virtual devices per process, and a cheaper (unoptimised) LLVM backend:
   # compilation dominates these tiny runs on a 2-core machine.
   env = _child_env("--xla_force_host_platform_device_count=4 "
@@ -258,13 +251,7 @@ def _run_processes(tmp_path, timeout: float, commands, env,
           pytest.fail(f"workers still running after {timeout:.0f} s:\n"
                       + _logs(files))
   finally:
-    for p in procs:
-      if p.poll() is None:
-        try:
-          os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-          pass
-        p.wait()
+    launch_local.stop(procs)
   wall = time.monotonic() - start
   results = []
   for p, (out, err) in zip(procs, files):
@@ -354,7 +341,7 @@ def test_two_process_training_matches_single_process(tmp_path, dp, cp):
   an orbax checkpoint (shared local dir) that one process then resumes."""
   args = EXAMPLE_ARGS + ["--dp", str(dp), "--cp", str(cp)]
   ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")] if dp == 2 else []
-  port = _free_port()
+  port = launch_local.free_port()
   results, wall = _run_processes(tmp_path, 240, [
       [sys.executable, *EXAMPLE, *args, *ckpt,
        "--coordinator", f"localhost:{port}", "--num-processes", "2",

@@ -232,3 +232,67 @@ def test_bench_step_doc_orders(tmp_path):
   assert "| no_load_balance (balanced) | cp=1 |" in table
   assert "| no_load_balance (packed) | cp=1 |" in table
   assert "| dual_chunk_swap | cp=1 |" in table
+
+
+def test_bench_step_model_presets():
+  parse = lambda *a: bench_step.resolve(bench_step.build_parser().parse_args(
+      list(a)))
+  big = parse("--model", "big", "--weak", "4096")
+  assert (big.layers, big.d_model, big.heads, big.kv_heads) == (16, 2048,
+                                                                 32, 8)
+  assert big.model_name == "big" and big.max_doc_len == 1024
+  assert big.cp is None                    # --weak: every power of 2
+  plain = parse()
+  assert plain.model_name == "example" and plain.cp == [1, 2]
+  assert plain.max_doc_len == 16384
+  assert parse("--layers", "2").model_name == "L2-d1024"
+
+
+@requires_devices(2)
+def test_bench_step_weak_scaling(tmp_path):
+  """--weak 96: T = 96 at cp=1 and 192 at cp=2; DUAL_CHUNK_SWAP on one
+  document of the whole row, NO_LOAD_BALANCE on documents cut at
+  --max-doc-len; model FLOPs of the row's documents; SCALING.md written."""
+  result = bench_step.main([
+      "--device", "cpu", "--weak", "96", "--cp", "1", "2", "64", "--rows",
+      "dcs_one_doc", "nlb_short", "--layers", "1", "--d-model", "32",
+      "--heads", "2", "--kv-heads", "1", "--dtype", "float32",
+      "--max-doc-len", "20", "--backend", "xla", "--block-ms", "1",
+      "--out", str(tmp_path)])
+  saved = json.loads(pathlib.Path(result["path"]).read_text())
+  recs = saved["records"]
+  assert [(r["row"], r["cp"], r["seq_len"]) for r in recs] == [
+      ("dcs_one_doc", 1, 96), ("dcs_one_doc", 2, 192),
+      ("nlb_short", 1, 96), ("nlb_short", 2, 192)]
+  matmul = recs[0]["matmul_params"]
+  for r in recs:
+    one_doc = r["row"] == "dcs_one_doc"
+    assert r["strategy"] == ("dual_chunk_swap" if one_doc
+                             else "no_load_balance")
+    assert r["doc_order"] == ("packed" if one_doc else "balanced")
+    assert (r["documents"] == 1) == one_doc and r["max_seqlen"] <= (
+        r["seq_len"] if one_doc else 20)
+    # One document of T tokens: T (T + 1) / 2 causal pairs per layer.
+    if one_doc:
+      t = r["seq_len"]
+      want = 6 * matmul * t + 12 * (t * (t + 1) // 2) * 2 * 16
+      assert r["model_flops"] == want
+    assert r["tflops_per_gpu"] == pytest.approx(
+        r["model_flops"] / (r["ms"] / 1e3) / r["cp"] / 1e12)
+    assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / 989.0)
+  text = (tmp_path / "SCALING.md").read_text()   # cp=64 is skipped
+  assert "| DCS, one document | 96 | 2 | 192 | 1 |" in text
+  assert "| NLB (balanced), docs ≤ 20 | 96 | 1 | 96 |" in text
+
+
+@requires_devices(2)
+def test_bench_step_weak_budget_stops_after_the_first(tmp_path, capsys):
+  result = bench_step.main([
+      "--device", "cpu", "--weak", "32", "--cp", "1", "2", "--rows",
+      "nlb_short", "--layers", "1", "--d-model", "16", "--heads", "2",
+      "--kv-heads", "1", "--dtype", "float32", "--max-doc-len", "8",
+      "--backend", "xla", "--block-ms", "1", "--budget-s", "1e-9",
+      "--out", str(tmp_path)])
+  assert [r["cp"] for r in result["records"]] == [1]
+  assert "--budget-s 1e-09: 1 of 2 programs not measured" in (
+      capsys.readouterr().out)
