@@ -7,7 +7,6 @@ import argparse
 import dataclasses
 import math
 import os
-from collections.abc import Sequence
 
 CPU_DP, CPU_CP = 2, 4   # the CPU default mesh (8 virtual devices)
 REMAT = ("none", "save_context", "minimal", "minimal_with_context", "full",
@@ -15,6 +14,8 @@ REMAT = ("none", "save_context", "minimal", "minimal_with_context", "full",
 
 
 def _flag(default, help_: str, choices=None):
+  if default is not None:   # those of None are said in help_
+    help_ += " (default: %(default)s)"
   return dataclasses.field(default=default,
                            metadata=dict(help=help_, choices=choices))
 
@@ -22,8 +23,7 @@ def _flag(default, help_: str, choices=None):
 @dataclasses.dataclass
 class Config:
   """Every setting of a run; field ``x_y`` is the flag ``--x-y``. Defaults
-  that follow other fields are filled in when it is built; ``dp`` and
-  ``cp`` once the devices are known (:func:`choose_mesh_shape`)."""
+  of ``None`` follow other fields, or (``dp``, ``cp``) the devices."""
 
   device: str = _flag("cpu", "platform", ("cpu", "gpu"))
   dtype: str | None = _flag(None, "computation dtype (default: bfloat16 on "
@@ -88,19 +88,11 @@ class Config:
       raise ValueError(f"remat={self.remat!r} is not one of {list(REMAT)}")
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-  def _get_help_string(self, action):   # defaults of None: said in the help
-    return action.help if action.default is None else super(
-        )._get_help_string(action)
-
-
 def build_parser() -> argparse.ArgumentParser:
-  """The flags of :class:`Config`."""
+  """The flags of :class:`Config`, with their defaults in the help."""
   p = argparse.ArgumentParser(
-      prog="python -m examples.packed_lm",
-      description="Train a small byte-level decoder LM on packed documents "
-      "with context parallelism.",
-      formatter_class=_Help)
+      prog="python -m examples.packed_lm", description="Train a small "
+      "byte-level decoder LM on packed documents with context parallelism.")
   types = {"int": int, "float": float, "str": str}
   for f in dataclasses.fields(Config):
     name, meta = "--" + f.name.replace("_", "-"), f.metadata
@@ -112,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
-def parse_args(argv: Sequence[str] | None = None) -> Config:
+def parse_args(argv: list[str] | None = None) -> Config:
   return Config(**vars(build_parser().parse_args(argv)))
 
 
@@ -125,9 +117,8 @@ def num_processes(cfg: Config) -> int:
 def choose_mesh_shape(dp: int | None, cp: int | None, device: str,
                       num_devices: int | None,
                       batch: int | None = None) -> tuple[int, int]:
-  """``(dp, cp)``: the values given, the rest chosen: on CPU ``2 x 4``; on
-  GPU ``1 x`` all devices (one long row gains most from CP), or the other
-  factor of one given (a chosen ``dp`` divides ``batch``)."""
+  """``(dp, cp)``: those given, the others chosen: CPU ``2 x 4``; GPU ``1 x``
+  every device, or the other factor (a chosen ``dp`` divides ``batch``)."""
   if device == "cpu" or num_devices is None:
     return dp or CPU_DP, cp or CPU_CP
   if cp is None:
@@ -136,12 +127,12 @@ def choose_mesh_shape(dp: int | None, cp: int | None, device: str,
 
 
 def configure_platform(cfg: Config) -> None:
-  """Before jax is imported, on CPU: ``JAX_PLATFORMS=cpu`` and, one process
-  and ``XLA_FLAGS`` not setting it, ``max(8, dp*cp)`` virtual devices."""
-  flags = os.environ.get("XLA_FLAGS", "")
+  """On CPU, before jax is imported: ``JAX_PLATFORMS=cpu`` and (one process,
+  ``XLA_FLAGS`` not setting it) ``max(8, dp*cp)`` virtual devices."""
   if cfg.device == "gpu":
     return
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  flags = os.environ.get("XLA_FLAGS", "")
   if (num_processes(cfg) <= 1
       and "xla_force_host_platform_device_count" not in flags):
     dp, cp = choose_mesh_shape(cfg.dp, cfg.cp, "cpu", None)

@@ -1,7 +1,6 @@
-"""The data: the Python standard library's own ``.py`` files as bytes (real
-text of very different lengths that every installation has; nothing is
-downloaded), packed into rows by :func:`jax_cp.pack_documents`, and the
-batches built ahead on a host thread."""
+"""The data: the standard library's ``.py`` files as bytes (real text of
+very different lengths, no download), packed by :func:`jax_cp.pack_documents`.
+"""
 
 from __future__ import annotations
 
@@ -20,10 +19,8 @@ from examples.packed_lm.config import Config
 
 def iter_documents(seed: int = 0, max_doc_len: int | None = None
                    ) -> Iterator[np.ndarray]:
-  """Endless stream of documents (uint8): the stdlib's ``.py`` files (not
-  site-packages) in an order shuffled with ``seed + epoch``, each cut to
-  ``max_doc_len`` bytes, empty ones skipped: every run sees the same data.
-  """
+  """Endless uint8 documents: the stdlib's ``.py`` files (no site-packages),
+  shuffled with ``seed + epoch``, cut to ``max_doc_len`` bytes."""
   root = pathlib.Path(sysconfig.get_paths()["stdlib"])
   files = sorted(p for p in root.rglob("*.py") if not {
       "site-packages", "dist-packages"} & set(p.relative_to(root).parts))
@@ -36,10 +33,8 @@ def iter_documents(seed: int = 0, max_doc_len: int | None = None
 
 
 def load_rows(cfg: Config, num_rows: int, cp: int) -> jax_cp.PackedRows:
-  """``num_rows`` rows of ``cfg.seq_len`` bytes padded for the strategy on
-  ``cp`` ranks, in ``cfg.doc_order`` (:func:`jax_cp.balance_rows`). Row
-  ``i`` does not depend on ``num_rows``: a resumed run sees the batches it
-  has not seen. Byte 0 (the padding) never occurs in Python source."""
+  """``num_rows`` rows padded for the strategy on ``cp`` ranks, in
+  ``cfg.doc_order``; row ``i`` does not depend on ``num_rows``."""
   rows = jax_cp.pack_documents(
       iter_documents(cfg.seed, cfg.max_doc_len), cfg.seq_len, num_rows,
       jax_cp.pad_multiple_for(cfg.strategy, cp))
@@ -50,9 +45,7 @@ def load_rows(cfg: Config, num_rows: int, cp: int) -> jax_cp.PackedRows:
 
 def place_batch(rows: jax_cp.PackedRows, layout: jax_cp.CPLayout,
                 local=None) -> jax_cp.CPBatch:
-  """The global batch of ``rows`` in ``layout`` from this process's rows
-  ``rows[local]`` (:func:`jax_cp.process_batch_rows`; ``None``: all). Each
-  device gets only its tokens; the metadata are global arrays too."""
+  """The global batch of ``rows`` from this process's ``rows[local]``."""
   mine = rows if local is None else rows[local]
   return jax_cp.make_global_batch(
       mine.tensors, mine.cu_seqlens_padded, layout,
@@ -61,8 +54,7 @@ def place_batch(rows: jax_cp.PackedRows, layout: jax_cp.CPLayout,
 
 def prefetched(make: Callable[[int], object], steps: Iterable[int],
                depth: int) -> Iterator:
-  """``make(step)`` for each of ``steps`` in order, up to ``depth`` of them
-  built ahead on a host thread (``0``: in the loop); the same batches."""
+  """``make(step)`` of each step, ``depth`` built ahead on a thread."""
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
     ahead = collections.deque()
     for step in steps:

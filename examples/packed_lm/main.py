@@ -1,12 +1,7 @@
-"""The run: mesh, data, model, training, the CP-vs-no-CP check, report.
-
-Rows are split over the ``cp`` axis of a ``(data, cp)`` mesh in the global
-view (whole rows in :func:`jax_cp.reorder_for_cp` layout, sharded). At the
-end the final parameters are evaluated on the last batch with CP and
-without it (one device): the two losses must agree. Several processes
-(hosts): the same command on each, with ``--coordinator HOST:PORT
---num-processes N --process-id I``; each loads only its own rows.
-"""
+"""The run: mesh, data, model, training, the CP-vs-no-CP check (the final
+loss on the last batch, with CP and on one device), report. Several hosts:
+the same command on each with ``--coordinator``, ``--num-processes``,
+``--process-id``; each process loads only its own rows."""
 
 from __future__ import annotations
 
@@ -14,7 +9,6 @@ import dataclasses
 import json
 import pathlib
 import time
-from collections.abc import Sequence
 
 import jax
 from flax import nnx
@@ -22,28 +16,19 @@ from jax.experimental import multihost_utils
 
 import jax_cp
 from examples import multihost
-from examples.packed_lm import config, data, model, train
-from examples.packed_lm.checkpoint import Checkpointer
-
-# How far the CP and no-CP losses of the same parameters may differ (the
-# sums run in another order), by computation dtype.
-COMPARE_RTOL = {"float32": 1e-4, "bfloat16": 5e-3}
+from examples.packed_lm import checkpoint, config, data, model, train
 
 
 def make_mesh(dp: int, cp: int, device: str) -> jax.sharding.Mesh:
-  """The ``(data, cp)`` mesh over the first ``dp*cp/N`` devices of each of
-  the N processes in (process, id) order: each cp group on as few
-  processes as possible (one host and its NVLink domain when cp fits in
-  it). Auto axes: XLA propagates the batch's shardings through the model.
-  """
-  devices, n_proc = jax.devices(), jax.process_count()
-  if devices[0].platform != device:
-    raise SystemExit(f"--device {device}, but jax runs on "
-                     f"{devices[0].platform}")
+  """``(data, cp)`` (Auto axes) over the first ``dp*cp/N`` devices of each
+  of N processes in (process, id) order: each cp group on fewest hosts."""
+  platform, n_proc = jax.devices()[0].platform, jax.process_count()
+  if platform != device:
+    raise SystemExit(f"--device {device}, but jax runs on {platform}")
   per = dp * cp // n_proc
   chosen = [d for p in range(n_proc) for d in sorted(
-      (d for d in devices if d.process_index == p), key=lambda d: d.id)[:per]]
-  if per * n_proc != dp * cp or len(chosen) != dp * cp:
+      jax.local_devices(process_index=p), key=lambda d: d.id)[:per]]
+  if len(chosen) != dp * cp:
     raise SystemExit(f"dp*cp = {dp * cp} devices, {per} from each of the "
                      f"{n_proc} processes, are not present (CPU: XLA_FLAGS="
                      "--xla_force_host_platform_device_count=N)")
@@ -52,8 +37,7 @@ def make_mesh(dp: int, cp: int, device: str) -> jax.sharding.Mesh:
 
 
 def _start(cfg: config.Config) -> config.Config:
-  """``jax.distributed`` when several processes are asked (before any
-  device query), then the config with ``dp`` and ``cp`` chosen."""
+  """Starts ``jax.distributed`` if asked; the config with ``dp``, ``cp``."""
   n_proc, cpu_devices = config.num_processes(cfg), None
   if n_proc > 1 and cfg.device == "cpu":
     dp, cp = config.choose_mesh_shape(cfg.dp, cfg.cp, "cpu", None)
@@ -71,13 +55,11 @@ def _start(cfg: config.Config) -> config.Config:
   return dataclasses.replace(cfg, dp=dp, cp=cp)
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
-  """Trains; returns ``{"losses", "start_step", "eval_loss_cp",
-  "eval_loss_nocp" (process 0), "tokens_per_s", "mfu", "local_rows" (the
-  rows of each batch this process loads), ...}``."""
+def main(argv: list[str] | None = None) -> dict:
+  """Trains; returns the config, ``losses``, ``eval_loss_cp``, ``mfu``..."""
   cfg = _start(config.parse_args(argv))
   is_main, b = jax.process_index() == 0, cfg.batch
-  log = print if is_main and not cfg.quiet else (lambda *a, **k: None)
+  log = print if is_main and not cfg.quiet else (lambda *a: None)
   mesh = make_mesh(cfg.dp, cfg.cp, cfg.device)
   local = jax_cp.process_batch_rows(mesh, b, model.DATA)
   rows = data.load_rows(cfg, cfg.steps * b, cfg.cp)
@@ -90,14 +72,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
   log(f"data: {rows.num_rows} rows x {rows.seq_len} tokens ({cfg.doc_order}"
       f"), max_seqlen={max_seqlen}; mesh dp={cfg.dp} x cp={cfg.cp} "
       f"({cfg.strategy}) over {jax.process_count()} process(es)")
-  ckpt = Checkpointer(cfg) if cfg.checkpoint_dir else None
+  ckpt = checkpoint.Checkpointer(cfg) if cfg.checkpoint_dir else None
   with jax.set_mesh(mesh):
     graphdef, state, shardings = train.init_state(
         cfg, layout, train.make_optimizer(cfg), mesh)
-    start = 0
-    if ckpt is not None and ckpt.latest_step() is not None:
-      state = ckpt.restore(state, shardings)
-      start = int(state[1]["step"][...])
+    state, start = ckpt.restore(state) if ckpt else (state, 0)
+    if start:
       log(f"resuming at step {start} from {ckpt.path}")
     n_matmul = model.matmul_params(nnx.merge(graphdef, state)[0])
     step_flops = lambda s: jax_cp.model_flops(
@@ -118,26 +98,24 @@ def main(argv: Sequence[str] | None = None) -> dict:
         peak_flops=peak and peak * 1e12 * mesh.size, checkpointer=ckpt,
         show=is_main and not cfg.quiet)
     if ckpt is not None:
-      if losses:
-        ckpt.save(cfg.steps, state, force=True)
-      ckpt.close()
+      ckpt.save(cfg.steps, state, final=True)
     if losses:
       log(f"steps {start}..{cfg.steps - 1} in {time.perf_counter() - t0:.1f}"
           f" s: loss {losses[0]:.4f} -> {losses[-1]:.4f}; {tok_s:,.0f} tok/s"
           " after compilation" + (f", MFU {mfu:.1%}" if mfu else ""))
     last, eval_cp, eval_nocp = max(cfg.steps - 1, 0), None, None
     if not cfg.no_compare:
-      cp_def, params = nnx.split(nnx.merge(graphdef, state)[0])
-      eval_cp = train.evaluate(cp_def, params, batch_at(last))
+      lm = nnx.merge(graphdef, state)[0]
+      eval_cp = train.evaluate(lm, batch_at(last))
       # Every process takes part in gathering the sharded parameters.
-      params = multihost_utils.process_allgather(params, tiled=True)
+      params = multihost_utils.process_allgather(nnx.state(lm), tiled=True)
   if eval_cp is not None and is_main:   # one device, whole parameters
     nocp = model.make_layout(cfg, None, max_seqlen)
-    nocp_def = nnx.graphdef(nnx.eval_shape(
-        lambda: model.PackedLM(cfg, nocp, rngs=nnx.Rngs(0))))
-    eval_nocp = train.evaluate(nocp_def, params, batch_at(last, nocp, None))
+    lm = nnx.merge(nnx.graphdef(nnx.eval_shape(
+        lambda: model.PackedLM(cfg, nocp, rngs=nnx.Rngs(0)))), params)
+    eval_nocp = train.evaluate(lm, batch_at(last, nocp, None))
     rel = abs(eval_cp - eval_nocp) / max(abs(eval_nocp), 1e-12)
-    tol = COMPARE_RTOL[cfg.dtype]
+    tol = 1e-4 if cfg.dtype == "float32" else 5e-3   # sums in other orders
     log(f"final params, last batch: loss with CP {eval_cp:.6f}, without CP "
         f"(one device) {eval_nocp:.6f}: relative difference {rel:.1e} "
         f"({'within' if rel <= tol else 'ABOVE'} {tol:g})")
