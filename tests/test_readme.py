@@ -22,6 +22,9 @@ def test_readme_api_tour_runs(capsys):
   assert out.shape == (2, 192, 8, 64)
   assert jax.numpy.isfinite(out).all()
   assert namespace["ids_r"].shape == (48,)
+  rows = namespace["rows"]
+  assert rows.tokens.shape == (2, 192) and namespace["step_flops"] > 6e6 * 384
+  assert namespace["batch"].checked_max_seqlen is not None
   # The NNX layer's loss and gradients, Flax's attention with the drop-in
   # attention_fn, and the Linen layer on the NNX parameters.
   assert jax.numpy.isfinite(namespace["loss"])
