@@ -108,7 +108,8 @@ class Segments:
       dense kernel without a padding mask (the cudnn backend does: it is
       the graph of ``jax.nn.dot_product_attention``) and mask the rows past
       the lengths itself. A batch of rows holding one document each, at
-      cp=1, is tiled (docs/design.md, Tiled calls).
+      cp=1, is tiled (docs/design.md, Tiled calls). Such a kernel reads
+      the padding rows, so they must hold finite values.
   """
 
   q_lens: jax.Array
