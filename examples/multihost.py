@@ -23,7 +23,7 @@ are ``None``:
 
 Usage::
 
-    import multihost                        # examples/ on sys.path
+    from examples import multihost          # from the repository root
     multihost.init_distributed(cpu_devices=4)   # before any JAX computation
     mesh = multihost.make_mesh(dp=2, cp=4)
 """

@@ -30,15 +30,13 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cp
-from examples import launch_local
+from examples import launch_local, multihost
 from jax_cp import CPLoadBalancingStrategy as S
 from tests import reference as ref
 from tests._devices import devices, requires_devices
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multiprocess" / "worker.py"
-sys.path.insert(0, str(ROOT / "examples"))
-import multihost  # noqa: E402  (examples/ is not a package)
 
 T = 64
 

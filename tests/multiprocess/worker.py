@@ -41,16 +41,16 @@ import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+sys.path.insert(0, str(ROOT))   # run as a script: the repository's packages
 
 # pylint: disable=wrong-import-position
 import jax  # noqa: E402  (importing jax does not start a backend)
 import jax.numpy as jnp  # noqa: E402
-import multihost  # noqa: E402  (examples/multihost.py)
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
 import jax_cp  # noqa: E402
+from examples import multihost  # noqa: E402
 from jax_cp import CPLoadBalancingStrategy as S  # noqa: E402
 from tests import reference as ref  # noqa: E402
 
