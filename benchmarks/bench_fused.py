@@ -46,7 +46,7 @@ import numpy as np
 from jax._src.cudnn import fused_attention_stablehlo as fas
 
 import jax_cp
-from benchmarks import timing
+from benchmarks import fused_parity, timing
 from benchmarks.names import DISTS, HEAD_DIM, HQ
 from benchmarks.results import environment, result_path, write_result
 from benchmarks.workload import pack_row
@@ -127,7 +127,6 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   if args.window is not None and args.window < 0:
     p.error("--window must be >= 0")
   if args.parity:
-    from benchmarks import fused_parity
     records = fused_parity.run(args, variants, fwd_and_bwd, pack_row)
     _write(args, {"parity": True, "records": records})
     return records
@@ -223,12 +222,11 @@ def paired_record(fns: dict[str, Callable], sets: list, reps: int, dist: str,
   rec = {"dist": dist, "hkv": hkv, "variant": "paired_vs_jax_dense",
          "pass_": "fwd+bwd", "window": window}
   try:
-    jax_bwd = fwd_and_bwd(fns["jax_dense"])[1]
-    ours_bwd = fwd_and_bwd(fns["ours"])[1]
-    r = timing.paired(jax_bwd, sets, ours_bwd, sets, reps=reps)
-    rec.update(ms_jax_dense=r.ms_a, ms_ours=r.ms_b,
-               speedup_median=r.ratio_median, speedup_q1=r.ratio_q1,
-               speedup_q3=r.ratio_q3)
+    r = fused_parity.paired_ratio(fwd_and_bwd(fns["jax_dense"])[1],
+                     fwd_and_bwd(fns["ours"])[1], sets, reps)
+    rec.update(ms_jax_dense=r["ms_ref"], ms_ours=r["ms_ours"],
+               speedup_median=r["ratio"], speedup_q1=r["q1"],
+               speedup_q3=r["q3"])
   except Exception as e:  # noqa: BLE001  (recorded; the run goes on)
     rec.update(error=f"{type(e).__name__}: {str(e)[:300]}",
                speedup_median=float("nan"), speedup_q1=float("nan"),
