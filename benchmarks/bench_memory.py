@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="documents cut to this many bytes")
   p.add_argument("--steps", type=int, default=3, help="timed steps")
   p.add_argument("--warmup", type=int, default=1)
+  p.add_argument("--compile-only", action="store_true",
+                 help="record XLA's memory analysis without running a step "
+                      "(status 'compiled'): the per-layer slope from runs "
+                      "at two --layers costs two compiles")
   p.add_argument("--search", action="store_true",
                  help="find the longest T that trains, per preset and cp")
   p.add_argument("--search-start", nargs="+", default=[],
@@ -214,7 +218,7 @@ def memory_analysis(compiled) -> dict:
     return {}
   keys = ("temp_size_in_bytes", "argument_size_in_bytes",
           "output_size_in_bytes", "alias_size_in_bytes",
-          "generated_code_size_in_bytes")
+          "generated_code_size_in_bytes", "host_temp_size_in_bytes")
   return {k.replace("_size_in_bytes", "_bytes"): int(getattr(ma, k, 0) or 0)
           for k in keys}
 
@@ -291,6 +295,9 @@ def measure(args, seq_len: int, cp: int, remat: str, *, timed: bool = True
     if args.memory_limit is not None and planned > args.memory_limit * 1e9:
       raise MemoryError(f"RESOURCE_EXHAUSTED (--memory-limit): {planned} "
                         f"bytes planned > {args.memory_limit} GB")
+    if getattr(args, "compile_only", False):
+      rec.update(status="compiled")
+      return rec
     state, losses = step.state, []
     n = (args.warmup + args.steps) if timed else 1
     t0 = None
@@ -326,10 +333,9 @@ def measure(args, seq_len: int, cp: int, remat: str, *, timed: bool = True
   finally:
     del step
     gc.collect()
-  tl = seq_len // cp
-  if rec.get("temp_bytes") and rec.get("layers"):
-    rec["temp_bytes_per_token_per_layer"] = (
-        rec["temp_bytes"] / tl / rec["layers"])
+    if rec.get("temp_bytes") and rec.get("layers"):
+      rec["temp_bytes_per_token_per_layer"] = (
+          rec["temp_bytes"] / (seq_len // cp) / rec["layers"])
   return rec
 
 
@@ -563,27 +569,28 @@ def _load_results(folder: str) -> list[dict]:
 
 def plot(results: list[dict], path: str) -> str | None:
   """Temp bytes per local token per layer against T, a line per (model,
-  preset, cp); None without matplotlib."""
+  layers, preset, cp), from the steps that ran or failed (not the
+  ``--compile-only`` ones); None without matplotlib."""
   try:
     import matplotlib  # pylint: disable=import-outside-toplevel
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   except ImportError:
     return None
-  lines: dict[tuple, list[tuple[int, float]]] = {}
-  for data in results:
-    for r in data["records"]:
-      if r.get("kind") == "run" and r.get("temp_bytes_per_token_per_layer"):
-        key = (r["model"], r["remat"], r["cp"])
-        lines.setdefault(key, []).append(
-            (r["seq_len"], r["temp_bytes_per_token_per_layer"]))
+  lines: dict[tuple, dict[int, float]] = {}
+  for x in _compiled_points(results):
+    if x.get("status") == "compiled":     # the per-layer slope's points
+      continue
+    key = (x["model"], x["layers"], x["remat"], x["cp"])
+    lines.setdefault(key, {})[x["seq_len"]] = (
+        x["temp_bytes"] / (x["seq_len"] // x["cp"]) / x["layers"])
   if not lines:
     return None
   fig, ax = plt.subplots(figsize=(7, 4.5))
-  for (model, remat, cp), pts in sorted(lines.items()):
-    pts.sort()
+  for (model, layers, remat, cp), pts in sorted(lines.items()):
+    pts = sorted(pts.items())
     ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], marker="o",
-            label=f"{model} {remat} cp={cp}")
+            label=f"{model} ({layers} layers) {remat} cp={cp}")
   ax.set_xscale("log", base=2)
   ax.set_xlabel("tokens per row T")
   ax.set_ylabel("XLA temp KB per local token per layer")
@@ -615,21 +622,27 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
            "device's `peak_bytes_in_use` (the process's running maximum); "
            "*scratch*: the cuDNN backward workspace of the main attention "
            "call (`jax_cp.attention.cudnn_workspace`), allocated at run "
-           "time on top of XLA's buffers; *B/tok/layer*: temp per local "
-           "token per layer.", ""]
+           "time on top of XLA's buffers; *host temp*: XLA's temporaries "
+           "in pinned host memory (host offload); *B/tok/layer*: temp per "
+           "local token per layer. Status *compiled*: memory analysis "
+           "only (`--compile-only`), no step run.", ""]
   of = lambda kind: [(d["env"].get("device_kind"), r) for d in results
                      for r in d["records"] if r.get("kind") == kind]
   runs = sorted(of("run"), key=lambda x: (
-      x[1]["model"], x[1]["remat"], x[1]["cp"], x[1]["seq_len"]))
+      x[1]["model"], x[1]["remat"], x[1]["cp"], x[1]["seq_len"],
+      x[1].get("layers", 0)))
   if runs:
     per = lambda r: r.get("temp_bytes_per_token_per_layer")
     lines += _table(None, (
-        "device", "model", "T", "cp", "remat", "status", "temp GB",
-        "args GB", "peak GB", "scratch GB", "B/tok/layer", "ms/step",
+        "device", "model", "layers", "T", "cp", "remat", "status", "temp GB",
+        "args GB", "host temp GB", "peak GB", "scratch GB", "B/tok/layer",
+        "ms/step",
         "tok/s", "MFU"), [
-            (dev, r["model"], fmt_tokens(r["seq_len"]), r["cp"],
+            (dev, r["model"], r.get("layers", "-"), fmt_tokens(r["seq_len"]),
+             r["cp"],
              r["remat"], r.get("status"), gb(r.get("temp_bytes")),
-             gb(r.get("argument_bytes")), gb(r.get("peak_bytes_in_use")),
+             gb(r.get("argument_bytes")), gb(r.get("host_temp_bytes")),
+             gb(r.get("peak_bytes_in_use")),
              gb(r.get("attention_scratch_bytes")),
              f"{per(r):.0f}" if per(r) else "-",
              f"{r['ms_per_step']:.1f}" if r.get("ms_per_step") else "-",
@@ -653,17 +666,21 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
              fmt_tokens(r["longest_seq_len"] or 0),
              fmt_tokens(r["first_failing_seq_len"])
              if r.get("first_failing_seq_len")
-             else f"none up to {fmt_tokens(r['search_max'])}", tries(r))
+             else ("not reached" if r.get("stopped_early")
+                   else f"none up to {fmt_tokens(r['search_max'])}"),
+             tries(r))
             for dev, r in of("search")])
   if of("ab"):
     lines += _table("save_context against none (paired A/B)", (
         "device", "model", "T", "cp", "none ms", "save_context ms",
         "save_context / none (IQR)"), [
-            (dev, r["model"], fmt_tokens(r["seq_len"]), r["cp"],
+            (dev, r["model"], r.get("layers", "-"), fmt_tokens(r["seq_len"]),
+             r["cp"],
              f"{r['ms_a']:.1f}", f"{r['ms_b']:.1f}",
              f"{r['save_context_over_none']:.3f} ({r['ratio_q1']:.3f}-"
              f"{r['ratio_q3']:.3f})") for dev, r in of("ab")])
   lines += _growth_table(results)
+  lines += _layer_growth_table(results)
   for d in results:
     env = d["env"]
     limits = {r["bytes_limit"] for r in d["records"] if r.get("bytes_limit")}
@@ -679,12 +696,10 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
   return "\n".join(lines)
 
 
-def _growth_table(results: list[dict]) -> list[str]:
-  """Per (device, model, preset, cp): XLA temp bytes per additional local
-  token per layer, the slope between the shortest and the longest T
-  compiled (listed runs and search tries): what a layer keeps per token,
-  without the fixed part (gradients and optimizer temporaries)."""
-  points: dict[tuple, dict[int, tuple[int, int]]] = {}
+def _compiled_points(results: list[dict]) -> list[dict]:
+  """Every compiled step with a memory analysis, from the listed runs and
+  the search tries, with its device kind (``device``)."""
+  out = []
   for d in results:
     dev = d["env"].get("device_kind")
     for r in d["records"]:
@@ -692,11 +707,24 @@ def _growth_table(results: list[dict]) -> list[str]:
                [dict(t, model=r["model"], remat=r["remat"], cp=r["cp"])
                 for t in r.get("tries", [])] if r.get("kind") == "search"
                else [])
-      for x in found:
-        if x.get("temp_bytes") and x.get("layers"):
-          key = (dev, x["model"], x["remat"], x["cp"])
-          points.setdefault(key, {})[x["seq_len"] // x["cp"]] = (
-              x["temp_bytes"], x["layers"])
+      out += [dict(x, device=dev) for x in found
+              if x.get("temp_bytes") and x.get("layers")]
+  return out
+
+
+def _growth_table(results: list[dict]) -> list[str]:
+  """Per (device, model, preset, cp): XLA temp bytes per additional local
+  token per layer, the slope between the shortest and the longest T
+  compiled (listed runs and search tries). It holds what the layers keep
+  per token and, divided among them, the per-token costs outside them
+  (the layer recomputed during the backward, embedding, logits); the
+  fixed part (gradients, optimizer temporaries) drops out. The per-layer
+  slope (:func:`_layer_growth_table`) separates the two."""
+  points: dict[tuple, dict[int, tuple[int, int]]] = {}
+  for x in _compiled_points(results):
+    key = (x["device"], x["model"], x["remat"], x["cp"])
+    points.setdefault(key, {})[x["seq_len"] // x["cp"]] = (
+        x["temp_bytes"], x["layers"])
   rows = []
   for (dev, model, remat, cp), pts in sorted(points.items()):
     if len(pts) < 2:
@@ -712,9 +740,43 @@ def _growth_table(results: list[dict]) -> list[str]:
       "per layer (slope)"), rows)
 
 
+def _layer_growth_table(results: list[dict]) -> list[str]:
+  """Per (device, sizes but the layer count, preset, cp, T): XLA temp bytes
+  per local token that one more layer adds, the slope between the fewest
+  and the most layers compiled at the same T (``--layers``, with
+  ``--compile-only`` where running is not needed). This is what a layer
+  keeps for the backward, free of the per-token costs outside the layers
+  (embedding, logits, the backward's transient buffers) that the per-T
+  slope divides among the layers."""
+  points: dict[tuple, dict[int, int]] = {}
+  for d in results:
+    dev = d["env"].get("device_kind")
+    for r in d["records"]:
+      if r.get("kind") == "run" and r.get("temp_bytes") and r.get("layers"):
+        key = (dev, r["d_model"], r["heads"], r["kv_heads"], r["remat"],
+               r["cp"], r["seq_len"], r.get("dtype"))
+        points.setdefault(key, {})[r["layers"]] = r["temp_bytes"]
+  rows = []
+  for (dev, d_model, heads, kv, remat, cp, t, dtype), pts in sorted(
+      points.items(), key=lambda kv_: tuple(map(str, kv_[0]))):
+    if len(pts) < 2:
+      continue
+    (l0, b0), (l1, b1) = min(pts.items()), max(pts.items())
+    per = (b1 - b0) / (l1 - l0) / (t // cp)
+    rows.append((dev, f"d_model {d_model}, {heads}/{kv} heads, {dtype}",
+                 remat, cp, fmt_tokens(t), f"{l0}-{l1}", f"{per:.0f}",
+                 f"{per / d_model:.2f}"))
+  if not rows:
+    return []
+  return _table("Growth per layer", (
+      "device", "sizes", "remat", "cp", "T", "layers",
+      "temp B per local token per layer (slope)", "per d_model"), rows)
+
+
 def _argv(args: dict) -> list[str]:
   """The options of a recorded run that shape what it measured."""
-  keys = ("model", "remat", "seq_lens", "cp", "search", "ab", "time_budget")
+  keys = ("model", "layers", "remat", "seq_lens", "cp", "search",
+          "search_start", "ab", "time_budget", "compile_only")
   out = []
   for k in keys:
     v = args.get(k)
@@ -761,7 +823,8 @@ def main(argv: Sequence[str] | None = None) -> str:
   args.started = time.monotonic()
   result = run(args)
   from benchmarks import results  # pylint: disable=import-outside-toplevel
-  tag = "_".join(x for x in (args.model, args.tag) if x)
+  layers = f"{args.layers}layers" if args.layers is not None else ""
+  tag = "_".join(x for x in (args.model, layers, args.tag) if x)
   path = results.write_result(
       results.result_path(args.out, "memory", result["env"], tag), result)
   print(f"wrote {path}", flush=True)

@@ -78,7 +78,7 @@ def test_cpu_run_writes_json_and_report(tmp_path):
     assert r["temp_bytes_per_token_per_layer"] == pytest.approx(
         r["temp_bytes"] / t)
   text = md.read_text()
-  assert text.count("| cpu | example* | 256 |") == 2
+  assert text.count("| cpu | example* | 1 | 256 |") == 2
   assert os.path.basename(path).startswith("memory_")
 
 
@@ -164,3 +164,44 @@ def test_growth_table_is_the_slope():
       [dict(env=dict(device_kind="H200"), records=[run, search])])
   assert lines[0] == "## Growth per token"
   assert lines[-2] == "| H200 | big | full | 2 | 64k-256k | 3000 |"
+
+
+def test_layer_growth_table_is_the_slope_over_layers():
+  """Bytes per local token that one more layer adds; what lies outside the
+  layers (fixed or per token) drops out."""
+  fixed, outside, per, t = 7 * 10**9, 900, 8200, 1 << 16
+  runs = [dict(kind="run", model="big*", remat="save_context", cp=1,
+               seq_len=t, layers=n, d_model=2048, heads=32, kv_heads=8,
+               dtype="bfloat16", temp_bytes=fixed + (outside + per * n) * t)
+          for n in (2, 6)]
+  lines = bench_memory._layer_growth_table(
+      [dict(env=dict(device_kind="H200"), records=runs)])
+  assert lines[0] == "## Growth per layer"
+  assert lines[-2] == ("| H200 | d_model 2048, 32/8 heads, bfloat16 | "
+                       "save_context | 1 | 64k | 2-6 | 8200 | 4.00 |")
+
+
+def test_compile_only_per_layer_slope_drops_with_save_context(tmp_path):
+  """--compile-only at two layer counts (CPU, xla backend): no step runs,
+  and the per-layer slope under save_context is below none's."""
+  md = tmp_path / "MEMORY.md"
+  for layers in ("1", "3"):
+    path = bench_memory.main([
+        "--device", "cpu", "--backend", "xla", "--layers", layers,
+        "--d-model", "64", "--heads", "4", "--kv-heads", "2", "--seq-lens",
+        "512", "--remat", "none", "save_context", "--compile-only",
+        "--max-doc-len", "128", "--out", str(tmp_path), "--markdown",
+        str(md)])
+  with open(path) as f:
+    runs = json.load(f)["records"]
+  assert [r["status"] for r in runs] == ["compiled", "compiled"]
+  assert all("ms_per_step" not in r and r["temp_bytes"] > 0 for r in runs)
+  text = md.read_text()
+  assert "## Growth per layer" in text
+  slope = {}
+  for line in text.splitlines():
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    if len(cells) == 8 and cells[1].startswith("d_model 64"):
+      slope[cells[2]] = float(cells[6])
+  assert set(slope) == {"none", "save_context"}
+  assert 0 < slope["save_context"] < slope["none"]

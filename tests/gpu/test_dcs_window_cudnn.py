@@ -20,6 +20,7 @@ cudnn_backend_or_skip()
 import jax_cp
 from jax_cp import CPLoadBalancingStrategy as S
 from tests import reference as ref
+from tests._devices import devices
 
 HQ, HKV, D, CP, T = 8, 2, 128, 2, 8192
 TOL = 2e-2    # bf16 inputs, float32 reference
@@ -39,9 +40,7 @@ def _rows(seed):
 # and above every document (plain causal).
 @pytest.mark.parametrize("left", [0, 1, 700, 2048, 3000, T])
 def test_windowed_dual_chunk_swap_matches_reference(left):
-  gpus = [d for d in jax.devices() if d.platform == "gpu"]
-  if len(gpus) < CP:
-    pytest.skip(f"needs {CP} GPUs, found {len(gpus)}")
+  gpus = devices(CP, "gpu")
   (cu, cuP), rng = _rows(left)
   q, k, v = (jnp.asarray(rng.standard_normal((2, T, h, D)), jnp.bfloat16)
              for h in (HQ, HKV, HKV))
