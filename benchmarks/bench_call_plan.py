@@ -28,7 +28,7 @@ layout's band. Per call it prints
 
 and per rank the sum of its calls against the one-GPU program's one
 top-left call over the whole row, whose ``1/cp`` is the ideal share.
-``JAX_CP_DCS_WINDOW_PLAN=bottom_right`` (or ``--plan bottom_right``) times
+``--plan bottom_right`` (``cp_attention``'s ``dcs_window_plan``) times
 DUAL_CHUNK_SWAP's banded bottom-right plan instead, ``split_backward`` its
 bottom-right forward call with the split backward, for comparison.
 Writes a JSON next to the other results.
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -138,7 +137,7 @@ def _config(args, row, cp):
       max_seqlen=row.max_seqlen,
       window_size=None if args.window is None else (args.window, 0),
       split_causal_backward=None, total_tokens=args.tokens,
-      max_seqlen_violation="checked_on_host")
+      max_seqlen_violation="checked_on_host", dcs_window_plan=args.plan)
 
 
 def _call_tokens(cfg, call):
@@ -212,15 +211,14 @@ def main(argv: Sequence[str] | None = None) -> str:
     p.add_argument(flag, type=int, default=default)
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--backend", default="cudnn")
-  p.add_argument("--plan", choices=cp_config.DCS_WINDOW_PLANS, default=None,
-                 help="DUAL_CHUNK_SWAP's windowed plan (default: "
-                      f"${cp_config.DCS_WINDOW_PLAN_ENV}, else split)")
+  p.add_argument("--plan", choices=cp_config.DCS_WINDOW_PLANS,
+                 default="split",
+                 help="DUAL_CHUNK_SWAP's windowed plan (cp_attention's "
+                      "dcs_window_plan)")
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default=results.RESULTS_DIR)
   args = p.parse_args(argv)
-  if args.plan is not None:
-    os.environ[cp_config.DCS_WINDOW_PLAN_ENV] = args.plan
   cache: dict = {}
   records = []
   for dist in args.dists:
@@ -230,8 +228,7 @@ def main(argv: Sequence[str] | None = None) -> str:
   if worst:
     print(f"largest per-pair ratio of a call: {max(worst):.3f} "
           f"(median {statistics.median(worst):.3f})")
-  env = results.environment(
-      dcs_window_plan=os.environ.get(cp_config.DCS_WINDOW_PLAN_ENV, "split"))
+  env = results.environment(dcs_window_plan=args.plan)
   path = results.write_result(
       results.result_path(args.out, "call_plan", env),
       {"env": env, "args": vars(args), "records": records})

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import names, results, timing
+from jax_cp.checks import DCS_WINDOW_PLANS
 from benchmarks.workload import (
   Row,
   arg_sets,
@@ -54,13 +55,15 @@ from benchmarks.workload import (
 
 
 def program(cp: int, row: Row, strategy: str, backend: str, pass_name: str,
-            window: int | None = None, violation: str = "fallback"):
+            window: int | None = None, violation: str = "fallback",
+            dcs_window_plan: str = "split"):
   """The jitted step ``(q, k, v, dout, cu, cuP)`` of a row at ``cp``, with
-  the sliding window ``(window, 0)`` unless ``window`` is None and the
-  ``max_seqlen_violation`` mode ``violation``."""
+  the sliding window ``(window, 0)`` unless ``window`` is None, the
+  ``max_seqlen_violation`` mode ``violation`` and DUAL_CHUNK_SWAP's
+  windowed plan ``dcs_window_plan``."""
   forward = cp_forward(make_mesh(cp), strategy, backend, row.max_seqlen,
                        window_size=None if window is None else (window, 0),
-                       violation=violation)
+                       violation=violation, dcs_window_plan=dcs_window_plan)
   return jax.jit(with_pass(forward, pass_name))
 
 
@@ -93,6 +96,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--window", type=int, default=None,
                  help="sliding window (LEFT, 0) in both programs")
+  p.add_argument("--dcs-window-plan", choices=DCS_WINDOW_PLANS,
+                 default="split",
+                 help="DUAL_CHUNK_SWAP's windowed calls in both programs "
+                      "(cp_attention's dcs_window_plan)")
   p.add_argument("--doc-order", nargs="+", choices=names.DOC_ORDERS,
                  default=["packed"],
                  help="each row as packed and/or with its documents "
@@ -140,9 +147,9 @@ def main(argv: Sequence[str] | None = None) -> str:
     for pass_name in args.passes:
       base = program(base_cp, row, args.strategy, args.backend, pass_name,
                      args.window, "fallback" if args.against == "fallback"
-                     else args.violation)
+                     else args.violation, args.dcs_window_plan)
       other = program(args.cp, row, args.strategy, args.backend, pass_name,
-                      args.window, args.violation)
+                      args.window, args.violation, args.dcs_window_plan)
       r = pair_record(timing.paired(base, base_args, other, other_args,
                                     reps=args.reps))
       r.update(dist=dist, doc_order=order, row_id=row.row_id,
@@ -151,6 +158,7 @@ def main(argv: Sequence[str] | None = None) -> str:
                hkv=args.hkv, head_dim=args.head_dim, dtype=args.dtype,
                backend=args.backend, max_seqlen=row.max_seqlen,
                reps=args.reps, window=args.window,
+               dcs_window_plan=args.dcs_window_plan,
                max_seqlen_violation=args.violation, against=args.against)
       records.append(r)
       print(f"{dist:<14}{order:<10}{pass_name:<8}{r['ms_base']:12.3f}"

@@ -262,14 +262,16 @@ def with_pass(forward: Callable, pass_name: str) -> Callable:
 
 def cp_forward(mesh, strategy: str, backend: str, max_seqlen: int | None,
                communicate: bool = True, window_size=None,
-               violation: str = "fallback") -> Callable:
+               violation: str = "fallback",
+               dcs_window_plan: str = "split") -> Callable:
   """``jax_cp.cp_attention`` over ``mesh``; ``communicate=False`` runs the
   same step with its exchange's collectives replaced by local copies
   (``cp_comm_type="local_copies"``); ``window_size``: a causal sliding
   window ``(left, 0)`` (None: plain causal); ``violation``: the layout's
   ``max_seqlen_violation`` (the library's default ``"fallback"`` puts a
   ``lax.cond`` in the step; the benchmark rows are built on the host, so
-  ``"checked_on_host"`` is also right for them)."""
+  ``"checked_on_host"`` is also right for them); ``dcs_window_plan``:
+  DUAL_CHUNK_SWAP's windowed calls (``cp_attention``'s argument)."""
   comm = "all_gather" if communicate else "local_copies"
 
   def forward(q, k, v, cu, cuP):
@@ -277,7 +279,8 @@ def cp_forward(mesh, strategy: str, backend: str, max_seqlen: int | None,
                                load_balancing_strategy=strategy,
                                cp_comm_type=comm, backend=backend,
                                max_seqlen=max_seqlen, window_size=window_size,
-                               max_seqlen_violation=violation)
+                               max_seqlen_violation=violation,
+                               dcs_window_plan=dcs_window_plan)
   return forward
 
 

@@ -352,6 +352,16 @@ def check_max_seqlen_bound(cu_seqlens_padded: Any, max_seqlen: Any) -> None:
 MAX_SEQLEN_VIOLATIONS = ("fallback", "error", "checked_on_host")
 
 
+#: DUAL_CHUNK_SWAP's windowed call plans (docs/design.md, Call plans).
+DCS_WINDOW_PLANS = ("split", "split_backward", "bottom_right")
+
+
+def check_dcs_window_plan(dcs_window_plan: Any) -> None:
+  if dcs_window_plan not in DCS_WINDOW_PLANS:
+    raise ValueError(f"dcs_window_plan={dcs_window_plan!r} is not one of "
+                     f"{list(DCS_WINDOW_PLANS)}")
+
+
 def check_max_seqlen_violation(max_seqlen_violation: Any) -> None:
   if max_seqlen_violation not in MAX_SEQLEN_VIOLATIONS:
     raise ValueError(f"max_seqlen_violation={max_seqlen_violation!r} is not "

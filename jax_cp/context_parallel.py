@@ -43,6 +43,7 @@ def cp_attention_local(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
                        softmax_scale: float | None = None,
                        window_size=None,
                        split_causal_backward: bool | None = None,
+                       dcs_window_plan: str = "split",
                        **layout_kwargs):
   """CP attention on this rank's chunk, inside the caller's ``shard_map``.
 
@@ -91,6 +92,13 @@ def cp_attention_local(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
       sliding window). Default: on for cudnn, off otherwise. Same result
       either way. NO_LOAD_BALANCE runs no bottom-right call: its
       straddling document is always split where the chunk starts.
+    dcs_window_plan: DUAL_CHUNK_SWAP's calls with a window (docs/design.md,
+      Call plans): ``"split"`` (default: top-left bands and unmasked or
+      mirrored top-left calls before them, each way), ``"split_backward"``
+      (the forward as one banded bottom-right call) or ``"bottom_right"``
+      (banded bottom-right calls each way, whose cuDNN 9.19 backward is
+      about 11x slower: warns on cudnn). Same result each way; for
+      measurements.
     **layout_kwargs: the keyword form of ``layout``, exclusive with it:
       ``cp_axis`` (default ``"cp"``), ``load_balancing_strategy``,
       ``cp_comm_type``, ``backend``, ``max_seqlen``,
@@ -116,7 +124,8 @@ def cp_attention_local(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
                 total_tokens=q.shape[-3] * cp_size,
                 attn_mask_type=attn_mask_type, softmax_scale=softmax_scale,
                 window_size=window_size,
-                split_causal_backward=split_causal_backward)
+                split_causal_backward=split_causal_backward,
+                dcs_window_plan=dcs_window_plan)
   return _run_local(cfg, q, k, v, cu_seqlens, cu_seqlens_padded)
 
 
@@ -124,9 +133,10 @@ def _config(layout: CPLayout, q, k, v, cu_seqlens, cu_seqlens_padded,
             cp_size: int, *, total_tokens: int, attn_mask_type: str,
             softmax_scale: float | None, window_size,
             split_causal_backward: bool | None,
+            dcs_window_plan: str = "split",
             platform: str | None = None) -> CPConfig:
   """The validated config of one call: the layout's settings plus the
-  call's own (mask, scale, window, backward split)."""
+  call's own (mask, scale, window, backward split, windowed plan)."""
   checks.check_qkv_dtypes(q.dtype, k.dtype, v.dtype)
   return make_config(
       q.shape, k.shape, v.shape, q.dtype, cu_seqlens, cu_seqlens_padded,
@@ -137,7 +147,8 @@ def _config(layout: CPLayout, q, k, v, cu_seqlens, cu_seqlens_padded,
       max_seqlen=layout.max_seqlen, window_size=window_size,
       split_causal_backward=split_causal_backward,
       total_tokens=total_tokens, platform=platform,
-      max_seqlen_violation=layout.max_seqlen_violation)
+      max_seqlen_violation=layout.max_seqlen_violation,
+      dcs_window_plan=dcs_window_plan)
 
 
 def _layout_and_metadata(what, layout, layout_kwargs, cu_seqlens,
@@ -198,6 +209,7 @@ def cp_attention(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
                  softmax_scale: float | None = None,
                  window_size=None,
                  split_causal_backward: bool | None = None,
+                 dcs_window_plan: str = "split",
                  **layout_kwargs):
   """CP attention, global view: ``jit``-friendly over sharded arrays.
 
@@ -252,6 +264,7 @@ def cp_attention(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
                 attn_mask_type=attn_mask_type, softmax_scale=softmax_scale,
                 window_size=window_size,
                 split_causal_backward=split_causal_backward,
+                dcs_window_plan=dcs_window_plan,
                 platform=_platform(mesh))
   if head_axis is not None:
     checks.check_head_axis_divides(head_axis, mesh.shape[head_axis], q.shape,

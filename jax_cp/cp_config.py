@@ -10,7 +10,6 @@ forward and backward read the same instance.
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 from typing import Any
 
@@ -24,20 +23,7 @@ from jax_cp.strategy import CPLoadBalancingStrategy, as_strategy
 _DCS = CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
 _NLB = CPLoadBalancingStrategy.NO_LOAD_BALANCE
 
-#: The environment variable that picks DUAL_CHUNK_SWAP's windowed call
-#: plan (:attr:`CPConfig.dcs_window_plan`), for A/B measurements.
-DCS_WINDOW_PLAN_ENV = "JAX_CP_DCS_WINDOW_PLAN"
-DCS_WINDOW_PLANS = ("split", "split_backward", "bottom_right")
-
-
-def dcs_window_plan_from_env() -> str:
-  """:attr:`CPConfig.dcs_window_plan` as :data:`DCS_WINDOW_PLAN_ENV`
-  says (unset: ``"split"``)."""
-  plan = os.environ.get(DCS_WINDOW_PLAN_ENV, "split")
-  if plan not in DCS_WINDOW_PLANS:
-    raise ValueError(f"{DCS_WINDOW_PLAN_ENV} must be one of "
-                     f"{DCS_WINDOW_PLANS}, got {plan!r}")
-  return plan
+DCS_WINDOW_PLANS = checks.DCS_WINDOW_PLANS
 
 
 def _warn_bottom_right_window() -> None:
@@ -45,9 +31,10 @@ def _warn_bottom_right_window() -> None:
   calls on cudnn (shown once per process by Python's default filter)."""
   warnings.warn(
       "DUAL_CHUNK_SWAP with a sliding window runs bottom-right banded cuDNN "
-      f"calls ({DCS_WINDOW_PLAN_ENV}=bottom_right), whose backward cuDNN "
-      "9.19 runs about 11x slower than a top-left band; unset it, or use "
-      "NO_LOAD_BALANCE with a window.", RuntimeWarning, stacklevel=4)
+      "calls (dcs_window_plan='bottom_right'), whose backward cuDNN 9.19 "
+      "runs about 11x slower than a top-left band; leave dcs_window_plan at "
+      "'split', or use NO_LOAD_BALANCE with a window.", RuntimeWarning,
+      stacklevel=4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +77,8 @@ class CPConfig:
       reversed rows and keys, each way; ``"split_backward"`` the forward
       as one banded bottom-right call and the backward split;
       ``"bottom_right"`` banded bottom-right calls each way, whose cuDNN
-      backward is much slower. An internal switch for measurements, read
-      from the environment variable :data:`DCS_WINDOW_PLAN_ENV`.
+      backward is much slower. The ``dcs_window_plan`` argument of
+      :func:`jax_cp.cp_attention`, for measurements.
   """
 
   strategy: CPLoadBalancingStrategy
@@ -123,7 +110,8 @@ def make_config(q_shape, k_shape, v_shape, dtype, cu_seqlens,
                 backend: str, max_seqlen: int | None, window_size: Any,
                 split_causal_backward: bool | None, total_tokens: int,
                 platform: str | None = None,
-                max_seqlen_violation: str = "fallback") -> CPConfig:
+                max_seqlen_violation: str = "fallback",
+                dcs_window_plan: str = "split") -> CPConfig:
   """Validates everything that can be checked now and builds the config.
 
   Shapes are the global ``[.., T, H, D]`` ones (or the local ones with
@@ -146,9 +134,9 @@ def make_config(q_shape, k_shape, v_shape, dtype, cu_seqlens,
     checks.check_dual_chunk_divisible(cu_seqlens_padded, cp_size)
   bound = checks.check_max_seqlen(max_seqlen, cu_seqlens_padded, total_tokens)
   checks.check_max_seqlen_violation(max_seqlen_violation)
+  checks.check_dcs_window_plan(dcs_window_plan)
   resolved = resolve_backend(backend, platform, dtype)
-
-  dcs_plan = dcs_window_plan_from_env()
+  dcs_plan = dcs_window_plan
 
   def config(w: int) -> CPConfig:
     """The layout for the bound ``w``."""

@@ -16,7 +16,6 @@ except ModuleNotFoundError:  # a present but broken extension fails
   pytest.skip("jax_cp's cuDNN extension is not built", allow_module_level=True)
 
 import jax_cp
-from jax_cp import cp_config
 from tests.test_cudnn_lowering import custom_calls, lower_for_cuda
 
 HQ, HKV, D, T = 8, 2, 64, 64
@@ -27,14 +26,14 @@ CODES = cudnn_backend.MASK_CODES
 TARGETS = cudnn_backend.FFI_TARGETS
 
 
-def _calls(strategy, window, cp=2):
+def _calls(strategy, window, cp=2, **kw):
   """{"forward", "backward"} -> sorted [(mask, window_left)] of the cuDNN
   calls in the gradient program of cp_attention at ``cp``."""
   mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:cp]), ("cp",))
   attn = functools.partial(
       jax_cp.cp_attention, cu_seqlens=CU, cu_seqlens_padded=CU_P, mesh=mesh,
       cp_axis="cp", backend="cudnn", load_balancing_strategy=strategy,
-      window_size=None if window is None else (window, 0))
+      window_size=None if window is None else (window, 0), **kw)
   loss = lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32))
   sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("cp"))
   args = [jax.ShapeDtypeStruct((T, h, D), jnp.bfloat16, sharding=sh)
@@ -63,13 +62,12 @@ def test_windowed_dual_chunk_swap_runs_no_bottom_right_call(cp):
   assert calls["forward"] == calls["backward"] == sorted([diag, near, far])
 
 
-def test_bottom_right_switch_runs_banded_bottom_right_calls(monkeypatch):
-  """JAX_CP_DCS_WINDOW_PLAN=bottom_right: one banded bottom-right forward
-  call and one per step in the backward (for measurements), with the
+def test_bottom_right_switch_runs_banded_bottom_right_calls():
+  """dcs_window_plan="bottom_right": one banded bottom-right forward call
+  and one per step in the backward (for measurements), with the
   warning."""
-  monkeypatch.setenv(cp_config.DCS_WINDOW_PLAN_ENV, "bottom_right")
   with pytest.warns(RuntimeWarning, match="NO_LOAD_BALANCE"):
-    calls = _calls("dual_chunk_swap", 5)
+    calls = _calls("dual_chunk_swap", 5, dcs_window_plan="bottom_right")
   br = _code("causal_bottom_right", 5)
   assert calls == {"forward": [br], "backward": [br, br]}
 

@@ -3,8 +3,8 @@ bottom-right call (docs/design.md, Call plans). The three parts of a
 windowed block cover its band exactly; the plan's calls and their masks,
 each way; cp_attention at cp 1/2/4/8 against the windowed reference on
 the unpartitioned rows, forward and gradients, on the xla backend and on
-the strict in-place test backend; the ``JAX_CP_DCS_WINDOW_PLAN`` switch
-and its warning."""
+the strict in-place test backend; the ``dcs_window_plan`` argument and its
+warning."""
 
 import jax
 import jax.numpy as jnp
@@ -87,7 +87,7 @@ def test_split_of_an_empty_block_has_no_work():
 # ---------------------------------------------------------------------------
 
 
-def _config(left, cp=2, backend="xla", max_seqlen=None):
+def _config(left, cp=2, backend="xla", max_seqlen=None, plan="split"):
   cuP = np.array([[0, 24, 40, 64]], np.int32)
   cu = np.array([[0, 20, 34, 58]], np.int32)
   cfg = cp_config.make_config(
@@ -95,7 +95,8 @@ def _config(left, cp=2, backend="xla", max_seqlen=None):
       cp_size=cp, cp_axis="cp", load_balancing_strategy=DCS,
       cp_comm_type="all_gather", attn_mask_type="causal",
       softmax_scale=None, backend=backend, max_seqlen=max_seqlen,
-      window_size=(left, 0), split_causal_backward=None, total_tokens=T)
+      window_size=(left, 0), split_causal_backward=None, total_tokens=T,
+      dcs_window_plan=plan)
   return cfg, cu, cuP
 
 
@@ -145,8 +146,8 @@ def fake_cudnn(monkeypatch):
   registry.register_backend(make_backend("cudnn"))
 
 
-def test_switch_to_bottom_right_warns_on_cudnn(monkeypatch, fake_cudnn):
-  """JAX_CP_DCS_WINDOW_PLAN=bottom_right: the whole banded bottom-right
+def test_switch_to_bottom_right_warns_on_cudnn(fake_cudnn):
+  """dcs_window_plan="bottom_right": the whole banded bottom-right
   calls, and on cudnn a warning naming the cost and NO_LOAD_BALANCE;
   split_backward: a banded bottom-right forward, the split backward, no
   warning; the default plan warns nothing."""
@@ -156,23 +157,20 @@ def test_switch_to_bottom_right_warns_on_cudnn(monkeypatch, fake_cudnn):
     warnings.simplefilter("error")
     cfg, _, _ = _config(7, backend="cudnn")
   assert cfg.dcs_window_plan == "split"
-  monkeypatch.setenv(cp_config.DCS_WINDOW_PLAN_ENV, "bottom_right")
   with pytest.warns(RuntimeWarning, match="11x slower.*NO_LOAD_BALANCE"):
-    cfg, cu, cuP = _config(7, backend="cudnn")
+    cfg, cu, cuP = _config(7, backend="cudnn", plan="bottom_right")
   fwd, bwd = _plan(cfg, cu, cuP)
   assert fwd == [("causal_bottom_right", 7, False)]
   assert bwd == [("causal_bottom_right", 7, False)] * 2
-  monkeypatch.setenv(cp_config.DCS_WINDOW_PLAN_ENV, "split_backward")
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    cfg, cu, cuP = _config(7, backend="cudnn")
+    cfg, cu, cuP = _config(7, backend="cudnn", plan="split_backward")
   fwd, bwd = _plan(cfg, cu, cuP)
   assert fwd == [("causal_bottom_right", 7, False)]
   assert bwd == [("causal_top_left", 7, False), ("no_mask", -1, True),
                  ("causal_top_left", -1, True)]
-  monkeypatch.setenv(cp_config.DCS_WINDOW_PLAN_ENV, "fast")
-  with pytest.raises(ValueError, match="JAX_CP_DCS_WINDOW_PLAN"):
-    _config(7)
+  with pytest.raises(ValueError, match="dcs_window_plan='fast' is not one"):
+    _config(7, plan="fast")
 
 
 # ---------------------------------------------------------------------------
@@ -189,9 +187,8 @@ SLOW_CASES = [(1, 40), (4, 1), (4, 5), (8, 4), (8, 13)]
 
 
 @pytest.mark.parametrize("plan", ["split_backward", "bottom_right"])
-def test_other_plans_match_reference(plan, monkeypatch):
-  monkeypatch.setenv(cp_config.DCS_WINDOW_PLAN_ENV, plan)
-  check_cp(2, DCS, 7, seed=5)
+def test_other_plans_match_reference(plan):
+  check_cp(2, DCS, 7, seed=5, dcs_window_plan=plan)
 
 
 @pytest.mark.parametrize("cp,left", CASES)
