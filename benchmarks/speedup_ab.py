@@ -42,7 +42,6 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import names, results, timing
-from jax_cp.checks import DCS_WINDOW_PLANS
 from benchmarks.workload import (
   Row,
   arg_sets,
@@ -52,6 +51,7 @@ from benchmarks.workload import (
   make_row,
   with_pass,
 )
+from jax_cp.checks import DCS_WINDOW_PLANS
 
 
 def program(cp: int, row: Row, strategy: str, backend: str, pass_name: str,
