@@ -6,6 +6,8 @@ the unpartitioned rows, forward and gradients, on the xla backend and on
 the strict in-place test backend; the ``dcs_window_plan`` argument and its
 warning."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -184,6 +186,28 @@ def test_switch_to_bottom_right_warns_on_cudnn(fake_cudnn):
 CASES = [(1, 9), (2, 0), (2, 1), (2, 7), (2, 16), (2, 40), (2, 70),
          (4, 8), (4, 21), (8, 3)]
 SLOW_CASES = [(1, 40), (4, 1), (4, 5), (8, 4), (8, 13)]
+
+
+@pytest.mark.parametrize("fn", ["cp_attention", "cp_attention_local"])
+def test_public_functions_reject_an_unknown_plan(fn, monkeypatch):
+  """A ``dcs_window_plan`` that is no plan raises ValueError naming it from
+  both public functions, before any backend call runs."""
+  def no_call(*args, **kwargs):
+    raise AssertionError("a backend call ran")
+  monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
+  registry.register_backend(dataclasses.replace(
+      registry._load("xla"), forward=no_call, backward=no_call))
+  cuP = np.array([0, 24, 40, 64], np.int32)
+  rng = np.random.default_rng(3)
+  q, k, v = (jnp.asarray(rng.standard_normal((T, h, 8)), jnp.float32)
+             for h in (4, 2, 2))
+  kw = dict(cp_axis=None) if fn == "cp_attention_local" else dict(
+      mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("cp",)))
+  with pytest.raises(ValueError, match="dcs_window_plan='fast' is not one "
+                     "of \\['split', 'split_backward', 'bottom_right'\\]"):
+    getattr(jax_cp, fn)(q, k, v, cuP, cuP, backend="xla",
+                        load_balancing_strategy=DCS, window_size=(7, 0),
+                        dcs_window_plan="fast", **kw)
 
 
 @pytest.mark.parametrize("plan", ["split_backward", "bottom_right"])
