@@ -674,8 +674,7 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
     lines += _table("save_context against none (paired A/B)", (
         "device", "model", "T", "cp", "none ms", "save_context ms",
         "save_context / none (IQR)"), [
-            (dev, r["model"], r.get("layers", "-"), fmt_tokens(r["seq_len"]),
-             r["cp"],
+            (dev, r["model"], fmt_tokens(r["seq_len"]), r["cp"],
              f"{r['ms_a']:.1f}", f"{r['ms_b']:.1f}",
              f"{r['save_context_over_none']:.3f} ({r['ratio_q1']:.3f}-"
              f"{r['ratio_q3']:.3f})") for dev, r in of("ab")])

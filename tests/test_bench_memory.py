@@ -10,6 +10,7 @@ import os
 import pytest
 
 from benchmarks import bench_memory
+from tests._devices import requires_devices
 
 
 def test_tokens():
@@ -55,6 +56,7 @@ def test_search_doubles_then_bisects(monkeypatch, limit, start, want,
     assert want_fail - want == 16 * 1024
 
 
+@requires_devices(2, "cpu")  # --cp 1 2
 def test_cpu_run_writes_json_and_report(tmp_path):
   """Two tiny runs (cp 1 and 2, xla backend): compiled sizes, timings and
   the scratch formula in the JSON, one table row each in MEMORY.md."""
@@ -205,3 +207,34 @@ def test_compile_only_per_layer_slope_drops_with_save_context(tmp_path):
       slope[cells[2]] = float(cells[6])
   assert set(slope) == {"none", "save_context"}
   assert 0 < slope["save_context"] < slope["none"]
+
+
+def test_report_rows_have_as_many_cells_as_their_header():
+  """Every table of MEMORY.md (runs, search, A/B, growth) is rectangular."""
+  run = dict(kind="run", model="big", remat="save_context", cp=1,
+             seq_len=1 << 16, layers=2, d_model=2048, heads=32, kv_heads=8,
+             dtype="bfloat16", status="ok", temp_bytes=7 * 10**9,
+             argument_bytes=10**9, ms_per_step=900.0, tok_per_s=7e4,
+             mfu=0.4, temp_bytes_per_token_per_layer=5e4)
+  runs = [run, dict(run, layers=4, temp_bytes=8 * 10**9),
+          dict(run, temp_bytes=9 * 10**9, seq_len=1 << 17)]
+  search = dict(kind="search", model="big", cp=1, remat="save_context",
+                longest_seq_len=1 << 18, first_failing_seq_len=None,
+                search_max=1 << 23, stopped_early=True, tries=[
+                    dict(seq_len=1 << 18, status="ok", layers=2,
+                         temp_bytes=9 * 10**9)])
+  ab = dict(kind="ab", model="big", seq_len=1 << 16, cp=1, ms_a=900.0,
+            ms_b=990.0, save_context_over_none=1.1, ratio_q1=1.09,
+            ratio_q3=1.11)
+  text = bench_memory.markdown(
+      [dict(env=dict(device_kind="H200", date="2026-12-01T00:00:00"),
+            records=[*runs, search, ab])], None)
+  # The search, the A/B and both growth tables.
+  assert text.count("\n## ") == 4
+  for block in text.split("\n\n"):
+    rows = [line for line in block.splitlines() if line.startswith("|")]
+    if rows:
+      assert len({row.count("|") for row in rows}) == 1, block
+  assert "| H200 | big | 64k | 1 | 900.0 | 990.0 | 1.100 (1.090-1.110) |" \
+      in text
+  assert "not reached" in text

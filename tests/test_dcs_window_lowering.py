@@ -16,6 +16,7 @@ except ModuleNotFoundError:  # a present but broken extension fails
   pytest.skip("jax_cp's cuDNN extension is not built", allow_module_level=True)
 
 import jax_cp
+from tests._devices import devices
 from tests.test_cudnn_lowering import custom_calls, lower_for_cuda
 
 HQ, HKV, D, T = 8, 2, 64, 64
@@ -29,7 +30,7 @@ TARGETS = cudnn_backend.FFI_TARGETS
 def _calls(strategy, window, cp=2, **kw):
   """{"forward", "backward"} -> sorted [(mask, window_left)] of the cuDNN
   calls in the gradient program of cp_attention at ``cp``."""
-  mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:cp]), ("cp",))
+  mesh = jax.sharding.Mesh(np.array(devices(cp, "cpu")), ("cp",))
   attn = functools.partial(
       jax_cp.cp_attention, cu_seqlens=CU, cu_seqlens_padded=CU_P, mesh=mesh,
       cp_axis="cp", backend="cudnn", load_balancing_strategy=strategy,

@@ -15,6 +15,7 @@ from flax import nnx
 
 import jax_cp
 from examples.packed_lm import config, data, main, model
+from tests._devices import requires_devices
 
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
         "--seq-len", "64", "--batch", "2", "--dp", "2", "--cp", "2",
@@ -92,6 +93,7 @@ def test_balanced_doc_order_is_the_library_balancing_of_the_packed_rows():
   assert not np.array_equal(rows.tokens, packed.tokens)
 
 
+@requires_devices(4)  # TINY's dp=2 x cp=2 mesh
 def test_no_load_balance_on_balanced_rows_matches_no_cp():
   got = main.main(TINY + ["--steps", "2", "--strategy", "no_load_balance"])
   assert got["doc_order"] == "balanced" and np.isfinite(got["losses"]).all()
@@ -99,6 +101,7 @@ def test_no_load_balance_on_balanced_rows_matches_no_cp():
                                               rel=1e-4)
 
 
+@requires_devices(4)  # TINY's dp=2 x cp=2 mesh
 def test_training_decreases_resumes_and_matches_no_cp(tmp_path):
   ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
   first = main.main(TINY + ckpt + ["--steps", "2", "--no-compare"])
@@ -118,6 +121,7 @@ def test_training_decreases_resumes_and_matches_no_cp(tmp_path):
                                                  rel=1e-4)
 
 
+@requires_devices(4)  # TINY's dp=2 x cp=2 mesh
 def test_checkpoint_dir_of_another_run_is_refused(tmp_path):
   d = tmp_path / "ckpt"
   d.mkdir()
@@ -135,6 +139,7 @@ def test_checkpoint_dir_of_another_run_is_refused(tmp_path):
                       "--strategy", "no_load_balance"])
 
 
+@requires_devices(4)  # TINY's dp=2 x cp=2 mesh
 def test_checkpoint_at_the_last_step_and_report(tmp_path):
   """--checkpoint-every dividing --steps: the final save does not repeat
   the step already saved (orbax refuses it); --report writes the result."""

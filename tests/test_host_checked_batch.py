@@ -16,13 +16,14 @@ import jax_cp
 from jax_cp import CPBatch, CPLayout, seqlen_guard
 from jax_cp.flax import TransformerLayer
 from tests import reference as ref
+from tests._devices import devices
 
 CP, W = 4, 64
 NLB = "no_load_balance"
 
 
 def _mesh():
-  return jax.make_mesh((CP,), ("cp",), devices=jax.devices()[:CP],
+  return jax.make_mesh((CP,), ("cp",), devices=devices(CP),
                        axis_types=(jax.sharding.AxisType.Auto,))
 
 

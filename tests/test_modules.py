@@ -20,6 +20,7 @@ from jax_cp import flax as cp_linen
 from jax_cp import nnx as cp_nnx
 from jax_cp.modules import common, rotary
 from jax_cp.nnx import convert
+from tests._devices import devices
 
 ROOT = pathlib.Path(__file__).parents[1]
 T = 64
@@ -79,7 +80,7 @@ def _qkv():
 
 @pytest.mark.parametrize("strategy", list(S))
 def test_both_record_the_strategy_code(strategy):
-  mesh = jax.make_mesh((4,), ("cp",), devices=jax.devices("cpu")[:4])
+  mesh = jax.make_mesh((4,), ("cp",), devices=devices(4, "cpu"))
   layout = CPLayout(mesh=mesh, strategy=strategy, backend="xla")
   q, k, v = _qkv()
   linen = cp_linen.DotProductAttention(layout=layout)

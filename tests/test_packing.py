@@ -8,6 +8,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cp
+from tests._devices import devices
 
 
 def _docs(seed: int, n: int = 40, high: int = 90):
@@ -116,7 +117,7 @@ def test_balance_rows_keeps_the_documents_and_evens_the_work():
 
 def test_global_batch_without_cp_shards_rows_over_the_batch_axis():
   rows = jax_cp.pack_documents(iter(_docs(1)), 64, 4)
-  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4],
+  mesh = jax.make_mesh((4,), ("data",), devices=devices(4),
                        axis_types=(AxisType.Auto,))
   batch = jax_cp.make_global_batch(
       rows.tensors, rows.cu_seqlens_padded, mesh, cp_axis=None,

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from examples.packed_lm import main
+from tests._devices import requires_devices
 from tests.test_example import TINY
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -40,6 +41,7 @@ main.main(argv)
 
 
 @pytest.mark.slow  # three runs of the example, one in a subprocess
+@requires_devices(4)  # TINY's dp=2 x cp=2 mesh
 def test_killed_in_a_save_resumes_from_the_last_complete_checkpoint(
     tmp_path):
   steps, every, killed_at = 6, 2, 4

@@ -23,6 +23,7 @@ from jax_cp import CPLoadBalancingStrategy as S
 from jax_cp import flax as cp_linen
 from jax_cp import nnx as cp_nnx
 from jax_cp.modules import remat
+from tests._devices import devices
 
 CP, T, E = 4, 64, 16
 CU_P = np.array([[0, 16, 48, 64]], np.int32)
@@ -139,7 +140,7 @@ def test_every_checkpoint_name_is_tagged(activation, mlp_names):
 
 
 def _cp_mesh():
-  return jax.make_mesh((CP,), ("cp",), devices=jax.devices("cpu")[:CP],
+  return jax.make_mesh((CP,), ("cp",), devices=devices(CP, "cpu"),
                        axis_types=(jax.sharding.AxisType.Auto,))
 
 
@@ -231,7 +232,7 @@ def test_cudnn_context_presets_run_one_forward_call():
   ``"full"`` (skipped without the extension)."""
   cudnn = pytest.importorskip("jax_cp.attention.cudnn",
                               exc_type=ModuleNotFoundError)
-  mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices("cpu")[:2],
+  mesh = jax.make_mesh((2,), ("cp",), devices=devices(2, "cpu"),
                        axis_types=(jax.sharding.AxisType.Auto,))
   layout = CPLayout(mesh=mesh, strategy=S.DUAL_CHUNK_SWAP, backend="cudnn")
   sharded = NamedSharding(mesh, P(None, "cp"))
