@@ -205,7 +205,8 @@ def main(argv: Sequence[str] | None = None) -> str:
   p.add_argument("--cp", type=int, default=2)
   p.add_argument("--dists", nargs="+", default=["one_doc", "uniform_1k_8k"],
                  choices=DISTS)
-  # The shape: T = 64k, Hq 32, Hkv 8, D 128, window 4095, bf16.
+  # The shape of results/SLIDING_WINDOW.md: T = 64k, Hq 32, Hkv 8, D 128,
+  # window 4095, bf16.
   for flag, default in (("--tokens", 65536), ("--hq", 32), ("--hkv", 8),
                         ("--head-dim", 128), ("--window", 4095)):
     p.add_argument(flag, type=int, default=default)

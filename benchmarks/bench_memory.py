@@ -22,7 +22,8 @@ bisects between the last T that trained and the first that failed, to
 ``--search-step`` (16k) granularity. ``--ab T`` times the ``none`` and
 ``save_context`` steps at T in alternation (paired A/B).
 
-Each invocation writes ``memory_<date>_<device>.json`` into ``--out`` and
+Each invocation writes ``memory_<date>_<device>_<model>[_<N>layers]
+[_<tag>].json`` into ``--out`` and
 rebuilds ``--markdown`` (``benchmarks/results/MEMORY.md``) from every such
 file there: a table of the runs, the longest T per preset, the A/B, and a
 plot (matplotlib, when installed) of XLA temp bytes per local token per
@@ -46,12 +47,9 @@ import re
 import time
 from collections.abc import Sequence
 
-MODELS = {
-    "example": dict(layers=4, d_model=1024, heads=16, kv_heads=4),
-    "big": dict(layers=16, d_model=2048, heads=32, kv_heads=8),
-}
-PRESETS = ("none", "save_context", "minimal", "minimal_with_context", "full",
-           "offload_context")
+from benchmarks.names import MODELS
+from examples.packed_lm.config import REMAT as PRESETS  # no jax import
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_MARKDOWN = os.path.join(_HERE, "results", "MEMORY.md")
 
@@ -295,7 +293,7 @@ def measure(args, seq_len: int, cp: int, remat: str, *, timed: bool = True
     if args.memory_limit is not None and planned > args.memory_limit * 1e9:
       raise MemoryError(f"RESOURCE_EXHAUSTED (--memory-limit): {planned} "
                         f"bytes planned > {args.memory_limit} GB")
-    if getattr(args, "compile_only", False):
+    if args.compile_only:
       rec.update(status="compiled")
       return rec
     state, losses = step.state, []
@@ -815,8 +813,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     parse_tokens(value if eq else entry)
   if args.dtype is None:
     args.dtype = "bfloat16" if args.device == "gpu" else "float32"
-  # The platform set-up of bench_step (CPU devices for the largest cp, or
-  # the example's GPU flags), before jax is imported.
+  # bench_step's platform set-up (CPU devices for the largest cp), before
+  # jax is imported.
   from benchmarks import bench_step  # pylint: disable=import-outside-toplevel
   bench_step._configure(args)  # pylint: disable=protected-access
   args.started = time.monotonic()

@@ -373,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     return weak_scaling.run(args)
   result = run_bench(args)
   path = results.write_result(
-      results.result_path(args.out, "step", result["env"]), result)
+      results.result_path(args.out, "step", result["env"], args.tag), result)
   result["path"] = path
   print(step_table(result))
   print(path)

@@ -161,11 +161,13 @@ def record_key(r: dict[str, Any]) -> tuple:
 
 def paired_key(r: dict[str, Any]) -> tuple:
   """A ``speedup_ab`` record's configuration: the row, the pass, cp and
-  strategy, the shapes, the sliding window, the document order (packed or
-  reordered) and what it is paired against (cp=1, or the fallback guard)."""
+  strategy, the shapes, the sliding window and DUAL_CHUNK_SWAP's windowed
+  plan, the document order (packed or reordered) and what it is paired
+  against (cp=1, or the fallback guard)."""
   return (r["dist"], r["pass_name"], r["cp"], r["strategy"], r["tokens"],
           r["hkv"], r["hq"], r["head_dim"], r["dtype"], r.get("window"),
-          r.get("doc_order", "packed"), r.get("against", "cp1"))
+          r.get("dcs_window_plan", "split"), r.get("doc_order", "packed"),
+          r.get("against", "cp1"))
 
 
 @dataclasses.dataclass

@@ -57,6 +57,8 @@ def paired_rows(paired) -> list[str]:
                                          r["pass_name"] != "fwd", r["cp"])):
     extra = "".join(
         (f", window {r['window']}" if r.get("window") is not None else "",
+         f", plan {r['dcs_window_plan']}"
+         if r.get("dcs_window_plan", "split") != "split" else "",
          ", documents reordered" if r.get("doc_order") == "balanced" else "",
          ", A: fallback guard" if r.get("against") == "fallback" else ""))
     out.append(
