@@ -49,7 +49,7 @@ import numpy as np
 from benchmarks import results, timing
 from benchmarks.names import DISTS
 from benchmarks.workload import make_row
-from jax_cp import call_plan, cp_config
+from jax_cp import call_plan, checks, cp_config
 from jax_cp.attention.api import window_kwargs
 from jax_cp.attention.backend import Segments
 
@@ -212,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     p.add_argument(flag, type=int, default=default)
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--backend", default="cudnn")
-  p.add_argument("--plan", choices=cp_config.DCS_WINDOW_PLANS,
+  p.add_argument("--plan", choices=checks.DCS_WINDOW_PLANS,
                  default="split",
                  help="DUAL_CHUNK_SWAP's windowed plan (cp_attention's "
                       "dcs_window_plan)")

@@ -74,8 +74,9 @@ def cp_attention_local(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
       the xla backend); ``"error"``, a ``jax.experimental.checkify`` check
       (wrap the step in ``checkify.checkify``; JAX's checkify fails while
       tracing where an error would flow into a later ``shard_map``, see the
-      README); ``"checked_on_host"``, no in-graph check and no ``cond`` (on
-      GPU each ``cond`` makes the host wait for the device) for a pipeline
+      README); ``"checked_on_host"``, no ``cond`` (on GPU each ``cond`` makes
+      the host wait for the device; a broken bound still makes the outputs
+      NaN, :func:`jax_cp.seqlen_guard.poison`) for a pipeline
       that checks its batches on the host, as
       :func:`jax_cp.make_global_batch` does).
     attn_mask_type: ``"causal"`` or ``"no_mask"`` (DUAL_CHUNK_SWAP only).
@@ -93,8 +94,9 @@ def cp_attention_local(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
       either way. NO_LOAD_BALANCE runs no bottom-right call: its
       straddling document is always split where the chunk starts.
     dcs_window_plan: DUAL_CHUNK_SWAP's calls with a window (docs/design.md,
-      Call plans): ``"split"`` (default: top-left bands and unmasked or
-      mirrored top-left calls before them, each way), ``"split_backward"``
+      Call plans): ``"split"`` (default: a top-left band per chunk, and
+      unmasked and top-left calls over compact buffers of the keys before
+      it, each way), ``"split_backward"``
       (the forward as one banded bottom-right call) or ``"bottom_right"``
       (banded bottom-right calls each way, whose cuDNN 9.19 backward is
       about 11x slower: warns on cudnn). Same result each way; for

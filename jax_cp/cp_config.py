@@ -23,9 +23,6 @@ from jax_cp.strategy import CPLoadBalancingStrategy, as_strategy
 _DCS = CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
 _NLB = CPLoadBalancingStrategy.NO_LOAD_BALANCE
 
-DCS_WINDOW_PLANS = checks.DCS_WINDOW_PLANS
-
-
 def _warn_bottom_right_window() -> None:
   """The warning of a DUAL_CHUNK_SWAP window run as bottom-right banded
   calls on cudnn (shown once per process by Python's default filter)."""
@@ -136,7 +133,6 @@ def make_config(q_shape, k_shape, v_shape, dtype, cu_seqlens,
   checks.check_max_seqlen_violation(max_seqlen_violation)
   checks.check_dcs_window_plan(dcs_window_plan)
   resolved = resolve_backend(backend, platform, dtype)
-  dcs_plan = dcs_window_plan
 
   def config(w: int) -> CPConfig:
     """The layout for the bound ``w``."""
@@ -157,7 +153,7 @@ def make_config(q_shape, k_shape, v_shape, dtype, cu_seqlens,
     keep = (exchange.kind == "all_gather" and
             2 * cp_size * k_shape[-2] <= q_shape[-2])
     if (strategy is _DCS and cp_size > 1 and left >= 0
-        and dcs_plan == "bottom_right" and resolved.name == "cudnn"):
+        and dcs_window_plan == "bottom_right" and resolved.name == "cudnn"):
       _warn_bottom_right_window()
     return CPConfig(strategy=strategy, cp_axis=cp_axis, cp_size=cp_size,
                     causal=attn_mask_type == "causal",
@@ -166,7 +162,7 @@ def make_config(q_shape, k_shape, v_shape, dtype, cu_seqlens,
                     max_seqlen=w, split_causal_backward=bool(split),
                     exchange=exchange,
                     window_left=left, keep_gathered_kv=keep,
-                    dcs_window_plan=dcs_plan)
+                    dcs_window_plan=dcs_window_plan)
 
   cfg = config(bound)
   if bound >= total_tokens or checks.concrete(cu_seqlens_padded) is not None:

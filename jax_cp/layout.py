@@ -117,8 +117,9 @@ class CPLayout:
       that step unbounded, right and slower), ``"error"`` (a
       ``jax.experimental.checkify`` check), or ``"checked_on_host"`` (the
       data pipeline checks every batch on the host, as
-      :func:`jax_cp.make_global_batch` does: no in-graph check and no
-      ``cond``, which on GPU makes the host wait for the device).
+      :func:`jax_cp.make_global_batch` does: no ``cond``, which on GPU
+      makes the host wait for the device; a broken bound still makes the
+      outputs NaN, :func:`jax_cp.seqlen_guard.poison`).
     backend: varlen attention backend: ``"auto"``, ``"xla"`` or ``"cudnn"``.
       ``"auto"`` runs cuDNN on a GPU where the extension is built and q/k/v
       are bfloat16 or float16, else ``"xla"`` (float32 inputs on a GPU: with

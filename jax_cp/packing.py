@@ -107,8 +107,8 @@ def _fill_rows(docs, seq_len: int, num_rows: int, multiple: int) -> list:
         try:
           pending = np.asarray(next(docs), np.int32).reshape(-1)
         except StopIteration:
-          raise ValueError(f"the documents ran out before {num_rows} rows "
-                           f"of {seq_len} tokens were filled") from None
+          raise ValueError(f"docs ran out before num_rows={num_rows} rows "
+                           f"of seq_len={seq_len} tokens were filled") from None
         continue
       padded = _round_up(pending.size, multiple)
       if padded <= free:
