@@ -220,7 +220,8 @@ def test_backend_is_registered():
 def test_auto_takes_cudnn_for_bf16_and_xla_for_float32(monkeypatch, caplog):
   """The platform named as CUDA (the extension is built, so cuDNN would be
   picked): bfloat16 and float16 q/k/v get cudnn, float32 gets xla with one
-  logged line; backend="cudnn" keeps its dtype error."""
+  logged line; backend="cudnn" is taken as asked for float32 too (its
+  dtype error comes at the call: test_rejects_float32)."""
   monkeypatch.setattr(registry, "_WARNED", set())
   caplog.set_level("WARNING", logger=registry.__name__)
   lines = lambda: [r.getMessage() for r in caplog.records

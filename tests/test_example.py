@@ -91,6 +91,12 @@ def test_balanced_doc_order_is_the_library_balancing_of_the_packed_rows():
   for k in ("tokens", "labels", "cu_seqlens", "cu_seqlens_padded"):
     np.testing.assert_array_equal(getattr(rows, k), getattr(want, k))
   assert not np.array_equal(rows.tokens, packed.tokens)
+  # And it balances: no row's busiest rank has more (query, key) pairs.
+  for r in range(4):
+    work = [max(jax_cp.estimate_cp_imbalance(
+        x.cu_seqlens[r], x.cu_seqlens_padded[r], 4,
+        "no_load_balance").pairs_per_rank) for x in (packed, rows)]
+    assert work[1] <= work[0], r
 
 
 @requires_devices(4)  # TINY's dp=2 x cp=2 mesh
