@@ -144,19 +144,6 @@ def _model_config(args, seq_len: int, cp: int, remat: str):
                 doc_order="packed", seed=args.seed, **sizes)
 
 
-def _rows(cfg, cp: int):
-  import jax_cp  # pylint: disable=import-outside-toplevel
-  docs = _documents(cfg.seed, cfg.max_doc_len)
-  return jax_cp.pack_documents(docs, cfg.seq_len, 1,
-                               jax_cp.pad_multiple_for(cfg.strategy, cp))
-
-
-def _documents(seed: int, max_doc_len: int):
-  """The example's documents: the standard library's files as bytes."""
-  from examples.packed_lm.data import iter_documents  # pylint: disable=import-outside-toplevel
-  return iter_documents(seed, max_doc_len)
-
-
 @dataclasses.dataclass
 class Step:
   """A compiled training step, its state and batch."""
@@ -181,18 +168,14 @@ def build_step(args, seq_len: int, cp: int, remat: str) -> Step:
   import jax  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
-  import jax_cp  # pylint: disable=import-outside-toplevel
+  from examples.packed_lm import data, main, train  # pylint: disable=import-outside-toplevel
   from examples.packed_lm import model as lm  # pylint: disable=import-outside-toplevel
-  from examples.packed_lm import train  # pylint: disable=import-outside-toplevel
   cfg = _model_config(args, seq_len, cp, remat)
-  rows = _rows(cfg, cp)
-  # As the example's mesh: Auto axes, data x cp.
-  mesh = jax.make_mesh((1, cp), (lm.DATA, lm.CP),
-                       devices=jax.devices()[:cp],
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  # The example's row (one, packed), mesh (data=1 x cp) and batch.
+  rows = data.load_rows(cfg, 1, cp)
+  mesh = main.make_mesh(1, cp, args.device)
   layout = lm.make_layout(cfg, mesh, max_seqlen=rows.max_seqlen)
-  batch = jax_cp.make_global_batch(rows.tensors, rows.cu_seqlens_padded,
-                                   layout, cu_seqlens=rows.cu_seqlens)
+  batch = data.place_batch(rows, layout)
   with jax.set_mesh(mesh):
     tx = train.make_optimizer(cfg)
     graphdef, state, shardings = train.init_state(cfg, layout, tx, mesh)
