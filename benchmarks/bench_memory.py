@@ -43,32 +43,14 @@ import dataclasses
 import gc
 import glob
 import os
-import re
 import time
 from collections.abc import Sequence
 
-from benchmarks.names import MODELS
+from benchmarks.names import MODELS, fmt_tokens, parse_tokens
 from examples.packed_lm.config import REMAT as PRESETS  # no jax import
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_MARKDOWN = os.path.join(_HERE, "results", "MEMORY.md")
-
-
-def parse_tokens(text: str) -> int:
-  """``"65536"``, ``"64k"`` (x1024) or ``"1M"`` (x1024**2)."""
-  m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", str(text))
-  if not m:
-    raise argparse.ArgumentTypeError(f"not a token count: {text!r}")
-  scale = {"": 1, "k": 1 << 10, "m": 1 << 20}[m.group(2).lower()]
-  return int(m.group(1)) * scale
-
-
-def fmt_tokens(n: int) -> str:
-  """The inverse of :func:`parse_tokens` where exact (``64k``, ``1M``)."""
-  for unit, scale in (("M", 1 << 20), ("k", 1 << 10)):
-    if n >= scale and n % scale == 0:
-      return f"{n // scale}{unit}"
-  return str(n)
 
 
 def build_parser() -> argparse.ArgumentParser:

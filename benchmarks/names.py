@@ -5,6 +5,9 @@ Standard library only: the report reads these without importing jax.
 
 from __future__ import annotations
 
+import argparse
+import re
+
 # Document distributions of a packed row (``workload.document_lengths``),
 # in the order runs measure them and tables list them: the speed targets'
 # rows (one document, short documents) first.
@@ -57,3 +60,22 @@ SCALING_ROW = {"dcs_one_doc": ("dual_chunk_swap", "one_doc"),
 SCALING_ROW_LABEL = {"dcs_one_doc": "DCS, one document",
                      "nlb_short": "NLB (balanced), docs ≤ 1k",
                      "nlb_one_doc": "NLB, one document"}
+
+
+# Token counts as flags and tables write them.
+
+def parse_tokens(text: str) -> int:
+  """``"65536"``, ``"64k"`` (x1024) or ``"1M"`` (x1024**2)."""
+  m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", str(text))
+  if not m:
+    raise argparse.ArgumentTypeError(f"not a token count: {text!r}")
+  scale = {"": 1, "k": 1 << 10, "m": 1 << 20}[m.group(2).lower()]
+  return int(m.group(1)) * scale
+
+
+def fmt_tokens(n: int) -> str:
+  """The inverse of :func:`parse_tokens` where exact (``64k``, ``1M``)."""
+  for unit, scale in (("M", 1 << 20), ("k", 1 << 10)):
+    if n >= scale and n % scale == 0:
+      return f"{n // scale}{unit}"
+  return str(n)

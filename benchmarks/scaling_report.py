@@ -18,7 +18,7 @@ import os
 from collections.abc import Sequence
 
 from benchmarks import results
-from benchmarks.names import MODELS, SCALING_ROW_LABEL, SCALING_ROWS
+from benchmarks.names import MODELS, SCALING_ROW_LABEL, SCALING_ROWS, fmt_tokens
 from benchmarks.tables import number, percent, verdict
 from benchmarks.targets import load_targets
 
@@ -91,22 +91,17 @@ def target_rows(records: Sequence[dict], targets: dict | None = None
                and r["efficiency"] is not None]
         e = min(got) if got else None
         out.append((f"{model}, {SCALING_ROW_LABEL[row]}, "
-                    f"{tokens_label(n)}/GPU, "
+                    f"{fmt_tokens(n)}/GPU, "
                     f"cp={cp}: efficiency ≥ {least:.0%}", percent(e),
                     verdict(None if e is None else e >= least)))
   return out
-
-
-def tokens_label(n: int) -> str:
-  """``64k`` for 65536; a count that is no multiple of 1024 as is."""
-  return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
 def row_label(r: dict) -> str:
   """A record's row as tables name it; short documents with their cut."""
   label = SCALING_ROW_LABEL.get(r["row"], r["row"])
   if r["row"] == "nlb_short" and r.get("max_doc_len"):
-    label = label.replace("≤ 1k", f"≤ {tokens_label(r['max_doc_len'])}")
+    label = label.replace("≤ 1k", f"≤ {fmt_tokens(r['max_doc_len'])}")
   return label
 
 
@@ -135,7 +130,7 @@ def summary(records: Sequence[dict]) -> str:
     for r in recs:
       lines.append(
           f"| {row_label(r)} | "
-          f"{tokens_label(r['tokens_per_gpu'])} | {r['cp']} | "
+          f"{fmt_tokens(r['tokens_per_gpu'])} | {r['cp']} | "
           f"{r['seq_len']:,} | "
           f"{r['documents']} | {r['ms']:.2f} | {r['tflops_per_gpu']:.1f} | "
           f"{percent(r['mfu'])} | {percent(r['efficiency'])} |")
@@ -145,14 +140,14 @@ def summary(records: Sequence[dict]) -> str:
     lines = ["### NO_LOAD_BALANCE / DUAL_CHUNK_SWAP step time, one document",
              "", "| model | tokens/GPU | cp | measured | predicted "
              "(2cp−1)/cp |", "|---|---|---|---|---|"]
-    lines += [f"| {x['model']} | {tokens_label(x['tokens_per_gpu'])} | "
+    lines += [f"| {x['model']} | {fmt_tokens(x['tokens_per_gpu'])} | "
               f"{x['cp']} | {number(x['measured'], '.3f')} | "
               f"{number(x['predicted'], '.3f')} |" for x in ratios]
     parts.append("\n".join(lines))
   if failed:
     parts.append("Failed programs:\n\n" + "\n".join(
         f"* {r['model']}, {SCALING_ROW_LABEL.get(r['row'], r['row'])}, "
-        f"{tokens_label(r['tokens_per_gpu'])}/GPU, cp={r['cp']}: "
+        f"{fmt_tokens(r['tokens_per_gpu'])}/GPU, cp={r['cp']}: "
         f"`{r['error']}`" for r in failed))
   return "\n\n".join(parts) + "\n" if parts else "(no weak-scaling records)\n"
 
@@ -182,7 +177,7 @@ def plot(records: Sequence[dict], path: str) -> str | None:
             ls=("-", "--", ":", "-.")[models.index(model) % 4],
             alpha=1.0 if n == most else 0.6,
             label=f"{SCALING_ROW_LABEL.get(row, row)}, {model}, "
-            f"{tokens_label(n)}/GPU")
+            f"{fmt_tokens(n)}/GPU")
   ax.set_xscale("log", base=2)
   cps = sorted({r["cp"] for r in records})
   ax.set_xticks(cps)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks.derived import one, select
-from benchmarks.names import DIST_LABEL, PASS_LABEL, SHORT
+from benchmarks.names import DIST_LABEL, PASS_LABEL, SHORT, fmt_tokens
 from benchmarks.results import DEFAULT_TIMING
 from benchmarks.tables import number, percent, verdict
 
@@ -46,7 +46,7 @@ def load_targets(path: str = TARGETS_PATH) -> dict[str, Any]:
 def _where(t: dict[str, Any]) -> str:
   """``cp=2, one document, T=64k, DCS`` for a target."""
   return (f"cp={t['cp']}, {DIST_LABEL.get(t['dist'], t['dist'])}, "
-          f"T={t['tokens'] // 1024}k, {SHORT[t['strategy']]}")
+          f"T={fmt_tokens(t['tokens'])}, {SHORT[t['strategy']]}")
 
 
 def _get(cpa, t, hkv, **override):
@@ -133,14 +133,14 @@ def _exposed_exchange(cpa, paired, t, hkv) -> Row | None:
 
 def _exposed_label(t, hkv) -> str:
   return (f"exposed all-gather (+reorder) ≤ {100 * t['max']:g} % of the "
-          f"step, T={t['tokens'] // 1024}k, Hkv={hkv}, "
+          f"step, T={fmt_tokens(t['tokens'])}, Hkv={hkv}, "
           f"{DIST_LABEL.get(t['dist'], t['dist'])} (worst of cp × strategy "
           f"× pass)")
 
 
 def _overhead_vs_primitive(cpa, paired, t, hkv) -> Row | None:
   label = (f"cp=1 cp_attention within {100 * t['max']:g} % of "
-           f"fused_attention, T={t['tokens'] // 1024}k, "
+           f"fused_attention, T={fmt_tokens(t['tokens'])}, "
            f"{PASS_LABEL[t['pass']]} (worst distribution)")
   cands = [r for r in select(cpa, cp=1, tokens=t["tokens"], hkv=hkv,
                              pass_name=t["pass"])
