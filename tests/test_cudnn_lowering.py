@@ -22,40 +22,13 @@ import jax_cp
 from jax_cp.attention import registry
 from jax_cp.attention.registry import Segments
 from tests._devices import devices
+from tests._lowering import custom_calls, lower_for_cuda
 
 # The names and codes the extension exports (tests/test_cuda_contract.py
 # checks them against what it registers).
 FWD = cudnn_backend.FWD_TARGET
 BWD = cudnn_backend.BWD_TARGET
 MASK_CODES = cudnn_backend.MASK_CODES
-
-_CALL_RE = re.compile(
-    r"stablehlo\.custom_call @(?P<name>\w+)\((?P<args>[^)]*)\)\s*"
-    r"\{(?P<attrs>.*)\}"
-    r"\s*:\s*\((?P<in>[^)]*)\)\s*->\s*(?P<out>.+)$")
-
-
-def lower_for_cuda(fn, *args) -> str:
-  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
-def custom_calls(text: str, name: str):
-  """[(attributes dict, operand types, result types)] of calls to `name`."""
-  calls = []
-  for line in text.splitlines():
-    m = _CALL_RE.search(line)
-    if not m or m.group("name") != name:
-      continue
-    cfg = re.search(r"mhlo\.backend_config = \{([^}]*)\}", m.group("attrs"))
-    attrs = {}
-    for item in cfg.group(1).split(", "):
-      key, value = item.split(" = ")
-      attrs[key] = value
-    out = m.group("out").strip()
-    out = out[1:-1] if out.startswith("(") else out
-    calls.append((attrs, m.group("in").split(", "), out.split(", ")))
-  return calls
-
 
 def t(shape, dtype):
   return f"tensor<{'x'.join(map(str, shape))}x{dtype}>"

@@ -17,7 +17,7 @@ except ModuleNotFoundError:  # a present but broken extension fails
 
 import jax_cp
 from tests._devices import devices
-from tests.test_cudnn_lowering import custom_calls, lower_for_cuda
+from tests._lowering import custom_calls, lower_for_cuda
 
 HQ, HKV, D, T = 8, 2, 64, 64
 # Three documents, one shorter than the windows' chunks, padded to 8.

@@ -24,6 +24,7 @@ from jax_cp import flax as cp_linen
 from jax_cp import nnx as cp_nnx
 from jax_cp.modules import remat
 from tests._devices import devices
+from tests._lowering import lower_for_cuda
 
 CP, T, E = 4, 64, 16
 CU_P = np.array([[0, 16, 48, 64]], np.int32)
@@ -246,8 +247,8 @@ def test_cudnn_context_presets_run_one_forward_call():
     params = jax.eval_shape(m.init, jax.random.key(0), x, CU, CU_P)
     loss = lambda p, x: jnp.sum(m.apply(p, x, CU, CU_P).astype(jnp.float32))
     with jax.set_mesh(mesh):
-      text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(
-          params, x).lower(lowering_platforms=("cuda",)).as_text()
+      text = lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)),
+                            params, x)
     names = re.findall(r"stablehlo\.custom_call @(\w+)", text)
     return sum(names.count(n) for n in fwd)
 

@@ -16,6 +16,7 @@ from jax_cp.attention.registry import Segments, resolve_backend
 from jax_cp.cp_config import CPConfig
 from jax_cp.kv_exchange import choose_exchange
 from jax_cp.strategy import CPLoadBalancingStrategy as S
+from tests._lowering import lower_for_cuda
 
 T = 64
 
@@ -64,10 +65,6 @@ except ModuleNotFoundError:
   cudnn_backend = None
 needs_ext = pytest.mark.skipif(cudnn_backend is None,
                                reason="jax_cp's cuDNN extension is not built")
-
-
-def lower_for_cuda(fn, *args) -> str:
-  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def tiled_attrs(text):
