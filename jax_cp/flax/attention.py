@@ -184,9 +184,7 @@ class MultiHeadAttention(nn.Module):
     Returns:
       ``[.., T, out_features]``.
     """
-    # The caller's metadata goes on down: a CPBatch keeps its host check
-    # (CPBatch).
-    layout, _, _, position_ids = common.call_inputs(
+    _, position_ids = common.call_inputs(
         self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
         "MultiHeadAttention", self.rope_theta)
     body = lambda module, x, pos: module._attend(x, cu_seqlens,

@@ -181,16 +181,17 @@ def default_position_ids(layout: CPLayout, cu_seqlens_padded, n_tokens: int,
 
 def call_inputs(layout: CPLayout | None, x_shape, cu_seqlens,
                 cu_seqlens_padded, position_ids, what: str,
-                rope_theta: float | None = None
-                ) -> tuple[CPLayout, Any, Any, Any]:
+                rope_theta: float | None = None) -> tuple[CPLayout, Any]:
   """The checks every layer module runs on ``x [.., T, E]`` first:
-  ``(layout, cu_seqlens, cu_seqlens_padded, position_ids)`` with the
-  metadata unpacked from a batch (:func:`metadata`), the token count
-  checked against them (:func:`check_tokens`) and ``position_ids`` against
-  ``x``; with rotary embeddings (``rope_theta`` not None) ``position_ids``
-  default to the documents' positions (:func:`default_position_ids`),
-  computed here, outside any rematerialized body. ``what`` names the
-  module in errors."""
+  ``(layout, position_ids)``, with the metadata unpacked from a batch
+  (:func:`metadata`), the token count checked against them
+  (:func:`check_tokens`) and ``position_ids`` against ``x``; with rotary
+  embeddings (``rope_theta`` not None) ``position_ids`` default to the
+  documents' positions (:func:`default_position_ids`), computed here,
+  outside any rematerialized body. ``what`` names the module in errors.
+
+  The caller passes its own ``cu_seqlens`` (a :class:`CPBatch` or arrays)
+  on to attention, not the unpacked ones: a batch keeps its host check."""
   layout = check_layout(layout)
   cu_seqlens, cu_seqlens_padded = metadata(
       layout, cu_seqlens, cu_seqlens_padded, f"{what}'s batch")
@@ -199,7 +200,7 @@ def call_inputs(layout: CPLayout | None, x_shape, cu_seqlens,
   if position_ids is None and rope_theta is not None:
     position_ids = default_position_ids(layout, cu_seqlens_padded,
                                         x_shape[-2], cp_size)
-  return layout, cu_seqlens, cu_seqlens_padded, position_ids
+  return layout, position_ids
 
 
 def rotate_qkv(q, k, v, theta: float | None, position_ids):

@@ -197,9 +197,7 @@ class MultiHeadAttention(nnx.Module):
     Returns:
       ``[.., T, out_features]``.
     """
-    # The caller's metadata goes on down: a CPBatch keeps its host check
-    # (CPBatch).
-    _, _, _, position_ids = common.call_inputs(
+    _, position_ids = common.call_inputs(
         self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
         "MultiHeadAttention", self.rope_theta)
     if x.shape[-1] != self.in_features:

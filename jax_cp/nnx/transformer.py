@@ -164,9 +164,7 @@ class TransformerLayer(nnx.Module):
     Returns:
       ``[B, T, E]``, same layout as ``x``.
     """
-    # The caller's metadata goes on down: a CPBatch keeps its host check
-    # (CPBatch).
-    layout, _, _, position_ids = common.call_inputs(
+    layout, position_ids = common.call_inputs(
         self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
         "TransformerLayer", self.attention.rope_theta)
     body = lambda layer, x, pos: layer._layer(layout, x, cu_seqlens,
