@@ -77,10 +77,12 @@ class CPCostEstimate:
     imbalance: ``max(flops_per_rank) / mean(flops_per_rank)`` (1.0 when no
       rank has work).
     calls_per_rank: attention kernel calls per rank in the forward: one
-      (DUAL_CHUNK_SWAP runs both steps in one call), two for
-      NO_LOAD_BALANCE at ``cp > 1`` (the chunk's local call, and the halo
-      call for the straddling document's keys before the chunk), one with
-      a window of 0 (no halo).
+      for DUAL_CHUNK_SWAP (both steps in one call; with a window its plan
+      runs up to three, which :func:`recommend_strategy` charges on top,
+      knowing the layout's ``max_seqlen``), two for NO_LOAD_BALANCE at
+      ``cp > 1`` (the chunk's local call, and the halo call for the
+      straddling document's keys before the chunk), one with a window of 0
+      (no halo).
     allgather_bytes: K+V bytes each rank receives in the all-gather, summed
       over rows.
     halo_bytes_per_rank: NO_LOAD_BALANCE with ``max_seqlen`` or a window:
