@@ -56,3 +56,10 @@ def requires_devices(n: int, platform: str | None = None):
   """The mark ``requires_devices(n, platform=...)``: the test skips where
   fewer than ``n`` devices of ``platform`` exist."""
   return pytest.mark.requires_devices(n, platform=platform)
+
+
+def cp_mesh(cp: int, platform: str | None = None):
+  """A 1-D ``("cp",)`` mesh over the first ``cp`` devices of ``platform``
+  (Auto axes); skips the calling test when there are fewer."""
+  return jax.make_mesh((cp,), ("cp",), devices=devices(cp, platform),
+                       axis_types=(jax.sharding.AxisType.Auto,))

@@ -12,7 +12,7 @@ import jax_cp
 from jax_cp import CPLoadBalancingStrategy as S
 from jax_cp.kv_exchange import choose_exchange
 from tests import reference as ref
-from tests._devices import devices
+from tests._devices import cp_mesh
 
 T, D = 128, 16
 NLB = S.NO_LOAD_BALANCE
@@ -22,13 +22,6 @@ def layout_with_longest(rng, w, batch, max_docs=64):
   """Rows of T tokens whose documents are at most w long (padded), with
   one document of exactly w per row so the bound is tight."""
   return ref.rows_with_longest(rng, T, w, batch, max_docs)
-
-
-def cp_mesh(cp, platform=None):
-  """A 1-D ("cp",) mesh over the first cp (virtual) devices of platform
-  (None: JAX's default), Auto axes."""
-  return jax.make_mesh((cp,), ("cp",), devices=devices(cp, platform),
-                       axis_types=(jax.sharding.AxisType.Auto,))
 
 
 def run(q, k, v, w, cu, cuP, cp, max_seqlen, split=False):

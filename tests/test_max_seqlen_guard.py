@@ -18,17 +18,10 @@ from jax_cp import seqlen_guard
 from jax_cp.cp_config import make_config
 from jax_cp.cp_vjp import cp_attention_vjp
 from tests import reference as ref
-from tests._devices import devices
+from tests._devices import cp_mesh
 
 T, D = 64, 8
 NLB, DCS = S.NO_LOAD_BALANCE, S.DUAL_CHUNK_SWAP
-
-
-def cp_mesh(cp, platform=None):
-  """A 1-D ("cp",) mesh over the first cp devices of platform (None: JAX's
-  default), Auto axes."""
-  return jax.make_mesh((cp,), ("cp",), devices=devices(cp, platform),
-                       axis_types=(jax.sharding.AxisType.Auto,))
 
 
 def metadata(plens, lens):
