@@ -16,8 +16,7 @@ ffi::Error FillUncoveredRows(const CudaLibraries& libs, int device,
                              const CoveringSegments& segments,
                              const char* what) {
   if (row_end <= row_begin) return ffi::Error::Success();
-  if (a.row_bytes % 4 != 0 || b.row_bytes % 4 != 0 ||
-      segments.offset_divisor <= 0) {
+  if (a.row_bytes % 4 != 0 || b.row_bytes % 4 != 0) {
     return ffi::Error::Internal(std::string("filling uncovered rows of ") +
                                 what + ": rows must be whole 32-bit words");
   }
@@ -30,15 +29,14 @@ ffi::Error FillUncoveredRows(const CudaLibraries& libs, int device,
   void* b_ptr = b.data;
   long long a_words = a.row_bytes / 4, b_words = b.row_bytes / 4;
   unsigned a_fill = a.fill, b_fill = b.fill;
-  long long first = row_begin, n_rows = row_end, n_seg = segments.segments,
-            divisor = segments.offset_divisor;
+  long long first = row_begin, n_rows = row_end, n_seg = segments.segments;
   const void* q_lens = segments.q_lens;
   const void* kv_lens = segments.kv_lens;
-  const void* offsets = segments.offsets;
+  const void* starts = segments.starts;
   int mode = static_cast<int>(segments.coverage);
   void* args[] = {&a_ptr,   &a_words, &a_fill, &b_ptr,   &b_words,
                   &b_fill,  &first,   &n_rows, &q_lens,  &kv_lens,
-                  &offsets, &n_seg,   &divisor, &mode};
+                  &starts,  &n_seg,   &mode};
   constexpr long long kTile = 128;  // rows per block, as in the kernel
   const long long blocks = (row_end - row_begin + kTile - 1) / kTile;
   if (blocks > 0x7fffffffLL) {

@@ -28,14 +28,12 @@ struct RowFill {
 };
 
 // The segments: device int32 arrays of `segments` entries (q_lens, kv_lens,
-// and element offsets `offsets`, which divided by `offset_divisor` give the
-// first row).
+// and `starts`, the token offset of each segment's first row).
 struct CoveringSegments {
   const void* q_lens;
   const void* kv_lens;
-  const void* offsets;
+  const void* starts;
   int64_t segments;
-  int64_t offset_divisor;
   Coverage coverage;
 };
 

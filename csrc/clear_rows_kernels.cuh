@@ -16,7 +16,7 @@
 // the same rows are filled at once (out and stats), each with its own
 // 32-bit pattern and row length in 32-bit words.
 //
-// Segment s covers rows [off[s] / off_div, ... + n) with
+// Segment s covers rows [start[s], start[s] + n) with
 //   mode 0 (Q rows):                      n = q_len[s]
 //   mode 1 (KV rows, no mask or
 //           bottom-right causal):         n = q_len[s] > 0 ? kv_len[s] : 0
@@ -31,8 +31,8 @@ extern "C" __global__ void jax_cp_clear_uncovered_rows(
     unsigned* a, long long a_row_words, unsigned a_fill, unsigned* b,
     long long b_row_words, unsigned b_fill, long long first_row,
     long long rows,
-    const int* q_lens, const int* kv_lens, const int* offs,
-    long long segments, long long off_div, int mode) {
+    const int* q_lens, const int* kv_lens, const int* starts,
+    long long segments, int mode) {
   constexpr int kTile = 128;
   __shared__ unsigned covered[kTile / 32];
   const long long t0 = first_row + static_cast<long long>(blockIdx.x) * kTile;
@@ -43,7 +43,7 @@ extern "C" __global__ void jax_cp_clear_uncovered_rows(
     long long n = mode == 0 ? q : (q > 0 ? kv_lens[s] : 0);
     if (mode == 2 && q < n) n = q;
     if (n <= 0) continue;
-    const long long start = offs[s] / off_div;
+    const long long start = starts[s];
     const long long lo = max(start, t0) - t0;
     const long long hi = min(start + n, t0 + kTile) - t0;
     if (lo >= hi) continue;

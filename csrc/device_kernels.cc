@@ -53,6 +53,7 @@ const DeviceKernels& LoadDeviceKernels(const CudaLibraries& libs) {
       }
     }
     get(&k->clear_uncovered_rows, "jax_cp_clear_uncovered_rows");
+    get(&k->ragged_offsets, "jax_cp_ragged_offsets");
     kernels = k;  // never freed: the library lives as long as the process
   });
   return *kernels;

@@ -21,6 +21,7 @@ struct DeviceKernels {
   // jax_cp_merge_{add,max}_{f32,bf16,f16}[_vec]: [dtype][op][vectorised].
   cudaKernel_t merge[kKernelDtypes][2][2] = {};
   cudaKernel_t clear_uncovered_rows = nullptr;
+  cudaKernel_t ragged_offsets = nullptr;
   std::string error;  // empty when every kernel was found
 };
 

@@ -44,8 +44,14 @@ inline constexpr int64_t kMaxHeadDim = 256;
 
 // The SDPA calls' segment metadata operand is int32 [kSegmentMetaRows, W],
 // W >= S + 1 a multiple of kSegmentMetaWidthMultiple (see SegmentMeta).
-inline constexpr int64_t kSegmentMetaRows = 5;
+inline constexpr int64_t kSegmentMetaRows = 4;
 inline constexpr int64_t kSegmentMetaWidthMultiple = 4;
+
+// Values of the SDPA calls' `offset_bits` attribute: the width of the
+// ragged element offsets the handler builds from the token offsets and
+// hands to cuDNN (ragged_offsets.h).
+inline constexpr int64_t kRaggedOffsetBits32 = 32;
+inline constexpr int64_t kRaggedOffsetBits64 = 64;
 
 }  // namespace jax_cp
 

@@ -20,6 +20,7 @@
 #include <utility>
 
 #include "clear_rows.h"
+#include "ragged_offsets.h"
 #include "cuda_libs.h"
 #include "ffi_errors.h"
 #include "ffi_targets.h"
@@ -41,14 +42,15 @@ ffi::Error SdpaBackwardImpl(
     SegmentMeta meta, ffi::Result<ffi::AnyBuffer> dq,
     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
     int64_t segments, int64_t mask, float scale, int64_t max_seqlen_q,
-    int64_t max_seqlen_kv, int64_t window_left, int64_t tiled) {
+    int64_t max_seqlen_kv, int64_t window_left, int64_t tiled,
+    int64_t offset_bits) {
   const bool into = dq_in != nullptr;
   const char* call = into ? kSdpaBackwardIntoTarget : kSdpaBackwardTarget;
   return GuardFfi(call, [&]() -> ffi::Error {
     const SdpaCommonOperands ops{q, k, v, meta};
     auto key_or = MakeSdpaKey(call, SdpaDirection::kBackward, device, ops,
                               {segments, mask, scale, max_seqlen_q,
-                               max_seqlen_kv, window_left, tiled});
+                               max_seqlen_kv, window_left, tiled, offset_bits});
     if (!key_or.has_value()) return key_or.error();
     const SdpaGraphKey& key = *key_or;
     ffi::Error e = CheckSameAs(call, "out", out, "q", q);
@@ -74,25 +76,31 @@ ffi::Error SdpaBackwardImpl(
         {sdpa_uid::kDQ, dq->untyped_data()},
         {sdpa_uid::kDK, dk->untyped_data()},
         {sdpa_uid::kDV, dv->untyped_data()},
-        {sdpa_uid::kSeqLenQ, seg.q_lens},
-        {sdpa_uid::kSeqLenKv, seg.kv_lens},
-        {sdpa_uid::kOffsetQ, seg.q_off},
-        {sdpa_uid::kOffsetO, seg.q_off},
-        {sdpa_uid::kOffsetK, seg.kv_off},
-        {sdpa_uid::kOffsetV, seg.kv_off},
-        {sdpa_uid::kOffsetStats, seg.stats_off},
     };
     auto libs_or = GetCudaLibraries();
     if (!libs_or.has_value()) return libs_or.error();
     const CudaLibraries& libs = **libs_or;
+    if (!key.tiled) {
+      auto off_or = ComputeRaggedOffsets(call, libs, device, stream, scratch,
+                                         seg, key);
+      if (!off_or.has_value()) return off_or.error();
+      const RaggedOffsets& off = *off_or;
+      ptrs.insert({{sdpa_uid::kSeqLenQ, seg.q_lens},
+                   {sdpa_uid::kSeqLenKv, seg.kv_lens},
+                   {sdpa_uid::kOffsetQ, off.q},
+                   {sdpa_uid::kOffsetO, off.q},
+                   {sdpa_uid::kOffsetK, off.kv},
+                   {sdpa_uid::kOffsetV, off.kv},
+                   {sdpa_uid::kOffsetStats, off.stats}});
+    }
     const int64_t tq = key.tokens_q, tkv = key.tokens_kv;
     if (!into && tq > 0) {
       e = FillUncoveredRows(
           libs, device, stream, 0, tq,
           {dq->untyped_data(), static_cast<int64_t>(dq->size_bytes()) / tq,
            0u},
-          {}, {seg.q_lens, seg.kv_lens, seg.q_off, key.segments,
-               key.heads_q * key.head_dim, Coverage::kQueryRows},
+          {}, {seg.q_lens, seg.kv_lens, seg.q_start, key.segments,
+               Coverage::kQueryRows},
           "dq");
       if (e.failure()) return e;
     }
@@ -101,8 +109,7 @@ ffi::Error SdpaBackwardImpl(
       e = FillUncoveredRows(
           libs, device, stream, 0, tkv, {dk->untyped_data(), row_bytes, 0u},
           {dv->untyped_data(), row_bytes, 0u},
-          {seg.q_lens, seg.kv_lens, seg.kv_off, key.segments,
-           key.heads_kv * key.head_dim,
+          {seg.q_lens, seg.kv_lens, seg.kv_start, key.segments,
            key.mask == SdpaMask::kCausalTopLeft ? Coverage::kSeenKeyRowsTopLeft
                                                 : Coverage::kSeenKeyRows},
           "dk/dv");
@@ -119,11 +126,12 @@ ffi::Error SdpaBackward(
     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
     ffi::Result<ffi::AnyBuffer> dv, int64_t segments, int64_t mask,
     float scale, int64_t max_seqlen_q, int64_t max_seqlen_kv,
-    int64_t window_left, int64_t tiled) {
+    int64_t window_left, int64_t tiled,
+    int64_t offset_bits) {
   return SdpaBackwardImpl(stream, std::move(scratch), device, q, k, v, out,
                           dout, stats, nullptr, meta, dq, dk, dv, segments,
                           mask, scale, max_seqlen_q, max_seqlen_kv,
-                          window_left, tiled);
+                          window_left, tiled, offset_bits);
 }
 
 ffi::Error SdpaBackwardInto(
@@ -133,11 +141,12 @@ ffi::Error SdpaBackwardInto(
     SegmentMeta meta, ffi::Result<ffi::AnyBuffer> dq,
     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
     int64_t segments, int64_t mask, float scale, int64_t max_seqlen_q,
-    int64_t max_seqlen_kv, int64_t window_left, int64_t tiled) {
+    int64_t max_seqlen_kv, int64_t window_left, int64_t tiled,
+    int64_t offset_bits) {
   return SdpaBackwardImpl(stream, std::move(scratch), device, q, k, v, out,
                           dout, stats, &dq_in, meta, dq, dk, dv, segments,
                           mask, scale, max_seqlen_q, max_seqlen_kv,
-                          window_left, tiled);
+                          window_left, tiled, offset_bits);
 }
 
 }  // namespace
@@ -153,7 +162,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()  // out
         .Arg<ffi::AnyBuffer>()  // dout
         .Arg<ffi::AnyBuffer>()  // stats
-        .Arg<jax_cp::SegmentMeta>()  // meta [5, W]
+        .Arg<jax_cp::SegmentMeta>()  // meta [4, W]
         .Ret<ffi::AnyBuffer>()  // dq
         .Ret<ffi::AnyBuffer>()  // dk
         .Ret<ffi::AnyBuffer>()  // dv
@@ -169,7 +178,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()  // dout
         .Arg<ffi::AnyBuffer>()  // stats
         .Arg<ffi::AnyBuffer>()  // dq_in (aliased)
-        .Arg<jax_cp::SegmentMeta>()  // meta [5, W]
+        .Arg<jax_cp::SegmentMeta>()  // meta [4, W]
         .Ret<ffi::AnyBuffer>()  // dq
         .Ret<ffi::AnyBuffer>()  // dk
         .Ret<ffi::AnyBuffer>()  // dv

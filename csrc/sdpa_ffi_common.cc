@@ -74,17 +74,31 @@ ffi::ErrorOr<SdpaGraphKey> MakeSdpaKey(const char* call,
                              std::to_string(kMaxHeadDim) + "; got " +
                              std::to_string(key.head_dim));
   }
-  if (key.tokens_q * key.heads_q * key.head_dim >= kInt32Limit ||
-      key.tokens_kv * key.heads_kv * key.head_dim >= kInt32Limit) {
-    return Invalid(call, "element offsets overflow int32 for q" +
+  if (attrs.offset_bits != kRaggedOffsetBits32 &&
+      attrs.offset_bits != kRaggedOffsetBits64) {
+    return Invalid(call, "offset_bits must be 32 or 64; got " +
+                             std::to_string(attrs.offset_bits));
+  }
+  key.offset_bits = attrs.offset_bits;
+  // Token offsets are int32 (SegmentMeta); element offsets are int32 only
+  // when every one of them fits.
+  if (key.tokens_q >= kInt32Limit || key.tokens_kv >= kInt32Limit) {
+    return Invalid(call, "token counts must be < 2^31; got q" +
                              DimsToString(qd) + " k" + DimsToString(kd));
+  }
+  if (key.offset_bits == kRaggedOffsetBits32 &&
+      (key.tokens_q * key.heads_q * key.head_dim >= kInt32Limit ||
+       key.tokens_kv * key.heads_kv * key.head_dim >= kInt32Limit)) {
+    return Invalid(call, "32-bit element offsets overflow for q" +
+                             DimsToString(qd) + " k" + DimsToString(kd) +
+                             "; the call needs offset_bits = 64");
   }
 
   key.segments = attrs.segments;
   const auto md = ops.meta.dimensions();
   if (key.segments < 1 || md.size() != 2 || md[0] != kSegmentMetaRows ||
       md[1] < key.segments + 1 || md[1] % kSegmentMetaWidthMultiple != 0) {
-    return Invalid(call, "expected segments S >= 1 and metadata int32 [5, W] "
+    return Invalid(call, "expected segments S >= 1 and metadata int32 [4, W] "
                          "with W >= S + 1 a multiple of 4; got S=" +
                              std::to_string(key.segments) + " meta" +
                              DimsToString(md));
@@ -111,9 +125,10 @@ ffi::ErrorOr<SdpaGraphKey> MakeSdpaKey(const char* call,
   }
   key.max_seqlen_q = attrs.max_seqlen_q;
   key.max_seqlen_kv = attrs.max_seqlen_kv;
+  // cuDNN takes the band's left bound as the int window_left + 1.
   if (attrs.window_left < -1 ||
       (attrs.window_left >= 0 && key.mask == SdpaMask::kNoMask) ||
-      attrs.window_left >= kInt32Limit) {
+      attrs.window_left >= kInt32Limit - 1) {
     return Invalid(call, "window_left must be -1 (no window) or a causal "
                          "mask's left bound in [0, 2^31 - 1); got " +
                              std::to_string(attrs.window_left) + " with mask " +
@@ -144,7 +159,7 @@ ffi::ErrorOr<SdpaGraphKey> MakeSdpaKey(const char* call,
 SegmentPointers MetaPointers(const SegmentMeta& meta) {
   int32_t* base = meta.typed_data();
   const int64_t w = meta.dimensions()[1];
-  return {base, base + w, base + 2 * w, base + 3 * w, base + 4 * w};
+  return {base, base + w, base + 2 * w, base + 3 * w};
 }
 
 ffi::Error CheckSameAs(const char* call, const char* name,

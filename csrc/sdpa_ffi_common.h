@@ -15,13 +15,16 @@
 
 namespace jax_cp {
 
-// The segment metadata of a call, packed in one int32 operand [5, W] (one
-// small array for XLA to build instead of five): row 0 q_lens [S], row 1
-// kv_lens [S], rows 2-4 the element offsets q_off, kv_off, stats_off
-// [S + 1]; W >= S + 1 is a multiple of 4 (kSegmentMetaWidthMultiple), so
-// every row starts 16-byte aligned. S is the `segments` attribute.
+// The segment metadata of a call, packed in one int32 operand [4, W] (one
+// small array for XLA to build instead of four): row 0 q_lens [S], row 1
+// kv_lens [S], rows 2-3 the token offsets q_start, kv_start [S + 1] (where
+// each segment starts, then the token count); W >= S + 1 is a multiple of 4
+// (kSegmentMetaWidthMultiple), so every row starts 16-byte aligned. S is the
+// `segments` attribute. Token offsets fit int32 at any size that fits in
+// memory; the element offsets cuDNN reads are built from them by the
+// handler, 64-bit where the call asks for it (ragged_offsets.h).
 using SegmentMeta = xla::ffi::Buffer<xla::ffi::S32, 2>;
-static_assert(kSegmentMetaRows == 5, "SegmentPointers names five rows");
+static_assert(kSegmentMetaRows == 4, "SegmentPointers names four rows");
 
 // The operands every SDPA call has, forward and backward alike.
 struct SdpaCommonOperands {
@@ -35,9 +38,8 @@ struct SdpaCommonOperands {
 struct SegmentPointers {
   void* q_lens;
   void* kv_lens;
-  void* q_off;
-  void* kv_off;
-  void* stats_off;
+  void* q_start;
+  void* kv_start;
 };
 SegmentPointers MetaPointers(const SegmentMeta& meta);
 
@@ -50,6 +52,7 @@ struct SdpaAttributes {
   int64_t max_seqlen_kv;
   int64_t window_left;  // -1: no sliding window
   int64_t tiled;        // 1: SdpaGraphKey::tiled
+  int64_t offset_bits;  // 32 or 64: SdpaGraphKey::offset_bits
 };
 
 // The contexts every SDPA handler binds first (stream, scratch allocator,
@@ -72,7 +75,8 @@ auto BindSdpaAttributes(Binding&& binding) {
       .template Attr<int64_t>("max_seqlen_q")
       .template Attr<int64_t>("max_seqlen_kv")
       .template Attr<int64_t>("window_left")
-      .template Attr<int64_t>("tiled");
+      .template Attr<int64_t>("tiled")
+      .template Attr<int64_t>("offset_bits");
 }
 
 // Checks q/k/v, lengths, offsets and attributes and returns the graph key.

@@ -1,12 +1,13 @@
 // XLA FFI handler `jax_cp_cudnn_sdpa_fwd`: packed varlen attention forward.
 //
 // Operands: q [Tq,Hq,D], k [Tkv,Hkv,D], v [Tkv,Hkv,D] (bf16/f16), meta
-// int32 [5, W] (q_lens, kv_lens, and the element offsets q_off, kv_off,
-// stats_off of the S segments; see SegmentMeta). Results: out [Tq,Hq,D]
+// int32 [4, W] (q_lens, kv_lens, and the token offsets q_start, kv_start of
+// the S segments; see SegmentMeta). Results: out [Tq,Hq,D]
 // (q dtype), stats [Tq,Hq] float32 (the natural-log LSE of the scaled scores
 // on covered rows). Attributes: segments (S), mask (int64), scale (f32),
 // max_seqlen_q, max_seqlen_kv, window_left (int64; -1: no sliding window),
-// tiled (int64 0/1).
+// tiled (int64 0/1), offset_bits (int64 32/64: the width of the element
+// offsets the handler builds for cuDNN, ragged_offsets.h).
 //
 // Rows outside every segment get 0 in out and -inf (the log-sum-exp of no
 // scores) in stats; only those rows are written (FillUncoveredRows). A tiled
@@ -22,6 +23,7 @@
 #include <utility>
 
 #include "clear_rows.h"
+#include "ragged_offsets.h"
 #include "cuda_libs.h"
 #include "ffi_errors.h"
 #include "ffi_targets.h"
@@ -43,14 +45,15 @@ ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
                            ffi::Result<ffi::AnyBuffer> out,
                            ffi::Result<ffi::AnyBuffer> stats, int64_t segments,
                            int64_t mask, float scale, int64_t max_seqlen_q,
-                           int64_t max_seqlen_kv, int64_t window_left, int64_t tiled) {
+                           int64_t max_seqlen_kv, int64_t window_left, int64_t tiled,
+    int64_t offset_bits) {
   const bool into = out_in != nullptr;
   const char* call = into ? kSdpaForwardIntoTarget : kSdpaForwardTarget;
   return GuardFfi(call, [&]() -> ffi::Error {
     const SdpaCommonOperands ops{q, k, v, meta};
     auto key_or = MakeSdpaKey(call, SdpaDirection::kForward, device, ops,
                               {segments, mask, scale, max_seqlen_q,
-                               max_seqlen_kv, window_left, tiled});
+                               max_seqlen_kv, window_left, tiled, offset_bits});
     if (!key_or.has_value()) return key_or.error();
     const SdpaGraphKey& key = *key_or;
     ffi::Error e = CheckSameAs(call, "out", *out, "q", q);
@@ -71,28 +74,35 @@ ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
         {sdpa_uid::kV, v.untyped_data()},
         {sdpa_uid::kO, out->untyped_data()},
         {sdpa_uid::kStats, stats->untyped_data()},
-        {sdpa_uid::kSeqLenQ, seg.q_lens},
-        {sdpa_uid::kSeqLenKv, seg.kv_lens},
-        {sdpa_uid::kOffsetQ, seg.q_off},
-        {sdpa_uid::kOffsetO, seg.q_off},
-        {sdpa_uid::kOffsetK, seg.kv_off},
-        {sdpa_uid::kOffsetV, seg.kv_off},
-        {sdpa_uid::kOffsetStats, seg.stats_off},
     };
+    auto libs_or = GetCudaLibraries();
+    if (!libs_or.has_value()) return libs_or.error();
+    const CudaLibraries& libs = **libs_or;
+    if (!key.tiled) {
+      auto off_or = ComputeRaggedOffsets(call, libs, device, stream, scratch,
+                                         seg, key);
+      if (!off_or.has_value()) return off_or.error();
+      const RaggedOffsets& off = *off_or;
+      ptrs.insert({{sdpa_uid::kSeqLenQ, seg.q_lens},
+                   {sdpa_uid::kSeqLenKv, seg.kv_lens},
+                   {sdpa_uid::kOffsetQ, off.q},
+                   {sdpa_uid::kOffsetO, off.q},
+                   {sdpa_uid::kOffsetK, off.kv},
+                   {sdpa_uid::kOffsetV, off.kv},
+                   {sdpa_uid::kOffsetStats, off.stats}});
+    }
     auto fill = [&]() -> ffi::Error {
       if (into || key.tokens_q == 0) return ffi::Error::Success();
-      auto libs_or = GetCudaLibraries();
-      if (!libs_or.has_value()) return libs_or.error();
       constexpr uint32_t kMinusInf = 0xff800000u;  // float32 -inf
       const int64_t tq = key.tokens_q;
       return FillUncoveredRows(
-          **libs_or, device, stream, 0, tq,
+          libs, device, stream, 0, tq,
           {out->untyped_data(),
            static_cast<int64_t>(out->size_bytes()) / tq, 0u},
           {stats->untyped_data(),
            static_cast<int64_t>(stats->size_bytes()) / tq, kMinusInf},
-          {seg.q_lens, seg.kv_lens, seg.q_off, key.segments,
-           key.heads_q * key.head_dim, Coverage::kQueryRows},
+          {seg.q_lens, seg.kv_lens, seg.q_start, key.segments,
+           Coverage::kQueryRows},
           "out/stats");
     };
     if (!key.tiled) {
@@ -111,10 +121,11 @@ ffi::Error SdpaForward(cudaStream_t stream, ffi::ScratchAllocator scratch,
                        ffi::Result<ffi::AnyBuffer> out,
                        ffi::Result<ffi::AnyBuffer> stats, int64_t segments,
                        int64_t mask, float scale, int64_t max_seqlen_q,
-                       int64_t max_seqlen_kv, int64_t window_left, int64_t tiled) {
+                       int64_t max_seqlen_kv, int64_t window_left, int64_t tiled,
+    int64_t offset_bits) {
   return SdpaForwardImpl(stream, std::move(scratch), device, q, k, v, nullptr,
                          nullptr, meta, out, stats, segments, mask, scale,
-                         max_seqlen_q, max_seqlen_kv, window_left, tiled);
+                         max_seqlen_q, max_seqlen_kv, window_left, tiled, offset_bits);
 }
 
 ffi::Error SdpaForwardInto(
@@ -123,10 +134,11 @@ ffi::Error SdpaForwardInto(
     ffi::AnyBuffer stats_in, SegmentMeta meta,
     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> stats,
     int64_t segments, int64_t mask, float scale, int64_t max_seqlen_q,
-    int64_t max_seqlen_kv, int64_t window_left, int64_t tiled) {
+    int64_t max_seqlen_kv, int64_t window_left, int64_t tiled,
+    int64_t offset_bits) {
   return SdpaForwardImpl(stream, std::move(scratch), device, q, k, v, &out_in,
                          &stats_in, meta, out, stats, segments, mask, scale,
-                         max_seqlen_q, max_seqlen_kv, window_left, tiled);
+                         max_seqlen_q, max_seqlen_kv, window_left, tiled, offset_bits);
 }
 
 }  // namespace
@@ -141,7 +153,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()  // q
         .Arg<ffi::AnyBuffer>()  // k
         .Arg<ffi::AnyBuffer>()  // v
-        .Arg<jax_cp::SegmentMeta>()  // meta [5, W]
+        .Arg<jax_cp::SegmentMeta>()  // meta [4, W]
         .Ret<ffi::AnyBuffer>()  // out
         .Ret<ffi::AnyBuffer>()  // stats
     ));
@@ -154,7 +166,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()  // v
         .Arg<ffi::AnyBuffer>()  // out_in (aliased)
         .Arg<ffi::AnyBuffer>()  // stats_in (aliased)
-        .Arg<jax_cp::SegmentMeta>()  // meta [5, W]
+        .Arg<jax_cp::SegmentMeta>()  // meta [4, W]
         .Ret<ffi::AnyBuffer>()  // out
         .Ret<ffi::AnyBuffer>()  // stats
     ));

@@ -68,16 +68,18 @@ void SetHeadMajorStatsLayout(fe::graph::Tensor_attributes& t, int64_t b,
       .set_data_type(fe::DataType_t::FLOAT);
 }
 
-// int32 {n, 1, 1, 1}: per-segment lengths (n = b) or ragged element offsets
-// (n = b + 1; entry i is where segment i starts, the last entry the total).
+// {n, 1, 1, 1} integers: per-segment lengths (n = b, int32) or ragged
+// element offsets (n = b + 1, int32 or int64; entry i is where segment i
+// starts, the last entry the total).
 TensorPtr NewIndexTensor(fe::graph::Graph& g, const char* name, int64_t uid,
-                         int64_t n) {
+                         int64_t n,
+                         fe::DataType_t type = fe::DataType_t::INT32) {
   return g.tensor(fe::graph::Tensor_attributes()
                       .set_name(name)
                       .set_uid(uid)
                       .set_dim({n, 1, 1, 1})
                       .set_stride({1, 1, 1, 1})
-                      .set_data_type(fe::DataType_t::INT32));
+                      .set_data_type(type));
 }
 
 TensorPtr NewThdInput(fe::graph::Graph& g, const char* name, int64_t uid,
@@ -154,12 +156,14 @@ GraphInputs AddInputs(fe::graph::Graph& g, const SdpaGraphKey& key) {
   if (!key.tiled) {
     // Separate offset tensors per operand (bound to the same device buffer)
     // keep each operand's layout independent, as the frontend expects.
-    in.off_q = NewIndexTensor(g, "offset_q", sdpa_uid::kOffsetQ, b + 1);
-    in.off_k = NewIndexTensor(g, "offset_k", sdpa_uid::kOffsetK, b + 1);
-    in.off_v = NewIndexTensor(g, "offset_v", sdpa_uid::kOffsetV, b + 1);
-    in.off_o = NewIndexTensor(g, "offset_o", sdpa_uid::kOffsetO, b + 1);
-    in.off_stats =
-        NewIndexTensor(g, "offset_stats", sdpa_uid::kOffsetStats, b + 1);
+    const fe::DataType_t off = key.offset_bits == 64 ? fe::DataType_t::INT64
+                                                     : fe::DataType_t::INT32;
+    in.off_q = NewIndexTensor(g, "offset_q", sdpa_uid::kOffsetQ, b + 1, off);
+    in.off_k = NewIndexTensor(g, "offset_k", sdpa_uid::kOffsetK, b + 1, off);
+    in.off_v = NewIndexTensor(g, "offset_v", sdpa_uid::kOffsetV, b + 1, off);
+    in.off_o = NewIndexTensor(g, "offset_o", sdpa_uid::kOffsetO, b + 1, off);
+    in.off_stats = NewIndexTensor(g, "offset_stats", sdpa_uid::kOffsetStats,
+                                  b + 1, off);
     in.seq_q = NewIndexTensor(g, "seq_len_q", sdpa_uid::kSeqLenQ, b);
     in.seq_kv = NewIndexTensor(g, "seq_len_kv", sdpa_uid::kSeqLenKv, b);
   }
@@ -368,16 +372,6 @@ ffi::Error RunSdpaGraphImpl(const char* call, const SdpaGraphKey& key,
   auto graph_or = GetOrBuild(libs, dev, key, call);
   if (!graph_or.has_value()) return graph_or.error();
   const BuiltGraph& built = **graph_or;
-  if (key.tiled) {
-    // The dense graph has no offset or length tensors.
-    for (int64_t uid : {sdpa_uid::kOffsetQ, sdpa_uid::kOffsetK,
-                        sdpa_uid::kOffsetV, sdpa_uid::kOffsetO,
-                        sdpa_uid::kOffsetStats, sdpa_uid::kSeqLenQ,
-                        sdpa_uid::kSeqLenKv}) {
-      uid_to_ptr.erase(uid);
-    }
-  }
-
   void* workspace = nullptr;
   if (built.workspace_bytes > 0) {
     // XLA's FFI allocator rejects alignments above 16 ("Unsupported
@@ -415,16 +409,17 @@ bool SdpaGraphKey::operator==(const SdpaGraphKey& o) const {
          heads_kv == o.heads_kv && head_dim == o.head_dim &&
          io_type == o.io_type && mask == o.mask && scale_bits == o.scale_bits &&
          max_seqlen_q == o.max_seqlen_q && max_seqlen_kv == o.max_seqlen_kv &&
-         window_left == o.window_left && tiled == o.tiled;
+         window_left == o.window_left && tiled == o.tiled &&
+         offset_bits == o.offset_bits;
 }
 
 std::string SdpaGraphKey::ToString() const {
-  char buf[416];
+  char buf[480];
   std::snprintf(
       buf, sizeof(buf),
       "%s device=%d S=%lld Tq=%lld Tkv=%lld Hq=%lld Hkv=%lld D=%lld dtype=%s "
       "mask=%s scale=%.9g max_seqlen_q=%lld max_seqlen_kv=%lld "
-      "window_left=%lld tiled=%d",
+      "window_left=%lld tiled=%d offset_bits=%lld",
       direction == SdpaDirection::kForward ? "fwd" : "bwd", device,
       static_cast<long long>(segments), static_cast<long long>(tokens_q),
       static_cast<long long>(tokens_kv), static_cast<long long>(heads_q),
@@ -432,7 +427,8 @@ std::string SdpaGraphKey::ToString() const {
       io_type == SdpaIoType::kBFloat16 ? "bf16" : "f16", MaskName(mask),
       static_cast<double>(scale()), static_cast<long long>(max_seqlen_q),
       static_cast<long long>(max_seqlen_kv),
-      static_cast<long long>(window_left), tiled ? 1 : 0);
+      static_cast<long long>(window_left), tiled ? 1 : 0,
+      static_cast<long long>(offset_bits));
   return buf;
 }
 
@@ -456,6 +452,7 @@ size_t SdpaGraphKeyHash::operator()(const SdpaGraphKey& k) const {
   mix(static_cast<uint64_t>(k.max_seqlen_kv));
   mix(static_cast<uint64_t>(k.window_left));
   mix(static_cast<uint64_t>(k.tiled));
+  mix(static_cast<uint64_t>(k.offset_bits));
   return h;
 }
 

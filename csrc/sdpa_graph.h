@@ -6,7 +6,9 @@
 //   K, V, dK, dV : [Tkv, Hkv, D] viewed as {b, Hkv, s_kv, D}, ragged by kv_off
 //   Stats (LSE)  : [Tq, Hq] f32  viewed as {b, Hq, s_q, 1}, ragged by stats_off
 //   q_lens, kv_lens : int32 [b]   actual lengths (padding mask)
-//   q_off, kv_off, stats_off : int32 [b + 1] element offsets of each segment
+//   q_off, kv_off, stats_off : int32 or int64 [b + 1] element offsets of
+//                   each segment (SdpaGraphKey::offset_bits; built by the
+//                   handler from token offsets, ragged_offsets.h)
 // s_q / s_kv (the graph's sequence dims) bound every segment's length.
 #ifndef JAX_CP_CSRC_SDPA_GRAPH_H_
 #define JAX_CP_CSRC_SDPA_GRAPH_H_
@@ -55,6 +57,12 @@ struct SdpaGraphKey {
   // (rows past a segment's length are handled by the handlers and the
   // Python wrapper; docs/design.md, Tiled calls).
   bool tiled = false;
+  // Width of the ragged element offsets (32 or 64). cuDNN addresses its
+  // own float32 buffers of a ragged backward (the dQ accumulator, dK/dV at
+  // the query heads with GQA) through the same offsets; 64-bit offsets keep
+  // that addressing exact past 2^30 elements (docs/design.md, Ragged
+  // offsets and the size limit).
+  int64_t offset_bits = 32;
 
   float scale() const;
   bool operator==(const SdpaGraphKey& other) const;

@@ -3,7 +3,11 @@
 * Eight virtual CPU devices for the CP meshes: XLA_FLAGS must be set before
   JAX initialises, hence at conftest import time. The flag is added to an
   XLA_FLAGS that lacks it (one that sets its own device count keeps it).
-* ``gpu`` tests skip cleanly where no CUDA GPU is visible.
+* ``gpu`` tests skip cleanly where no CUDA GPU is visible. Where one is,
+  every test process (each xdist worker, and the subprocesses some tests
+  start) shares it: JAX's preallocation of 75 % of the GPU per process is
+  turned off (``XLA_PYTHON_CLIENT_PREALLOCATE=false``, unless set), so
+  ``pytest -n N`` runs N processes on one GPU, each taking what it uses.
 * ``requires_devices(n, platform=None)`` tests skip where fewer devices
   exist (``tests/_devices.py``).
 * ``record_error``: tests report their relative errors; the largest per
@@ -20,6 +24,9 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
   # Test programs are small: LLVM's -O0 roughly halves XLA:CPU compile time,
   # which dominates the suite on 2 cores (tests check results, not speed).
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+
+# Set before JAX initialises, like XLA_FLAGS; a value the caller set wins.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402  (after XLA_FLAGS on purpose)
 import pytest  # noqa: E402

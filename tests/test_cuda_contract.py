@@ -62,7 +62,7 @@ def test_codes_match_the_registry_and_the_wrapper():
   assert cudnn.MERGE_OP_CODES == _jax_cp_cuda.MERGE_OP_CODES == {"add": 0,
                                                                  "max": 1}
   assert cudnn.MAX_HEAD_DIM == _jax_cp_cuda.MAX_HEAD_DIM == 256
-  assert _jax_cp_cuda.SEGMENT_META_ROWS == 5
+  assert _jax_cp_cuda.SEGMENT_META_ROWS == 4
 
 
 def test_every_emitted_custom_call_is_registered():

@@ -51,10 +51,10 @@ def qkv(dtype=jnp.bfloat16, tq=TQ, tkv=TKV, hq=HQ, hkv=HKV, d=D):
 
 
 def expected_operands(dtype, s=3, tq=TQ, tkv=TKV, hq=HQ, hkv=HKV, d=D):
-  """q, k, v types and the packed metadata [5, W] (W = S+1 rounded up to 4)."""
+  """q, k, v types and the packed metadata [4, W] (W = S+1 rounded up to 4)."""
   w = -(-(s + 1) // 4) * 4
   return ([t((tq, hq, d), dtype), t((tkv, hkv, d), dtype),
-           t((tkv, hkv, d), dtype)], [t((5, w), "i32")])
+           t((tkv, hkv, d), dtype)], [t((4, w), "i32")])
 
 
 @pytest.mark.parametrize("mask", sorted(MASK_CODES))
@@ -65,7 +65,7 @@ def test_forward_lowers_to_custom_call(mask):
   assert attrs == {"mask": f"{MASK_CODES[mask]} : i64",
                    "max_seqlen_kv": "40 : i64", "max_seqlen_q": "32 : i64",
                    "scale": "1.250000e-01 : f32", "segments": "3 : i64",
-                   "window_left": "-1 : i64", "tiled": "0 : i64"}
+                   "window_left": "-1 : i64", "tiled": "0 : i64", "offset_bits": "32 : i64"}
   tensors, meta = expected_operands("bf16")
   assert ins == tensors + meta
   assert outs == [t((TQ, HQ, D), "bf16"), t((TQ, HQ), "f32")]
@@ -98,7 +98,7 @@ def test_backward_lowers_to_custom_call():
   assert attrs == {"mask": "2 : i64", "max_seqlen_kv": "40 : i64",
                    "max_seqlen_q": "32 : i64", "scale": "5.000000e-01 : f32",
                    "segments": "3 : i64", "window_left": "-1 : i64",
-                   "tiled": "0 : i64"}
+                   "tiled": "0 : i64", "offset_bits": "32 : i64"}
   tensors, meta = expected_operands("bf16")
   assert ins == tensors + [t((TQ, HQ, D), "bf16")] * 2 + [
       t((TQ, HQ), "f32")] + meta
@@ -129,7 +129,7 @@ def test_grad_through_fused_attention(mask):
   common = {"mask": f"{code} : i64", "max_seqlen_kv": "16 : i64",
             "max_seqlen_q": "16 : i64", "scale": "2.500000e-01 : f32",
             "segments": f"{s} : i64", "window_left": "-1 : i64",
-            "tiled": "0 : i64"}
+            "tiled": "0 : i64", "offset_bits": "32 : i64"}
   assert fwd[0] == common
   assert bwd[0] == common
   tensors, meta = expected_operands("bf16", s=s, tq=b * tq, tkv=b * tq, hq=4,
@@ -255,15 +255,35 @@ def test_rejects_rank():
                     sds((1, TKV, HKV, D)))
 
 
-def test_rejects_int32_offset_overflow():
+def test_offset_bits_follow_the_element_counts():
+  """Calls whose tensors (Q, K/V at the query heads, the dQ accumulator)
+  reach the int32 limit of exact addressing get 64-bit offsets; smaller
+  ones keep 32-bit. Past 2**31 elements the call is accepted (no error)."""
+  limit = cudnn_backend.INT32_OFFSET_ELEMENT_LIMIT
+  bits = cudnn_backend.ragged_offset_bits
+  assert bits((limit // 1024 - 1, 16, 64), (16, 4, 64), 1, 16) == 32
+  assert bits((limit // 1024, 16, 64), (16, 4, 64), 1, 16) == 64
+  # K/V counted at the query heads (GQA): 4x the K/V elements.
+  assert bits((16, 16, 64), (limit // 1024, 4, 64), 1, 16) == 64
+  assert bits((16, 16, 64), (limit // 1024 - 1, 16, 64), 1, 16) == 32
+  # D % 16 != 0: the accumulator is sized by the segment slots.
+  assert bits((1024, 16, 8), (1024, 16, 8), 2**17, 2**15) == 64
+  assert bits((1024, 16, 16), (1024, 16, 16), 2**17, 2**15) == 32
   big = sds((2**21, 16, 64))  # exactly 2**31 elements
-  with pytest.raises(ValueError, match=r"\(2097152, 16, 64\).*2\*\*31"):
-    _forward_shapes(big, sds((TKV, 16, 64)), sds((TKV, 16, 64)))
+  (attrs, _, _), = custom_calls(lower_for_cuda(
+      lambda q, k, v, seg: cudnn_backend.forward(
+          q, k, v, seg, mask="causal_top_left", scale=0.125),
+      big, sds((2**21, 16, 64)), sds((2**21, 16, 64)),
+      make_segments([8, 8], [8, 8], [0, 8], [0, 8], 8, 8)), FWD)
+  assert attrs["offset_bits"] == "64 : i64"
+
+
+def test_rejects_token_counts_past_int32():
+  with pytest.raises(ValueError, match=r"\(2147483648, 1, 8\).*2\*\*31"):
+    cudnn_backend.check_token_counts((2**31, 1, 8), (16, 1, 8))
   with pytest.raises(ValueError, match="k/v"):
-    _forward_shapes(sds((TQ, 16, 64)), big, big)
-  # One element below the limit is accepted.
-  _forward_shapes(sds((2**21 - 1, 16, 64)), sds((TKV, 16, 64)),
-                  sds((TKV, 16, 64)))
+    cudnn_backend.check_token_counts((16, 1, 8), (2**31, 1, 8))
+  cudnn_backend.check_token_counts((2**31 - 1, 1, 8), (2**31 - 1, 1, 8))
 
 
 def test_rejects_bad_mask_and_segments():
@@ -287,26 +307,26 @@ def test_backward_rejects_bad_lse():
 # ---------------------------------------------------------------------------
 
 
-def test_element_offsets():
-  q_off = cudnn_backend._element_offsets(SEG.q_offsets, TQ, HQ * D)
-  np.testing.assert_array_equal(q_off, np.array([0, 10, 24, TQ]) * HQ * D)
-  assert q_off.dtype == jnp.int32
+def test_token_starts():
+  starts = cudnn_backend._token_starts(SEG.q_offsets, TQ)
+  np.testing.assert_array_equal(starts, [0, 10, 24, TQ])
+  assert starts.dtype == jnp.int32
 
 
 def test_segment_meta_rows():
-  """The packed operand holds the clipped lengths and the three element
-  offset vectors, zero-padded to a multiple of 4 (16-byte rows)."""
+  """The packed operand holds the clipped lengths and the two token offset
+  vectors, zero-padded to a multiple of 4 (16-byte rows); the handler
+  builds cuDNN's element offsets from them."""
   meta = np.asarray(cudnn_backend._segment_meta(SEG, (TQ, HQ, D),
                                                 (TKV, HKV, D), 32, 40))
-  assert meta.shape == (5, 4) and meta.dtype == np.int32
+  assert meta.shape == (4, 4) and meta.dtype == np.int32
   np.testing.assert_array_equal(meta[0], [10, 0, 30, 0])
   np.testing.assert_array_equal(meta[1], [20, 0, 40, 0])
-  np.testing.assert_array_equal(meta[2], np.array([0, 10, 24, TQ]) * HQ * D)
-  np.testing.assert_array_equal(meta[3], np.array([0, 20, 40, TKV]) * HKV * D)
-  np.testing.assert_array_equal(meta[4], np.array([0, 10, 24, TQ]) * HQ)
+  np.testing.assert_array_equal(meta[2], [0, 10, 24, TQ])
+  np.testing.assert_array_equal(meta[3], [0, 20, 40, TKV])
   big = make_segments([1] * 6, [1] * 6, range(6), range(6), 1, 1)
   assert cudnn_backend._segment_meta(big, (TQ, HQ, D), (TKV, HKV, D), 1,
-                                     1).shape == (5, 8)
+                                     1).shape == (4, 8)
 
 
 @pytest.mark.parametrize("mask", sorted(MASK_CODES))

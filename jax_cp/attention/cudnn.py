@@ -137,15 +137,40 @@ def check_shapes(q, k, v) -> None:
         f"key/value heads; got Hq={hq}, Hkv={hkv}.")
 
 
-def check_offsets_fit_int32(q_shape, k_shape) -> None:
-  """cuDNN's ragged offsets are int32 element offsets: T*H*D < 2**31."""
+def check_token_counts(q_shape, k_shape) -> None:
+  """The call carries int32 token offsets: Tq and Tkv must be < 2**31."""
   for name, shape in (("q", q_shape), ("k/v", k_shape)):
-    elements = math.prod(int(n) for n in shape)
-    if elements >= _INT32_LIMIT:
+    if int(shape[0]) >= _INT32_LIMIT:
       raise ValueError(
-          f"{name} of shape {tuple(shape)} has {elements} elements; backend "
-          f"'cudnn' addresses segments with int32 element offsets, so T*H*D "
-          f"must be < 2**31. Split the call (e.g. over heads or a CP axis).")
+          f"{name} of shape {tuple(shape)} has {shape[0]} tokens; backend "
+          f"'cudnn' takes at most 2**31 - 1 tokens per call.")
+
+
+#: The largest element count that cuDNN 9.19's ragged backward addresses
+#: exactly with int32 element offsets, per tensor it addresses through them
+#: (Q, K/V, and its own float32 buffers sized like Q and like K/V at the
+#: query heads): past it dK/dV and then dQ come out wrong
+#: (docs/design.md, "Ragged offsets and the size limit"). At or past it a
+#: call gets int64 offsets.
+INT32_OFFSET_ELEMENT_LIMIT = 2**29
+
+
+def ragged_offset_bits(q_shape, k_shape, segments: int, max_q: int) -> int:
+  """The width (32 or 64) of the ragged element offsets of a call.
+
+  32 while every tensor cuDNN addresses through the offsets holds fewer
+  than :data:`INT32_OFFSET_ELEMENT_LIMIT` elements, 64 otherwise. The
+  tensors are Q and K/V, and the backward's float32 buffers: the dQ
+  accumulator (``Tq * Hq * D`` elements, or ``S * max_seqlen_q * Hq * D``
+  where the frontend sizes it by the segment slots, with a head dim that is
+  not a multiple of 16) and dK/dV at the ``Hq`` query heads
+  (``Tkv * Hq * D``). Static shapes only: one graph per shape.
+  """
+  tq, hq, d = (int(n) for n in q_shape)
+  tkv, hkv, _ = (int(n) for n in k_shape)
+  rows_q = tq if d % 16 == 0 else max(tq, segments * max_q)
+  largest = max(rows_q * hq * d, tkv * max(hq, hkv) * d)
+  return 64 if largest >= INT32_OFFSET_ELEMENT_LIMIT else 32
 
 
 def check_mask(mask) -> None:
@@ -225,7 +250,7 @@ def check_like(name: str, x, shape, dtype=None) -> None:
 def _check_call(q, k, v, seg, mask) -> None:
   check_dtypes(q, k, v)
   check_shapes(q, k, v)
-  check_offsets_fit_int32(q.shape, k.shape)
+  check_token_counts(q.shape, k.shape)
   check_mask(mask)
   check_segments(seg)
   check_tiled(seg, mask, q.shape[0], k.shape[0])
@@ -257,11 +282,10 @@ def _lengths(seg: Segments, max_q: int, max_kv: int):
   return q_lens, kv_lens
 
 
-def _element_offsets(token_offsets, tokens: int, row_elements: int):
-  """[S+1] int32: where each segment starts, in elements, then the total."""
-  starts = token_offsets.astype(jnp.int32) * np.int32(row_elements)
-  total = jnp.full((1,), tokens * row_elements, jnp.int32)
-  return jnp.concatenate([starts, total])
+def _token_starts(token_offsets, tokens: int):
+  """[S+1] int32: where each segment starts, in tokens, then the total."""
+  starts = token_offsets.astype(jnp.int32)
+  return jnp.concatenate([starts, jnp.full((1,), tokens, jnp.int32)])
 
 
 def _rows_with_keys(q_lens, kv_lens, q_offsets, tq: int, mask: str):
@@ -288,29 +312,32 @@ def _rows_with_keys(q_lens, kv_lens, q_offsets, tq: int, mask: str):
 
 
 def _segment_meta(seg: Segments, q_shape, k_shape, max_q: int, max_kv: int):
-  """The packed int32 ``[5, W]`` metadata operand (see csrc/sdpa_ffi_common.h):
-  q_lens, kv_lens (``[S]``) and the element offsets q_off, kv_off, stats_off
+  """The packed int32 ``[4, W]`` metadata operand (see csrc/sdpa_ffi_common.h):
+  q_lens, kv_lens (``[S]``) and the token offsets q_start, kv_start
   (``[S+1]``), each row zero-padded to ``W``, the next multiple of
   :data:`SEGMENT_META_WIDTH_MULTIPLE` (4) of ``S+1``. One small array per
-  call (XLA builds it in one fusion)."""
-  tq, hq, d = q_shape
-  tkv, hkv, _ = k_shape
+  call (XLA builds it in one fusion); the handler turns the token offsets
+  into cuDNN's element offsets, 32- or 64-bit (``offset_bits``)."""
+  tq, tkv = q_shape[0], k_shape[0]
   s = seg.q_lens.shape[0]
   m = SEGMENT_META_WIDTH_MULTIPLE
   w = -(-(s + 1) // m) * m
   q_lens, kv_lens = _lengths(seg, max_q, max_kv)
-  rows = (q_lens, kv_lens, _element_offsets(seg.q_offsets, tq, hq * d),
-          _element_offsets(seg.kv_offsets, tkv, hkv * d),
-          _element_offsets(seg.q_offsets, tq, hq))
+  rows = (q_lens, kv_lens, _token_starts(seg.q_offsets, tq),
+          _token_starts(seg.kv_offsets, tkv))
   return jnp.stack([jnp.pad(r, (0, w - r.shape[0])) for r in rows])
 
 
-def _attributes(seg: Segments, mask: str, scale: np.float32, max_q: int,
-                max_kv: int, window_left: int, tiled: bool = False):
-  return dict(segments=np.int64(seg.q_lens.shape[0]),
+def _attributes(seg: Segments, q_shape, k_shape, mask: str, scale: np.float32,
+                max_q: int, max_kv: int, window_left: int,
+                tiled: bool = False):
+  s = seg.q_lens.shape[0]
+  return dict(segments=np.int64(s),
               mask=np.int64(MASK_CODES[mask]), scale=scale,
               max_seqlen_q=np.int64(max_q), max_seqlen_kv=np.int64(max_kv),
-              window_left=np.int64(window_left), tiled=np.int64(tiled))
+              window_left=np.int64(window_left), tiled=np.int64(tiled),
+              offset_bits=np.int64(ragged_offset_bits(q_shape, k_shape, s,
+                                                      max_q)))
 
 
 #: The lse a tiled backward reads on rows past a segment's length: every
@@ -369,8 +396,8 @@ def forward(q, k, v, seg: Segments, *, mask: str, scale: float,
   meta = _segment_meta(seg, q.shape, k.shape, max_q, max_kv)
   result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                   jax.ShapeDtypeStruct((tq, hq), jnp.float32))
-  attrs = _attributes(seg, mask, scale, max_q, max_kv, window_left,
-                      tiled=seg.tiled and into is None)
+  attrs = _attributes(seg, q.shape, k.shape, mask, scale, max_q, max_kv,
+                      window_left, tiled=seg.tiled and into is None)
   if into is not None:
     return jax.ffi.ffi_call(
         FWD_INTO_TARGET, result_types, input_output_aliases={3: 0, 4: 1},
@@ -428,7 +455,8 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
   result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                   jax.ShapeDtypeStruct(k.shape, k.dtype),
                   jax.ShapeDtypeStruct(v.shape, v.dtype))
-  attrs = _attributes(seg, mask, scale, max_q, max_kv, window_left, tiled)
+  attrs = _attributes(seg, q.shape, k.shape, mask, scale, max_q, max_kv,
+                      window_left, tiled)
   inputs = (q, k, v, out.astype(q.dtype), dout.astype(q.dtype), stats)
   if dq_into is not None:
     return jax.ffi.ffi_call(

@@ -8,6 +8,10 @@
 #
 #   tests/gpu/run_gpu_suite.sh [extra pytest args, e.g. -k one_long -x]
 #
+# Any pytest -n N works: the test processes share the GPU
+# (XLA_PYTHON_CLIENT_PREALLOCATE=false, set here and by tests/conftest.py,
+# unless the caller sets it).
+#
 # Environment: PYTHON (default python3), OUT (folder for the logs; a temporary
 # one otherwise), WHEELS (default .whl), JAX_CP_PIP_ARGS (extra pip
 # arguments, e.g. --user), JAX_CP_USE_TOOLKIT=1 (build with the toolkit's
@@ -15,6 +19,7 @@
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+export XLA_PYTHON_CLIENT_PREALLOCATE="${XLA_PYTHON_CLIENT_PREALLOCATE:-false}"
 PY=$(command -v "${PYTHON:-python3}")
 WHEELS="${WHEELS:-.whl}"
 LOG_DIR="${OUT:-$(mktemp -d /tmp/jax_cp_gpu_logs.XXXXXX)}"
