@@ -11,6 +11,9 @@ Public API::
     jax_cp.fused_attention (the varlen primitive, no CP)
     jax_cp.PackedRows / pack_documents / pad_multiple_for / balance_rows
         (documents packed into rows with a strategy's padding)
+    jax_cp.rows_from_segment_ids / to_segment_layout / segment_index /
+        cu_seqlens_from_segment_ids (batches in the segment-id convention:
+        MaxText, grain, TE JAX)
     jax_cp.model_flops / attention_flops / causal_pairs (the one FLOP
         count: MFU convention, or hardware FLOPs with recompute=True)
     jax_cp.cp_attention_fn (attention_fn of Flax's own attention modules)
@@ -53,6 +56,12 @@ from jax_cp.partition import (
                                reorder_for_cp,
                                restore_from_cp,
 )
+from jax_cp.segment_ids import (
+                               cu_seqlens_from_segment_ids,
+                               rows_from_segment_ids,
+                               segment_index,
+                               to_segment_layout,
+)
 from jax_cp.strategy import CPLoadBalancingStrategy
 
 __version__ = "0.1.0"
@@ -71,6 +80,7 @@ __all__ = [
     "cp_attention",
     "cp_attention_fn",
     "cp_attention_local",
+    "cu_seqlens_from_segment_ids",
     "estimate_cp_imbalance",
     "fused_attention",
     "get_batch_on_this_cp_rank",
@@ -88,4 +98,7 @@ __all__ = [
     "remat_policy",
     "reorder_for_cp",
     "restore_from_cp",
+    "rows_from_segment_ids",
+    "segment_index",
+    "to_segment_layout",
 ]

@@ -132,7 +132,9 @@ def make_config(q_shape, k_shape, v_shape, dtype, cu_seqlens,
   bound = checks.check_max_seqlen(max_seqlen, cu_seqlens_padded, total_tokens)
   checks.check_max_seqlen_violation(max_seqlen_violation)
   checks.check_dcs_window_plan(dcs_window_plan)
-  resolved = resolve_backend(backend, platform, dtype)
+  resolved = resolve_backend(
+      backend, platform, dtype,
+      score_bytes=4 * int(q_shape[-2]) * int(total_tokens) ** 2)
 
   def config(w: int) -> CPConfig:
     """The layout for the bound ``w``."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 
 from jax_cp.strategy import CPLoadBalancingStrategy, as_strategy
@@ -183,12 +184,19 @@ def _exclusive_cumsum(x):
   return jnp.cumsum(x, axis=-1) - x
 
 
+def _count_le(sorted_rows, i):
+  """Per row of ``sorted_rows [B, S]`` (non-decreasing): how many of its
+  entries are ``<= i`` for each index of ``i [n]``, ``[B, n]`` int32. A
+  binary search per index (``O(n log S)`` work and ``O(B n)`` memory, never
+  a ``[B, n, S]`` comparison)."""
+  count = lambda row: jnp.searchsorted(row, i, side="right")
+  return jax.vmap(count)(sorted_rows).astype(jnp.int32)
+
+
 def _segment_of(ends, i):
   """Per row of ``ends [B, S]`` (non-decreasing segment ends): the segment
   ``[B, n]`` holding each index of ``i [n]``."""
-  return jnp.minimum(
-      jnp.sum(ends[:, None, :] <= i[None, :, None], axis=-1),
-      ends.shape[-1] - 1)
+  return jnp.minimum(_count_le(ends, i), ends.shape[-1] - 1)
 
 
 def window_compaction(steps: tuple[StepMetadata, StepMetadata],
@@ -235,8 +243,7 @@ def window_compaction(steps: tuple[StepMetadata, StepMetadata],
   cuP = jnp.asarray(cu_seqlens_padded, jnp.int32)
   starts, plens = cuP[..., :-1], cuP[..., 1:] - cuP[..., :-1]
   ndoc = starts.shape[-1]
-  doc_of = lambda firsts, r: jnp.sum(firsts[:, None, 1:] <= r[None, :, None],
-                                     axis=-1, dtype=jnp.int32)
+  doc_of = lambda firsts, r: _count_le(firsts[:, 1:], r)
   t = jnp.arange(q_tokens, dtype=jnp.int32)
   d = doc_of(starts // cp_size, t)
   rel = t[None] - take(starts // cp_size, d)

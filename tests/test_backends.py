@@ -9,6 +9,7 @@ import subprocess
 import sys
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -143,6 +144,40 @@ def test_auto_runs_float32_on_xla_with_one_log_line(fresh_registry, caplog):
   assert registry.resolve_backend("cudnn", "cuda",
                                   jnp.float32).name == "cudnn"
   assert len(_auto_lines(caplog)) == 2
+
+
+def test_auto_raises_where_the_float32_fallback_would_be_huge(
+    fresh_registry, caplog):
+  """Past AUTO_XLA_FALLBACK_SCORE_BYTES of xla scores, "auto" raises a
+  ValueError naming the dtype and the size instead of falling back; at the
+  limit it still falls back; an explicit "xla" is never refused."""
+  registry.register_backend(_fake_cudnn([]))
+  limit = registry.AUTO_XLA_FALLBACK_SCORE_BYTES
+  assert registry.resolve_backend("auto", "cuda", jnp.float32,
+                                  score_bytes=limit).name == "xla"
+  with pytest.raises(ValueError, match=r"float32.*8\.0 GiB.*bfloat16"):
+    registry.resolve_backend("auto", "cuda", jnp.float32,
+                             score_bytes=2 * limit)
+  assert registry.resolve_backend("xla", "cuda", jnp.float32,
+                                  score_bytes=2 * limit).name == "xla"
+  # Where cuDNN does not run, xla is the plain choice at any size.
+  assert registry.resolve_backend("auto", "cpu", jnp.float32,
+                                  score_bytes=2 * limit).name == "xla"
+
+
+def test_auto_fused_attention_rejects_a_long_float32_call(fresh_registry):
+  """fused_attention passes the call's score size: a long float32 row with
+  the fake cuDNN available raises before anything runs (abstract shapes)."""
+  registry.register_backend(_fake_cudnn([], platforms=("cpu",)))
+  t = 2**15
+  q = jax.ShapeDtypeStruct((t, 2, 8), jnp.float32)
+  k = jax.ShapeDtypeStruct((t, 1, 8), jnp.float32)
+  lens = jnp.array([t], jnp.int32)
+  offs = jnp.array([0], jnp.int32)
+  with pytest.raises(ValueError, match="GiB"):
+    jax.eval_shape(lambda q, k: jax_cp.fused_attention(
+        q, k, k, lens, lens, offs, offs, attn_mask_type="causal_top_left",
+        backend="auto"), q, k)
 
 
 def test_auto_attention_with_float32_runs_on_xla(fresh_registry, caplog):

@@ -1,7 +1,8 @@
 """The example package ``examples/packed_lm``: its flags and defaults, its
-rows of standard-library files, a short training run whose loss decreases
-and matches the no-CP loss, and resuming from a checkpoint (with the check
-of the run's config)."""
+grain pipeline of standard-library files (aligned rows, per batch shard,
+resumable state), a short training run whose loss decreases and matches
+the no-CP loss, and resuming from a checkpoint (with the check of the
+run's config)."""
 
 import json
 import os
@@ -69,24 +70,86 @@ def test_remat_flag_takes_the_library_presets_and_reaches_every_layer():
   assert [lm.layer_0.remat, lm.layer_1.remat] == ["save_context"] * 2
 
 
-def test_rows_of_stdlib_files_are_deterministic_and_padded_for_the_strategy():
-  cfg = config.Config(seq_len=256, seed=3)
-  rows = data.load_rows(cfg, 6, 4)
-  plens = np.diff(rows.cu_seqlens_padded, axis=1)
-  assert (plens % 8 == 0).all() and rows.max_seqlen <= 128   # cut at T/2
-  text = bytes(rows.tokens[0, :rows.cu_seqlens[0, 1]].astype(np.uint8))
+def _take(it, n):
+  return [next(it) for _ in range(n)]
+
+
+def test_grain_rows_of_stdlib_files_are_aligned_deterministic_and_resume():
+  cfg = config.Config(seq_len=256, seed=3, batch=2)
+  it = iter(data.shard_pipeline(cfg, 4, 2))
+  first = _take(it, 2)
+  state = it.get_state()
+  after = _take(it, 3)
+  it.close()
+  for rows in first + after:
+    assert rows.tokens.shape == (2, 256)
+    plens = np.diff(rows.cu_seqlens_padded, axis=1)
+    assert (plens % 8 == 0).all() and rows.max_seqlen <= 128   # cut at T/2
+    assert rows.cu_seqlens.shape == (2, data.MAX_DOCS + 1)
+    # Aligned by grain: each document's valid tokens start its slot, and
+    # the labels are its next bytes.
+    for r in range(2):
+      for a, n in zip(rows.cu_seqlens_padded[r, :-1],
+                      np.diff(rows.cu_seqlens[r])):
+        np.testing.assert_array_equal(rows.labels[r, a:a + n - 1],
+                                      rows.tokens[r, a + 1:a + n])
+        assert rows.loss_mask[r, a:a + n].sum() == max(n - 1, 0)
+  text = bytes(first[0].tokens[0, :first[0].cu_seqlens[0, 1]].astype(
+      np.uint8))
   assert text.decode("utf-8", "replace").strip()
-  # Row i does not depend on how many rows were asked: a resumed run sees
-  # the batches it has not seen.
-  np.testing.assert_array_equal(data.load_rows(cfg, 3, 4).tokens,
-                                rows.tokens[:3])
+  # The same seed gives the same rows; the saved state resumes the stream
+  # where it was.
+  again = iter(data.shard_pipeline(cfg, 4, 2))
+  np.testing.assert_array_equal(next(again).tokens, first[0].tokens)
+  again.set_state(state)
+  for want in after:
+    np.testing.assert_array_equal(next(again).tokens, want.tokens)
+  again.close()
+
+
+def test_batches_are_the_shards_rows_in_global_order_with_their_state():
+  """dp=2: shard s reads every other file from s on; a process holding
+  both shards gets both shards' rows, in order, and its state resumes
+  each."""
+  cfg = config.Config(seq_len=128, seed=1, batch=4)
+  both = data.Batches(cfg, 2, [0, 1], 2)
+  got = _take(both, 2)
+  state = both.get_state()
+  later = next(both)
+  both.close()
+  shard1 = iter(data.shard_pipeline(cfg, 2, 2, 1, 2))
+  rows1 = _take(shard1, 3)
+  shard1.close()
+  for step, rows in enumerate(got):
+    assert rows.tokens.shape == (4, 128)
+    np.testing.assert_array_equal(rows.tokens[2:], rows1[step].tokens)
+  one = data.Batches(cfg, 2, [1], 2)    # another process, shard 1 only
+  one.set_state(state)
+  np.testing.assert_array_equal(next(one).tokens, later.tokens[2:])
+  np.testing.assert_array_equal(later.tokens[2:], rows1[2].tokens)
+  one.close()
+  files = data.stdlib_files()
+  docs0 = data.documents(cfg, 0, 2, files)
+  docs1 = data.documents(cfg, 1, 2, files)
+  whole = data.documents(cfg, 0, 1, files)
+  for i in range(5):   # None: a file too short, dropped by grain
+    for got_doc, want in ((docs0[i], whole[2 * i]),
+                          (docs1[i], whole[2 * i + 1])):
+      assert (got_doc is None) == (want is None)
+      if want is not None:
+        np.testing.assert_array_equal(got_doc["tokens"], want["tokens"])
 
 
 def test_balanced_doc_order_is_the_library_balancing_of_the_packed_rows():
-  cfg = dict(seq_len=1024, seed=1, max_doc_len=200,
+  cfg = dict(seq_len=1024, seed=0, max_doc_len=512, batch=4,
              strategy="no_load_balance")
-  packed = data.load_rows(config.Config(**cfg, doc_order="packed"), 4, 4)
-  rows = data.load_rows(config.Config(**cfg), 4, 4)
+  it = iter(data.shard_pipeline(config.Config(**cfg, doc_order="packed"),
+                                4, 4))
+  packed = next(it)
+  it.close()
+  it = iter(data.shard_pipeline(config.Config(**cfg), 4, 4))
+  rows = next(it)
+  it.close()
   want = jax_cp.balance_rows(packed, 4, "no_load_balance")
   for k in ("tokens", "labels", "cu_seqlens", "cu_seqlens_padded"):
     np.testing.assert_array_equal(getattr(rows, k), getattr(want, k))

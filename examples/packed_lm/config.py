@@ -45,7 +45,8 @@ class Config:
   param_sharding: str = _flag("fsdp", "parameters and optimizer state",
                               ("fsdp", "replicated"))
   remat: str = _flag("none", "rematerialisation of the layers", REMAT)
-  prefetch: int = _flag(2, "batches built ahead on a host thread")
+  prefetch: int = _flag(2, "batches built ahead (grain's thread "
+                        "prefetch)")
   log_every: int = _flag(10, "steps between waits for the device (loss)")
   peak_tflops: float | None = _flag(None, "device peak for the MFU (default: "
                                     "known GPUs' bf16 peak)")
@@ -56,7 +57,8 @@ class Config:
   max_seqlen: int | None = _flag(None, "bound on padded document "
                                  "lengths (default: the data's)")
   max_doc_len: int | None = _flag(None, "cut files to this many bytes "
-                                  "(default: seq-len / 2)")
+                                  "(default: seq-len / 2); files under "
+                                  "seq-len / 64 bytes are skipped")
   doc_order: str = _flag("balanced", "no_load_balance: documents reordered "
                          "for the ranks, or as packed", ("balanced", "packed"))
   checkpoint_dir: str | None = _flag(None, "save here and resume from it "

@@ -1,7 +1,8 @@
 """The run: mesh, data, model, training, the CP-vs-no-CP check (the final
 loss on the last batch, with CP and on one device), report. Several hosts:
 the same command on each with ``--coordinator``, ``--num-processes``,
-``--process-id``; each process loads only its own rows."""
+``--process-id``; each process streams only the rows of its batch shards
+(``data.Batches``)."""
 
 from __future__ import annotations
 
@@ -62,28 +63,42 @@ def main(argv: list[str] | None = None) -> dict:
   log = print if is_main and not cfg.quiet else (lambda *a: None)
   mesh = make_mesh(cfg.dp, cfg.cp, cfg.device)
   local = jax_cp.process_batch_rows(mesh, b, model.DATA)
-  rows = data.load_rows(cfg, cfg.steps * b, cfg.cp)
-  max_seqlen = cfg.max_seqlen or rows.max_seqlen
+  batches = data.Batches(cfg, cfg.cp, data.held_shards(local, b, cfg.dp),
+                         cfg.dp)
+  multiple = jax_cp.pad_multiple_for(cfg.strategy, cfg.cp)
+  # A padded document is at most max_doc_len rounded up; so is the padding
+  # after a row's last document (first-fit packing closes a row only when
+  # a document does not fit in what is left).
+  max_seqlen = cfg.max_seqlen or -(-cfg.max_doc_len // multiple) * multiple
   layout = model.make_layout(cfg, mesh, max_seqlen)
-
-  def batch_at(step: int, lay=layout, rows_of=local) -> jax_cp.CPBatch:
-    return data.place_batch(rows[step * b:(step + 1) * b], lay, rows_of)
-
-  log(f"data: {rows.num_rows} rows x {rows.seq_len} tokens ({cfg.doc_order}"
-      f"), max_seqlen={max_seqlen}; mesh dp={cfg.dp} x cp={cfg.cp} "
-      f"({cfg.strategy}) over {jax.process_count()} process(es)")
-  ckpt = checkpoint.Checkpointer(cfg) if cfg.checkpoint_dir else None
+  log(f"data: grain pipeline, {b} rows x {cfg.seq_len} tokens per step "
+      f"({cfg.doc_order}), max_seqlen={max_seqlen}; mesh dp={cfg.dp} x "
+      f"cp={cfg.cp} ({cfg.strategy}) over {jax.process_count()} process(es)")
+  ckpt = (checkpoint.Checkpointer(cfg, batches.get_state)
+          if cfg.checkpoint_dir else None)
   with jax.set_mesh(mesh):
     graphdef, state, shardings = train.init_state(
         cfg, layout, train.make_optimizer(cfg), mesh)
-    state, start = ckpt.restore(state) if ckpt else (state, 0)
+    state, start, data_state = (ckpt.restore(state) if ckpt
+                                else (state, 0, None))
     if start:
       log(f"resuming at step {start} from {ckpt.path}")
+      batches.set_state(data_state)
     n_matmul = model.matmul_params(nnx.merge(graphdef, state)[0])
+    cu_of_step, last = {}, {}
+
+    def placed(steps):
+      """The global batch of each step, from this process's rows."""
+      for step, rows in zip(steps, batches):
+        cu_of_step[step] = rows.cu_seqlens
+        last["batch"] = data.place_batch(rows, layout, global_batch=b)
+        yield last["batch"]
+
+    # This process's rows stand for the step's (MFU).
     step_flops = lambda s: jax_cp.model_flops(
-        rows.cu_seqlens[s * b:(s + 1) * b], tokens=b * cfg.seq_len,
-        matmul_params=n_matmul, num_layers=cfg.layers, num_heads=cfg.heads,
-        head_dim=cfg.d_model // cfg.heads)
+        cu_of_step.pop(s), tokens=b * cfg.seq_len, matmul_params=n_matmul,
+        num_layers=cfg.layers, num_heads=cfg.heads,
+        head_dim=cfg.d_model // cfg.heads) * cfg.dp / len(batches.shards)
     peak = cfg.peak_tflops or train.peak_tflops(jax.devices()[0])
     log(f"model: {cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads}/"
         f"{cfg.kv_heads} heads, {n_matmul:,} matmul params "
@@ -93,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     state, losses, tok_s, mfu = train.train_loop(
         cfg, train.make_train_step(graphdef, shardings, mesh,
                                    cfg.param_sharding), state,
-        data.prefetched(batch_at, range(start, cfg.steps), cfg.prefetch),
+        placed(range(start, cfg.steps)),
         start=start, step_flops=step_flops,
         peak_flops=peak and peak * 1e12 * mesh.size, checkpointer=ckpt,
         show=is_main and not cfg.quiet)
@@ -103,17 +118,28 @@ def main(argv: list[str] | None = None) -> dict:
       log(f"steps {start}..{cfg.steps - 1} in {time.perf_counter() - t0:.1f}"
           f" s: loss {losses[0]:.4f} -> {losses[-1]:.4f}; {tok_s:,.0f} tok/s"
           " after compilation" + (f", MFU {mfu:.1%}" if mfu else ""))
-    last, eval_cp, eval_nocp = max(cfg.steps - 1, 0), None, None
+    eval_cp, eval_nocp = None, None
     if not cfg.no_compare:
+      # The last batch trained on (none trained: the next one).
+      batch = last["batch"] if last else next(placed([cfg.steps]))
       lm = nnx.merge(graphdef, state)[0]
-      eval_cp = train.evaluate(lm, batch_at(last))
-      # Every process takes part in gathering the sharded parameters.
+      eval_cp = train.evaluate(lm, batch)
+      # Every process takes part in gathering the sharded parameters and
+      # the global batch.
       params = multihost_utils.process_allgather(nnx.state(lm), tiled=True)
+      whole = multihost_utils.process_allgather(
+          (batch.tensors, batch.cu_seqlens_padded, batch.cu_seqlens),
+          tiled=True)
+  batches.close()
   if eval_cp is not None and is_main:   # one device, whole parameters
     nocp = model.make_layout(cfg, None, max_seqlen)
     lm = nnx.merge(nnx.graphdef(nnx.eval_shape(
         lambda: model.PackedLM(cfg, nocp, rngs=nnx.Rngs(0)))), params)
-    eval_nocp = train.evaluate(lm, batch_at(last, nocp, None))
+    tensors, cu_p, cu = whole
+    tensors = {k: jax_cp.restore_from_cp(v, cu_p, layout, seq_dim=1)
+               for k, v in tensors.items()}
+    eval_nocp = train.evaluate(lm, jax_cp.make_global_batch(
+        tensors, cu_p, nocp, cu_seqlens=cu))
     rel = abs(eval_cp - eval_nocp) / max(abs(eval_nocp), 1e-12)
     tol = 1e-4 if cfg.dtype == "float32" else 5e-3   # sums in other orders
     log(f"final params, last batch: loss with CP {eval_cp:.6f}, without CP "

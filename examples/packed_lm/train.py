@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_cp
 from examples.packed_lm.config import Config
+from examples.packed_lm.lm_loss import token_losses
 from examples.packed_lm.model import CP, DATA, PackedLM
 
 # bf16 dense peak TFLOP/s per device, by device kind (vendor spec sheets).
@@ -30,9 +31,11 @@ def peak_tflops(device) -> float | None:
 
 
 def loss_fn(model: PackedLM, batch: jax_cp.CPBatch):
-  """Mean next-byte cross entropy over the batch's real targets."""
-  labels, mask = batch.tensors["labels"], batch.tensors["loss_mask"]
-  ce = optax.softmax_cross_entropy_with_integer_labels(model(batch), labels)
+  """Mean next-byte cross entropy over the batch's real targets; the
+  logits and their softmax one chunk of tokens at a time (never the whole
+  ``[B, T, 256]`` float32 logits, forward or backward)."""
+  mask = batch.tensors["loss_mask"]
+  ce = token_losses(model, batch)
   return jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 

@@ -214,7 +214,10 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets, kv_offsets, *,
                           tq, tkv, max_q, max_kv,
                           _rows_see_keys(q_seqlens, kv_seqlens, mask),
                           tiled=tiled_mask is not None)
-  resolved = resolve_backend(backend, dtype=q.dtype)
+  resolved = resolve_backend(
+      backend, dtype=q.dtype,
+      score_bytes=4 * q.shape[-2] * math.prod(q.shape[:-2]) *
+      math.prod(k.shape[:-2]))
   flat = lambda x: x.reshape((-1,) + x.shape[-2:])
   out, lse = _attention(flat(q), flat(k), flat(v), seg, resolved, mask, scale,
                         window_left)

@@ -117,10 +117,20 @@ def _takes_dtype(backend: AttentionBackend, dtype) -> bool:
       np.dtype(d) for d in dtypes)
 
 
-def _auto(platform: str, dtype=None) -> AttentionBackend:
+#: The largest float32 score matrix (bytes, ``Hq * Tq * Tkv * 4`` of one
+#: call) that ``backend="auto"`` hands to the ``xla`` backend for q/k/v of
+#: a dtype cuDNN does not take, where cuDNN would otherwise run; past it
+#: ``auto`` raises instead of falling back (4 GiB: a 16-head call of 16k
+#: tokens).
+AUTO_XLA_FALLBACK_SCORE_BYTES = 2**32
+
+
+def _auto(platform: str, dtype=None, score_bytes=None) -> AttentionBackend:
   """cudnn when it loads, runs on ``platform`` and takes ``dtype``, else xla
   (with a warning once when the platform is a GPU, and a log line once per
-  dtype cudnn does not take)."""
+  dtype cudnn does not take). A dtype cudnn does not take raises
+  ``ValueError`` where the xla backend's scores would exceed
+  :data:`AUTO_XLA_FALLBACK_SCORE_BYTES`."""
   on_gpu = platform in ("cuda", "gpu")
   try:
     cudnn = _load("cudnn")
@@ -139,6 +149,16 @@ def _auto(platform: str, dtype=None) -> AttentionBackend:
     if _takes_dtype(cudnn, dtype):
       return cudnn
     takes = " or ".join(np.dtype(d).name for d in cudnn.dtypes)
+    if score_bytes is not None and \
+        score_bytes > AUTO_XLA_FALLBACK_SCORE_BYTES:
+      raise ValueError(
+          f"backend='auto': q/k/v are {np.dtype(dtype).name}, which the "
+          f"cuDNN backend does not take ({takes}), and the 'xla' backend "
+          f"would materialise {score_bytes / 2**30:.1f} GiB of float32 "
+          f"scores for this call (Hq * Tq * Tkv * 4 bytes; the limit for "
+          f"falling back is {AUTO_XLA_FALLBACK_SCORE_BYTES / 2**30:.0f} "
+          f"GiB). Cast q/k/v to bfloat16 to run on cuDNN, or pass "
+          f"backend='xla' to run the quadratic backend anyway.")
     _log_once(f"backend='auto': q/k/v are {np.dtype(dtype).name} and the "
               f"cuDNN backend takes {takes}: running attention on the 'xla' "
               f"backend, which materialises [T, T] scores per head; cast "
@@ -146,15 +166,17 @@ def _auto(platform: str, dtype=None) -> AttentionBackend:
   return _load("xla")
 
 
-def resolve_backend(name: str, platform: str | None = None, dtype=None
-                    ) -> AttentionBackend:
+def resolve_backend(name: str, platform: str | None = None, dtype=None,
+                    score_bytes: int | None = None) -> AttentionBackend:
   """Returns the backend for ``name`` on ``platform`` (default: JAX's).
 
   ``"auto"`` picks ``"cudnn"`` when it loads, runs on the platform and takes
   q/k/v of ``dtype`` (bfloat16 or float16), else ``"xla"``. Inputs of
   another dtype (float32, say) on a platform where cuDNN would run go to
   ``"xla"`` with one ``logging`` warning per dtype saying so: a float32
-  model runs, on the backend that materialises ``[T, T]`` scores. An
+  model runs, on the backend that materialises ``[T, T]`` scores, up to
+  :data:`AUTO_XLA_FALLBACK_SCORE_BYTES` of them per call (``score_bytes``),
+  past which ``"auto"`` raises ``ValueError`` naming the size. An
   explicit name is used as given, whatever the platform (a program may be
   lowered for CUDA on a CPU-only machine) and the dtype (``"cudnn"`` raises
   ``ValueError`` on float32 inputs when it is called); an unknown or
@@ -167,11 +189,13 @@ def resolve_backend(name: str, platform: str | None = None, dtype=None
       ``"cuda"``, ``"gpu"``); None: ``jax.default_backend()``.
     dtype: the q/k/v dtype, for ``"auto"``'s choice; None: not known (the
       choice then ignores the dtype).
+    score_bytes: ``Hq * Tq * Tkv * 4``, the float32 scores the ``xla``
+      backend would hold for the call (None: not known).
   """
   if not isinstance(name, str):
     raise ValueError(f"backend must be a string, got {name!r}")
   if name == "auto":
-    return _auto(platform or jax.default_backend(), dtype)
+    return _auto(platform or jax.default_backend(), dtype, score_bytes)
   backend = _load(name)
   if backend is None:
     hint = ""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
@@ -31,6 +33,12 @@ class MlpBlock(nn.Module):
     layout: the :class:`jax_cp.CPLayout` of ``x`` (``None``: no CP); in
       the global view the hidden activations keep the tokens' sharding
       (:meth:`jax_cp.CPLayout.shard_tokens`). No parameters depend on it.
+    chunk_size: None (default: all tokens at once) or a positive int: the
+      block runs over at most this many of each rank's tokens at a time
+      (a shorter last chunk takes the rest), each chunk under
+      ``jax.checkpoint`` saving nothing, so one chunk's hidden activations
+      are live at a time, forward and backward (the backward re-runs
+      them), as :func:`jax_cp.modules.common.map_token_chunks`.
   """
 
   mlp_dim: int
@@ -40,21 +48,46 @@ class MlpBlock(nn.Module):
   param_dtype: Dtype = jnp.float32
   kernel_init: Initializer = nn.initializers.lecun_normal()
   layout: CPLayout | None = None
+  chunk_size: int | None = None
 
   def __post_init__(self):
     common.check_activation(self.activation)
+    common.check_chunk_size(self.chunk_size, "chunk_size", auto=False)
     super().__post_init__()
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, *, pin: Callable | None = None):
+    """``[.., T, E] -> [.., T, E]``; ``pin``: the sharding constraint of
+    the hidden activations and the output (default: the layout's
+    :meth:`jax_cp.CPLayout.shard_tokens`; a chunk of a chunked
+    :class:`TransformerLayer` passes its own)."""
     dense = lambda n, name: nn.Dense(
         n, use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, kernel_init=self.kernel_init, name=name)
-    pin = common.check_layout(self.layout).shard_tokens
-    h = common.mlp_hidden(self.activation,
-                          lambda: dense(self.mlp_dim, "up")(x),
-                          lambda: dense(self.mlp_dim, "gate")(x), pin)
-    return checkpoint_name(pin(dense(x.shape[-1], "down")(h)), MLPWO)
+    layers = {"up": dense(self.mlp_dim, "up"),
+              "down": dense(x.shape[-1], "down")}
+    if self.activation in common.GATED:
+      layers["gate"] = dense(self.mlp_dim, "gate")
+    layout = common.check_layout(self.layout)
+
+    def apply(layers, x, pin):
+      h = common.mlp_hidden(self.activation, lambda: layers["up"](x),
+                            lambda: layers["gate"](x), pin)
+      return checkpoint_name(pin(layers["down"](h)), MLPWO)
+
+    if pin is not None or self.chunk_size is None:
+      return apply(layers, x, pin or layout.shard_tokens)
+    cp = layout.resolve_cp_size()
+    if self.chunk_size >= x.shape[-2] // common.token_groups(layout, cp):
+      return apply(layers, x, layout.shard_tokens)
+    if self.is_initializing():
+      apply(layers, x[..., :1, :], lambda v: v)    # creates the parameters
+    unbound = {k: m.unbind() for k, m in layers.items()}
+    fn = lambda xc, pin: apply(
+        {k: functools.partial(m.apply, v) for k, (m, v) in unbound.items()},
+        xc, pin)
+    return common.map_token_chunks(fn, x, self.chunk_size, layout, cp,
+                                   jax.checkpoint_policies.nothing_saveable)
 
 
 class TransformerLayer(nn.Module):
@@ -92,6 +125,18 @@ class TransformerLayer(nn.Module):
       backward keeps of the layer's activations (:func:`jax_cp.remat_policy`;
       docs/design.md, Rematerialization). The layer runs under ``nn.remat``
       with that policy otherwise.
+    mlp_chunk_size: the position-wise part (the pre-MLP norm, the MLP and
+      its residual add) over each rank's tokens in chunks of this many
+      (a shorter last chunk takes the rest), each chunk under
+      ``jax.checkpoint`` with the ``remat`` policy inside a ``lax.scan``:
+      what the policy does not save is re-run one chunk at a time in the
+      backward, so one chunk's MLP activations are live, not the row's.
+      Chunks never move tokens between ranks (no collective). A positive
+      int, None (the whole row at once) or ``"auto"`` (default): whole
+      rows under ``remat="none"`` or up to 8192 tokens per rank; else
+      about ``mlp_dim / E`` chunks (twice that when gated), so that a
+      chunk's hidden activations take what the layer input does, of at
+      least 8192 tokens (:func:`jax_cp.modules.common.mlp_chunk_tokens`).
   """
 
   num_heads: int
@@ -110,11 +155,13 @@ class TransformerLayer(nn.Module):
   kernel_init: Initializer = nn.initializers.lecun_normal()
   layout: CPLayout | None = None
   remat: str | Callable = "none"
+  mlp_chunk_size: int | str | None = "auto"
 
   def __post_init__(self):
     common.check_layout(self.layout)
     checks.check_window_size(self.window_size, "causal")
     remat_policy(self.remat)
+    common.check_chunk_size(self.mlp_chunk_size, "mlp_chunk_size")
     common.check_norm_type(self.norm_type)
     super().__post_init__()
 
@@ -166,4 +213,20 @@ class TransformerLayer(nn.Module):
                    dtype=self.dtype, param_dtype=self.param_dtype,
                    kernel_init=self.kernel_init, layout=self.layout,
                    name="mlp")
-    return h + mlp(self._norm("pre_mlp_norm")(h))
+    norm = self._norm("pre_mlp_norm")
+    cp = layout.resolve_cp_size()
+    mlp_dim = mlp.mlp_dim * (2 if mlp.activation in common.GATED else 1)
+    chunk = common.mlp_chunk_tokens(
+        self.mlp_chunk_size, self.remat,
+        h.shape[-2] // common.token_groups(layout, cp), h.shape[-1], mlp_dim)
+    if chunk is None:
+      return h + mlp(norm(h))
+    if self.is_initializing():
+      mlp(norm(h[..., :1, :]), pin=lambda v: v)    # creates the parameters
+    (norm_u, norm_v), (mlp_u, mlp_v) = norm.unbind(), mlp.unbind()
+
+    def position_wise(hc, pin):
+      return hc + mlp_u.apply(mlp_v, norm_u.apply(norm_v, hc), pin=pin)
+
+    return common.map_token_chunks(position_wise, h, chunk, layout, cp,
+                                   remat_policy(self.remat))

@@ -100,6 +100,109 @@ def mlp_hidden(activation: str, up: Callable, gate: Callable, pin: Callable):
   return ACTIVATIONS[activation](checkpoint_name(pin(up()), remat.MLPWI))
 
 
+# ``mlp_chunk_size="auto"``: a rank's rows of at most this many tokens run
+# the position-wise part whole; longer ones in chunks of at least this
+# many tokens (a GEMM of this many rows still fills a GPU).
+AUTO_MIN_CHUNK = 8192
+
+
+def check_chunk_size(value: Any, field: str, auto: bool = True) -> None:
+  """Raises ValueError unless ``value`` is None, a positive int or (with
+  ``auto``) ``"auto"``; ``field`` names the field in the message."""
+  if value is None or (auto and isinstance(value, str) and value == "auto"):
+    return
+  if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+      or value < 1):
+    allowed = "None, 'auto' or" if auto else "None or"
+    raise ValueError(f"{field}={value!r} must be {allowed} a positive int "
+                     "(tokens per chunk)")
+
+
+def mlp_chunk_tokens(chunk_size: Any, remat: Any, local_tokens: int,
+                     features: int, hidden: int) -> int | None:
+  """Tokens per chunk of a layer's position-wise part (None: whole), for
+  ``local_tokens`` tokens per rank.
+
+  ``chunk_size`` is a positive int, None (whole) or ``"auto"``: whole
+  under ``remat="none"`` (the backward keeps every chunk's activations
+  anyway) or for at most :data:`AUTO_MIN_CHUNK` tokens; otherwise chunks
+  whose ``hidden`` activations (``mlp_dim``, twice that when gated) take
+  about what the ``features``-wide input takes, at least
+  :data:`AUTO_MIN_CHUNK` tokens each (Mini-Sequence Transformer's
+  ``M = I / d`` chunks)."""
+  if chunk_size is None:
+    return None
+  if chunk_size == "auto":
+    if isinstance(remat, str) and remat == "none" or (
+        local_tokens <= AUTO_MIN_CHUNK):
+      return None
+    count = max(-(-hidden // features), 1)
+    chunk_size = max(-(-local_tokens // count), AUTO_MIN_CHUNK)
+  return None if chunk_size >= local_tokens else int(chunk_size)
+
+
+def token_groups(layout: CPLayout, cp_size: int) -> int:
+  """How many ranks' tokens a module's token axis holds: ``cp_size`` in
+  the global view with CP, else 1."""
+  global_cp = layout.cp_axis is not None and not layout.is_local
+  return cp_size if global_cp else 1
+
+
+def pin_groups(layout: CPLayout, x):
+  """``x`` ``[.., G, c, F]`` (a chunk of every rank's tokens in the global
+  view, ``G`` the ranks) constrained to keep ``G`` on ``cp_axis`` and the
+  batch on ``batch_axis``, as :meth:`jax_cp.CPLayout.shard_tokens` keeps
+  whole rows; ``x`` itself where that is the identity."""
+  if layout.cp_axis is None or layout.is_local:
+    return x
+  mesh = layout.context_mesh()
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  if types.get(layout.cp_axis) != jax.sharding.AxisType.Auto:
+    return x
+  free = jax.sharding.PartitionSpec.UNCONSTRAINED
+  lead = ((layout.batch_axes or None,) + (None,) * (x.ndim - 4)
+          if x.ndim >= 4 else ())
+  spec = jax.sharding.PartitionSpec(*lead, layout.cp_axis, None, free)
+  if layout.mesh is not None:
+    spec = jax.sharding.NamedSharding(layout.mesh, spec)
+  return jax.lax.with_sharding_constraint(x, spec)
+
+
+def map_token_chunks(fn: Callable, x, chunk: int | None, layout: CPLayout,
+                     cp_size: int, policy: Callable | None):
+  """``fn`` over the tokens of ``x [.., T, E]``, ``chunk`` of each rank's
+  tokens at a time (None: ``fn(x, pin)`` whole, ``pin`` the layout's
+  :meth:`jax_cp.CPLayout.shard_tokens`).
+
+  ``fn(x_c, pin)`` must be position-wise (each token's output depends on
+  that token alone) and ``pin`` any value it makes of the chunk's tokens.
+  In the global view with CP a chunk is ``[.., cp, c, E]``: ``c`` tokens
+  of every rank, each rank's own (``pin`` keeps them there), so chunking
+  moves no token between ranks; in the local view and without CP it is
+  ``[.., c, E]``. The full chunks run under ``lax.scan``, each under
+  ``jax.checkpoint`` with ``policy`` (None: no checkpoint), so only what
+  ``policy`` saves is kept of a chunk for the backward, which re-runs the
+  rest one chunk at a time; a shorter last chunk takes the rest of the
+  tokens. Returns ``[.., T, F]``."""
+  if chunk is None:
+    return fn(x, layout.shard_tokens)
+  groups = token_groups(layout, cp_size)
+  lead, local = x.shape[:-2], x.shape[-2] // groups
+  pin = lambda v: pin_groups(layout, v)
+  body = fn if policy is None else jax.checkpoint(fn, policy=policy,
+                                                  static_argnums=(1,))
+  xg = pin(x.reshape(lead + (groups, local, x.shape[-1])))
+  n, rest = divmod(local, chunk)
+  full = xg[..., :n * chunk, :].reshape(lead + (groups, n, chunk, -1))
+  full = jnp.moveaxis(full, -3, 0)                    # [n, .., G, c, E]
+  _, ys = jax.lax.scan(lambda _, xc: (None, body(pin(xc), pin)), None, full)
+  ys = jnp.moveaxis(ys, 0, -3)
+  ys = ys.reshape(lead + (groups, n * chunk, ys.shape[-1]))
+  if rest:
+    ys = jnp.concatenate([ys, body(pin(xg[..., n * chunk:, :]), pin)], -2)
+  return layout.shard_tokens(pin(ys).reshape(lead + (x.shape[-2], -1)))
+
+
 def check_layout(layout: CPLayout | None) -> CPLayout:
   """The module's layout (``None``: :data:`jax_cp.layout.NO_CP`).
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
@@ -40,6 +41,12 @@ class MlpBlock(nnx.Module):
     layout: the :class:`jax_cp.CPLayout` of ``x`` (``None``: no CP); in
       the global view the hidden activations keep the tokens' sharding
       (:meth:`jax_cp.CPLayout.shard_tokens`). No parameters depend on it.
+    chunk_size: None (default: all tokens at once) or a positive int: the
+      block runs over at most this many of each rank's tokens at a time
+      (a shorter last chunk takes the rest), each chunk under
+      ``jax.checkpoint`` saving nothing, so one chunk's hidden activations
+      are live at a time, forward and backward (the backward re-runs
+      them), as :func:`jax_cp.modules.common.map_token_chunks`.
     rngs: the random streams of the initializers.
   """
 
@@ -49,8 +56,11 @@ class MlpBlock(nnx.Module):
                param_dtype: Dtype = jnp.float32,
                kernel_init: Initializer = default_kernel_init,
                layout: CPLayout | None = None,
+               chunk_size: int | None = None,
                rngs: nnx.Rngs):
     common.check_activation(activation)
+    common.check_chunk_size(chunk_size, "chunk_size", auto=False)
+    self.chunk_size = chunk_size
     self.layout = common.check_layout(layout) if layout is not None \
         else None
     self.activation = activation
@@ -62,8 +72,23 @@ class MlpBlock(nnx.Module):
     self.up = dense(in_features, mlp_dim)
     self.down = dense(mlp_dim, in_features)
 
-  def __call__(self, x):
-    pin = common.check_layout(self.layout).shard_tokens
+  def __call__(self, x, *, pin: Callable | None = None):
+    """``[.., T, E] -> [.., T, E]``; ``pin``: the sharding constraint of
+    the hidden activations and the output (default: the layout's
+    :meth:`jax_cp.CPLayout.shard_tokens`; a chunk of a chunked
+    :class:`TransformerLayer` passes its own)."""
+    layout = common.check_layout(self.layout)
+    if pin is not None or self.chunk_size is None:
+      return self._apply(x, pin or layout.shard_tokens)
+    cp = layout.resolve_cp_size()
+    local = x.shape[-2] // common.token_groups(layout, cp)
+    graphdef, state = nnx.split(self)
+    fn = lambda xc, pin: nnx.merge(graphdef, state)._apply(xc, pin)
+    return common.map_token_chunks(
+        fn, x, self.chunk_size if self.chunk_size < local else None, layout,
+        cp, jax.checkpoint_policies.nothing_saveable)
+
+  def _apply(self, x, pin):
     h = common.mlp_hidden(self.activation, lambda: self.up(x),
                           lambda: self.gate(x), pin)
     return checkpoint_name(pin(self.down(h)), MLPWO)
@@ -104,6 +129,10 @@ class TransformerLayer(nnx.Module):
     remat: ``"none"`` (default), a preset name or a ``jax.checkpoint``
       policy, as in :class:`jax_cp.flax.TransformerLayer`; the layer runs
       under ``nnx.remat`` with that policy otherwise.
+    mlp_chunk_size: ``"auto"`` (default), None or a positive int: tokens
+      per chunk (of each rank's) of the position-wise part, the
+      pre-MLP norm, the MLP and its residual add, as in
+      :class:`jax_cp.flax.TransformerLayer`.
     rngs: the random streams of the initializers.
   """
 
@@ -123,12 +152,15 @@ class TransformerLayer(nnx.Module):
                kernel_init: Initializer = default_kernel_init,
                layout: CPLayout | None = None,
                remat: str | Callable = "none",
+               mlp_chunk_size: int | str | None = "auto",
                rngs: nnx.Rngs):
     common.check_layout(layout)
     common.check_norm_type(norm_type)
     remat_policy(remat)
+    common.check_chunk_size(mlp_chunk_size, "mlp_chunk_size")
     self.layout = layout
     self.remat = remat
+    self.mlp_chunk_size = mlp_chunk_size
     norm_cls = nnx.RMSNorm if norm_type == "rmsnorm" else nnx.LayerNorm
     norm = lambda: norm_cls(in_features, epsilon=norm_epsilon, dtype=dtype,
                             param_dtype=param_dtype, rngs=rngs)
@@ -176,4 +208,19 @@ class TransformerLayer(nnx.Module):
     h = x + layout.shard_tokens(self.attention(
         self.pre_attention_norm(x), cu_seqlens, cu_seqlens_padded,
         position_ids))
-    return h + self.mlp(self.pre_mlp_norm(h))
+    cp = layout.resolve_cp_size()
+    chunk = common.mlp_chunk_tokens(
+        self.mlp_chunk_size, self.remat,
+        h.shape[-2] // common.token_groups(layout, cp), h.shape[-1],
+        self.mlp.up.out_features * (2 if self.mlp.activation in common.GATED
+                                    else 1))
+    if chunk is None:
+      return h + self.mlp(self.pre_mlp_norm(h))
+    graphdef, state = nnx.split((self.pre_mlp_norm, self.mlp))
+
+    def position_wise(hc, pin):
+      norm, mlp = nnx.merge(graphdef, state)
+      return hc + mlp(norm(hc), pin=pin)
+
+    return common.map_token_chunks(position_wise, h, chunk, layout, cp,
+                                   remat_policy(self.remat))

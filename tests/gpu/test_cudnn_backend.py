@@ -278,13 +278,23 @@ def test_errors_are_reported_not_crashes():
       (jax.ShapeDtypeStruct(q.shape, q.dtype),
        jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)))
   s = layout.q_lens.shape[0]
-  meta = jnp.zeros((5, s), jnp.int32)
+  meta = jnp.zeros((cudnn_backend.SEGMENT_META_ROWS, s), jnp.int32)
   attrs = dict(segments=np.int64(s), mask=np.int64(0), scale=np.float32(1.0),
                max_seqlen_q=np.int64(2), max_seqlen_kv=np.int64(2),
-               window_left=np.int64(-1), tiled=np.int64(0))
-  run = jax.jit(lambda *a: call(*a, **attrs))
+               window_left=np.int64(-1), tiled=np.int64(0),
+               offset_bits=np.int64(32))
+  run = lambda attrs, *a: jax.jit(lambda *x: call(*x, **attrs))(*a)
   with pytest.raises(Exception, match=cudnn_backend.FWD_TARGET):
-    jax.block_until_ready(run(q, k, v, meta))
+    jax.block_until_ready(run(attrs, q, k, v, meta))
+  # An offset width other than 32 or 64 is refused by name, as is a
+  # window whose band bound (window_left + 1) would overflow an int.
+  good_meta = jnp.zeros((cudnn_backend.SEGMENT_META_ROWS, -(-(s + 1) // 4) *
+                         4), jnp.int32)
+  for bad, what in (({"offset_bits": np.int64(16)}, "offset_bits"),
+                    ({"mask": np.int64(1), "window_left": np.int64(2**31 - 1)},
+                     "window_left")):
+    with pytest.raises(Exception, match=what):
+      jax.block_until_ready(run({**attrs, **bad}, q, k, v, good_meta))
 
 
 @pytest.mark.parametrize("layout_kind,mask", [

@@ -1,0 +1,41 @@
+"""The model's loss with its head run chunk by chunk
+(:func:`jax_cp.modules.chunked_loss.chunked_cross_entropy`): the final
+norm, the logits and the cross entropy of a few thousand tokens at a time,
+so the step never holds the ``[B, T, 256]`` float32 logits of a row."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import jax_cp
+from examples.packed_lm.model import VOCAB_SIZE, PackedLM
+from jax_cp.modules.chunked_loss import chunked_cross_entropy
+
+
+def hidden_states(model: PackedLM, batch: jax_cp.CPBatch):
+  """``[B, T, d_model]``: what :meth:`PackedLM.__call__` computes before
+  its final norm and logits."""
+  pin, t = model.layout.shard_tokens, batch.tensors
+  one_hot = jax.nn.one_hot(t["tokens"], VOCAB_SIZE, dtype=model.dtype)
+  x = pin(one_hot @ model.embed.embedding[...].astype(model.dtype))
+  for i in range(model.num_layers):
+    x = pin(getattr(model, f"layer_{i}")(x, batch, None, t["position_ids"]))
+  return x
+
+
+def token_losses(model: PackedLM, batch: jax_cp.CPBatch,
+                 chunk_size="auto"):
+  """float32 ``[B, T]`` next-byte cross entropy of every token, the head
+  (final norm and logits) run over ``chunk_size`` tokens of each rank's
+  at a time."""
+  graphdef, state = nnx.split((model.final_norm, model.logits))
+
+  def head(x):
+    norm, logits = nnx.merge(graphdef, state)
+    return logits(norm(x)).astype(jnp.float32)
+
+  return chunked_cross_entropy(
+      head, hidden_states(model, batch), batch.tensors["labels"],
+      vocab=VOCAB_SIZE, chunk_size=chunk_size, layout=model.layout)

@@ -1,0 +1,104 @@
+"""Softmax cross entropy of a language-model head over chunks of tokens:
+the ``[B, T, vocab]`` float32 logits never exist at once, forward or
+backward (Mini-Sequence Transformer's chunked LM head).
+
+Framework-neutral: the head is any function of a chunk of hidden states
+(a closure over a Flax module's parameters works; see
+``examples/packed_lm/train.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_cp.layout import NO_CP, CPLayout
+from jax_cp.modules import common
+
+# "auto": chunks of about this many logits (float32: 64 MiB), and of at
+# least AUTO_MIN_TOKENS tokens.
+AUTO_LOGITS = 1 << 24
+AUTO_MIN_TOKENS = 1024
+
+
+def loss_chunk_tokens(chunk_size: Any, vocab: int, local_tokens: int
+                      ) -> int | None:
+  """Tokens per chunk (None: whole rows) of :func:`chunked_cross_entropy`:
+  a positive int, None, or ``"auto"`` (``AUTO_LOGITS // vocab`` tokens, at
+  least ``AUTO_MIN_TOKENS``)."""
+  common.check_chunk_size(chunk_size, "chunk_size")
+  if chunk_size is None:
+    return None
+  if chunk_size == "auto":
+    chunk_size = max(AUTO_LOGITS // max(int(vocab), 1), AUTO_MIN_TOKENS)
+  return None if chunk_size >= local_tokens else int(chunk_size)
+
+
+def _cross_entropy(logits_fn, x, labels):
+  logits = logits_fn(x).astype(jnp.float32)                  # [.., c, V]
+  picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+  return jax.nn.logsumexp(logits, axis=-1) - picked
+
+
+def chunked_cross_entropy(logits_fn: Callable, x, labels, *, vocab: int,
+                          chunk_size: Any = "auto",
+                          layout: CPLayout | None = None):
+  """Per-token softmax cross entropy, float32 ``[.., T]``, of the logits
+  ``logits_fn(x)`` against integer ``labels [.., T]``, chunk by chunk.
+
+  The chunks of each rank's tokens (in the global view with CP, ``c``
+  tokens of every rank at a time: no token moves between ranks) run under
+  ``lax.scan``, each under ``jax.checkpoint`` saving nothing, so at most
+  one chunk's logits (and softmax) are live, forward and backward; the
+  backward re-runs ``logits_fn`` one chunk at a time. A shorter last
+  chunk takes the rest of the tokens.
+
+  Args:
+    logits_fn: the head, ``[.., c, E] -> [.., c, vocab]`` (computed in
+      float32 from whatever dtype it returns), position-wise.
+    x: ``[.., T, E]`` hidden states (``[B, T, E]`` rows of the layout).
+    labels: int ``[.., T]``, each in ``[0, vocab)``.
+    vocab: the number of classes (sizes ``"auto"`` chunks).
+    chunk_size: tokens per chunk of each rank's: a positive int, None (the
+      whole row at once) or ``"auto"`` (about 2^24 logits per chunk, at
+      least 1024 tokens).
+    layout: the :class:`jax_cp.CPLayout` of ``x`` (None: no CP).
+
+  Returns:
+    ``[.., T]`` float32 cross entropy per token; weigh it with the loss
+    mask and sum.
+
+  Raises:
+    ValueError: a ``chunk_size`` that is not None, ``"auto"`` or a
+      positive int; ``labels`` not of ``x``'s shape without its features.
+  """
+  layout = common.check_layout(layout) if layout is not None else NO_CP
+  if tuple(labels.shape) != tuple(x.shape[:-1]):
+    raise ValueError(f"labels must have the shape of x without its feature "
+                     f"dim, {tuple(x.shape[:-1])}; got {tuple(labels.shape)}")
+  cp = layout.resolve_cp_size()
+  groups = common.token_groups(layout, cp)
+  lead, local = x.shape[:-2], x.shape[-2] // groups
+  chunk = loss_chunk_tokens(chunk_size, vocab, local)
+  if chunk is None:
+    return _cross_entropy(logits_fn, x, labels)
+  pin = lambda v: common.pin_groups(layout, v)
+  body = jax.checkpoint(lambda xc, lc: _cross_entropy(logits_fn, pin(xc),
+                                                      lc),
+                        policy=jax.checkpoint_policies.nothing_saveable)
+  xg = pin(x.reshape(lead + (groups, local, x.shape[-1])))
+  lg = labels.reshape(lead + (groups, local))
+  n, rest = divmod(local, chunk)
+  xs = jnp.moveaxis(xg[..., :n * chunk, :].reshape(
+      lead + (groups, n, chunk, x.shape[-1])), -3, 0)
+  ls = jnp.moveaxis(lg[..., :n * chunk].reshape(lead + (groups, n, chunk)),
+                    -2, 0)
+  _, ce = jax.lax.scan(lambda _, a: (None, body(*a)), None, (xs, ls))
+  ce = jnp.moveaxis(ce, 0, -2).reshape(lead + (groups, n * chunk))
+  if rest:
+    ce = jnp.concatenate([ce, body(xg[..., n * chunk:, :],
+                                   lg[..., n * chunk:])], axis=-1)
+  return ce.reshape(labels.shape)
