@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "machine that does not run out)")
   p.add_argument("--peak-tflops", type=float, default=None,
                  help="per device, for the MFU (default: 989 on GPU)")
+  p.add_argument("--no-check-exact", dest="check_exact",
+                 action="store_false",
+                 help="skip the exactness check of the step's attention "
+                      "call (a T then counts as training without it)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default=os.path.join(_HERE, "results"),
                  help="folder of the JSON files")
@@ -243,10 +247,10 @@ def measure(args, seq_len: int, cp: int, remat: str, *, timed: bool = True
   import jax_cp.flops  # pylint: disable=import-outside-toplevel
   rec = dict(model=model_name(args), seq_len=seq_len, cp=cp, remat=remat,
              strategy=args.strategy, backend=_resolved_backend(args))
-  step = None
+  step = rows = None
   try:
     step = build_step(args, seq_len, cp, remat)
-    cfg = step.cfg
+    cfg, rows = step.cfg, step.rows
     rec.update(layers=cfg.layers, d_model=cfg.d_model, heads=cfg.heads,
                kv_heads=cfg.kv_heads, dtype=cfg.dtype,
                max_seqlen=int(step.rows.max_seqlen),
@@ -296,10 +300,63 @@ def measure(args, seq_len: int, cp: int, remat: str, *, timed: bool = True
   finally:
     del step
     gc.collect()
+    if rec.get("status") == "ok" and args.check_exact:
+      check_exact(rec, rows, cfg, cp)
     if rec.get("temp_bytes") and rec.get("layers"):
       rec["temp_bytes_per_token_per_layer"] = (
           rec["temp_bytes"] / (seq_len // cp) / rec["layers"])
   return rec
+
+
+#: The relative error bound of every output of the exactness check
+#: (bfloat16 rounding alone gives 2e-3 to 4e-3).
+EXACT_TOL = 5e-3
+
+
+def check_exact(rec: dict, rows, cfg, cp: int) -> None:
+  """Checks the step's attention call at this T, after the step has freed
+  its memory: out, lse, dq, dk, dv of one ``fused_attention`` call of the
+  row's documents and the model's heads, in the step's dtype, against the
+  exact subset reference (:func:`jax_cp.attention.exactness.check_call`).
+  Records ``exact`` (the errors) and turns a failing check into status
+  ``"inexact"``: a T trains only with exact gradients. At cp > 1 the
+  check runs the cp=1 call of the whole row, whose K/V are a rank's too
+  (every rank's call is smaller in Q)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  from jax_cp.attention import exactness  # pylint: disable=import-outside-toplevel
+  from jax_cp.attention.backend import Segments  # pylint: disable=import-outside-toplevel
+  from jax_cp.attention.registry import resolve_backend  # pylint: disable=import-outside-toplevel
+  del cp
+  cu = np.asarray(rows.cu_seqlens)[0]
+  cuP = np.asarray(rows.cu_seqlens_padded)[0]
+  lens = np.diff(cu).astype(np.int32)
+  t, d = int(cuP[-1]), cfg.d_model // cfg.heads
+  dtype = jnp.dtype(cfg.dtype)
+  backend = resolve_backend(rec["backend"], dtype=dtype)
+  keep = lens > 0
+  seg = Segments(jnp.asarray(lens[keep]), jnp.asarray(lens[keep]),
+                 jnp.asarray(cuP[:-1][keep]), jnp.asarray(cuP[:-1][keep]),
+                 int(lens.max()), int(lens.max()), rows_see_keys=True)
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  q = jax.random.normal(keys[0], (t, cfg.heads, d), dtype)
+  k = jax.random.normal(keys[1], (t, cfg.kv_heads, d), dtype)
+  v = jax.random.normal(keys[2], (t, cfg.kv_heads, d), dtype)
+  try:
+    errs = exactness.check_call(backend, q, k, v, seg,
+                                mask="causal_top_left", rows=128)
+  except Exception as err:  # pylint: disable=broad-except
+    rec.update(status="inexact", exact=None,
+               exact_error=f"{type(err).__name__}: {err}"[:600])
+    return
+  finally:
+    del q, k, v
+    gc.collect()
+  rec["exact"] = errs
+  if not max(errs.values()) <= EXACT_TOL:
+    rec["status"] = "inexact"
 
 
 def _print(rec: dict) -> None:
@@ -314,9 +371,14 @@ def _print(rec: dict) -> None:
     mfu = rec.get("mfu")
     line += (f"  {rec['ms_per_step']:9.1f} ms {rec['tok_per_s']:10.0f} tok/s"
              + (f" MFU {mfu:.1%}" if mfu is not None else ""))
+  if rec.get("exact"):
+    line += "  exact: max rel. err. " + f"{max(rec['exact'].values()):.1e}"
   print(line, flush=True)
   if rec.get("status") == "error":
     print(f"  error: {rec['error']}", flush=True)
+  if rec.get("status") == "inexact":
+    print(f"  inexact: {rec.get('exact') or rec.get('exact_error')}",
+          flush=True)
 
 
 def planned_bytes(rec: dict) -> int | None:
@@ -588,7 +650,12 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
            "time on top of XLA's buffers; *host temp*: XLA's temporaries "
            "in pinned host memory (host offload); *B/tok/layer*: temp per "
            "local token per layer. Status *compiled*: memory analysis "
-           "only (`--compile-only`), no step run.", ""]
+           "only (`--compile-only`), no step run. *exact*: the largest "
+           "relative error of out, lse, dq, dk, dv of the step's attention "
+           "call at that T against the exact subset reference "
+           "(`jax_cp.attention.exactness`); status *inexact* when above "
+           f"{EXACT_TOL:g}: such a T does not train. Runs before the check "
+           "existed say *not checked*.", ""]
   of = lambda kind: [(d["env"].get("device_kind"), r) for d in results
                      for r in d["records"] if r.get("kind") == kind]
   runs = sorted(of("run"), key=lambda x: (
@@ -600,7 +667,7 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
         "device", "model", "layers", "T", "cp", "remat", "status", "temp GB",
         "args GB", "host temp GB", "peak GB", "scratch GB", "B/tok/layer",
         "ms/step",
-        "tok/s", "MFU"), [
+        "tok/s", "MFU", "exact (max rel. err.)"), [
             (dev, r["model"], r.get("layers", "-"), fmt_tokens(r["seq_len"]),
              r["cp"],
              r["remat"], r.get("status"), gb(r.get("temp_bytes")),
@@ -610,7 +677,9 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
              f"{per(r):.0f}" if per(r) else "-",
              f"{r['ms_per_step']:.1f}" if r.get("ms_per_step") else "-",
              f"{r['tok_per_s']:.0f}" if r.get("tok_per_s") else "-",
-             f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-")
+             f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-",
+             f"{max(r['exact'].values()):.1e}" if r.get("exact")
+             else "not checked")
             for dev, r in runs])
 
   def tries(r):

@@ -75,6 +75,10 @@ LoadResult Load() {
       !Resolve(cudart, rt_name.c_str(), "cudaSetDevice", &rt.SetDevice, &err) ||
       !Resolve(cudart, rt_name.c_str(), "cudaGetErrorString",
                &rt.GetErrorString, &err) ||
+      !Resolve(cudart, rt_name.c_str(), "cudaGetErrorName", &rt.GetErrorName,
+               &err) ||
+      !Resolve(cudart, rt_name.c_str(), "cudaMemGetInfo", &rt.MemGetInfo,
+               &err) ||
       !Resolve(cudart, rt_name.c_str(), "cudaLibraryLoadData",
                &rt.LibraryLoadData, &err) ||
       !Resolve(cudart, rt_name.c_str(), "cudaLibraryGetKernel",
@@ -107,6 +111,11 @@ LoadResult Load() {
 }
 
 }  // namespace
+
+std::string CudaErrorText(const CudaLibraries& libs, cudaError_t st) {
+  return std::string(libs.cudart.GetErrorName(st)) + " (" +
+         libs.cudart.GetErrorString(st) + ")";
+}
 
 const char* CudaRuntimeSoname() { return RuntimeSoname().c_str(); }
 

@@ -13,6 +13,7 @@
 #include <cudnn.h>
 
 #include <cstddef>
+#include <string>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -23,6 +24,10 @@ struct CudaRuntimeApi {
   cudaError_t (*GetDevice)(int*);
   cudaError_t (*SetDevice)(int);
   const char* (*GetErrorString)(cudaError_t);
+  const char* (*GetErrorName)(cudaError_t);
+  // Free and total memory of the current device (read after a failed
+  // cudnnCreate, to retry only once memory was freed; cudnn_state.cc).
+  cudaError_t (*MemGetInfo)(size_t*, size_t*);
   // Loading and launching the embedded kernels (device_kernels.cc).
   cudaError_t (*LibraryLoadData)(cudaLibrary_t*, const void*, cudaJitOption*,
                                  void**, unsigned int, cudaLibraryOption*,
@@ -50,6 +55,10 @@ struct CudaLibraries {
 // frontend at cuDNN. Every later call returns the same result, including a
 // load failure, whose message says which library or symbol is missing.
 xla::ffi::ErrorOr<const CudaLibraries*> GetCudaLibraries();
+
+// "cudaErrorMemoryAllocation (out of memory)": the error's name and its
+// description.
+std::string CudaErrorText(const CudaLibraries& libs, cudaError_t st);
 
 // The soname of the CUDA runtime these headers belong to ("libcudart.so.13").
 const char* CudaRuntimeSoname();

@@ -1,13 +1,17 @@
 // nanobind module `jax_cp._jax_cp_cuda`: the FFI handler capsules, the
-// contract constants Python reads (ffi_targets.h) and the graph-cache
-// counters. Importing it loads no CUDA library (they are opened on the first
+// contract constants Python reads (ffi_targets.h), the graph-cache
+// counters, the cuDNN handle failure memory and the test-only fault
+// injection switch (fault_injection.h). Importing it loads no CUDA library (they are opened on the first
 // custom call), so it imports on machines without a GPU. Its Python
 // signatures are in jax_cp/_jax_cp_cuda.pyi.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 
 #include <cstdint>
 
 #include "cuda_libs.h"
+#include "cudnn_state.h"
+#include "fault_injection.h"
 #include "ffi_targets.h"
 #include "sdpa_graph.h"
 #include "xla/ffi/api/ffi.h"
@@ -46,6 +50,12 @@ NB_MODULE(_jax_cp_cuda, m) {
 
   // Must happen before the cuDNN frontend first opens the CUDA runtime.
   jax_cp::PinFrontendCudaRuntime();
+
+  // JAX_CP_FAULT_INJECT is read here, once; a spec that does not parse
+  // fails the import rather than testing nothing.
+  if (!jax_cp::FaultInjectionEnvError().empty()) {
+    throw nb::value_error(jax_cp::FaultInjectionEnvError().c_str());
+  }
 
   nb::dict targets;
   for (const Target& t : kTargets) targets[t.role] = t.name;
@@ -92,6 +102,51 @@ NB_MODULE(_jax_cp_cuda, m) {
 
   m.def("reset_graph_cache_stats", &jax_cp::ResetGraphCacheStats,
         "Zeroes the builds/hits counters (cached graphs are kept).");
+
+  m.def(
+      "reset_failed_handles", &jax_cp::ResetFailedCudnnHandles,
+      "Forgets every remembered cudnnCreate failure, so the next call on "
+      "such a device tries again; returns how many were forgotten.");
+
+  m.def(
+      "failed_handles",
+      []() {
+        nb::dict d;
+        for (const auto& [device, message] : jax_cp::FailedCudnnHandles())
+          d[nb::int_(device)] = message;
+        return d;
+      },
+      "Returns {device: message} of the remembered cudnnCreate failures.");
+
+  m.def(
+      "set_fault_injection",
+      [](const std::string& spec) {
+        std::string error;
+        if (!jax_cp::SetFaultInjection(spec, &error)) {
+          throw nb::value_error(error.c_str());
+        }
+      },
+      nb::arg("spec"),
+      "Test only: replaces the fault injection spec (as JAX_CP_FAULT_INJECT: "
+      "'point[:count],...'; '' disarms every point) and zeroes the counters. "
+      "Raises ValueError for an unknown point or a bad count.");
+
+  m.def(
+      "fault_injection_counts",
+      []() {
+        nb::dict d;
+        for (const jax_cp::FaultPointState& s :
+             jax_cp::FaultInjectionState()) {
+          nb::dict e;
+          e["remaining"] = s.remaining;
+          e["injected"] = s.injected;
+          d[s.name] = e;
+        }
+        return d;
+      },
+      "Test only: {point: dict(remaining=, injected=)} for every fault "
+      "point; remaining is -1 (every hit fails), 0 (not armed) or the "
+      "failures left.");
 
   m.def(
       "build_info",

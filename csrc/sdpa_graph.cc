@@ -6,6 +6,7 @@
 #include <cstring>
 #include <mutex>
 
+#include "fault_injection.h"
 #include "ffi_errors.h"
 
 namespace ffi = xla::ffi;
@@ -248,40 +249,115 @@ ffi::Error StepError(const char* call, const SdpaGraphKey& key,
                               " failed: " + detail);
 }
 
+const char* FrontendCodeName(fe::error_code_t code) {
+  switch (code) {
+    case fe::error_code_t::OK: return "OK";
+    case fe::error_code_t::ATTRIBUTE_NOT_SET: return "ATTRIBUTE_NOT_SET";
+    case fe::error_code_t::SHAPE_DEDUCTION_FAILED:
+      return "SHAPE_DEDUCTION_FAILED";
+    case fe::error_code_t::INVALID_TENSOR_NAME: return "INVALID_TENSOR_NAME";
+    case fe::error_code_t::INVALID_VARIANT_PACK: return "INVALID_VARIANT_PACK";
+    case fe::error_code_t::GRAPH_NOT_SUPPORTED: return "GRAPH_NOT_SUPPORTED";
+    case fe::error_code_t::GRAPH_EXECUTION_PLAN_CREATION_FAILED:
+      return "GRAPH_EXECUTION_PLAN_CREATION_FAILED";
+    case fe::error_code_t::GRAPH_EXECUTION_FAILED:
+      return "GRAPH_EXECUTION_FAILED";
+    case fe::error_code_t::HEURISTIC_QUERY_FAILED:
+      return "HEURISTIC_QUERY_FAILED";
+    case fe::error_code_t::UNSUPPORTED_GRAPH_FORMAT:
+      return "UNSUPPORTED_GRAPH_FORMAT";
+    case fe::error_code_t::CUDA_API_FAILED: return "CUDA_API_FAILED";
+    case fe::error_code_t::CUDNN_BACKEND_API_FAILED:
+      return "CUDNN_BACKEND_API_FAILED";
+    case fe::error_code_t::INVALID_CUDA_DEVICE: return "INVALID_CUDA_DEVICE";
+    case fe::error_code_t::HANDLE_ERROR: return "HANDLE_ERROR";
+    case fe::error_code_t::INVALID_VALUE: return "INVALID_VALUE";
+    case fe::error_code_t::NVRTC_COMPILATION_FAILED:
+      return "NVRTC_COMPILATION_FAILED";
+  }
+  return "UNKNOWN_ERROR";
+}
+
 // Each frontend build step is checked on its own, so the error names the
-// step that failed (and later steps never run on a broken graph).
+// step that failed (and later steps never run on a broken graph). The
+// detail is "<frontend error code>: <frontend message>".
 ffi::Error CheckStep(fe::error_t status, const char* call,
                      const SdpaGraphKey& key, const char* step) {
   if (status.is_good()) return ffi::Error::Success();
-  return StepError(call, key, step, status.get_message());
+  return StepError(call, key, step,
+                   std::string(FrontendCodeName(status.get_code())) + ": " +
+                       status.get_message());
 }
 
+// Runs one frontend step, or, when fault injection arms `point`, fails it
+// with `code` and the text of the cuDNN status `st` (what the frontend
+// reports when cuDNN returns that status), marked "(injected)".
+template <typename Fn>
+fe::error_t Step(const CudaLibraries& libs, FaultPoint point,
+                 fe::error_code_t code, cudnnStatus_t st, Fn&& fn) {
+  if (ShouldFail(point)) {
+    return {code, std::string(libs.cudnn.GetErrorString(st)) + " (injected)"};
+  }
+  return fn();
+}
+
+// Describes, validates and builds the graph of `key`. The description and
+// validate() use no handle and run unlocked; the steps that use the handle
+// hold dev.mu (another thread may be executing on it). A failure returns
+// the error and nothing else: the half-built graph is dropped here and
+// GetOrBuild caches only successes.
 ffi::ErrorOr<std::shared_ptr<const BuiltGraph>> BuildGraph(
     const CudaLibraries& libs, DeviceCudnn& dev, const SdpaGraphKey& key,
     const char* call) {
   auto built = std::make_shared<BuiltGraph>();
-  std::lock_guard<std::mutex> lock(dev.mu);
+  using Code = fe::error_code_t;
   ffi::Error err = WithCudaDevice(libs, key.device, [&]() -> ffi::Error {
     built->graph = key.direction == SdpaDirection::kForward
                        ? DescribeForward(key)
                        : DescribeBackward(key);
     fe::graph::Graph& g = *built->graph;
+    ffi::Error e = CheckStep(
+        Step(libs, FaultPoint::kGraphValidate, Code::INVALID_VALUE,
+             CUDNN_STATUS_BAD_PARAM, [&] { return g.validate(); }),
+        call, key, "validate");
+    if (e.failure()) return e;
+    std::lock_guard<std::mutex> lock(dev.mu);
     cudnnHandle_t h = dev.handle;
-    ffi::Error e = CheckStep(g.validate(), call, key, "validate");
-    if (e.success())
-      e = CheckStep(g.build_operation_graph(h), call, key,
-                    "build_operation_graph");
+    e = CheckStep(Step(libs, FaultPoint::kBuildOperationGraph,
+                       Code::CUDNN_BACKEND_API_FAILED,
+                       CUDNN_STATUS_INTERNAL_ERROR,
+                       [&] { return g.build_operation_graph(h); }),
+                  call, key, "build_operation_graph");
     if (e.success())
       e = CheckStep(
-          g.create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}),
+          Step(libs, FaultPoint::kCreateExecutionPlans,
+               Code::HEURISTIC_QUERY_FAILED, CUDNN_STATUS_INTERNAL_ERROR,
+               [&] {
+                 return g.create_execution_plans(
+                     {fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK});
+               }),
           call, key, "create_execution_plans");
-    if (e.success()) e = CheckStep(g.check_support(h), call, key, "check_support");
     if (e.success())
-      e = CheckStep(g.build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE),
-                    call, key, "build_plans");
+      e = CheckStep(Step(libs, FaultPoint::kCheckSupport,
+                         Code::GRAPH_NOT_SUPPORTED, CUDNN_STATUS_NOT_SUPPORTED,
+                         [&] { return g.check_support(h); }),
+                    call, key, "check_support");
     if (e.success())
-      e = CheckStep(g.get_workspace_size(built->workspace_bytes), call, key,
-                    "get_workspace_size");
+      e = CheckStep(
+          Step(libs, FaultPoint::kBuildPlans,
+               Code::GRAPH_EXECUTION_PLAN_CREATION_FAILED,
+               CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED,
+               [&] {
+                 return g.build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE);
+               }),
+          call, key, "build_plans");
+    if (e.success())
+      e = CheckStep(Step(libs, FaultPoint::kWorkspaceSize, Code::INVALID_VALUE,
+                         CUDNN_STATUS_INTERNAL_ERROR,
+                         [&] {
+                           return g.get_workspace_size(built->workspace_bytes);
+                         }),
+                    call, key, "get_workspace_size");
     return e;
   });
   if (err.failure()) return err;
@@ -336,10 +412,12 @@ std::string Gigabytes(int64_t bytes) {
 // formula): the dQ accumulator, dK/dV at the query heads with GQA, and the
 // softmax sums.
 std::string WorkspaceFailure(const char* call, const SdpaGraphKey& key,
-                             int64_t bytes) {
+                             int64_t bytes, bool injected) {
   std::string msg = CallContext(call, key) + ": workspace allocation of " +
                     std::to_string(bytes) + " bytes (" + Gigabytes(bytes) +
-                    ") failed";
+                    ") failed: RESOURCE_EXHAUSTED (XLA's scratch allocator "
+                    "returned no memory)";
+  if (injected) msg += " (injected)";
   if (key.direction != SdpaDirection::kBackward) return msg;
   const int64_t f32 = 4, hq = key.heads_q, d = key.head_dim;
   const int64_t dq = key.tokens_q * hq * d * f32;
@@ -373,25 +451,41 @@ ffi::Error RunSdpaGraphImpl(const char* call, const SdpaGraphKey& key,
   if (!graph_or.has_value()) return graph_or.error();
   const BuiltGraph& built = **graph_or;
   void* workspace = nullptr;
-  if (built.workspace_bytes > 0) {
+  // An injected allocation failure fires even for a graph that needs no
+  // workspace, so the point fails on every call.
+  const bool inject_alloc = ShouldFail(FaultPoint::kWorkspaceAlloc);
+  if (built.workspace_bytes > 0 || inject_alloc) {
     // XLA's FFI allocator rejects alignments above 16 ("Unsupported
     // alignment"); its device allocations are 256-byte aligned anyway.
-    std::optional<void*> ws =
-        scratch.Allocate(static_cast<size_t>(built.workspace_bytes), 16);
+    std::optional<void*> ws;
+    if (!inject_alloc) {
+      ws = scratch.Allocate(static_cast<size_t>(built.workspace_bytes), 16);
+    }
     if (!ws.has_value()) {
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        WorkspaceFailure(call, key, built.workspace_bytes));
+      return ffi::Error(
+          ffi::ErrorCode::kResourceExhausted,
+          WorkspaceFailure(call, key, built.workspace_bytes, inject_alloc));
     }
     workspace = *ws;
   }
+  // The handle holds one stream at a time: setting it and enqueueing the
+  // graph happen under its mutex.
   std::lock_guard<std::mutex> lock(dev.mu);
-  cudnnStatus_t st = libs.cudnn.SetStream(dev.handle, stream);
+  const bool inject_stream = ShouldFail(FaultPoint::kSetStream);
+  cudnnStatus_t st = inject_stream ? CUDNN_STATUS_BAD_PARAM
+                                   : libs.cudnn.SetStream(dev.handle, stream);
   if (st != CUDNN_STATUS_SUCCESS) {
     return StepError(call, key, "cudnnSetStream",
-                     libs.cudnn.GetErrorString(st));
+                     std::string(libs.cudnn.GetErrorString(st)) +
+                         (inject_stream ? " (injected)" : ""));
   }
-  return CheckStep(built.graph->execute(dev.handle, uid_to_ptr, workspace),
-                   call, key, "execute");
+  return CheckStep(
+      Step(libs, FaultPoint::kExecute, fe::error_code_t::GRAPH_EXECUTION_FAILED,
+           CUDNN_STATUS_EXECUTION_FAILED,
+           [&] {
+             return built.graph->execute(dev.handle, uid_to_ptr, workspace);
+           }),
+      call, key, "execute");
 }
 
 }  // namespace

@@ -30,3 +30,19 @@ def reset_graph_cache_stats() -> None:
 def build_info() -> dict[str, int | str]:
   """Compile-time versions of the cuDNN frontend, cuDNN and CUDA headers, and
   the CUDA runtime soname."""
+
+def reset_failed_handles() -> int:
+  """Forgets every remembered cudnnCreate failure, so the next call on such
+  a device tries again; returns how many were forgotten."""
+
+def failed_handles() -> dict[int, str]:
+  """Returns {device: message} of the remembered cudnnCreate failures."""
+
+def set_fault_injection(spec: str) -> None:
+  """Test only: replaces the fault injection spec (as JAX_CP_FAULT_INJECT:
+  ``'point[:count],...'``; ``''`` disarms every point) and zeroes the
+  counters. Raises ValueError for an unknown point or a bad count."""
+
+def fault_injection_counts() -> dict[str, dict[str, int]]:
+  """Test only: {point: dict(remaining=, injected=)} for every fault point;
+  remaining is -1 (every hit fails), 0 (not armed) or the failures left."""

@@ -93,6 +93,18 @@ def reset_graph_cache_stats() -> None:
   _jax_cp_cuda.reset_graph_cache_stats()
 
 
+def retry_cudnn_handle() -> int:
+  """Forgets the cuDNN handle creations that failed, so the next call on
+  those devices tries ``cudnnCreate`` again; returns how many it forgot.
+
+  A failed creation (typically a GPU without free memory) is remembered
+  per device, and later calls fail at once with that message instead of
+  calling cuDNN again; creation is retried by itself only once the
+  device's free memory has grown by 64 MiB. Call this after freeing
+  memory by other means."""
+  return int(_jax_cp_cuda.reset_failed_handles())
+
+
 def build_info() -> dict[str, Any]:
   """Compile-time versions of the cuDNN frontend, cuDNN and CUDA headers."""
   return dict(_jax_cp_cuda.build_info())

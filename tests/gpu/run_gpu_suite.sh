@@ -4,7 +4,8 @@
 # offline CUDA machine (python3 with jax[cuda13] 0.11.2, nvidia-cudnn-cu13,
 # nvidia-cuda-runtime, nvidia-cuda-nvrtc, nanobind, scikit-build-core, cmake,
 # ninja; the wheels it lacks, e.g. nvidia-cudnn-frontend, nvidia-cuda-crt
-# and nvidia-cuda-cccl, carried in .whl/).
+# and nvidia-cuda-cccl, and grain with array_record and portpicker (the test
+# extra's data loader), carried in .whl/).
 #
 #   tests/gpu/run_gpu_suite.sh [extra pytest args, e.g. -k one_long -x]
 #
@@ -35,6 +36,17 @@ if ! "${pip_offline[@]}" --no-deps nvidia-cudnn-frontend nvidia-cuda-crt \
   cat "$LOG_DIR/wheels_install.log"
   echo "missing wheels: carry them in $WHEELS/" >&2
   exit 1
+fi
+
+# The test extra's data loader (the example and its tests import grain):
+# installed from the same folder when the interpreter lacks it.
+if ! "$PY" -c "import grain" > /dev/null 2>&1; then
+  if ! "${pip_offline[@]}" --no-deps grain array_record portpicker \
+      >> "$LOG_DIR/wheels_install.log" 2>&1; then
+    cat "$LOG_DIR/wheels_install.log"
+    echo "missing wheels: carry grain, array_record and portpicker in $WHEELS/" >&2
+    exit 1
+  fi
 fi
 
 # 2. Build and install (editable) the extension: -C cuda=13 makes any missing
