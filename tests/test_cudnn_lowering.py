@@ -65,7 +65,8 @@ def test_forward_lowers_to_custom_call(mask):
   assert attrs == {"mask": f"{MASK_CODES[mask]} : i64",
                    "max_seqlen_kv": "40 : i64", "max_seqlen_q": "32 : i64",
                    "scale": "1.250000e-01 : f32", "segments": "3 : i64",
-                   "window_left": "-1 : i64", "tiled": "0 : i64", "offset_bits": "32 : i64"}
+                   "window_left": "-1 : i64", "tiled": "0 : i64",
+                   "offset_bits": "32 : i64"}
   tensors, meta = expected_operands("bf16")
   assert ins == tensors + meta
   assert outs == [t((TQ, HQ, D), "bf16"), t((TQ, HQ), "f32")]
