@@ -93,6 +93,13 @@ def attention_flops(pairs, *, num_heads: int, head_dim: int,
   """
   hq = _check_int(num_heads, "num_heads")
   d = _check_int(head_dim, "head_dim")
+  if isinstance(pairs, np.integer):
+    pairs = int(pairs)
+  elif isinstance(pairs, np.ndarray) and np.issubdtype(pairs.dtype,
+                                                        np.integer):
+    # Python ints: numpy's int64 wraps past 9.2e18 (16M tokens of one
+    # document at 128 heads of 128 already does).
+    pairs = pairs.astype(object)
   fwd = pairs * (4 * hq * d)
   if not backward:
     return fwd

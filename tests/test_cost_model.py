@@ -249,3 +249,18 @@ def test_estimate_is_frozen_and_exported():
     est.imbalance = 2.0  # type: ignore[misc]
   assert "estimate_cp_imbalance" in jax_cp.__all__
   assert "recommend_strategy" in jax_cp.__all__
+
+
+def test_imbalance_at_32m_tokens_and_128_heads_does_not_wrap():
+  """FLOPs past int64 (one 32M-token document, 128 heads of 128) stay
+  positive and exact: NO_LOAD_BALANCE's imbalance is that of the pairs."""
+  t = 32 * 2**20
+  cu = np.array([0, t], np.int32)
+  est = jax_cp.estimate_cp_imbalance(cu, cu, 4, "no_load_balance",
+                                     num_heads_q=128, num_heads_kv=8,
+                                     head_dim=128)
+  assert max(est.flops_per_rank) > 2**63 and min(est.flops_per_rank) > 0
+  assert est.flops_per_rank == tuple(p * 4 * 128 * 128
+                                     for p in est.pairs_per_rank)
+  pairs = np.asarray(est.pairs_per_rank, np.float64)
+  assert est.imbalance == pytest.approx(pairs.max() / pairs.mean())

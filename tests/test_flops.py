@@ -82,3 +82,16 @@ def test_cost_model_and_benchmarks_count_with_it():
   assert fwd == est.total_flops
   assert workload.flops(row, 8, 64, "fwd_bwd") == 3.5 * fwd
   assert jax_cp.cost_model.FWD_BWD_FLOP_FACTOR == 3.5
+
+
+def test_attention_flops_do_not_wrap_at_int64():
+  """Per-rank pairs as a numpy int64 array at 16M tokens and 128 heads of
+  128: the FLOPs exceed int64 and stay exact Python ints."""
+  from jax_cp.flops import attention_flops
+  t = 16 * 2**20
+  pairs = np.array([t * (t + 1) // 2, t], np.int64)
+  got = attention_flops(pairs, num_heads=128, head_dim=128, backward=False)
+  want = [int(p) * 4 * 128 * 128 for p in pairs]
+  assert [int(g) for g in got] == want and want[0] > 2**63
+  assert attention_flops(np.int64(t), num_heads=128, head_dim=128,
+                         backward=False) == t * 4 * 128 * 128
