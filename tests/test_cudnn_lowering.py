@@ -412,3 +412,27 @@ def test_no_load_balance_runs_no_bottom_right_call():
   assert counts.get(BWD) == 2 and into["sdpa_bwd_into"] not in counts
   assert counts.get(FWD) == 2 and into["sdpa_fwd_into"] not in counts
   assert sorted(masks) == sorted(fwd_masks) == sorted([top_left, no_mask])
+
+
+def test_backward_refuses_a_slot_sized_accumulator():
+  """D % 16 != 0: cuDNN sizes the dQ accumulator by S * max_seqlen_q; at
+  100k segment slots of 4096 the backward raises before any kernel, naming
+  the sizes; the same call with D = 32 (packed totals) lowers."""
+  s, t, bound = 100_000, 2**20, 4096
+  zeros = jnp.zeros((s,), jnp.int32)
+  seg = Segments(zeros, zeros, zeros, zeros, bound, bound)
+
+  def bwd(d):
+    q = sds((t, 8, d))
+    k = sds((t, 2, d))
+    lse = sds((t, 8), jnp.float32)
+    return lower_for_cuda(lambda q, k, lse, seg: cudnn_backend.backward(
+        q, k, k, q, lse, q, seg, mask="causal_top_left", scale=0.1),
+        q, k, lse, seg)
+
+  with pytest.raises(ValueError, match=r"D=24.*100000 \* 4096"):
+    bwd(24)
+  assert custom_calls(bwd(32), BWD)
+  # The rule: a few times the packed size is fine.
+  cudnn_backend.check_backward_workspace((t, 8, 24), 4, t, tiled=False)
+  cudnn_backend.check_backward_workspace((t, 8, 24), s, bound, tiled=True)

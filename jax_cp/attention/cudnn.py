@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_cp._jax_cp_cuda as _jax_cp_cuda  # ModuleNotFoundError when absent
+from jax_cp.attention import cudnn_workspace
 from jax_cp.attention.backend import MASK_TYPES, Backend, Segments
 from jax_cp.attention.merge import check_merge_rows, merge_rows_jnp
 
@@ -167,6 +168,17 @@ def check_token_counts(q_shape, k_shape) -> None:
 INT32_OFFSET_ELEMENT_LIMIT = 2**29
 
 
+def _dq_accumulator_rows(q_shape, segments: int, max_q: int) -> int:
+  """The rows of the backward's float32 dQ accumulator: the packed Q rows,
+  or the segment slots ``S * max_seqlen_q`` where the frontend ignores the
+  packed totals (a head dim that is not a multiple of 16)."""
+  tq, hq, d = (int(n) for n in q_shape)
+  ws = cudnn_workspace.backward_workspace(tq, tq, hq, hq, d,
+                                          segments=segments,
+                                          max_seqlen_q=max_q)
+  return ws.dq_accum // (4 * hq * d)
+
+
 def ragged_offset_bits(q_shape, k_shape, segments: int, max_q: int) -> int:
   """The width (32 or 64) of the ragged element offsets of a call.
 
@@ -178,11 +190,41 @@ def ragged_offset_bits(q_shape, k_shape, segments: int, max_q: int) -> int:
   not a multiple of 16) and dK/dV at the ``Hq`` query heads
   (``Tkv * Hq * D``). Static shapes only: one graph per shape.
   """
-  tq, hq, d = (int(n) for n in q_shape)
+  _, hq, d = (int(n) for n in q_shape)
   tkv, hkv, _ = (int(n) for n in k_shape)
-  rows_q = tq if d % 16 == 0 else max(tq, segments * max_q)
+  rows_q = _dq_accumulator_rows(q_shape, segments, max_q)
   largest = max(rows_q * hq * d, tkv * max(hq, hkv) * d)
   return 64 if largest >= INT32_OFFSET_ELEMENT_LIMIT else 32
+
+
+#: How much larger than the packed one a slot-sized dQ accumulator may be
+#: (and at least how many bytes) before the backward refuses the call.
+SLOT_ACCUMULATOR_FACTOR = 4
+SLOT_ACCUMULATOR_MIN_BYTES = 2**30
+
+
+def check_backward_workspace(q_shape, segments: int, max_q: int,
+                             tiled: bool) -> None:
+  """With a head dim that is not a multiple of 16 the frontend sizes the
+  backward's float32 dQ accumulator by the segment slots (``S *
+  max_seqlen_q`` rows) instead of the packed rows: at many segments that
+  is far more memory than the call holds. Raise, before any kernel, when
+  it exceeds :data:`SLOT_ACCUMULATOR_FACTOR` times the packed size and
+  :data:`SLOT_ACCUMULATOR_MIN_BYTES`."""
+  if tiled:
+    return
+  tq, hq, d = (int(n) for n in q_shape)
+  rows = _dq_accumulator_rows(q_shape, segments, max_q)
+  slot_bytes = rows * hq * d * 4
+  if rows > SLOT_ACCUMULATOR_FACTOR * tq and \
+      slot_bytes > SLOT_ACCUMULATOR_MIN_BYTES:
+    raise ValueError(
+        f"backend 'cudnn' backward with head dim D={d} (not a multiple of "
+        f"16): cuDNN sizes its float32 dQ accumulator by the segment slots, "
+        f"S * max_seqlen_q = {segments} * {max_q} rows * Hq={hq} * D * 4 = "
+        f"{slot_bytes / 2**30:.1f} GiB, against {tq * hq * d * 4 / 2**30:.2f} "
+        f"GiB for the call's Tq={tq} rows. Use a head dim that is a "
+        f"multiple of 16, a tighter max_seqlen, or fewer segments per call.")
 
 
 def check_mask(mask) -> None:
@@ -452,8 +494,9 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
   if max_q == 0 or max_kv == 0:
     dq = jnp.zeros_like(q) if dq_into is None else dq_into
     return dq, jnp.zeros_like(k), jnp.zeros_like(v)
-  meta = _segment_meta(seg, q.shape, k.shape, max_q, max_kv)
   tiled = seg.tiled and dq_into is None
+  check_backward_workspace(q.shape, seg.q_lens.shape[0], max_q, tiled)
+  meta = _segment_meta(seg, q.shape, k.shape, max_q, max_kv)
   if tiled:
     stats = _tiled_stats(seg, lse)
   elif seg.rows_see_keys:
