@@ -55,4 +55,25 @@ ffi::ErrorOr<RaggedOffsets> ComputeRaggedOffsets(
   return offsets;
 }
 
+ffi::Error BindRaggedOperands(const char* call, const CudaLibraries& libs,
+                              int device, cudaStream_t stream,
+                              ffi::ScratchAllocator& scratch,
+                              const SegmentPointers& seg,
+                              const SdpaGraphKey& key,
+                              std::unordered_map<int64_t, void*>& ptrs) {
+  if (key.tiled) return ffi::Error::Success();
+  auto off_or =
+      ComputeRaggedOffsets(call, libs, device, stream, scratch, seg, key);
+  if (!off_or.has_value()) return off_or.error();
+  const RaggedOffsets& off = *off_or;
+  ptrs.insert({{sdpa_uid::kSeqLenQ, seg.q_lens},
+               {sdpa_uid::kSeqLenKv, seg.kv_lens},
+               {sdpa_uid::kOffsetQ, off.q},
+               {sdpa_uid::kOffsetO, off.q},
+               {sdpa_uid::kOffsetK, off.kv},
+               {sdpa_uid::kOffsetV, off.kv},
+               {sdpa_uid::kOffsetStats, off.stats}});
+  return ffi::Error::Success();
+}
+
 }  // namespace jax_cp

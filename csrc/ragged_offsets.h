@@ -5,6 +5,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+#include <unordered_map>
+
 #include "cuda_libs.h"
 #include "sdpa_ffi_common.h"
 #include "sdpa_graph.h"
@@ -26,6 +29,16 @@ xla::ffi::ErrorOr<RaggedOffsets> ComputeRaggedOffsets(
     const char* call, const CudaLibraries& libs, int device,
     cudaStream_t stream, xla::ffi::ScratchAllocator& scratch,
     const SegmentPointers& seg, const SdpaGraphKey& key);
+
+// The ragged operands of a call's graph: the lengths (from `seg`) and the
+// element offsets (ComputeRaggedOffsets) bound to their uids in `ptrs`.
+// Nothing for a tiled call, whose dense graph has none.
+xla::ffi::Error BindRaggedOperands(const char* call, const CudaLibraries& libs,
+                                   int device, cudaStream_t stream,
+                                   xla::ffi::ScratchAllocator& scratch,
+                                   const SegmentPointers& seg,
+                                   const SdpaGraphKey& key,
+                                   std::unordered_map<int64_t, void*>& ptrs);
 
 }  // namespace jax_cp
 

@@ -80,19 +80,9 @@ ffi::Error SdpaBackwardImpl(
     auto libs_or = GetCudaLibraries();
     if (!libs_or.has_value()) return libs_or.error();
     const CudaLibraries& libs = **libs_or;
-    if (!key.tiled) {
-      auto off_or = ComputeRaggedOffsets(call, libs, device, stream, scratch,
-                                         seg, key);
-      if (!off_or.has_value()) return off_or.error();
-      const RaggedOffsets& off = *off_or;
-      ptrs.insert({{sdpa_uid::kSeqLenQ, seg.q_lens},
-                   {sdpa_uid::kSeqLenKv, seg.kv_lens},
-                   {sdpa_uid::kOffsetQ, off.q},
-                   {sdpa_uid::kOffsetO, off.q},
-                   {sdpa_uid::kOffsetK, off.kv},
-                   {sdpa_uid::kOffsetV, off.kv},
-                   {sdpa_uid::kOffsetStats, off.stats}});
-    }
+    e = BindRaggedOperands(call, libs, device, stream, scratch, seg, key,
+                           ptrs);
+    if (e.failure()) return e;
     const int64_t tq = key.tokens_q, tkv = key.tokens_kv;
     if (!into && tq > 0) {
       e = FillUncoveredRows(

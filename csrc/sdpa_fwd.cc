@@ -78,19 +78,9 @@ ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
     auto libs_or = GetCudaLibraries();
     if (!libs_or.has_value()) return libs_or.error();
     const CudaLibraries& libs = **libs_or;
-    if (!key.tiled) {
-      auto off_or = ComputeRaggedOffsets(call, libs, device, stream, scratch,
-                                         seg, key);
-      if (!off_or.has_value()) return off_or.error();
-      const RaggedOffsets& off = *off_or;
-      ptrs.insert({{sdpa_uid::kSeqLenQ, seg.q_lens},
-                   {sdpa_uid::kSeqLenKv, seg.kv_lens},
-                   {sdpa_uid::kOffsetQ, off.q},
-                   {sdpa_uid::kOffsetO, off.q},
-                   {sdpa_uid::kOffsetK, off.kv},
-                   {sdpa_uid::kOffsetV, off.kv},
-                   {sdpa_uid::kOffsetStats, off.stats}});
-    }
+    e = BindRaggedOperands(call, libs, device, stream, scratch, seg, key,
+                           ptrs);
+    if (e.failure()) return e;
     auto fill = [&]() -> ffi::Error {
       if (into || key.tokens_q == 0) return ffi::Error::Success();
       constexpr uint32_t kMinusInf = 0xff800000u;  // float32 -inf

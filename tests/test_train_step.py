@@ -159,19 +159,6 @@ def test_mesh_shape_choice():
   assert choose(None, 1, "gpu", 8, batch=6) == (2, 1)
 
 
-def test_prefetched_yields_the_same_batches_in_order():
-  calls = []
-
-  def make(i):
-    calls.append(i)
-    return {"x": np.full(3, i)}
-  for depth in (0, 1, 3):
-    calls.clear()
-    got = [b["x"][0] for b in data.prefetched(make, range(2, 7), depth)]
-    assert got == [2, 3, 4, 5, 6] and sorted(calls) == [2, 3, 4, 5, 6]
-  assert list(data.prefetched(make, range(0), 2)) == []
-
-
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
         "--seq-len", "64", "--batch", "2", "--dp", "2", "--cp", "2",
         "--backend", "xla", "--quiet", "--no-compare", "--steps", "5"]

@@ -21,13 +21,11 @@ rows.
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import functools
 import itertools
 import pathlib
 import sysconfig
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 
 import grain
 import numpy as np
@@ -188,17 +186,3 @@ def load_rows(cfg: Config, num_rows: int, cp: int) -> jax_cp.PackedRows:
   if cfg.doc_order == "balanced":
     rows = jax_cp.balance_rows(rows, cp, cfg.strategy)
   return rows
-
-
-def prefetched(make: Callable[[int], object], steps: Iterable[int],
-               depth: int) -> Iterator:
-  """``make(step)`` of each step, ``depth`` built ahead on a thread (for
-  callers outside the grain pipeline)."""
-  with concurrent.futures.ThreadPoolExecutor(1) as pool:
-    ahead = collections.deque()
-    for step in steps:
-      ahead.append(pool.submit(make, step))
-      if len(ahead) > depth:
-        yield ahead.popleft().result()
-    while ahead:
-      yield ahead.popleft().result()
