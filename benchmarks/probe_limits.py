@@ -184,7 +184,7 @@ def sweep(args) -> dict:
   return dict(records=records)
 
 
-def ab(args) -> dict:
+def ab(args) -> list[dict]:
   import jax
   import jax.numpy as jnp
 
@@ -223,14 +223,15 @@ def ab(args) -> dict:
     pairs = int(causal_pairs(np.concatenate([[0], np.cumsum(kv_lens)])))
     return fn, [(q, k, v, do)], pairs
 
-  out = {}
+  out = []
   below = Case("mixed", 131072, 32, 8, 128)
   fa, aa, _ = program(below, 32)
   fb, ab_, _ = program(below, 64)
   r = timing.paired(fa, aa, fb, ab_, reps=args.reps)
-  out["int64_vs_int32_below_limit"] = dict(
-      case=below.name, ms_int32=r.ms_a, ms_int64=r.ms_b,
-      int32_over_int64=r.ratio_median, q1=r.ratio_q1, q3=r.ratio_q3)
+  out.append(dict(
+      kind="int64_vs_int32_below_limit", case=below.name, ms_int32=r.ms_a,
+      ms_int64=r.ms_b,
+      int32_over_int64=r.ratio_median, q1=r.ratio_q1, q3=r.ratio_q3))
   print(f"{below.name}: int32 {r.ms_a:.3f} ms, int64 {r.ms_b:.3f} ms, "
         f"int32/int64 {r.ratio_median:.4f} (IQR {r.ratio_q1:.4f}-"
         f"{r.ratio_q3:.4f})", flush=True)
@@ -241,10 +242,11 @@ def ab(args) -> dict:
   r = timing.paired(fa, aa, fb, ab_, reps=args.reps)
   per_pair_below = r.ms_a / pa
   per_pair_above = r.ms_b / pb
-  out["per_pair_above_vs_below"] = dict(
-      below=below.name, above=above.name, ms_below=r.ms_a, ms_above=r.ms_b,
+  out.append(dict(
+      kind="per_pair_above_vs_below", below=below.name, above=above.name,
+      ms_below=r.ms_a, ms_above=r.ms_b,
       pairs_below=pa, pairs_above=pb,
-      above_per_pair_over_below=per_pair_above / per_pair_below)
+      above_per_pair_over_below=per_pair_above / per_pair_below))
   print(f"per token pair: {above.name} (int64) / {below.name} (int32) = "
         f"{per_pair_above / per_pair_below:.4f}", flush=True)
   return out
@@ -271,7 +273,7 @@ def main(argv=None) -> int:
     args.path = results.result_path(args.out, "limits_ab" if args.ab else
                                     "limits", env)
   if args.ab:
-    payload = dict(kind="limits_ab", env=env, **ab(args))
+    payload = dict(kind="limits_ab", env=env, records=ab(args))
     if args.path:
       results.write_result(args.path, payload)
   else:
