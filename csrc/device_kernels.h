@@ -25,7 +25,8 @@ struct DeviceKernels {
   std::string error;  // empty when every kernel was found
 };
 
-// Loads the module the first time (never unloaded); check `error`.
+// Loads the module on the first call that succeeds (never unloaded; a
+// failed load is tried again by the next call); check `error`.
 const DeviceKernels& LoadDeviceKernels(const CudaLibraries& libs);
 
 // Launches `kernel` on `stream` with `device` current; `what` names the

@@ -6,5 +6,7 @@ imports Flax.
   settings, the attention call;
 * :mod:`jax_cp.modules.rotary`: rotary position embeddings;
 * :mod:`jax_cp.modules.remat`: the checkpoint names and the presets of the
-  modules' ``remat`` field.
+  modules' ``remat`` field;
+* :mod:`jax_cp.modules.chunked_loss`: cross entropy over the tokens in
+  chunks, never the whole ``[B, T, vocab]`` logits at once.
 """
