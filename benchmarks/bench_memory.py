@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "machine that does not run out)")
   p.add_argument("--peak-tflops", type=float, default=None,
                  help="per device, for the MFU (default: 989 on GPU)")
+  p.add_argument("--mlp-chunk-size", default="auto",
+                 help="TransformerLayer.mlp_chunk_size: auto, none or an "
+                      "int (tokens per MLP chunk of a rank)")
   p.add_argument("--no-check-exact", dest="check_exact",
                  action="store_false",
                  help="skip the exactness check of the step's attention "
@@ -127,7 +130,8 @@ def _model_config(args, seq_len: int, cp: int, remat: str):
   return Config(device=args.device, dtype=args.dtype, seq_len=seq_len,
                 batch=1, dp=1, cp=cp, remat=remat, strategy=args.strategy,
                 backend=args.backend, max_doc_len=args.max_doc_len,
-                doc_order="packed", seed=args.seed, **sizes)
+                doc_order="packed", seed=args.seed,
+                mlp_chunk_size=args.mlp_chunk_size, **sizes)
 
 
 @dataclasses.dataclass

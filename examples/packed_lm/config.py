@@ -45,6 +45,9 @@ class Config:
   param_sharding: str = _flag("fsdp", "parameters and optimizer state",
                               ("fsdp", "replicated"))
   remat: str = _flag("none", "rematerialisation of the layers", REMAT)
+  mlp_chunk_size: str = _flag("auto", "tokens per MLP chunk of each rank "
+                              "(TransformerLayer.mlp_chunk_size): auto, "
+                              "none (whole rows) or a positive int")
   prefetch: int = _flag(2, "batches built ahead (grain's thread "
                         "prefetch)")
   log_every: int = _flag(10, "steps between waits for the device (loss)")
@@ -88,6 +91,22 @@ class Config:
       self.doc_order = "packed"   # DUAL_CHUNK_SWAP's work ignores the order
     if self.remat not in REMAT:
       raise ValueError(f"remat={self.remat!r} is not one of {list(REMAT)}")
+    self.mlp_chunk_size = parse_chunk_size(self.mlp_chunk_size)
+
+
+def parse_chunk_size(value):
+  """``"auto"``, None (``"none"``) or a positive int, from a flag's text or
+  a value given as it is."""
+  if value is None or value == "auto" or (
+      isinstance(value, int) and not isinstance(value, bool)):
+    return value
+  text = str(value).strip().lower()
+  if text == "none":
+    return None
+  if text.isdigit() and int(text) > 0:
+    return int(text)
+  raise ValueError(f"mlp_chunk_size must be auto, none or a positive int, "
+                   f"got {value!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
