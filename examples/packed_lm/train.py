@@ -101,13 +101,16 @@ def train_loop(cfg: Config, step_fn, state, batches: Iterable, *,
                peak_flops: float | None, checkpointer=None,
                show: bool = True):
   """Steps ``start .. cfg.steps - 1``, waiting for the device every
-  ``cfg.log_every``: ``(state, losses, tokens_per_s, mfu)``."""
-  losses, tok_s, mfu, flops = [], 0.0, None, 0.0
+  ``cfg.log_every``: ``(state, losses, tokens_per_s, mfu)``. The losses
+  of the steps since the last wait stay device arrays (``pending``) and
+  become floats at each wait, so host memory does not grow with the
+  steps by an array object per step."""
+  losses, pending, tok_s, mfu, flops = [], [], 0.0, None, 0.0
   bar = tqdm.tqdm(total=cfg.steps, initial=start, disable=not show,
                   unit="step", dynamic_ncols=True)
   for step, batch in zip(range(start, cfg.steps), batches):
     state, loss = step_fn(state, batch)
-    losses.append(loss)
+    pending.append(loss)
     done = step + 1
     if checkpointer is not None:
       checkpointer.save(done, state)
@@ -115,7 +118,9 @@ def train_loop(cfg: Config, step_fn, state, batches: Iterable, *,
       flops += step_flops(step)
       if (done - start) % cfg.log_every and done < cfg.steps:
         continue
-    value = float(loss.addressable_data(0))   # waits for the device
+    losses += [float(x.addressable_data(0)) for x in pending]  # waits
+    pending.clear()
+    value = losses[-1]
     if step == start:
       t0 = time.perf_counter()
     elif (dt := time.perf_counter() - t0) > 0:
@@ -125,4 +130,5 @@ def train_loop(cfg: Config, step_fn, state, batches: Iterable, *,
         f", MFU {mfu:.1%}" if mfu else ""), refresh=False)
     bar.update(done - bar.n)
   bar.close()
-  return state, [float(x.addressable_data(0)) for x in losses], tok_s, mfu
+  return state, losses + [float(x.addressable_data(0)) for x in pending], \
+      tok_s, mfu
