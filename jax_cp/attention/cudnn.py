@@ -13,8 +13,11 @@ its rows into aliased buffers of an earlier call.
 
 The wrapper is thin: it validates shapes and dtypes (``check_*`` functions,
 ``ValueError``), turns :class:`~jax_cp.attention.backend.Segments` into the
-per-segment lengths and *element* offsets cuDNN's ragged (THD) layout needs,
-calls the custom call, and masks the rows cuDNN leaves undefined:
+per-segment lengths and token offsets of the custom call (the handler
+builds cuDNN's ragged *element* offsets from them, 64-bit where a call's
+tensors reach :data:`INT32_OFFSET_ELEMENT_LIMIT` elements:
+:func:`ragged_offset_bits`), calls the custom call, and masks the rows
+cuDNN leaves undefined:
 
 * Q rows no segment covers (and KV rows no query sees, in dK/dV): the
   handler fills only those rows, with 0 (``out``, ``dq``, ``dk``, ``dv``) and
