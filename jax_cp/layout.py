@@ -313,18 +313,26 @@ class CPLayout:
     where ``cp_axis`` is an ``Explicit`` mesh axis (the sharding is then
     part of ``x``'s type and the partitioner chooses nothing).
     """
-    if self.cp_axis is None or self.is_local:
-      return x
-    mesh = self.context_mesh()
-    types = dict(zip(mesh.axis_names, mesh.axis_types))
-    if types.get(self.cp_axis) != jax.sharding.AxisType.Auto:
-      return x
     free = jax.sharding.PartitionSpec.UNCONSTRAINED
     if x.ndim >= 3:
       batch = self.batch_axes or None
       spec = ((batch,) + (None,) * (x.ndim - 3) + (self.cp_axis, free))
     else:
       spec = (self.cp_axis,) + (free,) * (x.ndim - 1)
+    return self.constrain(x, spec)
+
+  def constrain(self, x, spec: tuple):
+    """``x`` under ``with_sharding_constraint(PartitionSpec(*spec))`` (on
+    this layout's mesh when it has one), where the token sharding is the
+    partitioner's to choose: in the global view, with CP, on an ``Auto``
+    ``cp_axis``; ``x`` itself otherwise. The one rule behind
+    :meth:`shard_tokens` and the modules' per-chunk constraints."""
+    if self.cp_axis is None or self.is_local:
+      return x
+    mesh = self.context_mesh()
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    if types.get(self.cp_axis) != jax.sharding.AxisType.Auto:
+      return x
     spec = jax.sharding.PartitionSpec(*spec)
     if self.mesh is not None:
       spec = jax.sharding.NamedSharding(self.mesh, spec)

@@ -153,19 +153,10 @@ def pin_groups(layout: CPLayout, x):
   view, ``G`` the ranks) constrained to keep ``G`` on ``cp_axis`` and the
   batch on ``batch_axis``, as :meth:`jax_cp.CPLayout.shard_tokens` keeps
   whole rows; ``x`` itself where that is the identity."""
-  if layout.cp_axis is None or layout.is_local:
-    return x
-  mesh = layout.context_mesh()
-  types = dict(zip(mesh.axis_names, mesh.axis_types))
-  if types.get(layout.cp_axis) != jax.sharding.AxisType.Auto:
-    return x
   free = jax.sharding.PartitionSpec.UNCONSTRAINED
   lead = ((layout.batch_axes or None,) + (None,) * (x.ndim - 4)
           if x.ndim >= 4 else ())
-  spec = jax.sharding.PartitionSpec(*lead, layout.cp_axis, None, free)
-  if layout.mesh is not None:
-    spec = jax.sharding.NamedSharding(layout.mesh, spec)
-  return jax.lax.with_sharding_constraint(x, spec)
+  return layout.constrain(x, (*lead, layout.cp_axis, None, free))
 
 
 def map_token_chunks(fn: Callable, x, chunk: int | None, layout: CPLayout,
