@@ -38,33 +38,14 @@ def _segments(case):
 
 
 def run_call(case) -> dict[str, float]:
-  import jax
-  import jax.numpy as jnp
-
-  from jax_cp.attention import cudnn, exactness
-  from jax_cp.attention.backend import Segments
-
-  c, (q_lens, kv_lens, q_off, kv_off, max_q, max_kv, tq, mask,
-      tiled) = _segments(case)
-  seg = Segments(jnp.asarray(q_lens, jnp.int32),
-                 jnp.asarray(kv_lens, jnp.int32),
-                 jnp.asarray(q_off, jnp.int32), jnp.asarray(kv_off, jnp.int32),
-                 max_q, max_kv, rows_see_keys=True, tiled=tiled)
-  keys = jax.random.split(jax.random.PRNGKey(case.get("seed", 0)), 3)
-  dt = jnp.dtype(c.dtype)
-  q = jax.random.normal(keys[0], (tq, c.hq, c.d), dt)
-  k = jax.random.normal(keys[1], (c.tokens, c.hkv, c.d), dt)
-  v = jax.random.normal(keys[2], (c.tokens, c.hkv, c.d), dt)
-  forced = case.get("offset_bits")
-  chosen = cudnn.ragged_offset_bits
-  if forced is not None:
-    cudnn.ragged_offset_bits = lambda *a, **kw: forced
-  try:
-    return exactness.check_call(cudnn.BACKEND, q, k, v, seg, mask=mask,
-                                rows=case.get("rows", 128),
-                                seed=case.get("seed", 0))
-  finally:
-    cudnn.ragged_offset_bits = chosen
+  """One cudnn call's check (benchmarks.probe_limits.run_case)."""
+  from benchmarks.probe_limits import run_case
+  c, _ = _segments(case)
+  r = run_case(c, case.get("offset_bits"), case.get("rows", 128),
+               case.get("seed", 0))
+  if r["error"]:
+    raise RuntimeError(r["error"])
+  return r["errors"]
 
 
 def run_cp(case) -> dict[str, float]:
