@@ -20,7 +20,21 @@ records:
 from ``--search-start`` until a step fails (out of memory, caught), then
 bisects between the last T that trained and the first that failed, to
 ``--search-step`` (16k) granularity. ``--ab T`` times the ``none`` and
-``save_context`` steps at T in alternation (paired A/B).
+``save_context`` steps at T in alternation (paired A/B); with
+``--ab-mlp-chunk`` it times instead the first ``--remat`` preset with
+``mlp_chunk_size`` = ``--mlp-chunk-size`` (chunked) against
+``mlp_chunk_size=None`` (unchunked).
+
+``--breakdown`` adds to each run where XLA's planned bytes go
+(``benchmarks/buffer_breakdown.py``): the step is compiled with XLA
+dumping its buffer assignment (per compile, through jax's
+``compiler_options``: no ``XLA_FLAGS`` needed; the dump makes the
+compile a little slower, ``compile_s`` included), and the record's
+``breakdown`` holds the bytes per allocation kind, the values live at the
+schedule's peak (by category: attention, mlp, logits/loss, optimizer,
+state, ...; the largest ones) and the largest values of the temp
+allocation (which overlap in time: the largest, not a decomposition).
+It needs only the compile, so it works with ``--compile-only``.
 
 Each invocation writes ``memory_<date>_<device>_<model>[_<N>layers]
 [_<tag>].json`` into ``--out`` and
@@ -98,13 +112,23 @@ def build_parser() -> argparse.ArgumentParser:
                  help="time the none and save_context steps at this T in "
                       "alternation (paired A/B)")
   p.add_argument("--ab-reps", type=int, default=5)
+  p.add_argument("--ab-mlp-chunk", action="store_true",
+                 help="make --ab compare the first --remat preset with "
+                      "mlp_chunk_size=--mlp-chunk-size (chunked) against "
+                      "mlp_chunk_size=None (unchunked) instead of none "
+                      "against save_context")
+  p.add_argument("--breakdown", action="store_true",
+                 help="record, per run, where XLA's planned bytes go: the "
+                      "compiled buffer assignment's allocations, the "
+                      "values live at its peak and the largest temp "
+                      "values, by category (benchmarks/buffer_breakdown)")
   p.add_argument("--memory-limit", type=float, default=None,
                  help="GB: treat a step whose compiled temp + arguments + "
                       "outputs exceed this as failing (the search on a "
                       "machine that does not run out)")
   p.add_argument("--peak-tflops", type=float, default=None,
                  help="per device, for the MFU (default: 989 on GPU)")
-  p.add_argument("--mlp-chunk-size", default="auto",
+  p.add_argument("--mlp-chunk-size", default="none",
                  help="TransformerLayer.mlp_chunk_size: auto, none or an "
                       "int (tokens per MLP chunk of a rank)")
   p.add_argument("--no-check-exact", dest="check_exact",
@@ -146,6 +170,7 @@ class Step:
   matmul_params: int
   cfg: object
   compile_s: float
+  breakdown: dict | None = None
 
   def __call__(self, state, batch):
     return self.fn(state, batch)
@@ -174,9 +199,15 @@ def build_step(args, seq_len: int, cp: int, remat: str) -> Step:
     n_params = lm.matmul_params(model)
     del model
     t0 = time.perf_counter()
-    compiled = fn.lower(state, batch).compile()
+    breakdown = None
+    if getattr(args, "breakdown", False):
+      from benchmarks import buffer_breakdown  # pylint: disable=import-outside-toplevel
+      compiled, breakdown = buffer_breakdown.compile_with_breakdown(
+          fn.lower(state, batch))
+    else:
+      compiled = fn.lower(state, batch).compile()
   return Step(compiled, state, batch, compiled, rows, n_params, cfg,
-              time.perf_counter() - t0)
+              time.perf_counter() - t0, breakdown)
 
 
 def memory_analysis(compiled) -> dict:
@@ -241,6 +272,20 @@ def _peak_tflops(args) -> float | None:
   return train.peak_tflops(jax.devices()[0]) or 989.0
 
 
+def step_mfu(args, step: Step, ms: float) -> tuple[int, float | None]:
+  """The step's model FLOPs (``jax_cp.flops.model_flops`` of its row) and
+  its MFU at ``ms`` per step (None without a peak, :func:`_peak_tflops`)."""
+  import jax_cp.flops  # pylint: disable=import-outside-toplevel
+  cfg = step.cfg
+  flops = jax_cp.flops.model_flops(
+      step.rows.cu_seqlens, tokens=cfg.seq_len,
+      matmul_params=step.matmul_params, num_layers=cfg.layers,
+      num_heads=cfg.heads, head_dim=cfg.d_model // cfg.heads)
+  peak = _peak_tflops(args)
+  return flops, (flops / (ms / 1e3) / (peak * 1e12 * cfg.cp)
+                 if peak else None)
+
+
 def measure(args, seq_len: int, cp: int, remat: str, *, timed: bool = True
             ) -> dict:
   """One run: compile, memory analysis, ``warmup + steps`` steps. A failure
@@ -248,7 +293,6 @@ def measure(args, seq_len: int, cp: int, remat: str, *, timed: bool = True
   "error") and its message instead of timings."""
   import jax  # pylint: disable=import-outside-toplevel
 
-  import jax_cp.flops  # pylint: disable=import-outside-toplevel
   rec = dict(model=model_name(args), seq_len=seq_len, cp=cp, remat=remat,
              strategy=args.strategy, backend=_resolved_backend(args))
   step = rows = None
@@ -261,6 +305,8 @@ def measure(args, seq_len: int, cp: int, remat: str, *, timed: bool = True
                attention_scratch_bytes=attention_scratch(cfg, cp),
                compile_s=step.compile_s,
                **memory_analysis(step.compiled))
+    if step.breakdown is not None:
+      rec["breakdown"] = step.breakdown
     planned = sum(rec.get(k, 0) for k in ("temp_bytes", "argument_bytes",
                                           "output_bytes"))
     if args.memory_limit is not None and planned > args.memory_limit * 1e9:
@@ -285,15 +331,9 @@ def measure(args, seq_len: int, cp: int, remat: str, *, timed: bool = True
                **device_memory())
     if elapsed is not None and args.steps:
       ms = elapsed / args.steps * 1e3
-      flops = jax_cp.flops.model_flops(
-          step.rows.cu_seqlens, tokens=seq_len,
-          matmul_params=step.matmul_params, num_layers=cfg.layers,
-          num_heads=cfg.heads, head_dim=cfg.d_model // cfg.heads)
-      peak = _peak_tflops(args)
+      flops, mfu = step_mfu(args, step, ms)
       rec.update(ms_per_step=ms, tok_per_s=seq_len / (ms / 1e3),
-                 model_flops=flops,
-                 mfu=(flops / (ms / 1e3) / (peak * 1e12 * cp)
-                      if peak else None))
+                 model_flops=flops, mfu=mfu)
   except Exception as err:  # pylint: disable=broad-except
     # Recorded, not raised: one preset that does not run (e.g. host
     # offload where XLA lacks it) leaves the others measured.
@@ -417,8 +457,11 @@ def predict_longest(points: list[tuple[int, int]], fixed: int,
 
 
 def longest_trainable(args, cp: int, remat: str, listed: list[dict],
-                      budget_s: float | None = None) -> dict:
-  """The longest T that trains, to ``--search-step``. T doubles from the
+                      budget_s: float | None = None
+                      ) -> tuple[dict, list[dict]]:
+  """The longest T that trains, to ``--search-step``, and the records of
+  the steps it tried (each as :func:`measure` returns it: memory, the
+  breakdown with ``--breakdown``, the exactness check). T doubles from the
   start until a step fails, then the bracket is bisected. Where the device
   reports its memory limit, the runs so far predict where the limit is
   (:func:`predict_longest`) and the search tries 3 % below and above that
@@ -494,7 +537,7 @@ def longest_trainable(args, cp: int, remat: str, listed: list[dict],
     if ok is None:
       break
     lo, hi = (mid, hi) if ok else (lo, mid)
-  return dict(kind="search", model=model_name(args), cp=cp, remat=remat,
+  search = dict(kind="search", model=model_name(args), cp=cp, remat=remat,
               longest_seq_len=lo or None, first_failing_seq_len=hi,
               search_step=step, search_max=args.search_max,
               stopped_early=stopped,
@@ -504,6 +547,7 @@ def longest_trainable(args, cp: int, remat: str, listed: list[dict],
                           seconds=round(r["try_s"], 1),
                           temp_bytes=r.get("temp_bytes"),
                           layers=r.get("layers")) for r in tries])
+  return search, tries
 
 
 def search_start(args, remat: str) -> int | None:
@@ -527,7 +571,10 @@ def model_name(args) -> str:
 
 def paired_ab(args, seq_len: int, cp: int) -> dict:
   """``none`` (A) against ``save_context`` (B) at ``seq_len``, timed in
-  alternation (``benchmarks.timing.paired``): ratio = time(A) / time(B)."""
+  alternation (``benchmarks.timing.paired``): ratio = time(A) / time(B).
+  With ``--ab-mlp-chunk``: :func:`paired_ab_mlp_chunk`."""
+  if getattr(args, "ab_mlp_chunk", False):
+    return paired_ab_mlp_chunk(args, seq_len, cp)
   from benchmarks import timing  # pylint: disable=import-outside-toplevel
   steps = [build_step(args, seq_len, cp, p) for p in ("none",
                                                        "save_context")]
@@ -549,6 +596,49 @@ def paired_ab(args, seq_len: int, cp: int) -> dict:
               ratio_q1=1.0 / r.ratio_q3, ratio_q3=1.0 / r.ratio_q1)
 
 
+def _runner(step: Step):
+  """One step per call, the donated state carried along."""
+  def run_one():
+    step.state, loss = step(step.state, step.batch)
+    return loss
+  return run_one
+
+
+def paired_ab_mlp_chunk(args, seq_len: int, cp: int) -> dict:
+  """The first ``--remat`` preset with ``mlp_chunk_size`` =
+  ``--mlp-chunk-size`` (A, chunked) against ``mlp_chunk_size=None`` (B,
+  unchunked) at ``seq_len``, timed in alternation
+  (``benchmarks.timing.paired``): ``chunked_over_unchunked`` = time(A) /
+  time(B), median and quartiles over the reps; the MFU of each from its
+  median ms (:func:`step_mfu`: the same model FLOPs for both)."""
+  from benchmarks import timing  # pylint: disable=import-outside-toplevel
+  remat = args.remat[0]
+  chunk = str(args.mlp_chunk_size)
+  steps = [build_step(argparse.Namespace(**{**vars(args),
+                                            "mlp_chunk_size": c}),
+                      seq_len, cp, remat) for c in (chunk, None)]
+  r = timing.paired(_runner(steps[0]), [()], _runner(steps[1]), [()],
+                    reps=args.ab_reps, warmup=1)
+  mfu_a, mfu_b = (step_mfu(args, s, ms)[1] if s.rows is not None else None
+                  for s, ms in zip(steps, (r.ms_a, r.ms_b)))
+  del steps
+  gc.collect()
+  return dict(kind="ab", comparison="mlp_chunk", model=model_name(args),
+              seq_len=seq_len, cp=cp, remat=remat,
+              a=f"mlp_chunk_size={chunk}", b="mlp_chunk_size=None",
+              mlp_chunk_size=chunk, ms_a=r.ms_a, ms_b=r.ms_b,
+              mfu_a=mfu_a, mfu_b=mfu_b,
+              chunked_over_unchunked=r.ratio_median,
+              ratio_q1=r.ratio_q1, ratio_q3=r.ratio_q3)
+
+
+def preallocates() -> bool:
+  """Whether JAX's GPU allocator takes its whole pool up front (its
+  default; ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` turns it off)."""
+  return os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower() \
+      not in ("false", "0")
+
+
 def run(args) -> dict:
   """Every run of the arguments; the result dict (also printed)."""
   presets = list(dict.fromkeys(args.remat))
@@ -562,10 +652,22 @@ def run(args) -> dict:
             flush=True)
     else:
       records.append(ab)
-      print(f"A/B at T={fmt_tokens(args.ab)}: none {ab['ms_a']:.1f} ms, "
-            f"save_context {ab['ms_b']:.1f} ms "
-            f"({ab['save_context_over_none']:.3f}x)", flush=True)
+      if ab.get("comparison") == "mlp_chunk":
+        print(f"A/B at T={fmt_tokens(args.ab)} ({ab['remat']}): "
+              f"{ab['a']} {ab['ms_a']:.1f} ms, {ab['b']} {ab['ms_b']:.1f} "
+              f"ms (chunked / unchunked {ab['chunked_over_unchunked']:.3f}"
+              f"x)", flush=True)
+      else:
+        print(f"A/B at T={fmt_tokens(args.ab)}: none {ab['ms_a']:.1f} ms, "
+              f"save_context {ab['ms_b']:.1f} ms "
+              f"({ab['save_context_over_none']:.3f}x)", flush=True)
   groups = [(remat, cp) for remat in presets for cp in args.cp]
+  if args.search and not preallocates():
+    print("warning: XLA_PYTHON_CLIENT_PREALLOCATE=false: the allocator "
+          "grows by regions it never returns, so after a large try a later "
+          "T can fail for want of one contiguous region that one "
+          "preallocated pool would have had: the longest T found is a "
+          "lower bound", flush=True)
   for remat, cp in groups:
     for t in sorted(set(args.seq_lens)):
       rec = measure(args, t, cp, remat)
@@ -576,7 +678,8 @@ def run(args) -> dict:
     if args.time_budget is not None:
       budget = max(0.0, args.time_budget - (
           time.monotonic() - args.started)) / (len(groups) - i)
-    s = longest_trainable(args, cp, remat, records, budget)
+    s, tried = longest_trainable(args, cp, remat, records, budget)
+    records.extend(dict(kind="run", **rec) for rec in tried)
     records.append(s)
     print(f"longest T that trains ({model_name(args)}, cp={cp}, {remat}): "
           f"{fmt_tokens(s['longest_seq_len'] or 0)} (first failing: "
@@ -585,6 +688,7 @@ def run(args) -> dict:
   return {"env": results.environment(
       xla_flags=os.environ.get("XLA_FLAGS", ""),
       mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+      preallocate=os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"),
       args=vars(args)), "records": records}
 
 
@@ -694,26 +798,47 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
     return text + ("; stopped by the time budget"
                    if r.get("stopped_early") else "")
 
-  if of("search"):
+  searches = [(d["env"].get("device_kind"), r,
+               d["env"].get("args", {}).get("check_exact", False))
+              for d in results for r in d["records"]
+              if r.get("kind") == "search"]
+  if searches:
     lines += _table("Longest T that trains", (
-        "device", "model", "cp", "remat", "longest T", "first failing T",
-        "tries"), [
+        "device", "model", "cp", "remat", "gradients", "longest T",
+        "first failing T", "tries"), [
             (dev, r["model"], r["cp"], r["remat"],
-             fmt_tokens(r["longest_seq_len"] or 0),
+             "checked exact" if checked else "not checked",
+             fmt_tokens(r["longest_seq_len"]) if r.get("longest_seq_len")
+             else "below the first try",
              fmt_tokens(r["first_failing_seq_len"])
              if r.get("first_failing_seq_len")
              else ("not reached" if r.get("stopped_early")
                    else f"none up to {fmt_tokens(r['search_max'])}"),
              tries(r))
-            for dev, r in of("search")])
-  if of("ab"):
+            for dev, r, checked in searches])
+  remat_ab = [(d, r) for d, r in of("ab") if not r.get("comparison")]
+  chunk_ab = [(d, r) for d, r in of("ab")
+              if r.get("comparison") == "mlp_chunk"]
+  if remat_ab:
     lines += _table("save_context against none (paired A/B)", (
         "device", "model", "T", "cp", "none ms", "save_context ms",
         "save_context / none (IQR)"), [
             (dev, r["model"], fmt_tokens(r["seq_len"]), r["cp"],
              f"{r['ms_a']:.1f}", f"{r['ms_b']:.1f}",
              f"{r['save_context_over_none']:.3f} ({r['ratio_q1']:.3f}-"
-             f"{r['ratio_q3']:.3f})") for dev, r in of("ab")])
+             f"{r['ratio_q3']:.3f})") for dev, r in remat_ab])
+  if chunk_ab:
+    pct = lambda v: "-" if v is None else f"{v:.1%}"
+    lines += _table("chunked MLP against unchunked (paired A/B)", (
+        "device", "model", "T", "cp", "remat", "mlp_chunk_size",
+        "chunked ms", "unchunked ms", "chunked MFU", "unchunked MFU",
+        "chunked / unchunked (IQR)"), [
+            (dev, r["model"], fmt_tokens(r["seq_len"]), r["cp"],
+             r["remat"], r["mlp_chunk_size"], f"{r['ms_a']:.1f}",
+             f"{r['ms_b']:.1f}", pct(r.get("mfu_a")), pct(r.get("mfu_b")),
+             f"{r['chunked_over_unchunked']:.3f} ({r['ratio_q1']:.3f}-"
+             f"{r['ratio_q3']:.3f})") for dev, r in chunk_ab])
+  lines += _breakdown_section(runs)
   lines += _growth_table(results)
   lines += _layer_growth_table(results)
   for d in results:
@@ -723,6 +848,8 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
         f"- {env.get('date')}, {env.get('device_kind')}: "
         f"`XLA_PYTHON_CLIENT_MEM_FRACTION`="
         f"{env.get('mem_fraction') or 'unset (0.75)'}"
+        + (f", `XLA_PYTHON_CLIENT_PREALLOCATE`={env['preallocate']}"
+           if env.get("preallocate") else "")
         + (f", allocator limit {max(limits) / 1e9:.1f} GB" if limits else "")
         + f"; `{' '.join(_argv(env.get('args', {})))}`")
   lines.append("")
@@ -731,18 +858,72 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
   return "\n".join(lines)
 
 
+#: Values per record in "Where the bytes go".
+BREAKDOWN_ROWS = 10
+
+
+def _breakdown_section(runs: list[tuple[str, dict]]) -> list[str]:
+  """"Where the bytes go": per run with a ``breakdown`` (``--breakdown``),
+  a table of XLA's temp allocation, the largest values live at the
+  schedule's peak (else the largest temp values), the cuDNN backward
+  scratch (outside XLA) and the state (XLA's arguments: parameters and
+  optimizer state), then the peak's bytes per category."""
+  gb = lambda v: f"{v / 1e9:.3f}"
+  out = []
+  for dev, r in runs:
+    bd = r.get("breakdown")
+    if not bd or bd.get("error"):
+      continue
+    if not out:
+      out += ["## Where the bytes go", "",
+              "Per run with `--breakdown` (`benchmarks/buffer_breakdown.py`"
+              "): XLA's compiled buffer assignment. *live at peak*: the "
+              "largest values live at the step of XLA's schedule where the "
+              "live bytes peak (category from the value's Python call "
+              "stack; *fwd*: made in the forward, so, at a peak in the "
+              "backward, kept for it;"
+              " *remat*: recomputed, *bwd*: the backward's); without that "
+              "dump, *temp value*: the largest values placed in the temp "
+              "allocation, which overlap in time (the largest, not parts "
+              "that add up). The cuDNN scratch is allocated at run time "
+              "outside XLA's buffers.", ""]
+    peak = bd.get("peak")
+    values = peak["top"] if peak else bd.get("top_temp", [])
+    kind = "live at peak" if peak else "temp value"
+    temp = bd.get("allocations", {}).get("temp", {}).get("bytes")
+    rows = [("XLA temp (allocation)", "-", "-",
+             gb(r.get("temp_bytes") or temp or 0))]
+    rows += [(f"{kind}: `{v['name']}`",
+              v["category"] + (f" ({v['phase']})" if v.get("phase") else ""),
+              f"`{v['shape']}`", gb(v["bytes"]))
+             for v in values[:BREAKDOWN_ROWS]]
+    rows += [("cuDNN backward scratch (outside XLA)", "attention", "-",
+              gb(r.get("attention_scratch_bytes") or 0)),
+             ("state: arguments (parameters + optimizer state)", "state",
+              "-", gb(r.get("argument_bytes") or 0))]
+    title = (f"{dev}, {r['model']}, {r.get('layers', '-')} layers, T="
+             f"{fmt_tokens(r['seq_len'])}, cp={r['cp']}, {r['remat']}")
+    out += [f"### {title}", ""]
+    out += _table(None, ("buffer", "category", "shape", "GB"), rows)
+    if peak:
+      out += ["Live at the peak (GB): " + ", ".join(
+          f"{k} {gb(v)}" for k, v in peak["by_category"].items())
+              + f"; total {gb(peak['bytes'])}.", ""]
+  return out
+
+
 def _compiled_points(results: list[dict]) -> list[dict]:
   """Every compiled step with a memory analysis, from the listed runs and
   the search tries, with its device kind (``device``)."""
   out = []
   for d in results:
-    dev = d["env"].get("device_kind")
+    dev, date = d["env"].get("device_kind"), d["env"].get("date", "")
     for r in d["records"]:
       found = ([r] if r.get("kind") == "run" else
                [dict(t, model=r["model"], remat=r["remat"], cp=r["cp"])
                 for t in r.get("tries", [])] if r.get("kind") == "search"
                else [])
-      out += [dict(x, device=dev) for x in found
+      out += [dict(x, device=dev, date=date) for x in found
               if x.get("temp_bytes") and x.get("layers")]
   return out
 
@@ -750,29 +931,30 @@ def _compiled_points(results: list[dict]) -> list[dict]:
 def _growth_table(results: list[dict]) -> list[str]:
   """Per (device, model, preset, cp): XLA temp bytes per additional local
   token per layer, the slope between the shortest and the longest T
-  compiled (listed runs and search tries). It holds what the layers keep
+  compiled (listed runs and search tries) by one invocation (one result
+  file: one version of the code). It holds what the layers keep
   per token and, divided among them, the per-token costs outside them
   (the layer recomputed during the backward, embedding, logits); the
   fixed part (gradients, optimizer temporaries) drops out. The per-layer
   slope (:func:`_layer_growth_table`) separates the two."""
   points: dict[tuple, dict[int, tuple[int, int]]] = {}
   for x in _compiled_points(results):
-    key = (x["device"], x["model"], x["remat"], x["cp"])
+    key = (x["device"], x["model"], x["remat"], x["cp"], x["date"])
     points.setdefault(key, {})[x["seq_len"] // x["cp"]] = (
         x["temp_bytes"], x["layers"])
   rows = []
-  for (dev, model, remat, cp), pts in sorted(points.items()):
+  for (dev, model, remat, cp, date), pts in sorted(points.items()):
     if len(pts) < 2:
       continue
     (t0, (b0, layers)), (t1, (b1, _)) = min(pts.items()), max(pts.items())
-    rows.append((dev, model, remat, cp,
+    rows.append((dev, date[:16], model, remat, cp,
                  f"{fmt_tokens(t0 * cp)}-{fmt_tokens(t1 * cp)}",
                  f"{(b1 - b0) / (t1 - t0) / layers:.0f}"))
   if not rows:
     return []
   return _table("Growth per token", (
-      "device", "model", "remat", "cp", "T range", "temp B per local token "
-      "per layer (slope)"), rows)
+      "device", "run", "model", "remat", "cp", "T range",
+      "temp B per local token per layer (slope)"), rows)
 
 
 def _layer_growth_table(results: list[dict]) -> list[str]:
@@ -811,11 +993,13 @@ def _layer_growth_table(results: list[dict]) -> list[str]:
 def _argv(args: dict) -> list[str]:
   """The options of a recorded run that shape what it measured."""
   keys = ("model", "layers", "remat", "seq_lens", "cp", "search",
-          "search_start", "ab", "time_budget", "compile_only")
+          "search_start", "ab", "ab_mlp_chunk", "mlp_chunk_size",
+          "time_budget", "compile_only", "breakdown")
   out = []
   for k in keys:
     v = args.get(k)
-    if v in (None, False, [], ""):
+    if v in (None, False, [], "") or (k == "mlp_chunk_size"
+                                      and v == "auto"):
       continue
     flag = "--" + k.replace("_", "-")
     if v is True:

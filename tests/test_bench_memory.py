@@ -47,7 +47,8 @@ def test_search_doubles_then_bisects(monkeypatch, limit, start, want,
   monkeypatch.setattr(bench_memory, "measure", fake)
   args = _args(["--search", "--search-start", f"save_context={start}",
                 "--search-max", "2M"])
-  got = bench_memory.longest_trainable(args, 1, "save_context", [])
+  got, tried = bench_memory.longest_trainable(args, 1, "save_context", [])
+  assert [r["seq_len"] for r in tried] == seen
   assert got["longest_seq_len"] == want
   assert got["first_failing_seq_len"] == want_fail
   assert len(seen) == len(set(seen))
@@ -101,7 +102,7 @@ def test_search_predicts_the_limit(monkeypatch):
   monkeypatch.setattr(bench_memory, "measure", fake)
   args = _args(["--search", "--memory-limit", "40", "--search-start",
                 "64k"])
-  got = bench_memory.longest_trainable(args, 1, "none", [])
+  got, _ = bench_memory.longest_trainable(args, 1, "none", [])
   want = int((limit - fixed) / per_token) // 16384 * 16384
   assert got["longest_seq_len"] == want
   assert got["first_failing_seq_len"] == want + 16384
@@ -148,7 +149,9 @@ def test_paired_ab_carries_the_donated_state(monkeypatch):
 def test_search_stops_at_its_budget(monkeypatch):
   monkeypatch.setattr(bench_memory, "measure", lambda *a, **k: 1 / 0)
   args = _args(["--search", "--search-start", "64k"])
-  got = bench_memory.longest_trainable(args, 1, "none", [], budget_s=0.0)
+  got, tried = bench_memory.longest_trainable(args, 1, "none", [],
+                                             budget_s=0.0)
+  assert tried == []
   assert got["stopped_early"] and got["tries"] == []
   assert got["longest_seq_len"] is None
 
@@ -163,9 +166,28 @@ def test_growth_table_is_the_slope():
       dict(seq_len=1 << 18, status="ok", layers=4,
            temp_bytes=fixed + per * 4 * (1 << 17))])
   lines = bench_memory._growth_table(
-      [dict(env=dict(device_kind="H200"), records=[run, search])])
+      [dict(env=dict(device_kind="H200", date="2026-12-01T10:00:00"),
+            records=[run, search])])
   assert lines[0] == "## Growth per token"
-  assert lines[-2] == "| H200 | big | full | 2 | 64k-256k | 3000 |"
+  assert lines[-2] == ("| H200 | 2026-12-01T10:00 | big | full | 2 | "
+                       "64k-256k | 3000 |")
+
+
+def test_growth_table_keeps_invocations_apart():
+  """Points of two result files (two versions of the code) give two
+  slopes, never one line through both."""
+  def one(date, per, seq_lens):
+    return dict(env=dict(device_kind="H200", date=date), records=[
+        dict(kind="run", model="big", remat="full", cp=1, seq_len=t,
+             layers=2, temp_bytes=10**9 + per * 2 * t) for t in seq_lens])
+  lines = bench_memory._growth_table(
+      [one("2026-12-01T08:00:00", 1000, (1 << 16, 1 << 17)),
+       one("2026-12-01T18:00:00", 5000, (1 << 18, 1 << 19))])
+  rows = [line for line in lines if line.startswith("| H200")]
+  assert rows == ["| H200 | 2026-12-01T08:00 | big | full | 1 | 64k-128k | "
+                  "1000 |",
+                  "| H200 | 2026-12-01T18:00 | big | full | 1 | 256k-512k | "
+                  "5000 |"]
 
 
 def test_layer_growth_table_is_the_slope_over_layers():
@@ -238,3 +260,35 @@ def test_report_rows_have_as_many_cells_as_their_header():
   assert "| H200 | big | 64k | 1 | 900.0 | 990.0 | 1.100 (1.090-1.110) |" \
       in text
   assert "not reached" in text
+
+
+def test_longest_t_table_says_whether_gradients_were_checked():
+  """A search run with the exactness check says so; one without it (or
+  from before the check existed) says "not checked"; a search whose first
+  try failed says so instead of a length of 0."""
+  def one(check, longest):
+    tries = [dict(seq_len=1 << 18, status="oom", seconds=1.0,
+                  temp_bytes=None, layers=16)]
+    return dict(env=dict(device_kind="H200", date="2026-12-01T18:00:00",
+                         args=dict(check_exact=check)),
+                records=[dict(kind="search", model="big", cp=1,
+                              remat="full", longest_seq_len=longest,
+                              first_failing_seq_len=1 << 18,
+                              search_step=16384, search_max=1 << 23,
+                              stopped_early=True, tries=tries)])
+  text = bench_memory.markdown([one(True, None), one(False, 1 << 17)], None)
+  rows = [line for line in text.splitlines()
+          if line.startswith("| H200 | big | 1 | full")]
+  assert rows[0].split(" | ")[4:6] == ["checked exact",
+                                       "below the first try"]
+  assert rows[1].split(" | ")[4:6] == ["not checked", "128k"]
+
+
+def test_preallocation_is_read_from_jax_s_variable(monkeypatch):
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+  assert bench_memory.preallocates()
+  for off in ("false", "False", "0"):
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", off)
+    assert not bench_memory.preallocates()
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
+  assert bench_memory.preallocates()

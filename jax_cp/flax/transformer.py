@@ -131,12 +131,19 @@ class TransformerLayer(nn.Module):
       ``jax.checkpoint`` with the ``remat`` policy inside a ``lax.scan``:
       what the policy does not save is re-run one chunk at a time in the
       backward, so one chunk's MLP activations are live, not the row's.
-      Chunks never move tokens between ranks (no collective). A positive
-      int, None (the whole row at once) or ``"auto"`` (default): whole
-      rows under ``remat="none"`` or up to 8192 tokens per rank; else
-      about ``mlp_dim / E`` chunks (twice that when gated), so that a
-      chunk's hidden activations take what the layer input does, of at
+      Chunks never move tokens between ranks (no collective). None
+      (default: the whole row at once), a positive int or ``"auto"``:
+      whole rows under ``remat="none"`` or up to 8192 tokens per rank;
+      else about ``mlp_dim / E`` chunks (twice that when gated), so that
+      a chunk's hidden activations take what the layer input does, of at
       least 8192 tokens (:func:`jax_cp.modules.common.mlp_chunk_tokens`).
+      Chunking pays for shallow models only: XLA keeps about two
+      token-sized ``[T, E]`` buffers more per chunked layer until the
+      backward reaches it, which outweighs the one layer's MLP
+      activations it saves past a few layers (measured on one H200: 4
+      layers at d_model 1024, 1M tokens, ``save_context``: 12 GB less
+      XLA temp; 16 layers at 2048, 384k tokens: 31 GB more;
+      ``benchmarks/results/MEMORY.md``).
   """
 
   num_heads: int
@@ -155,7 +162,7 @@ class TransformerLayer(nn.Module):
   kernel_init: Initializer = nn.initializers.lecun_normal()
   layout: CPLayout | None = None
   remat: str | Callable = "none"
-  mlp_chunk_size: int | str | None = "auto"
+  mlp_chunk_size: int | str | None = None
 
   def __post_init__(self):
     common.check_layout(self.layout)

@@ -129,10 +129,11 @@ class TransformerLayer(nnx.Module):
     remat: ``"none"`` (default), a preset name or a ``jax.checkpoint``
       policy, as in :class:`jax_cp.flax.TransformerLayer`; the layer runs
       under ``nnx.remat`` with that policy otherwise.
-    mlp_chunk_size: ``"auto"`` (default), None or a positive int: tokens
-      per chunk (of each rank's) of the position-wise part, the
-      pre-MLP norm, the MLP and its residual add, as in
-      :class:`jax_cp.flax.TransformerLayer`.
+    mlp_chunk_size: None (default: whole rows), ``"auto"`` or a positive
+      int: tokens per chunk (of each rank's) of the position-wise part,
+      the pre-MLP norm, the MLP and its residual add, as in
+      :class:`jax_cp.flax.TransformerLayer` (which says when chunking
+      pays).
     rngs: the random streams of the initializers.
   """
 
@@ -152,7 +153,7 @@ class TransformerLayer(nnx.Module):
                kernel_init: Initializer = default_kernel_init,
                layout: CPLayout | None = None,
                remat: str | Callable = "none",
-               mlp_chunk_size: int | str | None = "auto",
+               mlp_chunk_size: int | str | None = None,
                rngs: nnx.Rngs):
     common.check_layout(layout)
     common.check_norm_type(norm_type)

@@ -16,7 +16,12 @@
 # Environment: PYTHON (default python3), OUT (folder for the logs; a temporary
 # one otherwise), WHEELS (default .whl), JAX_CP_PIP_ARGS (extra pip
 # arguments, e.g. --user), JAX_CP_USE_TOOLKIT=1 (build with the toolkit's
-# nvcc instead, for comparison).
+# nvcc instead, for comparison), JAX_CP_ASAN=1 (build the extension with
+# AddressSanitizer, -DJAX_CP_ASAN=ON, in a build folder of its own, and run
+# the tests with ASan's runtime preloaded), JAX_CP_INSTALL_ONLY=1 (build and
+# install, print the environment, run no test).
+#
+#   JAX_CP_ASAN=1 tests/gpu/run_gpu_suite.sh tests/gpu/test_fault_injection.py
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -54,10 +59,15 @@ fi
 #    on PATH, CUDA_HOME/CUDA_PATH unset) and CMake told not to look for it.
 build_env=()
 build_args=(-C cuda=13)
+build_dir="build/pip-only-{wheel_tag}"
+if [[ "${JAX_CP_ASAN:-0}" == 1 ]]; then
+  build_args+=(-C cmake.define.JAX_CP_ASAN=ON)
+  build_dir="build/pip-only-asan-{wheel_tag}"
+fi
 if [[ "${JAX_CP_USE_TOOLKIT:-0}" != 1 ]]; then
   build_env=(.ci/hide_cuda_toolkit)
   build_args+=(-C cmake.define.JAX_CP_USE_CUDA_TOOLKIT=OFF
-              -C "build-dir=build/pip-only-{wheel_tag}")
+              -C "build-dir=$build_dir")
 fi
 if ! ${build_env[@]+"${build_env[@]}"} "${pip_offline[@]}" --no-build-isolation --no-deps \
     -v "${build_args[@]}" -e . > "$LOG_DIR/build.log" 2>&1; then
@@ -79,6 +89,20 @@ if [[ "${JAX_CP_USE_TOOLKIT:-0}" != 1 ]]; then
   echo "pip-only build: wheel headers, kernels.cu compiled with NVRTC"
 fi
 
+# An AddressSanitizer build runs under ASan's runtime and the compiler's C++
+# runtime, preloaded (CMakeLists.txt, JAX_CP_ASAN): the Python process is
+# not instrumented. protect_shadow_gap=0 leaves the address range the CUDA
+# driver maps; detect_leaks=0 because Python keeps memory until exit.
+if [[ "${JAX_CP_ASAN:-0}" == 1 ]]; then
+  cxx=${CXX:-c++}
+  LD_PRELOAD="$("$cxx" -print-file-name=libasan.so) $("$cxx" -print-file-name=libstdc++.so)"
+  export LD_PRELOAD
+  export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=0:protect_shadow_gap=0:abort_on_error=0:halt_on_error=1}"
+  grep -q -- "AddressSanitizer build" "$LOG_DIR/build.log" ||
+    { echo "JAX_CP_ASAN=1 but the build was not an ASan build" >&2; exit 1; }
+  echo "AddressSanitizer: LD_PRELOAD=$LD_PRELOAD ASAN_OPTIONS=$ASAN_OPTIONS"
+fi
+
 # 3. What we run on.
 "$PY" - <<'PYEOF' 2>&1 | tee "$LOG_DIR/environment.log"
 import jax
@@ -87,6 +111,7 @@ import jax_cp.attention.cudnn as c
 print("extension", c._jax_cp_cuda.__file__)
 print("build_info", c.build_info())
 PYEOF
+if [[ "${JAX_CP_INSTALL_ONLY:-0}" == 1 ]]; then exit 0; fi
 
 # 4. The GPU tests (marker gpu), the C++/Python contract and CUDA lowering
 #    tests, plus whatever the caller passed. A test that needs more GPUs
