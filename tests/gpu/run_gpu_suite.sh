@@ -22,6 +22,10 @@
 # install, print the environment, run no test).
 #
 #   JAX_CP_ASAN=1 tests/gpu/run_gpu_suite.sh tests/gpu/test_fault_injection.py
+#
+# The ASan build stays installed (editable) until the next run without
+# JAX_CP_ASAN reinstalls the normal one; its module loads only with
+# libasan preloaded, as this script does.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -59,16 +63,19 @@ fi
 #    on PATH, CUDA_HOME/CUDA_PATH unset) and CMake told not to look for it.
 build_env=()
 build_args=(-C cuda=13)
-build_dir="build/pip-only-{wheel_tag}"
-if [[ "${JAX_CP_ASAN:-0}" == 1 ]]; then
-  build_args+=(-C cmake.define.JAX_CP_ASAN=ON)
-  build_dir="build/pip-only-asan-{wheel_tag}"
-fi
+build_dir=""
 if [[ "${JAX_CP_USE_TOOLKIT:-0}" != 1 ]]; then
   build_env=(.ci/hide_cuda_toolkit)
-  build_args+=(-C cmake.define.JAX_CP_USE_CUDA_TOOLKIT=OFF
-              -C "build-dir=$build_dir")
+  build_args+=(-C cmake.define.JAX_CP_USE_CUDA_TOOLKIT=OFF)
+  build_dir="build/pip-only-{wheel_tag}"
 fi
+# The ASan variant gets a build folder of its own, whichever compiler
+# path, so that no other build picks up its CMake cache.
+if [[ "${JAX_CP_ASAN:-0}" == 1 ]]; then
+  build_args+=(-C cmake.define.JAX_CP_ASAN=ON)
+  build_dir="build/asan-{wheel_tag}"
+fi
+if [[ -n "$build_dir" ]]; then build_args+=(-C "build-dir=$build_dir"); fi
 if ! ${build_env[@]+"${build_env[@]}"} "${pip_offline[@]}" --no-build-isolation --no-deps \
     -v "${build_args[@]}" -e . > "$LOG_DIR/build.log" 2>&1; then
   tail -n 60 "$LOG_DIR/build.log"
