@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
+import importlib
 import json
 import os
 import subprocess
@@ -105,22 +106,15 @@ def _worker_steps(backend: str, iters: int) -> dict:
   return dict(ok=ok, errors=dict(errors.most_common(4)))
 
 
-def _cudnn_library() -> ctypes.CDLL:
+def _library(soname: str, wheel: str) -> ctypes.CDLL:
+  """``soname`` as the process finds it (JAX has loaded it), else from the
+  nvidia wheel package ``wheel`` (``"cudnn"``, ``"cu13"``) JAX uses."""
   try:
-    return ctypes.CDLL("libcudnn.so.9")
+    return ctypes.CDLL(soname)
   except OSError:
-    import nvidia.cudnn  # the wheel JAX loads cuDNN from
-    lib_dir = os.path.join(list(nvidia.cudnn.__path__)[0], "lib")
-    return ctypes.CDLL(os.path.join(lib_dir, "libcudnn.so.9"))
-
-
-def _cuda_runtime() -> ctypes.CDLL:
-  try:
-    return ctypes.CDLL("libcudart.so.13")
-  except OSError:
-    import nvidia.cu13  # the runtime wheel JAX's CUDA plugin uses
-    lib_dir = os.path.join(list(nvidia.cu13.__path__)[0], "lib")
-    return ctypes.CDLL(os.path.join(lib_dir, "libcudart.so.13"))
+    package = importlib.import_module(f"nvidia.{wheel}")
+    lib_dir = os.path.join(list(package.__path__)[0], "lib")
+    return ctypes.CDLL(os.path.join(lib_dir, soname))
 
 
 def _fill_device(rt: ctypes.CDLL) -> int:
@@ -139,8 +133,8 @@ def _worker_create_loop(iters: int) -> dict:
   import jax.numpy as jnp
 
   jax.block_until_ready(jnp.ones((1024,)) + 1)  # context + JAX's pool
-  lib = _cudnn_library()
-  filled = _fill_device(_cuda_runtime())
+  lib = _library("libcudnn.so.9", "cudnn")
+  filled = _fill_device(_library("libcudart.so.13", "cu13"))
   handle = ctypes.c_void_p()
   statuses: collections.Counter = collections.Counter()
   for _ in range(iters):
