@@ -569,6 +569,14 @@ def model_name(args) -> str:
   return args.model + ("*" if custom else "")
 
 
+def _runner(step: Step):
+  """One step per call, the donated state carried along."""
+  def run_one():
+    step.state, loss = step(step.state, step.batch)
+    return loss
+  return run_one
+
+
 def paired_ab(args, seq_len: int, cp: int) -> dict:
   """``none`` (A) against ``save_context`` (B) at ``seq_len``, timed in
   alternation (``benchmarks.timing.paired``): ratio = time(A) / time(B).
@@ -578,15 +586,7 @@ def paired_ab(args, seq_len: int, cp: int) -> dict:
   from benchmarks import timing  # pylint: disable=import-outside-toplevel
   steps = [build_step(args, seq_len, cp, p) for p in ("none",
                                                        "save_context")]
-
-  def runner(step: Step):
-    """One step per call, the donated state carried along."""
-    def run_one():
-      step.state, loss = step(step.state, step.batch)
-      return loss
-    return run_one
-
-  a, b = (runner(s) for s in steps)
+  a, b = (_runner(s) for s in steps)
   r = timing.paired(a, [()], b, [()], reps=args.ab_reps, warmup=1)
   del steps, a, b
   gc.collect()
@@ -594,14 +594,6 @@ def paired_ab(args, seq_len: int, cp: int) -> dict:
               a="none", b="save_context", ms_a=r.ms_a, ms_b=r.ms_b,
               save_context_over_none=1.0 / r.ratio_median,
               ratio_q1=1.0 / r.ratio_q3, ratio_q3=1.0 / r.ratio_q1)
-
-
-def _runner(step: Step):
-  """One step per call, the donated state carried along."""
-  def run_one():
-    step.state, loss = step(step.state, step.batch)
-    return loss
-  return run_one
 
 
 def paired_ab_mlp_chunk(args, seq_len: int, cp: int) -> dict:
