@@ -12,8 +12,10 @@ records:
 * the device's ``peak_bytes_in_use`` after the run, where the platform
   reports it (the process's running maximum: runs go by increasing T);
 * the cuDNN backward's scratch for the step's main attention call (local
-  tokens ``T / cp``), which XLA does not plan:
-  :func:`jax_cp.attention.cudnn_workspace.backward_workspace_bytes`;
+  tokens ``T / cp``), which XLA does not plan: one sub-call's
+  :func:`jax_cp.attention.cudnn_workspace.backward_workspace_bytes`, where
+  the backward runs as sub-calls over head groups
+  (``attention_scratch_groups``);
 * ms/step, tok/s and MFU (``jax_cp.flops.model_flops``).
 
 ``--search`` adds, per (preset, cp), the longest T that trains: T doubles
@@ -244,12 +246,15 @@ def is_out_of_memory(err: BaseException) -> bool:
                                  "allocation", "Resource exhausted"))
 
 
-def attention_scratch(cfg, cp: int) -> int:
-  """The cuDNN backward workspace of the main call, local tokens T/cp."""
-  from jax_cp.attention.cudnn_workspace import backward_workspace_bytes  # pylint: disable=import-outside-toplevel
-  tl = cfg.seq_len // cp
-  return backward_workspace_bytes(tl, tl, cfg.heads, cfg.kv_heads,
-                                  cfg.d_model // cfg.heads)
+def attention_scratch(cfg, cp: int) -> tuple[int, int]:
+  """The cuDNN backward workspace of the main call (local tokens T/cp) at
+  a time, and the sub-calls over head groups it runs as
+  (:func:`jax_cp.attention.cudnn_workspace.backward_head_groups`)."""
+  from jax_cp.attention import cudnn_workspace as ws  # pylint: disable=import-outside-toplevel
+  tl, hd = cfg.seq_len // cp, cfg.d_model // cfg.heads
+  groups = ws.backward_head_groups(tl, tl, cfg.heads, cfg.kv_heads, hd)
+  return ws.backward_workspace_bytes(tl, tl, cfg.heads // groups,
+                                     cfg.kv_heads // groups, hd), groups
 
 
 def _resolved_backend(args) -> str:
@@ -299,10 +304,12 @@ def measure(args, seq_len: int, cp: int, remat: str, *, timed: bool = True
   try:
     step = build_step(args, seq_len, cp, remat)
     cfg, rows = step.cfg, step.rows
+    scratch, groups = attention_scratch(cfg, cp)
     rec.update(layers=cfg.layers, d_model=cfg.d_model, heads=cfg.heads,
                kv_heads=cfg.kv_heads, dtype=cfg.dtype,
                max_seqlen=int(step.rows.max_seqlen),
-               attention_scratch_bytes=attention_scratch(cfg, cp),
+               attention_scratch_bytes=scratch,
+               attention_scratch_groups=groups,
                compile_s=step.compile_s,
                **memory_analysis(step.compiled))
     if step.breakdown is not None:
@@ -746,7 +753,8 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
            "*temp*, *args*: XLA's compiled memory analysis; *peak*: the "
            "device's `peak_bytes_in_use` (the process's running maximum); "
            "*scratch*: the cuDNN backward workspace of the main attention "
-           "call (`jax_cp.attention.cudnn_workspace`), allocated at run "
+           "call (`jax_cp.attention.cudnn_workspace`; one sub-call's where "
+           "the backward is split over head groups), allocated at run "
            "time on top of XLA's buffers; *host temp*: XLA's temporaries "
            "in pinned host memory (host offload); *B/tok/layer*: temp per "
            "local token per layer. Status *compiled*: memory analysis "

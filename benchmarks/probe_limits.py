@@ -26,6 +26,10 @@ Run on one GPU (memory: the largest case holds about 80 GB)::
   python -m benchmarks.probe_limits --ab --out benchmarks/results
 
 Each run writes ``limits_<date>_<gpu>.json`` and prints a markdown table.
+
+Every backward is one cuDNN call: the probe turns the backend's split over
+GQA head groups off (``JAX_CP_CUDNN_BWD_SCRATCH_GIB=inf``, unless the
+caller sets the variable), since the limit it looks for is one call's.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 import time
 
@@ -266,6 +271,7 @@ def main(argv=None) -> int:
   p.add_argument("--ab", action="store_true", help="time the fix's cost")
   p.add_argument("--reps", type=int, default=8)
   args = p.parse_args(argv)
+  os.environ.setdefault("JAX_CP_CUDNN_BWD_SCRATCH_GIB", "inf")
   import jax
   if jax.default_backend() != "gpu":
     print("probe_limits needs a GPU with the cuDNN extension", file=sys.stderr)

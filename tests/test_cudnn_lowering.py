@@ -436,3 +436,45 @@ def test_backward_refuses_a_slot_sized_accumulator():
   # The rule: a few times the packed size is fine.
   cudnn_backend.check_backward_workspace((t, 8, 24), 4, t, tiled=False)
   cudnn_backend.check_backward_workspace((t, 8, 24), s, bound, tiled=True)
+
+
+@pytest.mark.parametrize("limit_gib,groups", [("inf", 1), (None, 1),
+                                              ("1e-9", 2)])
+def test_backward_splits_over_head_groups_past_the_scratch_limit(
+    monkeypatch, limit_gib, groups):
+  """A backward whose cuDNN workspace exceeds the limit
+  (JAX_CP_CUDNN_BWD_SCRATCH_GIB) lowers to one custom call over Hq / n
+  query and Hkv / n KV heads inside a loop of n trips; under the limit (the
+  default 4 GiB here) to one call over all heads. The gradient of
+  fused_attention takes the same path."""
+  from jax_cp.attention import cudnn_workspace
+  if limit_gib is None:
+    monkeypatch.delenv(cudnn_workspace.SCRATCH_LIMIT_ENV, raising=False)
+  else:
+    monkeypatch.setenv(cudnn_workspace.SCRATCH_LIMIT_ENV, limit_gib)
+  q, k, v = qkv()
+  seg = SEG
+
+  def f(q, k, v, out, lse, dout, seg):
+    return cudnn_backend.backward(q, k, v, out, lse, dout, seg,
+                                  mask="causal_bottom_right", scale=0.5)
+
+  text = lower_for_cuda(f, q, k, v, jnp.zeros_like(q),
+                        jnp.zeros((TQ, HQ), jnp.float32), q, seg)
+  (_, ins, outs), = custom_calls(text, BWD)
+  want, meta = expected_operands("bf16", hq=HQ // groups, hkv=HKV // groups)
+  assert ins == want + [t((TQ, HQ // groups, D), "bf16")] * 2 + [
+      t((TQ, HQ // groups), "f32")] + meta
+  assert outs == want
+  assert ("stablehlo.while" in text) == (groups > 1)
+
+  def loss(q, k, v):
+    return jax_cp.fused_attention(
+        q, k, v, jnp.array([10, 30]), jnp.array([10, 30]),
+        jnp.array([0, 10]), jnp.array([0, 10]), backend="cudnn").astype(
+            jnp.float32).sum()
+
+  text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+  (_, ins, _), = custom_calls(text, BWD)
+  assert ins[0] == t((TQ, HQ // groups, D), "bf16")
+  assert ins[1] == t((TKV, HKV // groups, D), "bf16")

@@ -5,6 +5,10 @@ asked for at T = 1M (Hq 16, Hkv 4, D 64), and how each buffer scales."""
 import pytest
 
 from jax_cp.attention.cudnn_workspace import (
+  DEFAULT_BACKWARD_SCRATCH_LIMIT,
+  SCRATCH_LIMIT_ENV,
+  backward_head_groups,
+  backward_scratch_limit,
   backward_workspace,
   backward_workspace_bytes,
 )
@@ -60,3 +64,38 @@ def test_bad_arguments():
     backward_workspace(16, 16, 16, 3, 64)
   with pytest.raises(ValueError, match="tokens_q must be a non-negative int"):
     backward_workspace(-1, 16, 16, 4, 64)
+
+
+def test_scratch_limit_from_the_environment():
+  assert backward_scratch_limit({}) == DEFAULT_BACKWARD_SCRATCH_LIMIT == 2**32
+  assert backward_scratch_limit({SCRATCH_LIMIT_ENV: " 1.5 "}) == 1.5 * 2**30
+  assert backward_scratch_limit({SCRATCH_LIMIT_ENV: "inf"}) == float("inf")
+  for bad in ("0", "-2", "four", "nan"):
+    with pytest.raises(ValueError, match=f"{SCRATCH_LIMIT_ENV}='{bad}' must "
+                       "be a positive number of GiB or 'inf'"):
+      backward_scratch_limit({SCRATCH_LIMIT_ENV: bad})
+
+
+def test_head_groups_bound_the_workspace():
+  """The fewest whole GQA head groups whose workspace each fits the limit
+  (4 GiB by default): 25.9 GB at 1M tokens of 32/8/64 heads in 8 calls of
+  3.2 GB; 6.5 GB at 128k of 32/8/128 in 2; a CP-shaped call with 2M tokens
+  of K/V (73 GB in one call) at one KV head per call, the finest split."""
+  limit = DEFAULT_BACKWARD_SCRATCH_LIMIT
+  t = 1 << 20
+  assert round(backward_workspace_bytes(t, t, 32, 8, 64) / 1e9, 1) == 25.9
+  assert backward_head_groups(t, t, 32, 8, 64, limit=limit) == 8
+  assert backward_workspace_bytes(t, t, 4, 1, 64) <= limit
+  assert backward_head_groups(t, t, 16, 4, 64, limit=limit) == 4
+  assert backward_head_groups(131072, 131072, 32, 8, 128, limit=limit) == 2
+  assert backward_head_groups(32768, 32768, 32, 8, 128, limit=limit) == 1
+  assert backward_head_groups(262334, 2 * t, 32, 8, 128, limit=limit) == 8
+  assert backward_workspace_bytes(262334, 2 * t, 4, 1, 128) > limit
+  assert backward_head_groups(t, t, 32, 8, 64, limit=float("inf")) == 1
+  # MHA: only the dQ side, split as finely as the heads allow.
+  assert backward_head_groups(t, t, 8, 8, 128, limit=2**30) == 8
+  # Slot-sized buffers (head dim not a multiple of 16) count as sized.
+  assert backward_head_groups(4096, 4096, 8, 2, 72, segments=4096,
+                              max_seqlen_q=4096, limit=limit) == 2
+  with pytest.raises(ValueError, match="heads_kv=3"):
+    backward_head_groups(16, 16, 16, 3, 64, limit=limit)

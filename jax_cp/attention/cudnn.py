@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_cp._jax_cp_cuda as _jax_cp_cuda  # ModuleNotFoundError when absent
-from jax_cp.attention import cudnn_workspace
+from jax_cp.attention import cudnn_workspace, head_groups
 from jax_cp.attention.backend import MASK_TYPES, Backend, Segments
 from jax_cp.attention.merge import check_merge_rows, merge_rows_jnp
 
@@ -482,6 +482,12 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
   in place (aliased) instead of a fresh dq (whose uncovered rows are 0);
   its other rows keep their values.
   ``window_left >= 0``: cuDNN's diagonal band (a sliding window).
+
+  A call whose cuDNN workspace (float32 buffers in proportion to its query
+  heads, :mod:`jax_cp.attention.cudnn_workspace`) would exceed
+  :func:`~jax_cp.attention.cudnn_workspace.backward_scratch_limit` runs as
+  sub-calls over whole GQA head groups, one after another
+  (:mod:`jax_cp.attention.head_groups`); the results are the same.
   """
   _check_call(q, k, v, seg, mask)
   check_window(window_left, mask)
@@ -492,13 +498,29 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
   if dq_into is not None:
     check_into(seg, "dq_into", dq_into, q.shape, q.dtype)
   scale = _scale_value(scale, q.shape[2])
-  tq = q.shape[0]
-  max_q, max_kv = _graph_bounds(seg, tq, k.shape[0])
+  max_q, max_kv = _graph_bounds(seg, q.shape[0], k.shape[0])
   if max_q == 0 or max_kv == 0:
     dq = jnp.zeros_like(q) if dq_into is None else dq_into
     return dq, jnp.zeros_like(k), jnp.zeros_like(v)
   tiled = seg.tiled and dq_into is None
-  check_backward_workspace(q.shape, seg.q_lens.shape[0], max_q, tiled)
+  segments = seg.q_lens.shape[0]
+  check_backward_workspace(q.shape, segments, max_q, tiled)
+  (tq, hq, d), (tkv, hkv, dv) = q.shape, v.shape
+  groups = cudnn_workspace.backward_head_groups(
+      tq, tkv, hq, hkv, d, head_dim_v=dv, segments=segments,
+      max_seqlen_q=max_q)
+  return head_groups.backward_in_head_groups(
+      _backward_call, groups, q, k, v, out, lse, dout, seg, mask=mask,
+      scale=scale, window_left=window_left, max_q=max_q, max_kv=max_kv,
+      tiled=tiled, dq_into=dq_into)
+
+
+def _backward_call(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
+                   scale: np.float32, window_left: int, max_q: int,
+                   max_kv: int, tiled: bool, dq_into=None):
+  """One ``jax_cp_cudnn_sdpa_bwd`` call on checked inputs (:func:`backward`
+  checks them and picks the static bounds and the graph)."""
+  tq = q.shape[0]
   meta = _segment_meta(seg, q.shape, k.shape, max_q, max_kv)
   if tiled:
     stats = _tiled_stats(seg, lse)

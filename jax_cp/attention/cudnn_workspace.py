@@ -32,11 +32,23 @@ leaves dK/dV at Hq heads to cuDNN's own workspace.
 The cuDNN engine adds a small workspace of its own to what
 ``get_workspace_size`` reports; :func:`backward_workspace_bytes` is the
 frontend's part, the bulk of it.
+
+Every buffer is proportional to the call's query heads, so the backend
+bounds it by running a backward whose workspace exceeds
+:func:`backward_scratch_limit` (4 GiB unless ``JAX_CP_CUDNN_BWD_SCRATCH_GIB``
+says otherwise) as sub-calls over whole GQA head groups, one after another
+(:mod:`jax_cp.attention.head_groups`); :func:`backward_head_groups` says how
+many. At 1M tokens with Hq = 32, Hkv = 8, D = 64 the workspace is 25.9 GB
+in one call and 3.2 GB in each of 8.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+
+from jax_cp.attention.head_groups import fewest_groups
 
 _F32 = 4
 
@@ -130,3 +142,52 @@ def backward_workspace_bytes(tokens_q: int, tokens_kv: int, heads_q: int,
   """:func:`backward_workspace`'s total in bytes (same arguments)."""
   return backward_workspace(tokens_q, tokens_kv, heads_q, heads_kv,
                             head_dim, **kwargs).total
+
+
+#: The default bound on one backward call's workspace, in bytes.
+DEFAULT_BACKWARD_SCRATCH_LIMIT = 4 * 2**30
+#: The environment variable that overrides it: GiB as a positive number,
+#: or ``inf`` (never split).
+SCRATCH_LIMIT_ENV = "JAX_CP_CUDNN_BWD_SCRATCH_GIB"
+
+
+def backward_scratch_limit(environ=None) -> float:
+  """The bound, in bytes, on the workspace of one backward sub-call:
+  ``JAX_CP_CUDNN_BWD_SCRATCH_GIB`` GiB when set (``inf``: no bound), else
+  :data:`DEFAULT_BACKWARD_SCRATCH_LIMIT`. Read when a backward is traced,
+  so it applies to programs traced after it is set.
+
+  Raises:
+    ValueError: the variable is not a positive number or ``inf``.
+  """
+  environ = os.environ if environ is None else environ
+  text = environ.get(SCRATCH_LIMIT_ENV, "").strip()
+  if not text:
+    return float(DEFAULT_BACKWARD_SCRATCH_LIMIT)
+  try:
+    gib = float(text)
+  except ValueError:
+    gib = math.nan
+  if not gib > 0:
+    raise ValueError(f"{SCRATCH_LIMIT_ENV}={text!r} must be a positive "
+                     f"number of GiB or 'inf'")
+  return gib * 2**30
+
+
+def backward_head_groups(tokens_q: int, tokens_kv: int, heads_q: int,
+                         heads_kv: int, head_dim: int, *,
+                         limit: float | None = None, **kwargs) -> int:
+  """How many sub-calls over whole GQA head groups a backward runs as: the
+  fewest (a divisor of ``heads_kv``) whose workspace each stays within
+  ``limit`` bytes (default :func:`backward_scratch_limit`), and
+  ``heads_kv`` (one KV head per sub-call) when even that exceeds it.
+  Other arguments as for :func:`backward_workspace`, for the whole call.
+  """
+  limit = backward_scratch_limit() if limit is None else limit
+  _positive("heads_kv", heads_kv)
+  if heads_kv < 1 or heads_q % heads_kv:
+    raise ValueError(f"heads_kv={heads_kv} must be positive and divide "
+                     f"heads_q={heads_q}")
+  return fewest_groups(heads_kv, lambda n: backward_workspace_bytes(
+      tokens_q, tokens_kv, heads_q // n, heads_kv // n, head_dim,
+      **kwargs) <= limit)

@@ -9,6 +9,12 @@ sharing the GPU hold. The references are exact float32 results for an
 output cotangent on 128 random query rows
 (:mod:`jax_cp.attention.exactness`), so each check covers out, lse, dq
 (its rows and zero elsewhere), dk and dv over the whole row.
+
+The size tests run each backward as one cuDNN call (the head-group split
+off: ``JAX_CP_CUDNN_BWD_SCRATCH_GIB=inf``), so that they test its
+addressing at the full size; :func:`test_head_group_split_past_the_limit`
+runs the default, where a backward with more than 4 GiB of cuDNN workspace
+is split over GQA head groups (jax_cp.attention.head_groups).
 """
 
 import fcntl
@@ -34,10 +40,14 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
 _LOCK = os.path.join("/tmp", "jax_cp_gpu_exact_call.lock")
 
 
-def _run(cases):
-  """{id: errors dict or error string} of cases run in one subprocess."""
+def _run(cases, scratch_gib="inf"):
+  """{id: errors dict or error string} of cases run in one subprocess, with
+  ``JAX_CP_CUDNN_BWD_SCRATCH_GIB=scratch_gib`` (None: the default)."""
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
              XLA_PYTHON_CLIENT_MEM_FRACTION="0.85")
+  env.pop("JAX_CP_CUDNN_BWD_SCRATCH_GIB", None)
+  if scratch_gib is not None:
+    env["JAX_CP_CUDNN_BWD_SCRATCH_GIB"] = scratch_gib
   with open(_LOCK, "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     proc = subprocess.run(
@@ -128,3 +138,17 @@ def test_32_bit_offsets_break_past_the_limit():
   r = got[cases[0]["id"]]
   assert isinstance(r, dict), r
   assert max(r["dk"], r["dv"]) > 10 * TOL, r
+
+
+def test_head_group_split_past_the_limit():
+  """The default scratch limit: backwards past 4 GiB of cuDNN workspace
+  run as sub-calls over GQA head groups (2 to 8 here). Both graphs, Tq !=
+  Tkv, and a CP-shaped call with 2M tokens of K/V (73 GB of workspace in
+  one call, which does not fit beside its inputs; 9.1 GB in each of 8)."""
+  cases = [
+      _case("split mixed 2^30", "mixed", 262144, 32, 8, 128),
+      _case("split one doc 2^31", "one_doc", 1048576, 32, 8, 64),
+      _case("split cp K/V 2^30 GQA", "cp", 1048576, 32, 8, 128),
+      _case("split cp K/V 2^31 GQA", "cp", 2097152, 32, 8, 128),
+  ]
+  _assert_exact(cases, _run(cases, scratch_gib=None))

@@ -1,0 +1,87 @@
+"""A backward in sub-calls over whole GQA head groups.
+
+Attention is independent per KV head and the query heads that share it
+(query head ``h`` reads KV head ``h // (Hq / Hkv)``), so the gradients of
+one call equal those of ``n`` calls, for any ``n`` dividing ``Hkv``: call
+``g`` takes query heads ``[g * Hq / n, (g + 1) * Hq / n)`` of q, out, dout,
+lse (and dq) and KV heads ``[g * Hkv / n, (g + 1) * Hkv / n)`` of k and v
+(and dk, dv). Every sub-call writes its own heads of dq, dk and dv; none
+accumulates into another's.
+
+A backend whose backward needs scratch memory in proportion to the heads
+of a call (the cuDNN backward's float32 buffers,
+:mod:`jax_cp.attention.cudnn_workspace`) uses this to bound it:
+:func:`fewest_groups` picks the smallest ``n`` that fits,
+:func:`backward_in_head_groups` runs the sub-calls one after another in a
+``lax.scan``, so only one group's slices of the inputs (copies of ``1/n``
+of q, k, v, out, dout and lse) and one sub-call's scratch are live at a
+time. The results are written into whole-size dq, dk and dv in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def fewest_groups(heads_kv: int, fits: Callable[[int], bool]) -> int:
+  """The smallest divisor ``n`` of ``heads_kv`` with ``fits(n)``, or
+  ``heads_kv`` (one KV head per sub-call, the finest split) when none
+  does."""
+  for n in range(1, heads_kv + 1):
+    if heads_kv % n == 0 and fits(n):
+      return n
+  return heads_kv
+
+
+def backward_in_head_groups(backward: Callable, groups: int, q, k, v, out,
+                            lse, dout, seg, *, dq_into=None, **kwargs):
+  """``backward(q, k, v, out, lse, dout, seg, **kwargs)`` as ``groups``
+  sub-calls over whole GQA head groups (the module docstring).
+
+  Args:
+    backward: a backend's backward of one call (the contract of
+      :mod:`jax_cp.attention.backend`).
+    groups: the number of sub-calls; must divide the KV heads.
+    q, k, v, out, lse, dout, seg: as for ``backward``.
+    dq_into: as the in-place contract's ``dq_into``: each sub-call gets its
+      heads of it and writes its covered rows; every other element keeps
+      ``dq_into``'s value.
+    **kwargs: passed on to every sub-call (mask, scale, window_left).
+
+  Returns:
+    ``(dq, dk, dv)``, equal to one call's.
+
+  Raises:
+    ValueError: ``groups`` does not divide the KV heads.
+  """
+  hq, hkv = q.shape[1], k.shape[1]
+  if isinstance(groups, bool) or not isinstance(groups, int) or \
+      groups < 1 or hkv % groups:
+    raise ValueError(f"groups={groups!r} must be a positive int dividing the "
+                     f"KV heads ({hkv})")
+  if groups == 1:
+    extra = {} if dq_into is None else dict(dq_into=dq_into)
+    return backward(q, k, v, out, lse, dout, seg, **kwargs, **extra)
+  gq, gkv = hq // groups, hkv // groups
+  heads = lambda x, g, n: jax.lax.dynamic_slice_in_dim(x, g * n, n, axis=1)
+  put = lambda x, part, g, n: jax.lax.dynamic_update_slice_in_dim(
+      x, part, g * n, axis=1)
+
+  def one_group(carry, g):
+    dq, dk, dv = carry
+    extra = {} if dq_into is None else dict(dq_into=heads(dq, g, gq))
+    dq_g, dk_g, dv_g = backward(
+        heads(q, g, gq), heads(k, g, gkv), heads(v, g, gkv),
+        heads(out, g, gq), heads(lse, g, gq), heads(dout, g, gq), seg,
+        **kwargs, **extra)
+    return (put(dq, dq_g, g, gq), put(dk, dk_g, g, gkv),
+            put(dv, dv_g, g, gkv)), None
+
+  init = (jnp.zeros_like(q) if dq_into is None else dq_into,
+          jnp.zeros_like(k), jnp.zeros_like(v))
+  (dq, dk, dv), _ = jax.lax.scan(one_group, init,
+                                 jnp.arange(groups, dtype=jnp.int32))
+  return dq, dk, dv
