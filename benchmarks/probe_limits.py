@@ -16,8 +16,11 @@ documents, the ragged graph), ``short`` (documents of 1k-8k tokens), and
 document, K/V the whole documents, bottom-right causal).
 
 ``--ab`` times forward+backward with 32- against 64-bit offsets on one call
-below the limit, and the time per causal token pair of a call at 1.2x the
-limit against one below it, paired in alternation (``benchmarks.timing``).
+below the limit, the time per causal token pair of a call at 1.2x the
+limit against one below it, and, at 262144 x 32/8/128 (12.9 GB of
+workspace), the backward split over GQA head groups (4 sub-calls, the
+default bound) against one call, each paired in alternation
+(``benchmarks.timing``).
 
 Run on one GPU (memory: the largest case holds about 80 GB)::
 
@@ -42,6 +45,8 @@ import sys
 import time
 
 import numpy as np
+
+from jax_cp.attention.cudnn_workspace import SCRATCH_LIMIT_ENV as SCRATCH_ENV
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +207,7 @@ def ab(args) -> list[dict]:
   from jax_cp.attention.backend import Segments
   from jax_cp.flops import causal_pairs
 
-  def program(case: Case, bits: int):
+  def program(case: Case, bits: int | None, scratch_gib: str = "inf"):
     (q_lens, kv_lens, q_off, kv_off, max_q, max_kv, tq, mask,
      tiled) = segments_for(case, args.seed)
     seg = Segments(jnp.asarray(q_lens, jnp.int32),
@@ -219,14 +224,22 @@ def ab(args) -> list[dict]:
     scale = 1.0 / math.sqrt(case.d)
 
     def fwd_bwd(q, k, v, do):
+      # Both settings are read when the program is traced (here).
       chosen = cudnn.ragged_offset_bits
-      cudnn.ragged_offset_bits = lambda *a, **kw: bits
+      limit = os.environ.get(SCRATCH_ENV)
+      if bits is not None:
+        cudnn.ragged_offset_bits = lambda *a, **kw: bits
+      os.environ[SCRATCH_ENV] = scratch_gib
       try:
         out, lse = cudnn.forward(q, k, v, seg, mask=mask, scale=scale)
         return cudnn.backward(q, k, v, out, lse, do, seg, mask=mask,
                               scale=scale)
       finally:
         cudnn.ragged_offset_bits = chosen
+        if limit is None:
+          os.environ.pop(SCRATCH_ENV)
+        else:
+          os.environ[SCRATCH_ENV] = limit
 
     fn = jax.jit(fwd_bwd)
     pairs = int(causal_pairs(np.concatenate([[0], np.cumsum(kv_lens)])))
@@ -258,6 +271,20 @@ def ab(args) -> list[dict]:
       above_per_pair_over_below=per_pair_above / per_pair_below))
   print(f"per token pair: {above.name} (int64) / {below.name} (int32) = "
         f"{per_pair_above / per_pair_below:.4f}", flush=True)
+  del fa, aa, fb, ab_
+  # The split over GQA head groups (the default 4 GiB workspace bound)
+  # against one call, where it applies: 12.9 GB of workspace, 4 sub-calls.
+  split = Case("mixed", 262144, 32, 8, 128)
+  fa, aa, _ = program(split, None, "inf")
+  fb, ab_, _ = program(split, None, "4")
+  r = timing.paired(fa, aa, fb, ab_, reps=args.reps)
+  out.append(dict(
+      kind="head_groups_vs_one_call", case=split.name, ms_one_call=r.ms_a,
+      ms_head_groups=r.ms_b, one_call_over_head_groups=r.ratio_median,
+      q1=r.ratio_q1, q3=r.ratio_q3))
+  print(f"{split.name}: one call {r.ms_a:.3f} ms, head groups {r.ms_b:.3f} "
+        f"ms, one/groups {r.ratio_median:.4f} (IQR {r.ratio_q1:.4f}-"
+        f"{r.ratio_q3:.4f})", flush=True)
   return out
 
 
@@ -271,7 +298,7 @@ def main(argv=None) -> int:
   p.add_argument("--ab", action="store_true", help="time the fix's cost")
   p.add_argument("--reps", type=int, default=8)
   args = p.parse_args(argv)
-  os.environ.setdefault("JAX_CP_CUDNN_BWD_SCRATCH_GIB", "inf")
+  os.environ.setdefault(SCRATCH_ENV, "inf")
   import jax
   if jax.default_backend() != "gpu":
     print("probe_limits needs a GPU with the cuDNN extension", file=sys.stderr)

@@ -27,6 +27,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
+from jax_cp.attention.cudnn_workspace import SCRATCH_LIMIT_ENV
 from tests.gpu._requires import cudnn_backend_or_skip
 
 cudnn_backend_or_skip()
@@ -45,9 +46,9 @@ def _run(cases, scratch_gib="inf"):
   ``JAX_CP_CUDNN_BWD_SCRATCH_GIB=scratch_gib`` (None: the default)."""
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
              XLA_PYTHON_CLIENT_MEM_FRACTION="0.85")
-  env.pop("JAX_CP_CUDNN_BWD_SCRATCH_GIB", None)
+  env.pop(SCRATCH_LIMIT_ENV, None)
   if scratch_gib is not None:
-    env["JAX_CP_CUDNN_BWD_SCRATCH_GIB"] = scratch_gib
+    env[SCRATCH_LIMIT_ENV] = scratch_gib
   with open(_LOCK, "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     proc = subprocess.run(
