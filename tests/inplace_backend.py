@@ -120,7 +120,8 @@ def _clean_kv(k, v, kv_read):
 
 def make_backend(name: str, log: list | None = None) -> Backend:
   """A strict in-place backend named ``name``; each traced call appends
-  ``dict(kind=, into=, tq=, mask=)`` to ``log`` (when given)."""
+  ``dict(kind=, into=, tq=, mask=)`` (backward calls also ``heads=(Hq,
+  Hkv)``) to ``log`` (when given)."""
 
   def record(**entry):
     if log is not None:
@@ -164,7 +165,8 @@ def make_backend(name: str, log: list | None = None) -> Backend:
         raise ValueError(f"{nm} must be {tuple(shape)}, got {x.shape}")
     if dq_into is not None:
       _check_into(seg, "dq_into", dq_into, q.shape, q.dtype)
-    record(kind="backward", into=dq_into is not None, tq=tq, mask=mask)
+    record(kind="backward", into=dq_into is not None, tq=tq, mask=mask,
+           heads=(q.shape[1], k.shape[1]))
     _, covered, sees, kv_read, broken = _inspect(
         seg, tq, k.shape[0], mask, window_left, kv_disjoint=True)
     k, v = _clean_kv(k, v, kv_read)

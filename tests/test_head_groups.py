@@ -161,3 +161,29 @@ def test_fewest_groups():
   assert fewest_groups(8, lambda n: True) == 1
   assert fewest_groups(8, lambda n: False) == 8    # the finest split
   assert fewest_groups(1, lambda n: False) == 1
+
+
+@pytest.mark.parametrize("case", ["dcs-cp2-batch", "dcs-cp4-split",
+                                  "dcs-cp4-window", "nlb-cp4-halo-again"])
+def test_cp_attention_with_head_groups(monkeypatch, case):
+  """cp_attention on the strict in-place backend with its backward run as
+  2 head-group sub-calls (dq_into included, in DUAL_CHUNK_SWAP's second
+  step) against the float32 reference on the unpartitioned rows."""
+  import dataclasses
+
+  from jax_cp.attention import registry
+  from tests import test_inplace_planner as planner
+
+  monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
+  log = []
+  strict = make_backend(planner.NAME, log)
+  backend = dataclasses.replace(
+      strict, backward=lambda *a, dq_into=None, **kw: backward_in_head_groups(
+          strict.backward, 2, *a, dq_into=dq_into, **kw))
+  registry.register_backend(backend)
+  (strategy, cp, batch, max_seqlen, window, split), = [
+      c[1:] for c in planner.CASES if c[0] == case]
+  planner.check_case(log, 10 * cp + batch, cp, strategy, batch, max_seqlen,
+                     window, split, hq=4)
+  backwards = [c for c in log if c["kind"] == "backward"]
+  assert backwards and all(c["heads"] == (2, 1) for c in backwards), log
