@@ -478,3 +478,35 @@ def test_backward_splits_over_head_groups_past_the_scratch_limit(
   (_, ins, _), = custom_calls(text, BWD)
   assert ins[0] == t((TQ, HQ // groups, D), "bf16")
   assert ins[1] == t((TKV, HKV // groups, D), "bf16")
+
+
+def test_head_groups_in_a_cp_layer_and_a_checked_shard_map(monkeypatch):
+  """With the split forced (a tiny workspace bound), the DUAL_CHUNK_SWAP
+  layer's three backward calls each become one call over half the heads
+  in a loop; and fused_attention's gradient inside a user's shard_map
+  with vma checking on lowers too."""
+  from jax_cp.attention import cudnn_workspace
+  monkeypatch.setenv(cudnn_workspace.SCRATCH_LIMIT_ENV, "1e-9")
+  counts, masks, _ = _cp_grad_calls("dual_chunk_swap")
+  into = cudnn_backend.FFI_TARGETS
+  assert counts.get(BWD, 0) + counts.get(into["sdpa_bwd_into"], 0) == 3
+  mesh = jax.make_mesh((2,), ("cp",), devices=devices(2, "cpu"),
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+  lens = jnp.array([10, 22])
+  offs = jnp.array([0, 10])
+
+  def local_loss(q, k, v):
+    out = jax_cp.fused_attention(q, k, v, lens, lens, offs, offs,
+                                 backend="cudnn")
+    return jax.lax.psum(jnp.sum(out.astype(jnp.float32)), "cp")
+
+  grad = jax.shard_map(jax.grad(local_loss, argnums=(0, 1, 2)), mesh=mesh,
+                       in_specs=jax.P("cp"), out_specs=jax.P("cp"),
+                       check_vma=True)
+  sh = jax.sharding.NamedSharding(mesh, jax.P("cp"))
+  args = [jax.ShapeDtypeStruct((64, h, D), jnp.bfloat16, sharding=sh)
+          for h in (HQ, HKV, HKV)]
+  text = lower_for_cuda(grad, *args)
+  (_, ins, _), = custom_calls(text, BWD)
+  assert ins[0] == t((32, HQ // 2, D), "bf16")
+  assert "stablehlo.while" in text
