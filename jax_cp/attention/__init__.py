@@ -6,7 +6,9 @@
 * :mod:`~jax_cp.attention.xla`, :mod:`~jax_cp.attention.cudnn`: the backends.
 * :mod:`~jax_cp.attention.merge`: row merges, portable versions.
 * :mod:`~jax_cp.attention.cudnn_workspace`: the cuDNN backward's scratch
-  memory, as a formula.
+  memory, as a formula, and the bound on it.
+* :mod:`~jax_cp.attention.head_groups`: a backward in sub-calls over whole
+  GQA head groups (how the cuDNN backend keeps to that bound).
 * :mod:`~jax_cp.attention.api`: ``fused_attention``.
 """
 
