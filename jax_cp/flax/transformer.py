@@ -6,7 +6,6 @@ import functools
 from collections.abc import Callable
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
@@ -35,10 +34,10 @@ class MlpBlock(nn.Module):
       (:meth:`jax_cp.CPLayout.shard_tokens`). No parameters depend on it.
     chunk_size: None (default: all tokens at once) or a positive int: the
       block runs over at most this many of each rank's tokens at a time
-      (a shorter last chunk takes the rest), each chunk under
-      ``jax.checkpoint`` saving nothing, so one chunk's hidden activations
-      are live at a time, forward and backward (the backward re-runs
-      them), as :func:`jax_cp.modules.common.map_token_chunks`.
+      (a shorter last chunk takes the rest), in a loop whose backward
+      re-runs each chunk's forward, so one chunk's hidden activations are
+      live at a time, forward and backward, as
+      :func:`jax_cp.modules.common.map_token_chunks`.
   """
 
   mlp_dim: int
@@ -86,8 +85,7 @@ class MlpBlock(nn.Module):
     fn = lambda xc, pin: apply(
         {k: functools.partial(m.apply, v) for k, (m, v) in unbound.items()},
         xc, pin)
-    return common.map_token_chunks(fn, x, self.chunk_size, layout, cp,
-                                   jax.checkpoint_policies.nothing_saveable)
+    return common.map_token_chunks(fn, x, self.chunk_size, layout, cp)
 
 
 class TransformerLayer(nn.Module):
@@ -127,23 +125,21 @@ class TransformerLayer(nn.Module):
       with that policy otherwise.
     mlp_chunk_size: the position-wise part (the pre-MLP norm, the MLP and
       its residual add) over each rank's tokens in chunks of this many
-      (a shorter last chunk takes the rest), each chunk under
-      ``jax.checkpoint`` with the ``remat`` policy inside a ``lax.scan``:
-      what the policy does not save is re-run one chunk at a time in the
-      backward, so one chunk's MLP activations are live, not the row's.
+      (a shorter last chunk takes the rest), in a loop whose backward
+      re-runs each chunk's forward next to that chunk's backward
+      (:func:`jax_cp.modules.common.map_token_chunks`): one chunk's MLP
+      activations are live at a time, not the row's, whatever ``remat``
+      saves of the rest of the layer (the chunks' ``mlpwi``/``mlpwo`` are
+      never saved), and the loop works in place on the residual stream
+      and its cotangent, so it keeps no token-sized buffer of its own.
       Chunks never move tokens between ranks (no collective). None
       (default: the whole row at once), a positive int or ``"auto"``:
       whole rows under ``remat="none"`` or up to 8192 tokens per rank;
       else about ``mlp_dim / E`` chunks (twice that when gated), so that
       a chunk's hidden activations take what the layer input does, of at
       least 8192 tokens (:func:`jax_cp.modules.common.mlp_chunk_tokens`).
-      Chunking pays for shallow models only: XLA keeps about two
-      token-sized ``[T, E]`` buffers more per chunked layer until the
-      backward reaches it, which outweighs the one layer's MLP
-      activations it saves past a few layers (measured on one H200: 4
-      layers at d_model 1024, 1M tokens, ``save_context``: 12 GB less
-      XLA temp; 16 layers at 2048, 384k tokens: 31 GB more;
-      ``benchmarks/results/MEMORY.md``).
+      docs/design.md, "Chunked position-wise work", gives the compiled
+      memory.
   """
 
   num_heads: int
@@ -235,5 +231,4 @@ class TransformerLayer(nn.Module):
     def position_wise(hc, pin):
       return hc + mlp_u.apply(mlp_v, norm_u.apply(norm_v, hc), pin=pin)
 
-    return common.map_token_chunks(position_wise, h, chunk, layout, cp,
-                                   remat_policy(self.remat))
+    return common.map_token_chunks(position_wise, h, chunk, layout, cp)

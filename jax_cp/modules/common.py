@@ -159,8 +159,13 @@ def pin_groups(layout: CPLayout, x):
   return layout.constrain(x, (*lead, layout.cp_axis, None, free))
 
 
+def _add_cotangents(a, b):
+  """``a + b``, or ``a`` for the float0 cotangents of integer values."""
+  return a if a.dtype == jax.dtypes.float0 else a + b
+
+
 def map_token_chunks(fn: Callable, x, chunk: int | None, layout: CPLayout,
-                     cp_size: int, policy: Callable | None):
+                     cp_size: int):
   """``fn`` over the tokens of ``x [.., T, E]``, ``chunk`` of each rank's
   tokens at a time (None: ``fn(x, pin)`` whole, ``pin`` the layout's
   :meth:`jax_cp.CPLayout.shard_tokens`).
@@ -170,28 +175,100 @@ def map_token_chunks(fn: Callable, x, chunk: int | None, layout: CPLayout,
   In the global view with CP a chunk is ``[.., cp, c, E]``: ``c`` tokens
   of every rank, each rank's own (``pin`` keeps them there), so chunking
   moves no token between ranks; in the local view and without CP it is
-  ``[.., c, E]``. The full chunks run under ``lax.scan``, each under
-  ``jax.checkpoint`` with ``policy`` (None: no checkpoint), so only what
-  ``policy`` saves is kept of a chunk for the backward, which re-runs the
-  rest one chunk at a time; a shorter last chunk takes the rest of the
-  tokens. Returns ``[.., T, F]``."""
+  ``[.., c, E]``. The full chunks run in a loop; a shorter last chunk
+  after it takes the rest of the tokens. Returns ``[.., T, F]``.
+
+  The loop is a ``custom_vjp`` (Mini-Sequence Transformer's): what it
+  keeps for the backward is ``x`` and the arrays ``fn`` reads (its
+  parameters), and its backward re-runs each chunk's forward with
+  :func:`jax.vjp` next to that chunk's backward, so one chunk's
+  activations are live at a time, forward and backward, whatever an
+  enclosing ``jax.checkpoint`` policy saves (the names ``fn`` tags are
+  never saved; the policy decides about ``x`` alone). When ``fn`` keeps
+  the shape and dtype (``F == E``: a residual block) both directions run
+  in place: the forward writes each chunk's output over its input in the
+  loop's carry, the backward each chunk's input cotangent over its output
+  cotangent, and the parameter cotangents start from the first chunk's;
+  the loop allocates no zero-filled buffer (token-sized or
+  parameter-sized), which XLA would create ahead of time and keep until
+  the loop runs.
+  """
   if chunk is None:
     return fn(x, layout.shard_tokens)
   groups = token_groups(layout, cp_size)
   lead, local = x.shape[:-2], x.shape[-2] // groups
   pin = lambda v: pin_groups(layout, v)
-  body = fn if policy is None else jax.checkpoint(fn, policy=policy,
-                                                  static_argnums=(1,))
   xg = pin(x.reshape(lead + (groups, local, x.shape[-1])))
   n, rest = divmod(local, chunk)
-  full = xg[..., :n * chunk, :].reshape(lead + (groups, n, chunk, -1))
-  full = jnp.moveaxis(full, -3, 0)                    # [n, .., G, c, E]
-  _, ys = jax.lax.scan(lambda _, xc: (None, body(pin(xc), pin)), None, full)
-  ys = jnp.moveaxis(ys, 0, -3)
-  ys = ys.reshape(lead + (groups, n * chunk, ys.shape[-1]))
-  if rest:
-    ys = jnp.concatenate([ys, body(pin(xg[..., n * chunk:, :]), pin)], -2)
-  return layout.shard_tokens(pin(ys).reshape(lead + (x.shape[-2], -1)))
+  part = lambda v, start, size: jax.lax.dynamic_slice_in_dim(
+      v, start, size, axis=v.ndim - 2)
+  put = lambda v, u, start: pin(jax.lax.dynamic_update_slice_in_dim(
+      v, u.astype(v.dtype), start, axis=v.ndim - 2))
+
+  def convert(size):
+    """``fn`` on ``size`` tokens as ``f(consts, x_c)``, and the consts: the
+    arrays it reads besides ``x_c``, explicit for the ``custom_vjp``."""
+    f, consts = jax.closure_convert(lambda xc: fn(pin(xc), pin),
+                                    xg[..., :size, :])
+    return (lambda consts, xc: f(xc, *consts)), consts
+
+  f_full, c_full = convert(chunk)
+  f_rest, c_rest = convert(rest) if rest else (None, [])
+  out = jax.eval_shape(f_full, c_full, xg[..., :chunk, :])
+  in_place = out.shape[-1] == xg.shape[-1] and out.dtype == xg.dtype
+
+  def forward(c_full, c_rest, xg):
+    # In place the carry starts as x; chunk i is read before it is written.
+    y = xg if in_place else jnp.zeros(xg.shape[:-1] + out.shape[-1:],
+                                      out.dtype)
+    src = lambda y: y if in_place else xg
+    y = jax.lax.fori_loop(0, n, lambda i, y: put(y, f_full(
+        c_full, part(src(y), i * chunk, chunk)), i * chunk), pin(y))
+    if rest:
+      y = put(y, f_rest(c_rest, part(src(y), n * chunk, rest)), n * chunk)
+    return y
+
+  @jax.custom_vjp
+  def chunked(c_full, c_rest, xg):
+    return forward(c_full, c_rest, xg)
+
+  def chunked_fwd(c_full, c_rest, xg):
+    return forward(c_full, c_rest, xg), (c_full, c_rest, xg)
+
+  def chunked_bwd(res, dy):
+    c_full, c_rest, xg = res
+    dy = pin(dy)
+
+    def step(f, consts, start, size, dx):
+      """The chunk's parameter cotangents, and ``dx`` with its input
+      cotangent written in. The barrier orders the chunk's recompute after
+      the previous chunk's backward, also where XLA unrolls the loop."""
+      xc, dx = jax.lax.optimization_barrier((part(xg, start, size), dx))
+      _, vjp = jax.vjp(f, consts, pin(xc))
+      dc, dxc = vjp(pin(part(dx if in_place else dy, start, size)))
+      return dc, put(dx, dxc, start)
+
+    # In place dx is dy's buffer: chunk i of dy is read before it is
+    # overwritten with chunk i of dx.
+    dx = dy if in_place else pin(jnp.zeros(xg.shape, xg.dtype))
+    dc_full, dx = step(f_full, c_full, 0, chunk, dx)
+
+    def body(i, carry):
+      acc, dx = carry
+      dc, dx = step(f_full, c_full, i * chunk, chunk, dx)
+      return jax.tree.map(_add_cotangents, acc, dc), dx
+
+    dc_full, dx = jax.lax.fori_loop(1, n, body, (dc_full, dx))
+    dc_rest = []
+    if rest:
+      dc_rest, dx = step(f_rest, c_rest, n * chunk, rest, dx)
+    # One buffer for all of dx's readers: without the barrier XLA fuses the
+    # last update into each reader and copies dx for every one of them.
+    return dc_full, dc_rest, jax.lax.optimization_barrier(dx)
+
+  chunked.defvjp(chunked_fwd, chunked_bwd)
+  ys = chunked(c_full, c_rest, xg)
+  return layout.shard_tokens(ys.reshape(lead + (x.shape[-2], -1)))
 
 
 def check_layout(layout: CPLayout | None) -> CPLayout:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
@@ -43,10 +42,10 @@ class MlpBlock(nnx.Module):
       (:meth:`jax_cp.CPLayout.shard_tokens`). No parameters depend on it.
     chunk_size: None (default: all tokens at once) or a positive int: the
       block runs over at most this many of each rank's tokens at a time
-      (a shorter last chunk takes the rest), each chunk under
-      ``jax.checkpoint`` saving nothing, so one chunk's hidden activations
-      are live at a time, forward and backward (the backward re-runs
-      them), as :func:`jax_cp.modules.common.map_token_chunks`.
+      (a shorter last chunk takes the rest), in a loop whose backward
+      re-runs each chunk's forward, so one chunk's hidden activations are
+      live at a time, forward and backward, as
+      :func:`jax_cp.modules.common.map_token_chunks`.
     rngs: the random streams of the initializers.
   """
 
@@ -86,7 +85,7 @@ class MlpBlock(nnx.Module):
     fn = lambda xc, pin: nnx.merge(graphdef, state)._apply(xc, pin)
     return common.map_token_chunks(
         fn, x, self.chunk_size if self.chunk_size < local else None, layout,
-        cp, jax.checkpoint_policies.nothing_saveable)
+        cp)
 
   def _apply(self, x, pin):
     h = common.mlp_hidden(self.activation, lambda: self.up(x),
@@ -223,5 +222,4 @@ class TransformerLayer(nnx.Module):
       norm, mlp = nnx.merge(graphdef, state)
       return hc + mlp(norm(hc), pin=pin)
 
-    return common.map_token_chunks(position_wise, h, chunk, layout, cp,
-                                   remat_policy(self.remat))
+    return common.map_token_chunks(position_wise, h, chunk, layout, cp)
