@@ -82,7 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                  help="default: bfloat16 on GPU, float32 on CPU")
   p.add_argument("--backend", default="auto",
-                 choices=("auto", "xla", "cudnn"))
+                 choices=("auto", "xla", "cudnn", "standin"),
+                 help="standin: an O(T) stand-in for attention that plans "
+                      "the rest of the step's memory on a CPU "
+                      "(benchmarks/standin_attention; --compile-only only)")
   p.add_argument("--strategy", default="no_load_balance",
                  choices=("no_load_balance", "dual_chunk_swap"))
   p.add_argument("--seq-lens", type=parse_tokens, nargs="*", default=[],
@@ -125,9 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "values live at its peak and the largest temp "
                       "values, by category (benchmarks/buffer_breakdown)")
   p.add_argument("--memory-limit", type=float, default=None,
-                 help="GB: treat a step whose compiled temp + arguments + "
-                      "outputs exceed this as failing (the search on a "
-                      "machine that does not run out)")
+                 help="GB: treat a step whose planned bytes (compiled "
+                      "temp + arguments + outputs not aliased to them + the "
+                      "cuDNN scratch) exceed this as failing (the search on "
+                      "a machine that does not run out)")
   p.add_argument("--peak-tflops", type=float, default=None,
                  help="per device, for the MFU (default: 989 on GPU)")
   p.add_argument("--mlp-chunk-size", default="none",
@@ -314,8 +318,7 @@ def measure(args, seq_len: int, cp: int, remat: str, *, timed: bool = True
                **memory_analysis(step.compiled))
     if step.breakdown is not None:
       rec["breakdown"] = step.breakdown
-    planned = sum(rec.get(k, 0) for k in ("temp_bytes", "argument_bytes",
-                                          "output_bytes"))
+    planned = planned_bytes(rec) or 0
     if args.memory_limit is not None and planned > args.memory_limit * 1e9:
       raise MemoryError(f"RESOURCE_EXHAUSTED (--memory-limit): {planned} "
                         f"bytes planned > {args.memory_limit} GB")
@@ -1033,12 +1036,19 @@ def main(argv: Sequence[str] | None = None) -> str:
     if eq and name not in PRESETS:
       raise SystemExit(f"--search-start {entry}: {name!r} is not a preset")
     parse_tokens(value if eq else entry)
+  if args.backend == "standin" and not (args.compile_only and
+                                       args.ab is None):
+    raise SystemExit("--backend standin is not attention: it plans memory "
+                     "with --compile-only and runs no step (no --ab)")
   if args.dtype is None:
     args.dtype = "bfloat16" if args.device == "gpu" else "float32"
   # bench_step's platform set-up (CPU devices for the largest cp), before
   # jax is imported.
   from benchmarks import bench_step  # pylint: disable=import-outside-toplevel
   bench_step._configure(args)  # pylint: disable=protected-access
+  if args.backend == "standin":
+    from benchmarks import standin_attention  # pylint: disable=import-outside-toplevel
+    standin_attention.register()
   args.started = time.monotonic()
   result = run(args)
   from benchmarks import results  # pylint: disable=import-outside-toplevel

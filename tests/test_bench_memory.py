@@ -292,3 +292,47 @@ def test_preallocation_is_read_from_jax_s_variable(monkeypatch):
     assert not bench_memory.preallocates()
   monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
   assert bench_memory.preallocates()
+
+
+def test_standin_plans_the_step_without_the_score_matrix(tmp_path, monkeypatch):
+  """--backend standin (compile-only): the same step with an O(T) stand-in
+  for attention plans far less than with the xla backend's dense scores
+  (which grow as T^2), and the run says which backend planned it; without
+  --compile-only it refuses to run."""
+  from jax_cp.attention import registry
+  monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
+  temps = {}
+  for backend in ("xla", "standin"):
+    path = bench_memory.main([
+        "--device", "cpu", "--backend", backend, "--layers", "1",
+        "--d-model", "64", "--heads", "4", "--kv-heads", "2", "--seq-lens",
+        "2048", "--remat", "full", "--compile-only", "--max-doc-len", "2048",
+        "--out", str(tmp_path / backend), "--markdown", ""])
+    with open(path) as f:
+      (run,) = json.load(f)["records"]
+    assert run["status"] == "compiled" and run["backend"] == backend
+    temps[backend] = run["temp_bytes"]
+  # The xla backend's float32 scores alone: 4 heads x 2048^2 x 4 bytes.
+  assert temps["xla"] - temps["standin"] > 4 * 2048 ** 2 * 4, temps
+  with pytest.raises(SystemExit, match="standin is not attention"):
+    bench_memory.main(["--device", "cpu", "--backend", "standin",
+                       "--seq-lens", "256", "--out", str(tmp_path)])
+
+
+def test_standin_backend_keeps_the_contract_shapes():
+  import jax.numpy as jnp
+
+  from benchmarks import standin_attention
+  from jax_cp.attention.backend import Segments
+  q = jnp.ones((16, 4, 8), jnp.bfloat16)
+  k = jnp.ones((24, 2, 8), jnp.bfloat16)
+  seg = Segments(jnp.array([16]), jnp.array([24]), jnp.array([0]),
+                 jnp.array([0]), 16, 24)
+  out, lse = standin_attention.forward(q, k, k, seg, mask="no_mask",
+                                       scale=0.5)
+  assert (out.shape, out.dtype, lse.shape, lse.dtype) == (
+      q.shape, q.dtype, (16, 4), jnp.float32)
+  grads = standin_attention.backward(q, k, k, out, lse, q, seg,
+                                     mask="no_mask", scale=0.5)
+  assert [(g.shape, g.dtype) for g in grads] == [
+      (q.shape, q.dtype), (k.shape, k.dtype), (k.shape, k.dtype)]

@@ -11,6 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_cp import checks
 from jax_cp.flax.attention import Dtype, Initializer, MultiHeadAttention
+from jax_cp.flax.norm import RMSNorm
 from jax_cp.layout import CPLayout
 from jax_cp.modules import common
 from jax_cp.modules.remat import DECODER_LAYER_INPUT, MLPWO, remat_policy
@@ -169,7 +170,7 @@ class TransformerLayer(nn.Module):
     super().__post_init__()
 
   def _norm(self, name: str) -> Callable:
-    cls = nn.RMSNorm if self.norm_type == "rmsnorm" else nn.LayerNorm
+    cls = RMSNorm if self.norm_type == "rmsnorm" else nn.LayerNorm
     return cls(epsilon=self.norm_epsilon, dtype=self.dtype,
                param_dtype=self.param_dtype, name=name)
 

@@ -19,6 +19,7 @@ from jax_cp.nnx.attention import (
   MultiHeadAttention,
   default_kernel_init,
 )
+from jax_cp.nnx.norm import RMSNorm
 
 
 class MlpBlock(nnx.Module):
@@ -161,7 +162,7 @@ class TransformerLayer(nnx.Module):
     self.layout = layout
     self.remat = remat
     self.mlp_chunk_size = mlp_chunk_size
-    norm_cls = nnx.RMSNorm if norm_type == "rmsnorm" else nnx.LayerNorm
+    norm_cls = RMSNorm if norm_type == "rmsnorm" else nnx.LayerNorm
     norm = lambda: norm_cls(in_features, epsilon=norm_epsilon, dtype=dtype,
                             param_dtype=param_dtype, rngs=rngs)
     self.pre_attention_norm = norm()
