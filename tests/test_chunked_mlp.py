@@ -245,3 +245,25 @@ def test_auto_chunk_size():
   assert common.mlp_chunk_tokens(64, "none", 64, 16, 64) is None
   assert common.mlp_chunk_tokens(None, "full", 1 << 20, 16, 64) is None
   assert common.mlp_chunk_tokens(100, "none", 1000, 16, 64) == 100
+
+
+def test_map_token_chunks_runs_whole_when_a_chunk_holds_every_token():
+  """A chunk of at least a rank's tokens: one call of ``fn`` on the whole
+  row (no loop), the same value and gradient as the chunked loop's."""
+  w = jnp.asarray(np.random.default_rng(3).standard_normal((E, E)),
+                  jnp.float32)
+  calls = []
+
+  def fn(xc, pin):
+    calls.append(xc.shape)
+    return xc + jnp.tanh(pin(xc) @ w)
+
+  def run(chunk):
+    f = lambda x: jnp.sum(jnp.sin(common.map_token_chunks(fn, x, chunk,
+                                                          NO_CP, 1)))
+    return jax.value_and_grad(f)(_x())
+
+  whole = run(T)
+  assert calls == [(1, T, E)]
+  _close(run(2 * T), whole)
+  _close(run(5), whole)

@@ -167,8 +167,8 @@ def _add_cotangents(a, b):
 def map_token_chunks(fn: Callable, x, chunk: int | None, layout: CPLayout,
                      cp_size: int):
   """``fn`` over the tokens of ``x [.., T, E]``, ``chunk`` of each rank's
-  tokens at a time (None: ``fn(x, pin)`` whole, ``pin`` the layout's
-  :meth:`jax_cp.CPLayout.shard_tokens`).
+  tokens at a time (None, or at least a rank's tokens: ``fn(x, pin)``
+  whole, ``pin`` the layout's :meth:`jax_cp.CPLayout.shard_tokens`).
 
   ``fn(x_c, pin)`` must be position-wise (each token's output depends on
   that token alone) and ``pin`` any value it makes of the chunk's tokens.
@@ -193,10 +193,10 @@ def map_token_chunks(fn: Callable, x, chunk: int | None, layout: CPLayout,
   parameter-sized), which XLA would create ahead of time and keep until
   the loop runs.
   """
-  if chunk is None:
-    return fn(x, layout.shard_tokens)
   groups = token_groups(layout, cp_size)
   lead, local = x.shape[:-2], x.shape[-2] // groups
+  if chunk is None or chunk >= local:
+    return fn(x, layout.shard_tokens)
   pin = lambda v: pin_groups(layout, v)
   xg = pin(x.reshape(lead + (groups, local, x.shape[-1])))
   n, rest = divmod(local, chunk)

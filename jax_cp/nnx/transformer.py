@@ -112,7 +112,9 @@ class TransformerLayer(nnx.Module):
     head_dim: per-head features (default ``E // num_heads``).
     mlp_dim: hidden features of the MLP (default ``4 * E``).
     mlp_activation: see :class:`MlpBlock`.
-    norm_type: ``"rmsnorm"`` (default) or ``"layernorm"``.
+    norm_type: ``"rmsnorm"`` (default: :class:`jax_cp.nnx.RMSNorm`, whose
+      gradient keeps no float32 copy of its input) or ``"layernorm"``
+      (Flax's).
     norm_epsilon: epsilon of the norms.
     rope_theta: rotary base; ``None`` disables rotary embeddings.
     window_size: ``None`` (global attention) or a causal sliding window
