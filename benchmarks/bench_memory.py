@@ -85,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                  choices=("auto", "xla", "cudnn", "standin"),
                  help="standin: an O(T) stand-in for attention that plans "
                       "the rest of the step's memory on a CPU "
-                      "(benchmarks/standin_attention; --compile-only only)")
+                      "(benchmarks/standin_attention; --compile-only only; "
+                      "best with XLA_FLAGS=--xla_cpu_experimental_ynn_"
+                      "fusion_type=)")
   p.add_argument("--strategy", default="no_load_balance",
                  choices=("no_load_balance", "dual_chunk_swap"))
   p.add_argument("--seq-lens", type=parse_tokens, nargs="*", default=[],

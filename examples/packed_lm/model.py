@@ -39,8 +39,7 @@ class PackedLM(nnx.Module):
           cfg.heads, cfg.d_model, num_kv_heads=cfg.kv_heads, dtype=dtype,
           layout=layout, remat=cfg.remat,
           mlp_chunk_size=cfg.mlp_chunk_size, rngs=rngs))
-    self.final_norm = jax_cp.nnx.RMSNorm(cfg.d_model, dtype=dtype,
-                                         rngs=rngs)
+    self.final_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
     self.logits = nnx.Linear(cfg.d_model, VOCAB_SIZE, dtype=dtype,
                              rngs=rngs)
 

@@ -10,7 +10,6 @@ used) are those of :mod:`jax_cp.nnx.convert`.
 """
 
 from jax_cp.flax.attention import DotProductAttention, MultiHeadAttention
-from jax_cp.flax.norm import RMSNorm
 from jax_cp.flax.transformer import MlpBlock, TransformerLayer
 from jax_cp.modules.common import STRATEGY_CODES, strategy_from_code
 from jax_cp.modules.rotary import apply_rotary
@@ -21,7 +20,6 @@ __all__ = [
     "DotProductAttention",
     "MlpBlock",
     "MultiHeadAttention",
-    "RMSNorm",
     "STRATEGY_CODES",
     "TransformerLayer",
     "apply_rotary",

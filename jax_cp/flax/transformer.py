@@ -11,7 +11,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_cp import checks
 from jax_cp.flax.attention import Dtype, Initializer, MultiHeadAttention
-from jax_cp.flax.norm import RMSNorm
 from jax_cp.layout import CPLayout
 from jax_cp.modules import common
 from jax_cp.modules.remat import DECODER_LAYER_INPUT, MLPWO, remat_policy
@@ -104,9 +103,7 @@ class TransformerLayer(nn.Module):
     head_dim: per-head features (default ``E // num_heads``).
     mlp_dim: hidden features of the MLP (default ``4 * E``).
     mlp_activation: see :class:`MlpBlock`.
-    norm_type: ``"rmsnorm"`` (default: :class:`jax_cp.flax.RMSNorm`, whose
-      gradient keeps no float32 copy of its input) or ``"layernorm"``
-      (Flax's).
+    norm_type: ``"rmsnorm"`` (default) or ``"layernorm"``.
     norm_epsilon: epsilon of the norms.
     rope_theta: rotary base; ``None`` disables rotary embeddings.
     window_size: ``None`` (global attention) or a causal sliding window
@@ -172,7 +169,7 @@ class TransformerLayer(nn.Module):
     super().__post_init__()
 
   def _norm(self, name: str) -> Callable:
-    cls = RMSNorm if self.norm_type == "rmsnorm" else nn.LayerNorm
+    cls = nn.RMSNorm if self.norm_type == "rmsnorm" else nn.LayerNorm
     return cls(epsilon=self.norm_epsilon, dtype=self.dtype,
                param_dtype=self.param_dtype, name=name)
 

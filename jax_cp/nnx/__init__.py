@@ -12,14 +12,12 @@ from jax_cp.modules.common import STRATEGY_CODES, strategy_from_code
 from jax_cp.modules.rotary import apply_rotary
 from jax_cp.nnx.attention import DotProductAttention, MultiHeadAttention
 from jax_cp.nnx.convert import linen_params, load_linen_params
-from jax_cp.nnx.norm import RMSNorm
 from jax_cp.nnx.transformer import MlpBlock, TransformerLayer
 
 __all__ = [
     "DotProductAttention",
     "MlpBlock",
     "MultiHeadAttention",
-    "RMSNorm",
     "STRATEGY_CODES",
     "TransformerLayer",
     "apply_rotary",

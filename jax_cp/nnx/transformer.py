@@ -19,7 +19,6 @@ from jax_cp.nnx.attention import (
   MultiHeadAttention,
   default_kernel_init,
 )
-from jax_cp.nnx.norm import RMSNorm
 
 
 class MlpBlock(nnx.Module):
@@ -112,9 +111,7 @@ class TransformerLayer(nnx.Module):
     head_dim: per-head features (default ``E // num_heads``).
     mlp_dim: hidden features of the MLP (default ``4 * E``).
     mlp_activation: see :class:`MlpBlock`.
-    norm_type: ``"rmsnorm"`` (default: :class:`jax_cp.nnx.RMSNorm`, whose
-      gradient keeps no float32 copy of its input) or ``"layernorm"``
-      (Flax's).
+    norm_type: ``"rmsnorm"`` (default) or ``"layernorm"``.
     norm_epsilon: epsilon of the norms.
     rope_theta: rotary base; ``None`` disables rotary embeddings.
     window_size: ``None`` (global attention) or a causal sliding window
@@ -164,7 +161,7 @@ class TransformerLayer(nnx.Module):
     self.layout = layout
     self.remat = remat
     self.mlp_chunk_size = mlp_chunk_size
-    norm_cls = RMSNorm if norm_type == "rmsnorm" else nnx.LayerNorm
+    norm_cls = nnx.RMSNorm if norm_type == "rmsnorm" else nnx.LayerNorm
     norm = lambda: norm_cls(in_features, epsilon=norm_epsilon, dtype=dtype,
                             param_dtype=param_dtype, rngs=rngs)
     self.pre_attention_norm = norm()
