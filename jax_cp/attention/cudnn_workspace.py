@@ -82,6 +82,15 @@ def _positive(name: str, value) -> int:
   return value
 
 
+def _check_heads(heads_q: int, heads_kv: int) -> None:
+  """Raises ValueError unless ``heads_kv`` is a positive int dividing
+  ``heads_q``."""
+  _positive("heads_kv", heads_kv)
+  if heads_kv < 1 or heads_q % heads_kv:
+    raise ValueError(f"heads_kv={heads_kv} must be positive and divide "
+                     f"heads_q={heads_q}")
+
+
 def backward_workspace(tokens_q: int, tokens_kv: int, heads_q: int,
                        heads_kv: int, head_dim: int, *,
                        head_dim_v: int | None = None,
@@ -116,9 +125,7 @@ def backward_workspace(tokens_q: int, tokens_kv: int, heads_q: int,
     _positive(name, value)
   dv = head_dim if head_dim_v is None else _positive("head_dim_v",
                                                       head_dim_v)
-  if heads_kv < 1 or heads_q % heads_kv:
-    raise ValueError(f"heads_kv={heads_kv} must be positive and divide "
-                     f"heads_q={heads_q}")
+  _check_heads(heads_q, heads_kv)
   if packed_totals is None:
     packed_totals = head_dim % 16 == 0 and dv % 16 == 0
   if packed_totals:
@@ -184,10 +191,7 @@ def backward_head_groups(tokens_q: int, tokens_kv: int, heads_q: int,
   Other arguments as for :func:`backward_workspace`, for the whole call.
   """
   limit = backward_scratch_limit() if limit is None else limit
-  _positive("heads_kv", heads_kv)
-  if heads_kv < 1 or heads_q % heads_kv:
-    raise ValueError(f"heads_kv={heads_kv} must be positive and divide "
-                     f"heads_q={heads_q}")
+  _check_heads(heads_q, heads_kv)
   return fewest_groups(heads_kv, lambda n: backward_workspace_bytes(
       tokens_q, tokens_kv, heads_q // n, heads_kv // n, head_dim,
       **kwargs) <= limit)
