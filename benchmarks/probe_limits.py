@@ -43,6 +43,7 @@ import math
 import os
 import sys
 import time
+from unittest import mock
 
 import numpy as np
 
@@ -226,20 +227,15 @@ def ab(args) -> list[dict]:
     def fwd_bwd(q, k, v, do):
       # Both settings are read when the program is traced (here).
       chosen = cudnn.ragged_offset_bits
-      limit = os.environ.get(SCRATCH_ENV)
       if bits is not None:
         cudnn.ragged_offset_bits = lambda *a, **kw: bits
-      os.environ[SCRATCH_ENV] = scratch_gib
       try:
-        out, lse = cudnn.forward(q, k, v, seg, mask=mask, scale=scale)
-        return cudnn.backward(q, k, v, out, lse, do, seg, mask=mask,
-                              scale=scale)
+        with mock.patch.dict(os.environ, {SCRATCH_ENV: scratch_gib}):
+          out, lse = cudnn.forward(q, k, v, seg, mask=mask, scale=scale)
+          return cudnn.backward(q, k, v, out, lse, do, seg, mask=mask,
+                                scale=scale)
       finally:
         cudnn.ragged_offset_bits = chosen
-        if limit is None:
-          os.environ.pop(SCRATCH_ENV)
-        else:
-          os.environ[SCRATCH_ENV] = limit
 
     fn = jax.jit(fwd_bwd)
     pairs = int(causal_pairs(np.concatenate([[0], np.cumsum(kv_lens)])))

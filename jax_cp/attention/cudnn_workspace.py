@@ -47,8 +47,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-
-from jax_cp.attention.head_groups import fewest_groups
+from collections.abc import Callable
 
 _F32 = 4
 
@@ -179,6 +178,16 @@ def backward_scratch_limit(environ=None) -> float:
     raise ValueError(f"{SCRATCH_LIMIT_ENV}={text!r} must be a positive "
                      f"number of GiB or 'inf'")
   return gib * 2**30
+
+
+def fewest_groups(heads_kv: int, fits: Callable[[int], bool]) -> int:
+  """The smallest divisor ``n`` of ``heads_kv`` with ``fits(n)``, or
+  ``heads_kv`` (one KV head per sub-call, the finest split) when none
+  does."""
+  for n in range(1, heads_kv + 1):
+    if heads_kv % n == 0 and fits(n):
+      return n
+  return heads_kv
 
 
 def backward_head_groups(tokens_q: int, tokens_kv: int, heads_q: int,

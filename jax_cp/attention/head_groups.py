@@ -11,11 +11,12 @@ accumulates into another's.
 A backend whose backward needs scratch memory in proportion to the heads
 of a call (the cuDNN backward's float32 buffers,
 :mod:`jax_cp.attention.cudnn_workspace`) uses this to bound it:
-:func:`fewest_groups` picks the smallest ``n`` that fits,
-:func:`backward_in_head_groups` runs the sub-calls one after another in a
-``lax.scan``, so only one group's slices of the inputs (copies of ``1/n``
-of q, k, v, out, dout and lse) and one sub-call's scratch are live at a
-time. The results are written into whole-size dq, dk and dv in place.
+:func:`~jax_cp.attention.cudnn_workspace.backward_head_groups` picks the
+smallest ``n`` that fits, :func:`backward_in_head_groups` runs the
+sub-calls one after another in a ``lax.scan``, so only one group's
+slices of the inputs (copies of ``1/n`` of q, k, v, out, dout and lse)
+and one sub-call's scratch are live at a time. The results are written
+into whole-size dq, dk and dv in place.
 """
 
 from __future__ import annotations
@@ -24,16 +25,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-
-
-def fewest_groups(heads_kv: int, fits: Callable[[int], bool]) -> int:
-  """The smallest divisor ``n`` of ``heads_kv`` with ``fits(n)``, or
-  ``heads_kv`` (one KV head per sub-call, the finest split) when none
-  does."""
-  for n in range(1, heads_kv + 1):
-    if heads_kv % n == 0 and fits(n):
-      return n
-  return heads_kv
 
 
 def backward_in_head_groups(backward: Callable, groups: int, q, k, v, out,
