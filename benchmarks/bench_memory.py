@@ -768,22 +768,30 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
            "call at that T against the exact subset reference "
            "(`jax_cp.attention.exactness`); status *inexact* when above "
            f"{EXACT_TOL:g}: such a T does not train. Runs before the check "
-           "existed say *not checked*.", ""]
-  of = lambda kind: [(d["env"].get("device_kind"), r) for d in results
-                     for r in d["records"] if r.get("kind") == kind]
+           "existed say *not checked*. *MLP chunk*: `--mlp-chunk-size` "
+           "(`TransformerLayer.mlp_chunk_size`); *(scan)*: runs before "
+           "the chunks worked in place, whose chunking cost memory.", ""]
+  # Each record with its file's MLP chunking (``--mlp-chunk-size``; none
+  # in files from before the option).
+  of = lambda kind: [(d["env"].get("device_kind"),
+                      dict(r, mlp_chunk=_mlp_chunk(d["env"])))
+                     for d in results for r in d["records"]
+                     if r.get("kind") == kind]
   runs = sorted(of("run"), key=lambda x: (
       x[1]["model"], x[1]["remat"], x[1]["cp"], x[1]["seq_len"],
       x[1].get("layers", 0)))
   if runs:
     per = lambda r: r.get("temp_bytes_per_token_per_layer")
     lines += _table(None, (
-        "device", "model", "layers", "T", "cp", "remat", "status", "temp GB",
+        "device", "model", "layers", "T", "cp", "remat", "MLP chunk",
+        "status", "temp GB",
         "args GB", "host temp GB", "peak GB", "scratch GB", "B/tok/layer",
         "ms/step",
         "tok/s", "MFU", "exact (max rel. err.)"), [
             (dev, r["model"], r.get("layers", "-"), fmt_tokens(r["seq_len"]),
              r["cp"],
-             r["remat"], r.get("status"), gb(r.get("temp_bytes")),
+             r["remat"], r["mlp_chunk"], r.get("status"),
+             gb(r.get("temp_bytes")),
              gb(r.get("argument_bytes")), gb(r.get("host_temp_bytes")),
              gb(r.get("peak_bytes_in_use")),
              gb(r.get("attention_scratch_bytes")),
@@ -804,14 +812,15 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
                    if r.get("stopped_early") else "")
 
   searches = [(d["env"].get("device_kind"), r,
-               d["env"].get("args", {}).get("check_exact", False))
+               d["env"].get("args", {}).get("check_exact", False),
+               _mlp_chunk(d["env"]))
               for d in results for r in d["records"]
               if r.get("kind") == "search"]
   if searches:
     lines += _table("Longest T that trains", (
-        "device", "model", "cp", "remat", "gradients", "longest T",
-        "first failing T", "tries"), [
-            (dev, r["model"], r["cp"], r["remat"],
+        "device", "model", "cp", "remat", "MLP chunk", "gradients",
+        "longest T", "first failing T", "tries"), [
+            (dev, r["model"], r["cp"], r["remat"], chunk,
              "checked exact" if checked else "not checked",
              fmt_tokens(r["longest_seq_len"]) if r.get("longest_seq_len")
              else "below the first try",
@@ -820,7 +829,7 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
              else ("not reached" if r.get("stopped_early")
                    else f"none up to {fmt_tokens(r['search_max'])}"),
              tries(r))
-            for dev, r, checked in searches])
+            for dev, r, checked, chunk in searches])
   remat_ab = [(d, r) for d, r in of("ab") if not r.get("comparison")]
   chunk_ab = [(d, r) for d, r in of("ab")
               if r.get("comparison") == "mlp_chunk"]
@@ -995,6 +1004,21 @@ def _layer_growth_table(results: list[dict]) -> list[str]:
       "temp B per local token per layer (slope)", "per d_model"), rows)
 
 
+#: Result files dated before this chunked the MLP with a ``lax.scan`` whose
+#: backward kept zero-filled buffers per layer (more temp than no chunking);
+#: later ones with ``map_token_chunks``' in-place loop.
+IN_PLACE_CHUNKS_SINCE = "2026-12-01T20:22"
+
+
+def _mlp_chunk(env: dict) -> str:
+  """A result file's ``--mlp-chunk-size`` (``none`` where it predates the
+  option; ``(scan)`` added where the chunks ran as a ``lax.scan``)."""
+  chunk = str(env.get("args", {}).get("mlp_chunk_size") or "none")
+  if chunk != "none" and env.get("date", "") < IN_PLACE_CHUNKS_SINCE:
+    chunk += " (scan)"
+  return chunk
+
+
 def _argv(args: dict) -> list[str]:
   """The options of a recorded run that shape what it measured."""
   keys = ("model", "layers", "remat", "seq_lens", "cp", "search",
@@ -1004,7 +1028,7 @@ def _argv(args: dict) -> list[str]:
   for k in keys:
     v = args.get(k)
     if v in (None, False, [], "") or (k == "mlp_chunk_size"
-                                      and v == "auto"):
+                                      and v == "none"):
       continue
     flag = "--" + k.replace("_", "-")
     if v is True:

@@ -8,9 +8,10 @@ elementwise work and sums over tokens or heads. XLA's plan then holds the
 model's buffers and every attention call's inputs and outputs, as the
 GPU's does around its cuDNN custom calls, but not the dense ``[Tq, Tkv]``
 scores of the ``xla`` backend, which at long rows would dwarf the rest (or
-not compile). The cuDNN backward's workspace is in no XLA plan either way:
-``bench_memory`` adds it from the formula
-(:mod:`jax_cp.attention.cudnn_workspace`).
+not compile). Its backward is split over head groups where the ``cudnn``
+backend's would be, so the split's buffers are in the plan too. The cuDNN
+backward's workspace is in no XLA plan either way: ``bench_memory`` adds
+it from the formula (:mod:`jax_cp.attention.cudnn_workspace`).
 
 Its results are not attention: it is registered only by ``bench_memory``
 for compile-only runs, never for a step that runs.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jax_cp.attention import cudnn_workspace, head_groups
 from jax_cp.attention.backend import Backend, Segments
 from jax_cp.attention.registry import register_backend
 
@@ -50,7 +52,22 @@ def forward(q, k, v, seg: Segments, *, mask: str, scale: float,
 
 def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
              scale: float, window_left: int = -1):
-  """``(dq, dk, dv)`` shaped as attention's, from every input."""
+  """``(dq, dk, dv)`` shaped as attention's, from every input, in the
+  sub-calls over head groups that the ``cudnn`` backend would run for
+  these shapes (:func:`jax_cp.attention.cudnn_workspace.
+  backward_head_groups`), so the plan holds the split's buffers too."""
+  (tq, hq, d), (tkv, hkv, dv) = q.shape, v.shape
+  groups = cudnn_workspace.backward_head_groups(
+      tq, tkv, hq, hkv, d, head_dim_v=dv, segments=seg.q_lens.shape[0],
+      max_seqlen_q=tq)
+  return head_groups.backward_in_head_groups(
+      _backward_call, groups, q, k, v, out, lse, dout, seg, mask=mask,
+      scale=scale, window_left=window_left)
+
+
+def _backward_call(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
+                   scale: float, window_left: int = -1):
+  """One call's ``(dq, dk, dv)``."""
   del seg, mask, window_left
   touch = jnp.asarray(_TOUCH, q.dtype)
   t = (dout * jnp.asarray(scale, q.dtype) + touch * (out + q)

@@ -279,9 +279,46 @@ def test_longest_t_table_says_whether_gradients_were_checked():
   text = bench_memory.markdown([one(True, None), one(False, 1 << 17)], None)
   rows = [line for line in text.splitlines()
           if line.startswith("| H200 | big | 1 | full")]
-  assert rows[0].split(" | ")[4:6] == ["checked exact",
+  assert rows[0].split(" | ")[4:7] == ["none", "checked exact",
                                        "below the first try"]
-  assert rows[1].split(" | ")[4:6] == ["not checked", "128k"]
+  assert rows[1].split(" | ")[4:7] == ["none", "not checked", "128k"]
+
+
+def test_tables_name_each_file_s_mlp_chunking():
+  """The runs and the longest-T tables carry each result file's
+  ``--mlp-chunk-size``: ``none`` where the file predates the option, the
+  value otherwise, marked ``(scan)`` before the chunks worked in place;
+  the run's footer line names a chunk size other than none."""
+  def one(date, chunk):
+    args = dict(check_exact=True, model="big", remat="full")
+    if chunk is not None:
+      args["mlp_chunk_size"] = chunk
+    run = dict(kind="run", model="big", layers=16, seq_len=1 << 19, cp=1,
+               remat="full", status="oom", temp_bytes=10**11, d_model=2048,
+               heads=32, kv_heads=8, dtype="bfloat16")
+    search = dict(kind="search", model="big", cp=1, remat="full",
+                  longest_seq_len=None, first_failing_seq_len=1 << 19,
+                  search_step=16384, search_max=1 << 23, stopped_early=True,
+                  tries=[dict(seq_len=1 << 19, status="oom", seconds=1.0,
+                              temp_bytes=10**11, layers=16)])
+    return dict(env=dict(device_kind="H200", date=date, args=args),
+                records=[run, search])
+  files = [one("2026-12-01T10:00:00", None),
+           one("2026-12-01T17:00:00", "auto"),
+           one("2026-12-01T23:00:00", "auto"),
+           one("2026-12-01T23:30:00", "none"),
+           one("2026-12-01T23:40:00", "4096")]
+  text = bench_memory.markdown(files, None)
+  runs = [line.split(" | ")[6] for line in text.splitlines()
+          if line.startswith("| H200 | big | 16 |")]
+  searches = [line.split(" | ")[4] for line in text.splitlines()
+              if line.startswith("| H200 | big | 1 | full")]
+  want = ["none", "auto (scan)", "auto", "none", "4096"]
+  assert sorted(runs) == sorted(want)
+  assert searches == want
+  footers = [line for line in text.splitlines() if line.startswith("- 2026")]
+  assert ["--mlp-chunk-size" in line for line in footers] == [
+      False, True, True, False, True]
 
 
 def test_preallocation_is_read_from_jax_s_variable(monkeypatch):
@@ -336,3 +373,32 @@ def test_standin_backend_keeps_the_contract_shapes():
                                      mask="no_mask", scale=0.5)
   assert [(g.shape, g.dtype) for g in grads] == [
       (q.shape, q.dtype), (k.shape, k.dtype), (k.shape, k.dtype)]
+
+
+def test_head_group_split_plans_no_gradient_buffers_per_layer(
+    tmp_path, monkeypatch):
+  """The backward split over head groups writes its gradients over q, k
+  and v: the step's plan (4 layers, ``full``, the stand-in backend, which
+  splits where the ``cudnn`` backend would) is that of one call per
+  backward, within one layer's q, k and v, and not one zero-filled set of
+  dq, dk, dv per layer made ahead of time."""
+  from jax_cp.attention import cudnn_workspace, registry
+  monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
+  t, d_model, heads, kv_heads = 4096, 256, 8, 4
+  temps = {}
+  for name, gib in (("one", "inf"), ("split", "0.0001")):
+    monkeypatch.setenv(cudnn_workspace.SCRATCH_LIMIT_ENV, gib)
+    path = bench_memory.main([
+        "--device", "cpu", "--backend", "standin", "--layers", "4",
+        "--d-model", str(d_model), "--heads", str(heads), "--kv-heads",
+        str(kv_heads), "--seq-lens", str(t), "--remat", "full",
+        "--compile-only", "--max-doc-len", "1024",
+        "--out", str(tmp_path / name), "--markdown", ""])
+    with open(path) as f:
+      (run,) = json.load(f)["records"]
+    temps[name] = run["temp_bytes"]
+    groups = run["attention_scratch_groups"]
+    assert groups == (1 if name == "one" else kv_heads), run
+  head_dim = d_model // heads
+  layer_qkv = t * (heads + 2 * kv_heads) * head_dim * 4       # float32
+  assert temps["split"] - temps["one"] < layer_qkv, (temps, layer_qkv)

@@ -16,7 +16,8 @@ smallest ``n`` that fits, :func:`backward_in_head_groups` runs the
 sub-calls one after another in a ``lax.scan``, so only one group's
 slices of the inputs (copies of ``1/n`` of q, k, v, out, dout and lse)
 and one sub-call's scratch are live at a time. The results are written
-into whole-size dq, dk and dv in place.
+in place over q, k and v (over ``dq_into`` for dq), group by group: no
+zero-filled gradient buffers.
 """
 
 from __future__ import annotations
@@ -59,20 +60,26 @@ def backward_in_head_groups(backward: Callable, groups: int, q, k, v, out,
   gq, gkv = hq // groups, hkv // groups
   heads = lambda x, g, n: jax.lax.dynamic_slice_in_dim(x, g * n, n, axis=1)
   put = lambda x, part, g, n: jax.lax.dynamic_update_slice_in_dim(
-      x, part, g * n, axis=1)
+      x, part.astype(x.dtype), g * n, axis=1)
 
+  # The loop's carry starts as (q or dq_into, k, v) and each sub-call
+  # writes its gradients over its own heads there, after reading them: the
+  # heads of later groups still hold their inputs. So the loop needs no
+  # zero-filled dq, dk and dv (XLA makes such buffers ahead of time and
+  # keeps every layer's until its backward runs), and where q, k and v die
+  # with the backward it works in their buffers.
   def one_group(carry, g):
-    dq, dk, dv = carry
-    extra = {} if dq_into is None else dict(dq_into=heads(dq, g, gq))
+    bq, bk, bv = carry
+    q_g = heads(q if dq_into is not None else bq, g, gq)
+    extra = {} if dq_into is None else dict(dq_into=heads(bq, g, gq))
     dq_g, dk_g, dv_g = backward(
-        heads(q, g, gq), heads(k, g, gkv), heads(v, g, gkv),
+        q_g, heads(bk, g, gkv), heads(bv, g, gkv),
         heads(out, g, gq), heads(lse, g, gq), heads(dout, g, gq), seg,
         **kwargs, **extra)
-    return (put(dq, dq_g, g, gq), put(dk, dk_g, g, gkv),
-            put(dv, dv_g, g, gkv)), None
+    return (put(bq, dq_g, g, gq), put(bk, dk_g, g, gkv),
+            put(bv, dv_g, g, gkv)), None
 
-  init = (jnp.zeros_like(q) if dq_into is None else dq_into,
-          jnp.zeros_like(k), jnp.zeros_like(v))
+  init = (q if dq_into is None else dq_into, k, v)
   (dq, dk, dv), _ = jax.lax.scan(one_group, init,
                                  jnp.arange(groups, dtype=jnp.int32))
   return dq, dk, dv
