@@ -131,6 +131,9 @@ def test_auto_chunk_size():
   assert chunked_loss.loss_chunk_tokens("auto", 32768, 1 << 20) == 1024
   assert chunked_loss.loss_chunk_tokens("auto", 256, 65536) is None
   assert chunked_loss.loss_chunk_tokens(100, 256, 64) is None
+  # The hidden states bound it too: 2^24 values of a 2048-wide x.
+  assert chunked_loss.loss_chunk_tokens("auto", 256, 1 << 20, 2048) == 8192
+  assert chunked_loss.loss_chunk_tokens("auto", 32768, 1 << 20, 2048) == 1024
 
 
 def test_example_loss_fn_is_the_cross_entropy_of_its_logits():
@@ -154,3 +157,30 @@ def test_example_loss_fn_is_the_cross_entropy_of_its_logits():
   chunked = lm_loss.token_losses(lm, batch, chunk_size=24)   # 24 + 24 + 16
   np.testing.assert_allclose(np.asarray(chunked), np.asarray(ce), rtol=1e-5,
                              atol=1e-6)
+
+
+def test_backward_keeps_no_token_sized_buffer_of_its_own():
+  """A small vocabulary and wide hidden states (16k tokens of 512, bf16,
+  chunks of 1024): the compiled gradient of the chunked loss (the head
+  normalizes in float32, as the example's does) plans less temp than one
+  copy of ``x``: the backward writes each chunk's cotangent over that
+  chunk of ``x``, with no zero-filled or stacked token-sized buffer, and
+  the chunks' float32 intermediates are one chunk's."""
+  t, e, vocab = 16384, 512, 256
+  rng = np.random.default_rng(4)
+  w = jnp.asarray(rng.standard_normal((e, vocab)) / np.sqrt(e), jnp.bfloat16)
+  labels = jnp.asarray(rng.integers(0, vocab, (1, t)), jnp.int32)
+
+  def loss(x, w):
+    def head(h):
+      h32 = h.astype(jnp.float32)
+      h = h32 * jax.lax.rsqrt(jnp.mean(h32 * h32, -1, keepdims=True))
+      return h.astype(jnp.bfloat16) @ w
+    return jnp.sum(chunked_loss.chunked_cross_entropy(
+        head, x, labels, vocab=vocab, chunk_size=1024))
+
+  x = jax.ShapeDtypeStruct((1, t, e), jnp.bfloat16)
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(
+      x, jax.ShapeDtypeStruct(w.shape, w.dtype)).compile()
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  assert temp < t * e * 2, (temp, t * e * 2)

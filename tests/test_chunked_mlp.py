@@ -267,3 +267,30 @@ def test_map_token_chunks_runs_whole_when_a_chunk_holds_every_token():
   assert calls == [(1, T, E)]
   _close(run(2 * T), whole)
   _close(run(5), whole)
+
+
+def test_map_token_chunks_with_aux_and_a_new_feature_size():
+  """``aux`` (per-token inputs without a gradient) reaches ``fn`` chunk by
+  chunk, and an output of another feature size (the loop is not in place:
+  its backward writes the cotangent over ``x``) gives the whole row's
+  value and gradients, a shorter last chunk included; an ``aux`` of
+  another token shape raises."""
+  rng = np.random.default_rng(5)
+  w = jnp.asarray(rng.standard_normal((E, 3)), jnp.float32)
+  aux = jnp.asarray(rng.integers(0, 3, (1, T)), jnp.int32)
+
+  def fn(xc, ac, pin):
+    y = jnp.tanh(pin(xc) @ w)                                # [.., c, 3]
+    return y * jax.nn.one_hot(ac, 3, dtype=y.dtype) + ac[..., None]
+
+  def run(chunk):
+    f = lambda x, w_: jnp.sum(jnp.sin(common.map_token_chunks(
+        lambda xc, ac, pin: fn(xc, ac, pin) * w_, x, chunk, NO_CP, 1,
+        aux=aux)))
+    return jax.value_and_grad(f, argnums=(0, 1))(_x(), jnp.float32(1.5))
+
+  whole = run(None)
+  for chunk in (5, T // 2, 7):
+    _close(run(chunk), whole)
+  with pytest.raises(ValueError, match="aux must have the shape of x"):
+    common.map_token_chunks(fn, _x(), 5, NO_CP, 1, aux=aux[:, 1:])

@@ -18,22 +18,25 @@ import jax.numpy as jnp
 from jax_cp.layout import NO_CP, CPLayout
 from jax_cp.modules import common
 
-# "auto": chunks of about this many logits (float32: 64 MiB), and of at
-# least AUTO_MIN_TOKENS tokens.
+# "auto": chunks of about this many logits, or float32 values of the
+# hidden states the head normalizes (64 MiB), and of at least
+# AUTO_MIN_TOKENS tokens.
 AUTO_LOGITS = 1 << 24
 AUTO_MIN_TOKENS = 1024
 
 
-def loss_chunk_tokens(chunk_size: Any, vocab: int, local_tokens: int
-                      ) -> int | None:
+def loss_chunk_tokens(chunk_size: Any, vocab: int, local_tokens: int,
+                      features: int = 0) -> int | None:
   """Tokens per chunk (None: whole rows) of :func:`chunked_cross_entropy`:
-  a positive int, None, or ``"auto"`` (``AUTO_LOGITS // vocab`` tokens, at
-  least ``AUTO_MIN_TOKENS``)."""
+  a positive int, None, or ``"auto"`` (``AUTO_LOGITS // max(vocab,
+  features)`` tokens, at least ``AUTO_MIN_TOKENS``; ``features``: the
+  hidden states' size)."""
   common.check_chunk_size(chunk_size, "chunk_size")
   if chunk_size is None:
     return None
   if chunk_size == "auto":
-    chunk_size = max(AUTO_LOGITS // max(int(vocab), 1), AUTO_MIN_TOKENS)
+    chunk_size = max(AUTO_LOGITS // max(int(vocab), int(features), 1),
+                     AUTO_MIN_TOKENS)
   return None if chunk_size >= local_tokens else int(chunk_size)
 
 
@@ -50,10 +53,11 @@ def chunked_cross_entropy(logits_fn: Callable, x, labels, *, vocab: int,
   ``logits_fn(x)`` against integer ``labels [.., T]``, chunk by chunk.
 
   The chunks of each rank's tokens (in the global view with CP, ``c``
-  tokens of every rank at a time: no token moves between ranks) run under
-  ``lax.scan``, each under ``jax.checkpoint`` saving nothing, so at most
-  one chunk's logits (and softmax) are live, forward and backward; the
-  backward re-runs ``logits_fn`` one chunk at a time. A shorter last
+  tokens of every rank at a time: no token moves between ranks) run in
+  :func:`jax_cp.modules.common.map_token_chunks`' loop, so at most one
+  chunk's logits (and softmax) are live, forward and backward: the
+  backward re-runs ``logits_fn`` one chunk at a time and writes each
+  chunk's cotangent of ``x`` over that chunk of ``x``. A shorter last
   chunk takes the rest of the tokens.
 
   Args:
@@ -63,8 +67,8 @@ def chunked_cross_entropy(logits_fn: Callable, x, labels, *, vocab: int,
     labels: int ``[.., T]``, each in ``[0, vocab)``.
     vocab: the number of classes (sizes ``"auto"`` chunks).
     chunk_size: tokens per chunk of each rank's: a positive int, None (the
-      whole row at once) or ``"auto"`` (about 2^24 logits per chunk, at
-      least 1024 tokens).
+      whole row at once) or ``"auto"`` (about 2^24 logits, or values of
+      ``x``, per chunk, at least 1024 tokens).
     layout: the :class:`jax_cp.CPLayout` of ``x`` (None: no CP).
 
   Returns:
@@ -81,24 +85,11 @@ def chunked_cross_entropy(logits_fn: Callable, x, labels, *, vocab: int,
                      f"dim, {tuple(x.shape[:-1])}; got {tuple(labels.shape)}")
   cp = layout.resolve_cp_size()
   groups = common.token_groups(layout, cp)
-  lead, local = x.shape[:-2], x.shape[-2] // groups
-  chunk = loss_chunk_tokens(chunk_size, vocab, local)
+  chunk = loss_chunk_tokens(chunk_size, vocab, x.shape[-2] // groups,
+                            x.shape[-1])
   if chunk is None:
     return _cross_entropy(logits_fn, x, labels)
-  pin = lambda v: common.pin_groups(layout, v)
-  body = jax.checkpoint(lambda xc, lc: _cross_entropy(logits_fn, pin(xc),
-                                                      lc),
-                        policy=jax.checkpoint_policies.nothing_saveable)
-  xg = pin(x.reshape(lead + (groups, local, x.shape[-1])))
-  lg = labels.reshape(lead + (groups, local))
-  n, rest = divmod(local, chunk)
-  xs = jnp.moveaxis(xg[..., :n * chunk, :].reshape(
-      lead + (groups, n, chunk, x.shape[-1])), -3, 0)
-  ls = jnp.moveaxis(lg[..., :n * chunk].reshape(lead + (groups, n, chunk)),
-                    -2, 0)
-  _, ce = jax.lax.scan(lambda _, a: (None, body(*a)), None, (xs, ls))
-  ce = jnp.moveaxis(ce, 0, -2).reshape(lead + (groups, n * chunk))
-  if rest:
-    ce = jnp.concatenate([ce, body(xg[..., n * chunk:, :],
-                                   lg[..., n * chunk:])], axis=-1)
+  ce = common.map_token_chunks(
+      lambda xc, lc, pin: _cross_entropy(logits_fn, xc, lc)[..., None], x,
+      chunk, layout, cp, aux=labels)
   return ce.reshape(labels.shape)

@@ -165,13 +165,16 @@ def _add_cotangents(a, b):
 
 
 def map_token_chunks(fn: Callable, x, chunk: int | None, layout: CPLayout,
-                     cp_size: int):
+                     cp_size: int, aux=None):
   """``fn`` over the tokens of ``x [.., T, E]``, ``chunk`` of each rank's
   tokens at a time (None, or at least a rank's tokens: ``fn(x, pin)``
   whole, ``pin`` the layout's :meth:`jax_cp.CPLayout.shard_tokens`).
 
   ``fn(x_c, pin)`` must be position-wise (each token's output depends on
   that token alone) and ``pin`` any value it makes of the chunk's tokens.
+  With ``aux`` (an array ``[.., T]`` of per-token inputs that take no
+  gradient, such as labels) it is ``fn(x_c, aux_c, pin)``, ``aux_c`` the
+  chunk's tokens of ``aux``.
   In the global view with CP a chunk is ``[.., cp, c, E]``: ``c`` tokens
   of every rank, each rank's own (``pin`` keeps them there), so chunking
   moves no token between ranks; in the local view and without CP it is
@@ -188,69 +191,93 @@ def map_token_chunks(fn: Callable, x, chunk: int | None, layout: CPLayout,
   the shape and dtype (``F == E``: a residual block) both directions run
   in place: the forward writes each chunk's output over its input in the
   loop's carry, the backward each chunk's input cotangent over its output
-  cotangent, and the parameter cotangents start from the first chunk's;
-  the loop allocates no zero-filled buffer (token-sized or
-  parameter-sized), which XLA would create ahead of time and keep until
-  the loop runs.
+  cotangent, and the parameter cotangents start from the first chunk's.
+  Otherwise the backward writes each chunk's input cotangent over that
+  chunk of ``x`` (read first, for the recompute). Either way the backward
+  allocates no zero-filled buffer (token-sized or parameter-sized), which
+  XLA would create ahead of time and keep until the loop runs.
   """
   groups = token_groups(layout, cp_size)
   lead, local = x.shape[:-2], x.shape[-2] // groups
+  if aux is not None and tuple(aux.shape[:x.ndim - 1]) != tuple(
+      x.shape[:-1]):
+    raise ValueError(f"aux must have the shape of x without its feature "
+                     f"dim, {tuple(x.shape[:-1])}; got {tuple(aux.shape)}")
+  call = (lambda xc, ac, p: fn(xc, p)) if aux is None else fn
   if chunk is None or chunk >= local:
-    return fn(x, layout.shard_tokens)
+    return call(x, aux, layout.shard_tokens)
   pin = lambda v: pin_groups(layout, v)
   xg = pin(x.reshape(lead + (groups, local, x.shape[-1])))
+  # aux with x's token axes (``.., groups, local``), its trailing dims
+  # after them.
+  ag = None if aux is None else aux.reshape(
+      lead + (groups, local) + aux.shape[x.ndim - 1:])
   n, rest = divmod(local, chunk)
   part = lambda v, start, size: jax.lax.dynamic_slice_in_dim(
       v, start, size, axis=v.ndim - 2)
+  aux_part = lambda ag, start, size: None if ag is None else \
+      jax.lax.dynamic_slice_in_dim(ag, start, size, axis=len(lead) + 1)
   put = lambda v, u, start: pin(jax.lax.dynamic_update_slice_in_dim(
       v, u.astype(v.dtype), start, axis=v.ndim - 2))
 
   def convert(size):
-    """``fn`` on ``size`` tokens as ``f(consts, x_c)``, and the consts: the
-    arrays it reads besides ``x_c``, explicit for the ``custom_vjp``."""
-    f, consts = jax.closure_convert(lambda xc: fn(pin(xc), pin),
-                                    xg[..., :size, :])
-    return (lambda consts, xc: f(xc, *consts)), consts
+    """``fn`` on ``size`` tokens as ``f(consts, x_c, aux_c)``, and the
+    consts: the arrays it reads besides ``x_c`` and ``aux_c``, explicit for
+    the ``custom_vjp``."""
+    if ag is None:
+      f, consts = jax.closure_convert(lambda xc: call(pin(xc), None, pin),
+                                      xg[..., :size, :])
+      return (lambda consts, xc, ac: f(xc, *consts)), consts
+    f, consts = jax.closure_convert(
+        lambda xc, ac: call(pin(xc), ac, pin), xg[..., :size, :],
+        aux_part(ag, 0, size))
+    return (lambda consts, xc, ac: f(xc, ac, *consts)), consts
 
   f_full, c_full = convert(chunk)
   f_rest, c_rest = convert(rest) if rest else (None, [])
-  out = jax.eval_shape(f_full, c_full, xg[..., :chunk, :])
+  out = jax.eval_shape(f_full, c_full, xg[..., :chunk, :],
+                       aux_part(ag, 0, chunk))
   in_place = out.shape[-1] == xg.shape[-1] and out.dtype == xg.dtype
 
-  def forward(c_full, c_rest, xg):
+  def forward(c_full, c_rest, xg, ag):
     # In place the carry starts as x; chunk i is read before it is written.
     y = xg if in_place else jnp.zeros(xg.shape[:-1] + out.shape[-1:],
                                       out.dtype)
     src = lambda y: y if in_place else xg
     y = jax.lax.fori_loop(0, n, lambda i, y: put(y, f_full(
-        c_full, part(src(y), i * chunk, chunk)), i * chunk), pin(y))
+        c_full, part(src(y), i * chunk, chunk),
+        aux_part(ag, i * chunk, chunk)), i * chunk), pin(y))
     if rest:
-      y = put(y, f_rest(c_rest, part(src(y), n * chunk, rest)), n * chunk)
+      y = put(y, f_rest(c_rest, part(src(y), n * chunk, rest),
+                        aux_part(ag, n * chunk, rest)), n * chunk)
     return y
 
   @jax.custom_vjp
-  def chunked(c_full, c_rest, xg):
-    return forward(c_full, c_rest, xg)
+  def chunked(c_full, c_rest, xg, ag):
+    return forward(c_full, c_rest, xg, ag)
 
-  def chunked_fwd(c_full, c_rest, xg):
-    return forward(c_full, c_rest, xg), (c_full, c_rest, xg)
+  def chunked_fwd(c_full, c_rest, xg, ag):
+    return forward(c_full, c_rest, xg, ag), (c_full, c_rest, xg, ag)
 
   def chunked_bwd(res, dy):
-    c_full, c_rest, xg = res
+    c_full, c_rest, xg, ag = res
     dy = pin(dy)
 
     def step(f, consts, start, size, dx):
       """The chunk's parameter cotangents, and ``dx`` with its input
       cotangent written in. The barrier orders the chunk's recompute after
       the previous chunk's backward, also where XLA unrolls the loop."""
-      xc, dx = jax.lax.optimization_barrier((part(xg, start, size), dx))
-      _, vjp = jax.vjp(f, consts, pin(xc))
+      src = xg if in_place else dx
+      xc, dx = jax.lax.optimization_barrier((part(src, start, size), dx))
+      ac = aux_part(ag, start, size)
+      _, vjp = jax.vjp(lambda c, xc: f(c, xc, ac), consts, pin(xc))
       dc, dxc = vjp(pin(part(dx if in_place else dy, start, size)))
       return dc, put(dx, dxc, start)
 
     # In place dx is dy's buffer: chunk i of dy is read before it is
-    # overwritten with chunk i of dx.
-    dx = dy if in_place else pin(jnp.zeros(xg.shape, xg.dtype))
+    # overwritten with chunk i of dx. Otherwise it is x's: chunk i of x is
+    # read (for the recompute) before it is overwritten.
+    dx = dy if in_place else xg
     dc_full, dx = step(f_full, c_full, 0, chunk, dx)
 
     def body(i, carry):
@@ -264,10 +291,10 @@ def map_token_chunks(fn: Callable, x, chunk: int | None, layout: CPLayout,
       dc_rest, dx = step(f_rest, c_rest, n * chunk, rest, dx)
     # One buffer for all of dx's readers: without the barrier XLA fuses the
     # last update into each reader and copies dx for every one of them.
-    return dc_full, dc_rest, jax.lax.optimization_barrier(dx)
+    return dc_full, dc_rest, jax.lax.optimization_barrier(dx), None
 
   chunked.defvjp(chunked_fwd, chunked_bwd)
-  ys = chunked(c_full, c_rest, xg)
+  ys = chunked(c_full, c_rest, xg, ag)
   return layout.shard_tokens(ys.reshape(lead + (x.shape[-2], -1)))
 
 
