@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_cp.attention import cudnn_workspace, head_groups
+from jax_cp.attention import head_groups
 from jax_cp.attention.backend import Backend, Segments
 from jax_cp.attention.registry import register_backend
 
@@ -54,15 +54,13 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
              scale: float, window_left: int = -1):
   """``(dq, dk, dv)`` shaped as attention's, from every input, in the
   sub-calls over head groups that the ``cudnn`` backend would run for
-  these shapes (:func:`jax_cp.attention.cudnn_workspace.
-  backward_head_groups`), so the plan holds the split's buffers too."""
-  (tq, hq, d), (tkv, hkv, dv) = q.shape, v.shape
-  groups = cudnn_workspace.backward_head_groups(
-      tq, tkv, hq, hkv, d, head_dim_v=dv, segments=seg.q_lens.shape[0],
-      max_seqlen_q=tq)
-  return head_groups.backward_in_head_groups(
-      _backward_call, groups, q, k, v, out, lse, dout, seg, mask=mask,
-      scale=scale, window_left=window_left)
+  these shapes (:func:`jax_cp.attention.head_groups.
+  backward_within_scratch_limit`), so the plan holds the split's buffers
+  too."""
+  return head_groups.backward_within_scratch_limit(
+      _backward_call, q, k, v, out, lse, dout, seg,
+      max_seqlen_q=min(seg.max_seqlen_q, q.shape[0]), mask=mask, scale=scale,
+      window_left=window_left)
 
 
 def _backward_call(q, k, v, out, lse, dout, seg: Segments, *, mask: str,

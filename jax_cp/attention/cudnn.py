@@ -505,14 +505,10 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
   tiled = seg.tiled and dq_into is None
   segments = seg.q_lens.shape[0]
   check_backward_workspace(q.shape, segments, max_q, tiled)
-  (tq, hq, d), (tkv, hkv, dv) = q.shape, v.shape
-  groups = cudnn_workspace.backward_head_groups(
-      tq, tkv, hq, hkv, d, head_dim_v=dv, segments=segments,
-      max_seqlen_q=max_q)
-  return head_groups.backward_in_head_groups(
-      _backward_call, groups, q, k, v, out, lse, dout, seg, mask=mask,
-      scale=scale, window_left=window_left, max_q=max_q, max_kv=max_kv,
-      tiled=tiled, dq_into=dq_into)
+  return head_groups.backward_within_scratch_limit(
+      _backward_call, q, k, v, out, lse, dout, seg, max_seqlen_q=max_q,
+      mask=mask, scale=scale, window_left=window_left, max_q=max_q,
+      max_kv=max_kv, tiled=tiled, dq_into=dq_into)
 
 
 def _backward_call(q, k, v, out, lse, dout, seg: Segments, *, mask: str,

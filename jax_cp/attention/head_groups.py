@@ -12,7 +12,8 @@ A backend whose backward needs scratch memory in proportion to the heads
 of a call (the cuDNN backward's float32 buffers,
 :mod:`jax_cp.attention.cudnn_workspace`) uses this to bound it:
 :func:`~jax_cp.attention.cudnn_workspace.backward_head_groups` picks the
-smallest ``n`` that fits, :func:`backward_in_head_groups` runs the
+smallest ``n`` that fits (:func:`backward_within_scratch_limit` does
+both), :func:`backward_in_head_groups` runs the
 sub-calls one after another in a ``lax.scan``, so only one group's
 slices of the inputs (copies of ``1/n`` of q, k, v, out, dout and lse)
 and one sub-call's scratch are live at a time. The results are written
@@ -26,6 +27,8 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
+from jax_cp.attention import cudnn_workspace
 
 
 def backward_in_head_groups(backward: Callable, groups: int, q, k, v, out,
@@ -83,3 +86,21 @@ def backward_in_head_groups(backward: Callable, groups: int, q, k, v, out,
   (dq, dk, dv), _ = jax.lax.scan(one_group, init,
                                  jnp.arange(groups, dtype=jnp.int32))
   return dq, dk, dv
+
+
+def backward_within_scratch_limit(backward: Callable, q, k, v, out, lse, dout,
+                                  seg, *, max_seqlen_q: int, dq_into=None,
+                                  **kwargs):
+  """``backward`` in as many head-group sub-calls as the cuDNN backward's
+  scratch for these shapes needs to stay within
+  :func:`~jax_cp.attention.cudnn_workspace.backward_scratch_limit`
+  (:func:`~jax_cp.attention.cudnn_workspace.backward_head_groups`; one
+  call below it). ``max_seqlen_q``: the call's static bound on a
+  segment's query rows; the rest as for :func:`backward_in_head_groups`.
+  """
+  (tq, hq, d), (tkv, hkv, dv) = q.shape, v.shape
+  groups = cudnn_workspace.backward_head_groups(
+      tq, tkv, hq, hkv, d, head_dim_v=dv, segments=seg.q_lens.shape[0],
+      max_seqlen_q=max_seqlen_q)
+  return backward_in_head_groups(backward, groups, q, k, v, out, lse, dout,
+                                 seg, dq_into=dq_into, **kwargs)

@@ -79,13 +79,10 @@ class MlpBlock(nnx.Module):
     layout = common.check_layout(self.layout)
     if pin is not None or self.chunk_size is None:
       return self._apply(x, pin or layout.shard_tokens)
-    cp = layout.resolve_cp_size()
-    local = x.shape[-2] // common.token_groups(layout, cp)
     graphdef, state = nnx.split(self)
     fn = lambda xc, pin: nnx.merge(graphdef, state)._apply(xc, pin)
-    return common.map_token_chunks(
-        fn, x, self.chunk_size if self.chunk_size < local else None, layout,
-        cp)
+    return common.map_token_chunks(fn, x, self.chunk_size, layout,
+                                   layout.resolve_cp_size())
 
   def _apply(self, x, pin):
     h = common.mlp_hidden(self.activation, lambda: self.up(x),
