@@ -38,6 +38,14 @@ state, ...; the largest ones) and the largest values of the temp
 allocation (which overlap in time: the largest, not a decomposition).
 It needs only the compile, so it works with ``--compile-only``.
 
+``--target h200`` (with ``--compile-only --backend standin``) compiles the
+step for that GPU on a machine without one (``benchmarks/deviceless.py``,
+``benchmarks/gpu_targets``; JAX's CUDA plugin installed, no GPU or driver):
+XLA's GPU plan with the attention stand-in in place of the cuDNN calls
+(whose scratch the record adds from the formula, as on the GPU). Its
+records are named for the GPU with ``(plan)`` added; they are plans, not
+measurements, and train nothing.
+
 Each invocation writes ``memory_<date>_<device>_<model>[_<N>layers]
 [_<tag>].json`` into ``--out`` and
 rebuilds ``--markdown`` (``benchmarks/results/MEMORY.md``) from every such
@@ -62,6 +70,7 @@ import os
 import time
 from collections.abc import Sequence
 
+from benchmarks import deviceless  # no jax import
 from benchmarks.names import MODELS, fmt_tokens, parse_tokens
 from examples.packed_lm.config import REMAT as PRESETS  # no jax import
 
@@ -129,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "compiled buffer assignment's allocations, the "
                       "values live at its peak and the largest temp "
                       "values, by category (benchmarks/buffer_breakdown)")
+  p.add_argument("--target", default=None, choices=deviceless.targets(),
+                 help="compile for this GPU (benchmarks/gpu_targets) on a "
+                      "machine without one, with --compile-only and "
+                      "--backend standin: XLA's GPU plan, nothing run "
+                      "(needs JAX's CUDA plugin, not a GPU)")
   p.add_argument("--memory-limit", type=float, default=None,
                  help="GB: treat a step whose planned bytes (compiled "
                       "temp + arguments + outputs not aliased to them + the "
@@ -189,6 +203,7 @@ def build_step(args, seq_len: int, cp: int, remat: str) -> Step:
   (the state is donated: call it as ``state, loss = step(state, batch)``).
   """
   import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
   from examples.packed_lm import data, main, train  # pylint: disable=import-outside-toplevel
@@ -199,9 +214,22 @@ def build_step(args, seq_len: int, cp: int, remat: str) -> Step:
   mesh = main.make_mesh(1, cp, args.device)
   layout = lm.make_layout(cfg, mesh, max_seqlen=rows.max_seqlen)
   batch = data.place_batch(rows, layout)
+  target = getattr(args, "target", None)
+  if target:
+    # The same step for a GPU that is not here: the batch, built on the
+    # host's mesh, and the state as abstract values on compile-only
+    # devices of the target.
+    from benchmarks import deviceless  # pylint: disable=import-outside-toplevel
+    devices = deviceless.compile_only_devices(target, cp)
+    mesh = jax.sharding.Mesh(
+        np.array(devices).reshape(1, cp), (lm.DATA, lm.CP),
+        axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    batch = deviceless.abstract(batch, mesh)
+    layout = lm.make_layout(cfg, mesh, max_seqlen=rows.max_seqlen)
   with jax.set_mesh(mesh):
     tx = train.make_optimizer(cfg)
-    graphdef, state, shardings = train.init_state(cfg, layout, tx, mesh)
+    graphdef, state, shardings = train.init_state(
+        cfg, layout, tx, mesh, abstract=bool(target))
     model = nnx.merge(graphdef, state)[0]
     fn = train.make_train_step(graphdef, shardings, mesh, cfg.param_sharding)
     n_params = lm.matmul_params(model)
@@ -689,11 +717,17 @@ def run(args) -> dict:
           f"{fmt_tokens(s['longest_seq_len'] or 0)} (first failing: "
           f"{s['first_failing_seq_len']})", flush=True)
   from benchmarks import results  # pylint: disable=import-outside-toplevel
+  target = {}
+  if args.target is not None:
+    # Named for the GPU the plan is for, marked as compiled without it.
+    target = dict(target=args.target, platform="cuda (compile-only)",
+                  device_kind=deviceless.device_kind(args.target)
+                  + " (plan)", device_count=min(args.cp))
   return {"env": results.environment(
       xla_flags=os.environ.get("XLA_FLAGS", ""),
       mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
       preallocate=os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"),
-      args=vars(args)), "records": records}
+      args=vars(args), **target), "records": records}
 
 
 # ------------------------------------------------------------- the report
@@ -763,7 +797,10 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
            "time on top of XLA's buffers; *host temp*: XLA's temporaries "
            "in pinned host memory (host offload); *B/tok/layer*: temp per "
            "local token per layer. Status *compiled*: memory analysis "
-           "only (`--compile-only`), no step run. *exact*: the largest "
+           "only (`--compile-only`), no step run; a device named *(plan)*: "
+           "compiled for that GPU on a machine without one (`--target`, "
+           "with the attention stand-in in place of the cuDNN calls). "
+           "*exact*: the largest "
            "relative error of out, lse, dq, dk, dv of the step's attention "
            "call at that T against the exact subset reference "
            "(`jax_cp.attention.exactness`); status *inexact* when above "
@@ -1008,14 +1045,22 @@ def _layer_growth_table(results: list[dict]) -> list[str]:
 #: backward kept zero-filled buffers per layer (more temp than no chunking);
 #: later ones with ``map_token_chunks``' in-place loop.
 IN_PLACE_CHUNKS_SINCE = "2026-12-01T20:22"
+#: Result files dated before this sized ``"auto"`` chunks as ``mlp_dim / d``
+#: chunks per row; later ones as ``4 * mlp_dim / d``
+#: (:func:`jax_cp.modules.common.mlp_chunk_tokens`).
+AUTO_FOUR_BUFFERS_SINCE = "2026-12-02T01:55"
 
 
 def _mlp_chunk(env: dict) -> str:
   """A result file's ``--mlp-chunk-size`` (``none`` where it predates the
-  option; ``(scan)`` added where the chunks ran as a ``lax.scan``)."""
+  option; ``(scan)`` added where the chunks ran as a ``lax.scan``,
+  ``(mlp_dim/d)`` where ``"auto"`` made four times fewer chunks)."""
   chunk = str(env.get("args", {}).get("mlp_chunk_size") or "none")
-  if chunk != "none" and env.get("date", "") < IN_PLACE_CHUNKS_SINCE:
+  date = env.get("date", "")
+  if chunk != "none" and date < IN_PLACE_CHUNKS_SINCE:
     chunk += " (scan)"
+  elif chunk == "auto" and date < AUTO_FOUR_BUFFERS_SINCE:
+    chunk += " (mlp_dim/d)"
   return chunk
 
 
@@ -1023,12 +1068,13 @@ def _argv(args: dict) -> list[str]:
   """The options of a recorded run that shape what it measured."""
   keys = ("model", "layers", "remat", "seq_lens", "cp", "search",
           "search_start", "ab", "ab_mlp_chunk", "mlp_chunk_size",
-          "time_budget", "compile_only", "breakdown")
+          "time_budget", "compile_only", "breakdown", "backend", "target")
   out = []
   for k in keys:
     v = args.get(k)
     if v in (None, False, [], "") or (k == "mlp_chunk_size"
-                                      and v == "none"):
+                                      and v == "none") or (
+                                          k == "backend" and v == "auto"):
       continue
     flag = "--" + k.replace("_", "-")
     if v is True:
@@ -1062,6 +1108,16 @@ def main(argv: Sequence[str] | None = None) -> str:
     if eq and name not in PRESETS:
       raise SystemExit(f"--search-start {entry}: {name!r} is not a preset")
     parse_tokens(value if eq else entry)
+  if args.target is not None:
+    if not args.compile_only or args.backend != "standin":
+      raise SystemExit(f"--target {args.target} compiles for a GPU that is "
+                       "not here: it needs --compile-only and --backend "
+                       "standin (the extension's handlers need the CUDA "
+                       "runtime)")
+    # The host builds the batch on its CPU devices; the GPU's dtype.
+    args.device = "cpu"
+    args.dtype = args.dtype or "bfloat16"
+    deviceless.configure()
   if args.backend == "standin" and not (args.compile_only and
                                        args.ab is None):
     raise SystemExit("--backend standin is not attention: it plans memory "

@@ -287,7 +287,8 @@ def test_longest_t_table_says_whether_gradients_were_checked():
 def test_tables_name_each_file_s_mlp_chunking():
   """The runs and the longest-T tables carry each result file's
   ``--mlp-chunk-size``: ``none`` where the file predates the option, the
-  value otherwise, marked ``(scan)`` before the chunks worked in place;
+  value otherwise, marked ``(scan)`` before the chunks worked in place
+  and ``(mlp_dim/d)`` before ``"auto"`` counted four hidden-wide buffers;
   the run's footer line names a chunk size other than none."""
   def one(date, chunk):
     args = dict(check_exact=True, model="big", remat="full")
@@ -307,18 +308,20 @@ def test_tables_name_each_file_s_mlp_chunking():
            one("2026-12-01T17:00:00", "auto"),
            one("2026-12-01T23:00:00", "auto"),
            one("2026-12-01T23:30:00", "none"),
-           one("2026-12-01T23:40:00", "4096")]
+           one("2026-12-01T23:40:00", "4096"),
+           one("2026-12-02T04:00:00", "auto")]
   text = bench_memory.markdown(files, None)
   runs = [line.split(" | ")[6] for line in text.splitlines()
           if line.startswith("| H200 | big | 16 |")]
   searches = [line.split(" | ")[4] for line in text.splitlines()
               if line.startswith("| H200 | big | 1 | full")]
-  want = ["none", "auto (scan)", "auto", "none", "4096"]
+  want = ["none", "auto (scan)", "auto (mlp_dim/d)", "none", "4096",
+          "auto"]
   assert sorted(runs) == sorted(want)
   assert searches == want
   footers = [line for line in text.splitlines() if line.startswith("- 2026")]
   assert ["--mlp-chunk-size" in line for line in footers] == [
-      False, True, True, False, True]
+      False, True, True, False, True, True]
 
 
 def test_preallocation_is_read_from_jax_s_variable(monkeypatch):

@@ -239,9 +239,12 @@ def test_auto_chunk_size():
       "auto", remat, t, d, hidden)
   assert auto("none", 1 << 20) is None            # the backward keeps all
   assert auto("full", 8192) is None               # short rows: whole
-  assert auto("full", 1 << 20) == (1 << 20) // 8  # hidden / d = 8 chunks
-  assert auto("save_context", 16384) == 8192      # at least 8192 tokens
-  assert auto(jax.checkpoint_policies.nothing_saveable, 1 << 17) == 1 << 14
+  # 4 hidden-wide buffers in a chunk's backward: 4 * hidden / d chunks.
+  assert auto("full", 1 << 20) == (1 << 20) // 32
+  assert auto("full", 1 << 20, hidden=8192) == (1 << 20) // 16
+  assert auto("full", 1 << 20, d=4096, hidden=4096) == (1 << 20) // 4
+  assert auto("save_context", 65536) == 8192      # at least 8192 tokens
+  assert auto(jax.checkpoint_policies.nothing_saveable, 1 << 19) == 1 << 14
   assert common.mlp_chunk_tokens(64, "none", 64, 16, 64) is None
   assert common.mlp_chunk_tokens(None, "full", 1 << 20, 16, 64) is None
   assert common.mlp_chunk_tokens(100, "none", 1000, 16, 64) == 100

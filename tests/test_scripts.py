@@ -52,3 +52,79 @@ def test_the_rule_catches_the_pipelines_it_is_for():
   for line in ('grep -q "y" <<< "$lines"', 'cmd 2>&1 | tee log',
                'grep -E -- "-- jax_cp:|Linking" log'):
     assert not _EARLY_EXIT.search(line), line
+
+
+# tests/gpu/asan_preload.sh: which runtimes an ASan build runs under.
+ASAN_PRELOAD = ROOT / "tests" / "gpu" / "asan_preload.sh"
+
+
+def _compiler_with_asan() -> str:
+  cxx = shutil.which("c++") or shutil.which("g++")
+  if cxx is None or shutil.which("bash") is None:
+    pytest.skip("no C++ compiler or bash here")
+  lib = subprocess.run([cxx, "-print-file-name=libasan.so"],
+                       capture_output=True, text=True).stdout.strip()
+  if not (lib.startswith("/") and pathlib.Path(lib).exists()):
+    pytest.skip(f"{cxx} has no AddressSanitizer runtime")
+  return cxx
+
+
+def _preload(cxx, *args):
+  return subprocess.run([str(ASAN_PRELOAD), *map(str, args)],
+                        capture_output=True, text=True,
+                        env={"PATH": "/usr/bin:/bin:/usr/sbin:/sbin",
+                             "CXX": str(cxx)}, timeout=120)
+
+
+def test_asan_preload_gives_the_compilers_runtimes(tmp_path):
+  cxx = _compiler_with_asan()
+  run = _preload(cxx)
+  assert run.returncode == 0, run.stderr
+  asan, cxxrt = run.stdout.split()
+  assert pathlib.Path(asan).name.startswith("libasan.so")
+  assert pathlib.Path(cxxrt).name.startswith("libstdc++.so")
+  assert asan.startswith("/") and pathlib.Path(asan).exists()
+  assert cxxrt.startswith("/") and pathlib.Path(cxxrt).exists()
+
+
+def test_asan_preload_without_the_compilers_cxx_runtime(tmp_path):
+  """A toolchain beside the system's can know its libasan.so and no shared
+  libstdc++ (`-print-file-name` answers the bare name): the C++ runtime
+  then is the one the module loads, else the loader cache's."""
+  cxx = _compiler_with_asan()
+  fake = tmp_path / "c++"
+  fake.write_text(
+      "#!/usr/bin/env bash\n"
+      'case "$*" in *-print-file-name=libstdc++*) '
+      'echo "${1#-print-file-name=}"; exit 0;; esac\n'
+      f'exec {cxx} "$@"\n')
+  fake.chmod(0o755)
+  src = tmp_path / "m.cc"
+  src.write_text("#include <string>\n"
+                 "std::string jax_cp_probe() { return std::string(40, 'x'); }\n")
+  module = tmp_path / "libm.so"
+  subprocess.run([cxx, "-shared", "-fPIC", str(src), "-o", str(module)],
+                 check=True, timeout=120)
+  ldd = subprocess.run(["ldd", str(module)], capture_output=True,
+                       text=True).stdout
+  linked = [line.split()[2] for line in ldd.splitlines()
+            if line.split()[:1] == ["libstdc++.so.6"]]
+  run = _preload(fake, module)
+  assert run.returncode == 0, run.stderr
+  asan, cxxrt = run.stdout.split()
+  assert pathlib.Path(asan).name.startswith("libasan.so")
+  assert cxxrt == linked[0]
+  # No module: the loader cache's copy.
+  run = _preload(fake)
+  assert run.returncode == 0, run.stderr
+  assert run.stdout.split()[1].endswith("libstdc++.so.6")
+  assert pathlib.Path(run.stdout.split()[1]).exists()
+
+
+def test_asan_preload_fails_naming_what_is_missing(tmp_path):
+  if shutil.which("bash") is None:
+    pytest.skip("no bash here")
+  run = _preload("/bin/false")
+  assert run.returncode == 1
+  assert "libasan.so" in run.stderr and "/bin/false" in run.stderr
+  assert run.stdout == ""

@@ -62,15 +62,23 @@ def param_spec(shape, mesh, mode: str = "fsdp") -> P:
              for i in range(len(shape))])
 
 
-def init_state(cfg: Config, layout: jax_cp.CPLayout, tx, mesh):
-  """``(graphdef, state, shardings)`` of the model and its optimizer."""
+def init_state(cfg: Config, layout: jax_cp.CPLayout, tx, mesh, *,
+               abstract: bool = False):
+  """``(graphdef, state, shardings)`` of the model and its optimizer
+  (with ``abstract``, the state as ``jax.ShapeDtypeStruct`` with its
+  shardings, for compiling on devices that hold no data)."""
   def create():
     model = PackedLM(cfg, layout, rngs=nnx.Rngs(cfg.seed))
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
-  graphdef, abstract = nnx.split(nnx.eval_shape(create))
+  graphdef, shapes = nnx.split(nnx.eval_shape(create))
   shardings = jax.tree.map(lambda x: NamedSharding(
-      mesh, param_spec(x.shape, mesh, cfg.param_sharding)), abstract)
-  state = jax.jit(lambda: nnx.split(create())[1], out_shardings=shardings)()
+      mesh, param_spec(x.shape, mesh, cfg.param_sharding)), shapes)
+  if abstract:
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=s), shapes, shardings)
+  else:
+    state = jax.jit(lambda: nnx.split(create())[1],
+                    out_shardings=shardings)()
   return graphdef, state, shardings
 
 

@@ -135,9 +135,10 @@ class TransformerLayer(nn.Module):
       Chunks never move tokens between ranks (no collective). None
       (default: the whole row at once), a positive int or ``"auto"``:
       whole rows under ``remat="none"`` or up to 8192 tokens per rank;
-      else about ``mlp_dim / E`` chunks (twice that when gated), so that
-      a chunk's hidden activations take what the layer input does, of at
-      least 8192 tokens (:func:`jax_cp.modules.common.mlp_chunk_tokens`).
+      else about ``4 * mlp_dim / E`` chunks (twice that when gated), so
+      that the hidden-wide buffers of a chunk's backward take what the
+      layer input does, of at least 8192 tokens
+      (:func:`jax_cp.modules.common.mlp_chunk_tokens`).
       docs/design.md, "Chunked position-wise work", gives the compiled
       memory.
   """

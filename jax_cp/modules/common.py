@@ -104,6 +104,13 @@ def mlp_hidden(activation: str, up: Callable, gate: Callable, pin: Callable):
 # the position-wise part whole; longer ones in chunks of at least this
 # many tokens (a GEMM of this many rows still fills a GPU).
 AUTO_MIN_CHUNK = 8192
+# ... and of about the layer input's bytes in hidden-wide buffers, of which
+# a chunk's backward holds this many at once: the recomputed
+# pre-activation, the activation's cotangent and the two terms of its
+# derivative (XLA's GPU plan of the 16 x 2048 model's step, gelu, has four
+# [c, mlp_dim] buffers live at its peak; a gated MLP holds the gate's and
+# the linear half's of each, and ``hidden`` counts both).
+AUTO_HIDDEN_BUFFERS = 4
 
 
 def check_chunk_size(value: Any, field: str, auto: bool = True) -> None:
@@ -125,18 +132,20 @@ def mlp_chunk_tokens(chunk_size: Any, remat: Any, local_tokens: int,
 
   ``chunk_size`` is a positive int, None (whole) or ``"auto"``: whole
   under ``remat="none"`` (the backward keeps every chunk's activations
-  anyway) or for at most :data:`AUTO_MIN_CHUNK` tokens; otherwise chunks
-  whose ``hidden`` activations (``mlp_dim``, twice that when gated) take
-  about what the ``features``-wide input takes, at least
-  :data:`AUTO_MIN_CHUNK` tokens each (Mini-Sequence Transformer's
-  ``M = I / d`` chunks)."""
+  anyway) or for at most :data:`AUTO_MIN_CHUNK` tokens; otherwise
+  ``AUTO_HIDDEN_BUFFERS * hidden / features`` chunks (``hidden``: the
+  ``mlp_dim``, twice that when gated), so that the hidden-wide buffers a
+  chunk's backward holds take about what the ``features``-wide input
+  takes, of at least :data:`AUTO_MIN_CHUNK` tokens each
+  (Mini-Sequence Transformer's ``M = I / d`` chunks, counted for the
+  backward)."""
   if chunk_size is None:
     return None
   if chunk_size == "auto":
     if isinstance(remat, str) and remat == "none" or (
         local_tokens <= AUTO_MIN_CHUNK):
       return None
-    count = max(-(-hidden // features), 1)
+    count = max(-(-AUTO_HIDDEN_BUFFERS * hidden // features), 1)
     chunk_size = max(-(-local_tokens // count), AUTO_MIN_CHUNK)
   return None if chunk_size >= local_tokens else int(chunk_size)
 

@@ -96,13 +96,17 @@ if [[ "${JAX_CP_USE_TOOLKIT:-0}" != 1 ]]; then
   echo "pip-only build: wheel headers, kernels.cu compiled with NVRTC"
 fi
 
-# An AddressSanitizer build runs under ASan's runtime and the compiler's C++
-# runtime, preloaded (CMakeLists.txt, JAX_CP_ASAN): the Python process is
-# not instrumented. protect_shadow_gap=0 leaves the address range the CUDA
-# driver maps; detect_leaks=0 because Python keeps memory until exit.
+# An AddressSanitizer build runs under ASan's runtime and a C++ runtime,
+# preloaded (CMakeLists.txt, JAX_CP_ASAN; tests/gpu/asan_preload.sh says
+# which): the Python process is not instrumented. protect_shadow_gap=0
+# leaves the address range the CUDA driver maps; detect_leaks=0 because
+# Python keeps memory until exit.
 if [[ "${JAX_CP_ASAN:-0}" == 1 ]]; then
-  cxx=${CXX:-c++}
-  LD_PRELOAD="$("$cxx" -print-file-name=libasan.so) $("$cxx" -print-file-name=libstdc++.so)"
+  modules=(build/asan-*/_jax_cp_cuda*.so)
+  if ! LD_PRELOAD=$(tests/gpu/asan_preload.sh "${modules[0]}"); then
+    echo "JAX_CP_ASAN=1: no runtime to preload (tests/gpu/asan_preload.sh)" >&2
+    exit 1
+  fi
   export LD_PRELOAD
   export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=0:protect_shadow_gap=0:abort_on_error=0:halt_on_error=1}"
   grep -q -- "AddressSanitizer build" "$LOG_DIR/build.log" ||

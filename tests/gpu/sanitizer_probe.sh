@@ -9,7 +9,9 @@
 #
 # Each step runs under a time limit (STEP_TIMEOUT, default 180 s) with XLA's
 # platform allocator (one allocation per buffer, so memcheck sees accesses
-# past a buffer's end). The first step that fails is retried with variants
+# past a buffer's end) and without XLA's GPU autotuning (memcheck can crash
+# itself while XLA autotunes a GEMM fusion; the extension's step compiles
+# no GEMM on the GPU). The first step that fails is retried with variants
 # (eager module loading; no device-heap and API-error checks) to narrow the
 # cause. Prints one line per step: its exit status and the sanitizer's
 # summary line; the full output of each step is in LOG_DIR.
@@ -21,6 +23,7 @@ mkdir -p "$LOG_DIR"
 PY=$(command -v "${PYTHON:-python3}")
 STEP_TIMEOUT="${STEP_TIMEOUT:-180}"
 export XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false
+export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_autotune_level=0"
 
 if ! command -v compute-sanitizer > /dev/null; then
   echo "compute-sanitizer: not found"; exit 2

@@ -1,0 +1,74 @@
+"""``bench_memory --target``: XLA's plan of the step for a GPU that is not
+here (``benchmarks/deviceless.py``). The plan itself needs JAX's CUDA
+plugin (no GPU): that test skips without it."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import bench_memory, deviceless
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_targets_and_their_names():
+  assert "h200" in deviceless.targets()
+  assert deviceless.device_kind("h200") == "NVIDIA H200"
+  assert "cuda_compute_capability" in deviceless.target_config("h200")
+  with pytest.raises(ValueError, match=r"target='b300'.*known targets"):
+    deviceless.target_config("b300")
+
+
+@pytest.mark.parametrize("extra", [[], ["--compile-only"],
+                                   ["--backend", "standin"]])
+def test_target_needs_compile_only_and_the_standin(extra):
+  with pytest.raises(SystemExit, match="--compile-only and --backend "
+                                       "standin"):
+    bench_memory.main(["--target", "h200", "--seq-lens", "8k", *extra])
+
+
+def test_unknown_target_is_refused_by_the_parser(capsys):
+  with pytest.raises(SystemExit):
+    bench_memory.build_parser().parse_args(["--target", "b300"])
+  assert "invalid choice: 'b300'" in capsys.readouterr().err
+
+
+def _cuda_plugin_installed() -> bool:
+  try:
+    return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
+  except ModuleNotFoundError:           # no jax_plugins package at all
+    return False
+
+
+@pytest.mark.skipif(not _cuda_plugin_installed(),
+                    reason="JAX's CUDA plugin is not installed")
+def test_plan_for_the_h200_compiles_for_sm90(tmp_path):
+  """A small model's step compiled for the H200 target in a fresh process:
+  XLA's GPU pipeline (the buffer assignment of an sm_90 module), the
+  record named for the target, and the plan of a longer row larger."""
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+  run = subprocess.run(
+      [sys.executable, "-m", "benchmarks.bench_memory", "--target", "h200",
+       "--compile-only", "--backend", "standin", "--layers", "1",
+       "--d-model", "256", "--heads", "4", "--kv-heads", "2",
+       "--remat", "full", "--seq-lens", "8k", "16k", "--breakdown",
+       "--out", str(tmp_path), "--markdown", str(tmp_path / "M.md")],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+  (path,) = tmp_path.glob("memory_*.json")
+  result = json.loads(path.read_text())
+  assert result["env"]["device_kind"] == "NVIDIA H200 (plan)"
+  assert result["env"]["target"] == "h200"
+  runs = [r for r in result["records"] if r["kind"] == "run"]
+  assert [r["status"] for r in runs] == ["compiled", "compiled"]
+  for r in runs:
+    assert "sm_9.0" in r["breakdown"]["source"], r["breakdown"]["source"]
+    assert "gpu" in r["breakdown"]["source"]
+  short, long = sorted(runs, key=lambda r: r["seq_len"])
+  assert long["temp_bytes"] > 1.5 * short["temp_bytes"] > 0
+  assert "NVIDIA H200 (plan)" in (tmp_path / "M.md").read_text()
