@@ -101,7 +101,8 @@ def test_asan_preload_without_the_compilers_cxx_runtime(tmp_path):
   fake.chmod(0o755)
   src = tmp_path / "m.cc"
   src.write_text("#include <string>\n"
-                 "std::string jax_cp_probe() { return std::string(40, 'x'); }\n")
+                 "std::string jax_cp_probe() {\n"
+                 "  return std::string(40, 'x');\n}\n")
   module = tmp_path / "libm.so"
   subprocess.run([cxx, "-shared", "-fPIC", str(src), "-o", str(module)],
                  check=True, timeout=120)
