@@ -38,13 +38,13 @@ state, ...; the largest ones) and the largest values of the temp
 allocation (which overlap in time: the largest, not a decomposition).
 It needs only the compile, so it works with ``--compile-only``.
 
-``--target h200`` (with ``--compile-only --backend standin``) compiles the
-step for that GPU on a machine without one (``benchmarks/deviceless.py``,
-``benchmarks/gpu_targets``; JAX's CUDA plugin installed, no GPU or driver):
-XLA's GPU plan with the attention stand-in in place of the cuDNN calls
-(whose scratch the record adds from the formula, as on the GPU). Its
-records are named for the GPU with ``(plan)`` added; they are plans, not
-measurements, and train nothing.
+``--target h200`` (with ``--compile-only`` and ``--backend cudnn``, the
+extension built, or ``standin``) compiles the step for that GPU on a
+machine without one (``benchmarks/deviceless.py``,
+``benchmarks/gpu_targets``; JAX's CUDA plugin installed, no GPU or
+driver): XLA's GPU plan, the cuDNN scratch added from the formula as on
+the GPU. Its records are named for the GPU with ``(plan)`` added; they
+are plans, not measurements, and train nothing.
 
 Each invocation writes ``memory_<date>_<device>_<model>[_<N>layers]
 [_<tag>].json`` into ``--out`` and
@@ -141,8 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--target", default=None, choices=deviceless.targets(),
                  help="compile for this GPU (benchmarks/gpu_targets) on a "
                       "machine without one, with --compile-only and "
-                      "--backend standin: XLA's GPU plan, nothing run "
-                      "(needs JAX's CUDA plugin, not a GPU)")
+                      "--backend cudnn or standin: XLA's GPU plan, nothing "
+                      "run (needs JAX's CUDA plugin, not a GPU)")
   p.add_argument("--memory-limit", type=float, default=None,
                  help="GB: treat a step whose planned bytes (compiled "
                       "temp + arguments + outputs not aliased to them + the "
@@ -798,8 +798,8 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
            "in pinned host memory (host offload); *B/tok/layer*: temp per "
            "local token per layer. Status *compiled*: memory analysis "
            "only (`--compile-only`), no step run; a device named *(plan)*: "
-           "compiled for that GPU on a machine without one (`--target`, "
-           "with the attention stand-in in place of the cuDNN calls). "
+           "compiled for that GPU on a machine without one (`--target`; "
+           "the backend in the footer). "
            "*exact*: the largest "
            "relative error of out, lse, dq, dk, dv of the step's attention "
            "call at that T against the exact subset reference "
@@ -1109,11 +1109,11 @@ def main(argv: Sequence[str] | None = None) -> str:
       raise SystemExit(f"--search-start {entry}: {name!r} is not a preset")
     parse_tokens(value if eq else entry)
   if args.target is not None:
-    if not args.compile_only or args.backend != "standin":
+    if not args.compile_only or args.backend not in ("standin", "cudnn"):
       raise SystemExit(f"--target {args.target} compiles for a GPU that is "
                        "not here: it needs --compile-only and --backend "
-                       "standin (the extension's handlers need the CUDA "
-                       "runtime)")
+                       "standin or cudnn (the extension built, with its "
+                       "CUDA libraries installed)")
     # The host builds the batch on its CPU devices; the GPU's dtype.
     args.device = "cpu"
     args.dtype = args.dtype or "bfloat16"

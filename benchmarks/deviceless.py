@@ -6,9 +6,10 @@ capability, cuDNN and CUDA versions), with no GPU and no driver. A program
 lowered for a mesh of those devices, on abstract arguments
 (``jax.ShapeDtypeStruct`` with shardings), compiles as it would on that GPU:
 its ``memory_analysis()`` and buffer assignment are XLA's GPU plan.
-Nothing runs. ``bench_memory --target`` uses it with the attention
-stand-in (``benchmarks/standin_attention.py``), since the extension's
-handlers cannot load without the CUDA runtime.
+Nothing runs. ``bench_memory --target`` uses it with the ``cudnn``
+backend (the extension built: its handlers register with the plugin's
+CUDA libraries, no device needed) or the attention stand-in
+(``benchmarks/standin_attention.py``).
 
 Set :func:`configure` before jax is imported: JAX keeps the CPU as its
 default backend and skips the plugin's check of the local CUDA libraries

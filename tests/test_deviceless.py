@@ -24,10 +24,12 @@ def test_targets_and_their_names():
 
 
 @pytest.mark.parametrize("extra", [[], ["--compile-only"],
-                                   ["--backend", "standin"]])
-def test_target_needs_compile_only_and_the_standin(extra):
+                                   ["--compile-only", "--backend", "xla"],
+                                   ["--backend", "standin"],
+                                   ["--backend", "cudnn"]])
+def test_target_needs_compile_only_and_cudnn_or_the_standin(extra):
   with pytest.raises(SystemExit, match="--compile-only and --backend "
-                                       "standin"):
+                                       "standin or cudnn"):
     bench_memory.main(["--target", "h200", "--seq-lens", "8k", *extra])
 
 
@@ -44,17 +46,27 @@ def _cuda_plugin_installed() -> bool:
     return False
 
 
+def _extension_built() -> bool:
+  try:
+    return importlib.util.find_spec("jax_cp._jax_cp_cuda") is not None
+  except ModuleNotFoundError:
+    return False
+
+
 @pytest.mark.skipif(not _cuda_plugin_installed(),
                     reason="JAX's CUDA plugin is not installed")
-def test_plan_for_the_h200_compiles_for_sm90(tmp_path):
+@pytest.mark.parametrize("backend", ["standin", "cudnn"])
+def test_plan_for_the_h200_compiles_for_sm90(tmp_path, backend):
   """A small model's step compiled for the H200 target in a fresh process:
   XLA's GPU pipeline (the buffer assignment of an sm_90 module), the
   record named for the target, and the plan of a longer row larger."""
+  if backend == "cudnn" and not _extension_built():
+    pytest.skip("the cuDNN extension is not built")
   env = {k: v for k, v in os.environ.items()
          if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
   run = subprocess.run(
       [sys.executable, "-m", "benchmarks.bench_memory", "--target", "h200",
-       "--compile-only", "--backend", "standin", "--layers", "1",
+       "--compile-only", "--backend", backend, "--layers", "1",
        "--d-model", "256", "--heads", "4", "--kv-heads", "2",
        "--remat", "full", "--seq-lens", "8k", "16k", "--breakdown",
        "--out", str(tmp_path), "--markdown", str(tmp_path / "M.md")],
