@@ -39,28 +39,23 @@ def test_unknown_target_is_refused_by_the_parser(capsys):
   assert "invalid choice: 'b300'" in capsys.readouterr().err
 
 
-def _cuda_plugin_installed() -> bool:
+def _importable(name: str) -> bool:
+  """Whether module ``name`` can be found (False also when a parent
+  package is missing)."""
   try:
-    return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
-  except ModuleNotFoundError:           # no jax_plugins package at all
-    return False
-
-
-def _extension_built() -> bool:
-  try:
-    return importlib.util.find_spec("jax_cp._jax_cp_cuda") is not None
+    return importlib.util.find_spec(name) is not None
   except ModuleNotFoundError:
     return False
 
 
-@pytest.mark.skipif(not _cuda_plugin_installed(),
+@pytest.mark.skipif(not _importable("jax_plugins.xla_cuda13"),
                     reason="JAX's CUDA plugin is not installed")
 @pytest.mark.parametrize("backend", ["standin", "cudnn"])
 def test_plan_for_the_h200_compiles_for_sm90(tmp_path, backend):
   """A small model's step compiled for the H200 target in a fresh process:
   XLA's GPU pipeline (the buffer assignment of an sm_90 module), the
   record named for the target, and the plan of a longer row larger."""
-  if backend == "cudnn" and not _extension_built():
+  if backend == "cudnn" and not _importable("jax_cp._jax_cp_cuda"):
     pytest.skip("the cuDNN extension is not built")
   env = {k: v for k, v in os.environ.items()
          if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}

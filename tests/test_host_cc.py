@@ -17,20 +17,13 @@ import sys
 
 import pytest
 
+from tests import _toolchain
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _asan_available() -> bool:
-  cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-  if cxx is None:
-    return False
-  try:
-    lib = subprocess.run([cxx, "-print-file-name=libasan.so"],
-                         capture_output=True, text=True, check=True,
-                         timeout=60).stdout.strip()
-  except (OSError, subprocess.SubprocessError):
-    return False
-  return os.path.isabs(lib) and os.path.exists(lib)
+  return _toolchain.asan_runtime(_toolchain.cxx()) is not None
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,8 @@ import subprocess
 
 import pytest
 
+from tests import _toolchain
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = sorted([ROOT / ".ci" / "run", ROOT / ".ci" / "find_python",
                   ROOT / ".ci" / "hide_cuda_toolkit",
@@ -59,12 +61,10 @@ ASAN_PRELOAD = ROOT / "tests" / "gpu" / "asan_preload.sh"
 
 
 def _compiler_with_asan() -> str:
-  cxx = shutil.which("c++") or shutil.which("g++")
+  cxx = _toolchain.cxx()
   if cxx is None or shutil.which("bash") is None:
     pytest.skip("no C++ compiler or bash here")
-  lib = subprocess.run([cxx, "-print-file-name=libasan.so"],
-                       capture_output=True, text=True).stdout.strip()
-  if not (lib.startswith("/") and pathlib.Path(lib).exists()):
+  if _toolchain.asan_runtime(cxx) is None:
     pytest.skip(f"{cxx} has no AddressSanitizer runtime")
   return cxx
 
