@@ -617,6 +617,15 @@ def _runner(step: Step):
   return run_one
 
 
+def _rep_printer(name_a: str, name_b: str):
+  """An ``on_rep`` for :func:`benchmarks.timing.paired`: one line per rep,
+  so that a run cut short still shows what it measured."""
+  def on_rep(i: int, sec_a: float, sec_b: float, ratio: float) -> None:
+    print(f"A/B rep {i + 1}: {name_a} {sec_a * 1e3:.1f} ms, {name_b} "
+          f"{sec_b * 1e3:.1f} ms (A/B {ratio:.3f}x)", flush=True)
+  return on_rep
+
+
 def paired_ab(args, seq_len: int, cp: int) -> dict:
   """``none`` (A) against ``save_context`` (B) at ``seq_len``, timed in
   alternation (``benchmarks.timing.paired``): ratio = time(A) / time(B).
@@ -627,7 +636,8 @@ def paired_ab(args, seq_len: int, cp: int) -> dict:
   steps = [build_step(args, seq_len, cp, p) for p in ("none",
                                                        "save_context")]
   a, b = (_runner(s) for s in steps)
-  r = timing.paired(a, [()], b, [()], reps=args.ab_reps, warmup=1)
+  r = timing.paired(a, [()], b, [()], reps=args.ab_reps, warmup=1,
+                    on_rep=_rep_printer("none", "save_context"))
   del steps, a, b
   gc.collect()
   return dict(kind="ab", model=model_name(args), seq_len=seq_len, cp=cp,
@@ -650,7 +660,9 @@ def paired_ab_mlp_chunk(args, seq_len: int, cp: int) -> dict:
                                             "mlp_chunk_size": c}),
                       seq_len, cp, remat) for c in (chunk, None)]
   r = timing.paired(_runner(steps[0]), [()], _runner(steps[1]), [()],
-                    reps=args.ab_reps, warmup=1)
+                    reps=args.ab_reps, warmup=1,
+                    on_rep=_rep_printer(f"mlp_chunk_size={chunk}",
+                                        "mlp_chunk_size=None"))
   mfu_a, mfu_b = (step_mfu(args, s, ms)[1] if s.rows is not None else None
                   for s, ms in zip(steps, (r.ms_a, r.ms_b)))
   del steps

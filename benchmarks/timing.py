@@ -22,15 +22,20 @@ API:
   single calls, each waited for.
 * ``measure(fn, arg_sets, warmup, reps, pipeline_ms=40.0) -> Timings``: all
   three, ``reps`` each (what ``bench_cp`` records).
-* ``paired(fn_a, args_a, fn_b, args_b, reps, warmup=2, pipeline_ms=40.0)
-  -> PairedResult``: an A/B comparison. Clock and power drift of the GPU
-  moves separate stretches of a run by a few percent, so A and B are timed
-  in alternation, ``A B B A`` per rep (steady times), and each rep gives the
-  ratio ``time(A) / time(B)`` (the speed-up of B over A) from adjacent
-  timings: drift cancels, and the spread of the per-rep ratios says how far
-  to trust their median. ``PairedResult`` holds the per-rep times and
-  ratios with ``ms_a``, ``ms_b`` (medians), ``ratio_median``,
-  ``ratio_q1``/``ratio_q3`` (quartiles), ``ratio_min``/``ratio_max``.
+* ``paired(fn_a, args_a, fn_b, args_b, reps, warmup=2, pipeline_ms=40.0,
+  on_rep=None) -> PairedResult``: an A/B comparison. Clock and power drift
+  of the GPU moves separate stretches of a run by a few percent, so A and B
+  are timed in alternation, ``A B B A`` per rep (steady times), and each rep
+  gives the ratio ``time(A) / time(B)`` (the speed-up of B over A) from
+  adjacent timings: drift cancels, and the spread of the per-rep ratios says
+  how far to trust their median. ``PairedResult`` holds the per-rep times
+  and ratios with ``ms_a``, ``ms_b`` (medians), ``ratio_median``,
+  ``ratio_q1``/``ratio_q3`` (quartiles), ``ratio_min``/``ratio_max``. A
+  program whose synced call takes ``LONG_CALL_S`` or more (a training step
+  of a long row) is timed as the faster of two synced calls instead of a
+  steady pair of blocks: launch and wait are then under a thousandth of the
+  call, and a rep costs 8 calls instead of 24. ``on_rep`` sees each rep as
+  it ends (a run cut short still printed what it measured).
 * ``pipeline_depth(call_s, pipeline_ms)`` and ``block_seconds(fn, arg_sets,
   n)``: the building blocks.
 
@@ -85,15 +90,20 @@ def synced(fn: Callable, arg_sets: ArgSets, reps: int,
   return times
 
 
+#: Seconds per synced call from which :func:`paired` times single synced
+#: calls instead of steady blocks.
+LONG_CALL_S = 1.0
+
+
+def _synced_seconds(fn: Callable, arg_sets: ArgSets) -> float:
+  """The median of three synced calls, in seconds."""
+  return statistics.median(synced(fn, arg_sets, reps=3))
+
+
 def _synced_depth(fn: Callable, arg_sets: ArgSets,
                   pipeline_ms: float) -> int:
   """:func:`pipeline_depth` from the median of three synced calls."""
-  t = []
-  for i in range(3):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-    t.append(time.perf_counter() - t0)
-  return pipeline_depth(statistics.median(t), pipeline_ms)
+  return pipeline_depth(_synced_seconds(fn, arg_sets), pipeline_ms)
 
 
 def steady(fn: Callable, arg_sets: ArgSets, depth: int | None = None,
@@ -159,10 +169,11 @@ class PairedResult:
   """An A/B comparison from :func:`paired`.
 
   Attributes:
-    seconds_a: steady seconds per call of A, two per rep.
+    seconds_a: seconds per call of A (steady, or synced for long calls),
+      two per rep.
     seconds_b: the same for B.
     ratios: per rep, ``(a1 + a2) / (b1 + b2)``: > 1 when B is faster.
-    depth_a: calls per block of A.
+    depth_a: calls per block of A (1 for long calls).
     depth_b: calls per block of B.
   """
 
@@ -206,25 +217,43 @@ class PairedResult:
     return max(self.ratios)
 
 
+def _per_call_timer(fn: Callable, arg_sets: ArgSets, pipeline_ms: float
+                    ) -> tuple[Callable[[], float], int]:
+  """A zero-argument timer of ``fn`` in seconds per call, and its block
+  depth: :func:`steady` blocks, or the faster of two synced calls when a
+  call takes ``LONG_CALL_S`` or more (depth 1)."""
+  call_s = _synced_seconds(fn, arg_sets)
+  if call_s >= LONG_CALL_S:
+    return lambda: min(synced(fn, arg_sets, reps=2)), 1
+  depth = pipeline_depth(call_s, pipeline_ms)
+  return lambda: steady(fn, arg_sets, depth), depth
+
+
 def paired(fn_a: Callable, args_a: ArgSets, fn_b: Callable, args_b: ArgSets,
-           reps: int, warmup: int = 2, pipeline_ms: float = 40.0
+           reps: int, warmup: int = 2, pipeline_ms: float = 40.0,
+           on_rep: Callable[[int, float, float, float], None] | None = None
            ) -> PairedResult:
-  """A and B timed in alternation, ``A B B A`` steady timings per rep, after
-  ``warmup`` calls of each; per-rep ratios ``time(A) / time(B)``."""
+  """A and B timed in alternation, ``A B B A`` per rep (steady timings, or
+  synced ones for calls of ``LONG_CALL_S`` or more), after ``warmup``
+  calls of each; per-rep ratios ``time(A) / time(B)``. ``on_rep(i,
+  seconds_a, seconds_b, ratio)``, when given, is called after rep ``i``
+  with that rep's mean seconds per call of A and of B."""
   if reps < 1:
     raise ValueError(f"reps must be >= 1, got {reps}")
   for _ in range(warmup):
     jax.block_until_ready(fn_a(*args_a[0]))
     jax.block_until_ready(fn_b(*args_b[0]))
-  da = _synced_depth(fn_a, args_a, pipeline_ms)
-  db = _synced_depth(fn_b, args_b, pipeline_ms)
+  time_a, da = _per_call_timer(fn_a, args_a, pipeline_ms)
+  time_b, db = _per_call_timer(fn_b, args_b, pipeline_ms)
   ta, tb, ratios = [], [], []
-  for _ in range(reps):
-    a1 = steady(fn_a, args_a, da)
-    b1 = steady(fn_b, args_b, db)
-    b2 = steady(fn_b, args_b, db)
-    a2 = steady(fn_a, args_a, da)
+  for i in range(reps):
+    a1 = time_a()
+    b1 = time_b()
+    b2 = time_b()
+    a2 = time_a()
     ta += [a1, a2]
     tb += [b1, b2]
     ratios.append((a1 + a2) / (b1 + b2))
+    if on_rep is not None:
+      on_rep(i, (a1 + a2) / 2, (b1 + b2) / 2, ratios[-1])
   return PairedResult(ta, tb, ratios, da, db)

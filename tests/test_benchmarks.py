@@ -243,6 +243,36 @@ def test_timing_api():
     timing.paired(slow, sets, fast, sets, reps=0)
 
 
+def test_paired_times_long_calls_synced(monkeypatch):
+  """Calls of LONG_CALL_S or more are timed as single synced calls (depth
+  1, two calls per timing instead of steady blocks), and on_rep sees every
+  rep with the ratio it stores."""
+  import time
+
+  import jax.numpy as jnp
+  calls = {"a": 0, "b": 0}
+
+  def prog(name, seconds):
+    def fn(x):
+      calls[name] += 1
+      time.sleep(seconds)
+      return x + 1.0
+    return fn
+
+  monkeypatch.setattr(timing, "LONG_CALL_S", 0.01)
+  seen = []
+  sets = [(jnp.ones(4),)]
+  r = timing.paired(prog("a", 0.03), sets, prog("b", 0.015), sets, reps=2,
+                    warmup=1, on_rep=lambda *a: seen.append(a))
+  assert r.depth_a == r.depth_b == 1
+  # warmup 1 + 3 calls to choose the timer + 2 reps x 2 timings x 2 calls.
+  assert calls == {"a": 12, "b": 12}
+  assert [s[0] for s in seen] == [0, 1]
+  assert [s[3] for s in seen] == r.ratios
+  assert 1.5 < r.ratio_median < 2.5
+  assert r.ms_a == pytest.approx(30, rel=0.5)
+
+
 def test_bench_fused_main(tmp_path):
   from benchmarks import bench_fused
   recs = bench_fused.main([
