@@ -908,7 +908,11 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
     env = d["env"]
     limits = {r["bytes_limit"] for r in d["records"] if r.get("bytes_limit")}
     lines.append(
-        f"- {env.get('date')}, {env.get('device_kind')}: "
+        f"- {env.get('date')}, {env.get('device_kind')}"
+        + (f" (tree {env['git_commit'][:7]}"
+           + (", modified" if env.get("git_dirty") else "") + ")"
+           if env.get("git_commit") else "")
+        + ": "
         f"`XLA_PYTHON_CLIENT_MEM_FRACTION`="
         f"{env.get('mem_fraction') or 'unset (0.75)'}"
         + (f", `XLA_PYTHON_CLIENT_PREALLOCATE`={env['preallocate']}"

@@ -4,7 +4,8 @@ A result file is a JSON object ``{"env": {...}, "records": [...], ...}``
 named ``<prefix>_<date>_<device>[_<tag>].json``:
 
 * :func:`environment` gives the ``env`` block (its ``date`` is ISO 8601 in
-  UTC, e.g. ``2026-12-01T07:15:00+00:00``), :func:`result_path` the name
+  UTC, e.g. ``2026-12-01T07:15:00+00:00``; ``git_commit`` and ``git_dirty``
+  say which code ran, :func:`source_tree`), :func:`result_path` the name
   (the same date in ISO 8601's basic format, ``20261201T071500Z``) and
   :func:`write_result` writes it atomically, so a run cut short, or
   rewriting its file after every measurement, leaves a valid file.
@@ -100,8 +101,35 @@ def environment(**extra: Any) -> dict[str, Any]:
       env["cuda_runtime"] = int(cuda_versions.cuda_runtime_get_version())
   except Exception:  # noqa: BLE001, S110  (no CUDA in this jaxlib)
     pass
+  env.update(source_tree(os.path.dirname(os.path.dirname(
+      os.path.abspath(jax_cp.__file__)))))
   env.update(extra)
   return env
+
+
+def source_tree(folder: str) -> dict[str, Any]:
+  """``git_commit`` (the HEAD commit of the git checkout at ``folder``)
+  and ``git_dirty`` (whether tracked files differ from it): which code a
+  result was measured on. Where ``folder`` is not a checkout or git is
+  missing (a copy of the tree on another machine), the commit is
+  ``$JAX_CP_SOURCE_COMMIT`` if set, and both are otherwise None."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+
+  def git(*args: str) -> str | None:
+    try:
+      out = subprocess.run(("git", "-C", folder, *args), check=True,
+                           capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+      return None
+    return out.stdout.strip()
+
+  commit = git("rev-parse", "HEAD")
+  status = git("status", "--porcelain", "--untracked-files=no") \
+      if commit else None
+  if not commit:
+    commit = os.environ.get("JAX_CP_SOURCE_COMMIT") or None
+  return {"git_commit": commit,
+          "git_dirty": None if status is None else bool(status)}
 
 
 def result_path(out_dir: str, prefix: str, env: dict[str, Any],

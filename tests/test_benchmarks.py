@@ -375,9 +375,38 @@ def test_result_path_is_iso_dated():
       "d", "step_20261201T071503Z_NVIDIA_H200_nlb_short.json")
   env = results.environment()
   assert results.parse_date(env["date"]) is not None
+  assert set(env) >= {"git_commit", "git_dirty"}
   assert env["date"].endswith("+00:00")
   with pytest.raises(ValueError, match="date"):
     results.result_path("d", "x", {"date": "yesterday", "device_kind": "X"})
+
+
+def test_source_tree(tmp_path, monkeypatch):
+  """The commit and whether tracked files differ from it; outside a
+  checkout, $JAX_CP_SOURCE_COMMIT or None."""
+  import subprocess
+  monkeypatch.delenv("JAX_CP_SOURCE_COMMIT", raising=False)
+  assert results.source_tree(str(tmp_path)) == {"git_commit": None,
+                                                "git_dirty": None}
+  monkeypatch.setenv("JAX_CP_SOURCE_COMMIT", "abc123")
+  assert results.source_tree(str(tmp_path)) == {"git_commit": "abc123",
+                                                "git_dirty": None}
+  monkeypatch.delenv("JAX_CP_SOURCE_COMMIT")
+  repo = tmp_path / "r"
+  repo.mkdir()
+  run = lambda *a: subprocess.run(("git", "-C", str(repo), *a), check=True,
+                                  capture_output=True, text=True)
+  run("init", "-q")
+  (repo / "f").write_text("a")
+  run("add", "f")
+  run("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "m")
+  head = run("rev-parse", "HEAD").stdout.strip()
+  (repo / "untracked").write_text("x")
+  assert results.source_tree(str(repo)) == {"git_commit": head,
+                                            "git_dirty": False}
+  (repo / "f").write_text("b")
+  assert results.source_tree(str(repo)) == {"git_commit": head,
+                                            "git_dirty": True}
 
 
 def test_write_result_is_atomic(tmp_path, monkeypatch):
