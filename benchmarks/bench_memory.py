@@ -272,6 +272,20 @@ def device_memory() -> dict:
                                      "bytes_in_use") if k in stats}
 
 
+def matmul_flops(compiled) -> dict:
+  """``dot_flops``: the matmul FLOPs the compiled step runs, recompute
+  included (:mod:`benchmarks.hlo_flops`; the cuDNN attention calls count
+  nothing), with ``dot_flops_unknown_loops``; empty where the compiled
+  text cannot be read."""
+  from benchmarks import hlo_flops  # pylint: disable=import-outside-toplevel
+  try:
+    count = hlo_flops.dot_flops(compiled.as_text())
+  except Exception:  # pylint: disable=broad-except
+    return {}
+  return {"dot_flops": count.flops,
+          "dot_flops_unknown_loops": count.loops_without_trip_count}
+
+
 def is_out_of_memory(err: BaseException) -> bool:
   """An allocation failure (XLA's, or the cuDNN workspace's)."""
   text = f"{type(err).__name__}: {err}"
@@ -345,7 +359,8 @@ def measure(args, seq_len: int, cp: int, remat: str, *, timed: bool = True
                attention_scratch_bytes=scratch,
                attention_scratch_groups=groups,
                compile_s=step.compile_s,
-               **memory_analysis(step.compiled))
+               **memory_analysis(step.compiled),
+               **matmul_flops(step.compiled))
     if step.breakdown is not None:
       rec["breakdown"] = step.breakdown
     planned = planned_bytes(rec) or 0
@@ -451,6 +466,8 @@ def _print(rec: dict) -> None:
           f"temp {gb('temp_bytes')} GB args {gb('argument_bytes')} GB "
           f"peak {gb('peak_bytes_in_use')} GB scratch "
           f"{gb('attention_scratch_bytes')} GB")
+  if rec.get("dot_flops") is not None:
+    line += f" matmul {rec['dot_flops'] / 1e12:.1f} TFLOP"
   if rec.get("ms_per_step") is not None:
     mfu = rec.get("mfu")
     line += (f"  {rec['ms_per_step']:9.1f} ms {rec['tok_per_s']:10.0f} tok/s"

@@ -207,7 +207,8 @@ def test_layer_growth_table_is_the_slope_over_layers():
 
 def test_compile_only_per_layer_slope_drops_with_save_context(tmp_path):
   """--compile-only at two layer counts (CPU, xla backend): no step runs,
-  and the per-layer slope under save_context is below none's."""
+  the per-layer slope under save_context is below none's, and its
+  compiled matmul FLOPs (the recompute) above none's."""
   md = tmp_path / "MEMORY.md"
   for layers in ("1", "3"):
     path = bench_memory.main([
@@ -220,6 +221,10 @@ def test_compile_only_per_layer_slope_drops_with_save_context(tmp_path):
     runs = json.load(f)["records"]
   assert [r["status"] for r in runs] == ["compiled", "compiled"]
   assert all("ms_per_step" not in r and r["temp_bytes"] > 0 for r in runs)
+  # The recompute shows in the compiled matmul FLOPs.
+  flops = {r["remat"]: r["dot_flops"] for r in runs}
+  assert 0 < flops["none"] < flops["save_context"], flops
+  assert all(r["dot_flops_unknown_loops"] == 0 for r in runs)
   text = md.read_text()
   assert "## Growth per layer" in text
   slope = {}

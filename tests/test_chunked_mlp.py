@@ -214,6 +214,36 @@ def test_chunks_shrink_the_backward_working_set():
   assert temp[512] < temp[None] / 4, temp
 
 
+@pytest.mark.parametrize("remat, extra_dots", [
+    ("full", 0), ("save_context", 0), ("none", 1)])
+def test_chunks_add_no_matmul_under_remat(remat, extra_dots):
+  """Compiled matmul FLOPs of two stacked layers' loss and gradient
+  (benchmarks.hlo_flops): under "full" and "save_context" the chunked
+  step runs exactly the whole row's (the chunk loop's backward re-runs a
+  chunk's forward where the layer's recompute would have run it, and XLA
+  drops that recompute); under "none" it adds the forward of the MLP's
+  input projection per layer (why "auto" keeps whole rows there)."""
+  from benchmarks import hlo_flops
+  t, e, mlp = 1024, 32, 256
+  cu = np.array([[0, 500, t]], np.int32)
+  x = _x(0, t=t, e=e)
+  flops = {}
+  for c in (None, 128):
+    m = cp_linen.TransformerLayer(
+        num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=mlp,
+        mlp_activation="gelu", layout=NO_CP, remat=remat, mlp_chunk_size=c)
+    params = m.init(jax.random.key(0), x, cu, cu)
+
+    def loss(p, x, m=m):
+      return jnp.sum(jnp.tanh(m.apply(p, m.apply(p, x, cu, cu), cu, cu)))
+    count = hlo_flops.dot_flops(jax.jit(jax.value_and_grad(
+        loss, argnums=(0, 1))).lower(params, x).compile().as_text())
+    assert count.loops_without_trip_count == 0
+    flops[c] = count.flops
+  assert flops[128] - flops[None] == extra_dots * 2 * (2 * t * e * mlp), \
+      flops
+
+
 # ------------------------------------------------------------ the fields
 
 

@@ -1,0 +1,123 @@
+"""Matmul FLOPs of a compiled XLA program, read from its optimized HLO text.
+
+XLA's own ``cost_analysis()`` counts a while loop's body once, whatever its
+trip count, and has no answer for a program compiled for a GPU that is not
+here; a step whose layers, MLP chunks or loss chunks run in loops is
+therefore counted here instead: every ``dot`` (2 × output elements × the
+contracted size), in every computation the entry reaches, times the number
+of times it runs (a while body ``known_trip_count`` times, a fusion or call
+once per call site, the larger branch of a conditional). Custom calls (the
+cuDNN attention) are not matmuls of XLA's and count nothing.
+
+The count says what a program recomputes: the same model run with
+``remat="full"`` counts its forward matmuls twice, and a chunked MLP whose
+loop re-runs a chunk's forward in the backward counts what that adds.
+
+API: ``dot_flops(hlo_text) -> DotFlops(flops, loops_without_trip_count)``;
+a loop whose trip count XLA did not record is counted once and reported.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import NamedTuple
+
+_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \((.*)\) -> .*\{\s*$")
+_PARAM = re.compile(r"([\w.\-]+): \w+\[([\d,]*)\]")
+_DEF = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = \w+\[([\d,]*)\]")
+_DOT = re.compile(r"= \w+\[([\d,]*)\]\S* dot\((?:\w+\[([\d,]*)\]\S* )?"
+                  r"%([\w.\-]+)")
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_BODY = re.compile(r"body=%?([\w.\-]+)")
+_CALLS = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
+_BRANCHES = re.compile(
+    r"(?:branch_computations=\{([^}]*)\}|true_computation=%?([\w.\-]+), "
+    r"false_computation=%?([\w.\-]+))")
+
+
+class DotFlops(NamedTuple):
+  """``flops``: matmul FLOPs of one run of the program;
+  ``loops_without_trip_count``: while loops with matmuls counted once for
+  want of a known trip count (0 when ``flops`` is exact)."""
+
+  flops: int
+  loops_without_trip_count: int
+
+
+def _dims(text: str) -> list[int]:
+  return [int(x) for x in text.split(",") if x]
+
+
+def _product(dims: list[int]) -> int:
+  out = 1
+  for d in dims:
+    out *= d
+  return out
+
+
+def dot_flops(hlo_text: str) -> DotFlops:
+  """Matmul FLOPs of the optimized HLO module ``hlo_text``
+  (``compiled.as_text()``); see the module docstring."""
+  comps: dict[str, list[str]] = {}
+  shapes: dict[str, dict[str, str]] = {}
+  entry = cur = None
+  for line in hlo_text.splitlines():
+    m = _HEADER.match(line)
+    if m:
+      cur = m.group(2)
+      comps[cur], shapes[cur] = [], dict(_PARAM.findall(m.group(3)))
+      entry = cur if m.group(1) else entry
+      continue
+    if cur is None:
+      continue
+    comps[cur].append(line)
+    d = _DEF.match(line)
+    if d:
+      shapes[cur][d.group(1)] = d.group(2)
+  if entry is None:
+    raise ValueError("hlo_text has no ENTRY computation")
+
+  own: dict[str, int] = {}
+  # Per computation: (callee, times) and groups of branches (the larger).
+  calls: dict[str, list[tuple[str, int | None]]] = {}
+  branches: dict[str, list[list[str]]] = {}
+  for name, lines in comps.items():
+    flops, out_calls, out_branches = 0, [], []
+    for line in lines:
+      m = _DOT.search(line)
+      if m:
+        lhs = m.group(2) if m.group(2) is not None else \
+            shapes[name][m.group(3)]
+        lhs_dims = _dims(lhs)
+        k = _product([lhs_dims[i] for i in
+                      _dims(_CONTRACTING.search(line).group(1))])
+        flops += 2 * _product(_dims(m.group(1))) * k
+      if " while(" in line:
+        trip = _TRIP.search(line)
+        out_calls.append((_BODY.search(line).group(1),
+                          int(trip.group(1)) if trip else None))
+        continue
+      out_calls += [(c, 1) for c in _CALLS.findall(line)]
+      for b in _BRANCHES.finditer(line):
+        group = (b.group(1).split(",") if b.group(1) is not None
+                 else [b.group(2), b.group(3)])
+        out_branches.append([g.strip().lstrip("%") for g in group])
+    own[name], calls[name], branches[name] = flops, out_calls, out_branches
+
+  @functools.cache
+  def total(name: str) -> tuple[int, int]:
+    flops, unknown = own.get(name, 0), 0
+    for callee, times in calls.get(name, []):
+      f, u = total(callee)
+      if times is None and f:
+        unknown += 1
+      flops += f * (1 if times is None else times)
+      unknown += u
+    for group in branches.get(name, []):
+      f, u = max(total(b) for b in group)
+      flops, unknown = flops + f, unknown + u
+    return flops, unknown
+
+  return DotFlops(*total(entry))
