@@ -6,8 +6,10 @@ here; a step whose layers, MLP chunks or loss chunks run in loops is
 therefore counted here instead: every ``dot`` (2 × output elements × the
 contracted size), in every computation the entry reaches, times the number
 of times it runs (a while body ``known_trip_count`` times, a fusion or call
-once per call site, the larger branch of a conditional). Custom calls (the
-cuDNN attention) are not matmuls of XLA's and count nothing.
+once per call site, the larger branch of a conditional). Only ``dot``
+instructions count: custom calls (the cuDNN attention, or a GEMM that a
+backend emitted as a library call instead of a fused ``dot``; the H200
+plans of the example's steps have none of the latter) count nothing.
 
 The count says what a program recomputes: the same model run with
 ``remat="full"`` counts its forward matmuls twice, and a chunked MLP whose
