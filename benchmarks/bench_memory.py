@@ -219,7 +219,6 @@ def build_step(args, seq_len: int, cp: int, remat: str) -> Step:
     # The same step for a GPU that is not here: the batch, built on the
     # host's mesh, and the state as abstract values on compile-only
     # devices of the target.
-    from benchmarks import deviceless  # pylint: disable=import-outside-toplevel
     devices = deviceless.compile_only_devices(target, cp)
     mesh = jax.sharding.Mesh(
         np.array(devices).reshape(1, cp), (lm.DATA, lm.CP),
@@ -275,13 +274,14 @@ def device_memory() -> dict:
 def matmul_flops(compiled) -> dict:
   """``dot_flops``: the matmul FLOPs the compiled step runs, recompute
   included (:mod:`benchmarks.hlo_flops`; the cuDNN attention calls count
-  nothing), with ``dot_flops_unknown_loops``; empty where the compiled
-  text cannot be read."""
+  nothing), with ``dot_flops_unknown_loops``; ``dot_flops_error`` instead
+  where the compiled text cannot be read or counted (a measurement on the
+  device goes on without the count)."""
   from benchmarks import hlo_flops  # pylint: disable=import-outside-toplevel
   try:
     count = hlo_flops.dot_flops(compiled.as_text())
-  except Exception:  # pylint: disable=broad-except
-    return {}
+  except Exception as err:  # pylint: disable=broad-except
+    return {"dot_flops_error": f"{type(err).__name__}: {err}"[:300]}
   return {"dot_flops": count.flops,
           "dot_flops_unknown_loops": count.loops_without_trip_count}
 

@@ -27,6 +27,7 @@ import glob
 import json
 import os
 import re
+import subprocess
 import sys
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -113,8 +114,6 @@ def source_tree(folder: str) -> dict[str, Any]:
   result was measured on. Where ``folder`` is not a checkout or git is
   missing (a copy of the tree on another machine), the commit is
   ``$JAX_CP_SOURCE_COMMIT`` if set, and both are otherwise None."""
-  import subprocess  # pylint: disable=import-outside-toplevel
-
   def git(*args: str) -> str | None:
     try:
       out = subprocess.run(("git", "-C", folder, *args), check=True,

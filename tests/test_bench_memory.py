@@ -410,3 +410,23 @@ def test_head_group_split_plans_no_gradient_buffers_per_layer(
   head_dim = d_model // heads
   layer_qkv = t * (heads + 2 * kv_heads) * head_dim * 4       # float32
   assert temps["split"] - temps["one"] < layer_qkv, (temps, layer_qkv)
+
+
+def test_matmul_flops_records_why_it_has_no_count():
+  """A compiled text the counter cannot read leaves the reason in the
+  record instead of a count (the measurement goes on)."""
+  class Text:
+    def __init__(self, text):
+      self.text = text
+
+    def as_text(self):
+      return self.text
+
+  got = bench_memory.matmul_flops(Text("HloModule m\n"))
+  assert set(got) == {"dot_flops_error"} and "ENTRY" in got[
+      "dot_flops_error"]
+  entry = ("ENTRY %main (a: f32[2,3], b: f32[3,5]) -> f32[2,5] {\n"
+           "  ROOT %d = f32[2,5]{1,0} dot(%a, %b), lhs_contracting_dims={1}, "
+           "rhs_contracting_dims={0}\n}\n")
+  assert bench_memory.matmul_flops(Text(entry)) == {
+      "dot_flops": 2 * 2 * 5 * 3, "dot_flops_unknown_loops": 0}
