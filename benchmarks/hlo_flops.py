@@ -6,10 +6,13 @@ here; a step whose layers, MLP chunks or loss chunks run in loops is
 therefore counted here instead: every ``dot`` (2 × output elements × the
 contracted size), in every computation the entry reaches, times the number
 of times it runs (a while body ``known_trip_count`` times, a fusion or call
-once per call site, the larger branch of a conditional). Only ``dot``
-instructions count: custom calls (the cuDNN attention, or a GEMM that a
-backend emitted as a library call instead of a fused ``dot``; the H200
-plans of the example's steps have none of the latter) count nothing.
+once per call site, the larger branch of a conditional). A GEMM that the
+GPU backend handed to cuBLAS (a ``__cublas$gemm`` or ``__cublas$lt$matmul``
+custom call, which is what the autotuner picks for many large matmuls on a
+real GPU, while a deviceless compile keeps them as Triton fusions of
+``dot``) counts the same as the ``dot`` it replaced, from its output shape,
+its first operand and the contracting dimensions in its backend config.
+Other custom calls (the cuDNN attention) count nothing.
 
 The count says what a program recomputes: the same model run with
 ``remat="full"`` counts its forward matmuls twice, and a chunked MLP whose
@@ -31,6 +34,13 @@ _DEF = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = \w+\[([\d,]*)\]")
 _DOT = re.compile(r"= \w+\[([\d,]*)\]\S* dot\((?:\w+\[([\d,]*)\]\S* )?"
                   r"%([\w.\-]+)")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+# A cuBLAS GEMM: its (first) output shape, its lhs operand (shape printed
+# inline or looked up by name) and the lhs contracting dimensions of its
+# gemm_backend_config (numbers, quoted or not).
+_GEMM = re.compile(r"= \(?\w+\[([\d,]*)\][^%]*? custom-call\("
+                   r"(?:\w+\[([\d,]*)\]\S* )?%([\w.\-]+)")
+_GEMM_TARGET = 'custom_call_target="__cublas$'
+_GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BODY = re.compile(r"body=%?([\w.\-]+)")
 _CALLS = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
@@ -49,7 +59,7 @@ class DotFlops(NamedTuple):
 
 
 def _dims(text: str) -> list[int]:
-  return [int(x) for x in text.split(",") if x]
+  return [int(x.strip().strip('"')) for x in text.split(",") if x.strip()]
 
 
 def _product(dims: list[int]) -> int:
@@ -88,13 +98,15 @@ def dot_flops(hlo_text: str) -> DotFlops:
   for name, lines in comps.items():
     flops, out_calls, out_branches = 0, [], []
     for line in lines:
-      m = _DOT.search(line)
+      m, contracting = _DOT.search(line), _CONTRACTING
+      if m is None and _GEMM_TARGET in line:
+        m, contracting = _GEMM.search(line), _GEMM_CONTRACTING
       if m:
         lhs = m.group(2) if m.group(2) is not None else \
             shapes[name][m.group(3)]
         lhs_dims = _dims(lhs)
         k = _product([lhs_dims[i] for i in
-                      _dims(_CONTRACTING.search(line).group(1))])
+                      _dims(contracting.search(line).group(1))])
         flops += 2 * _product(_dims(m.group(1))) * k
       if " while(" in line:
         trip = _TRIP.search(line)

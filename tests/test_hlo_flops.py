@@ -59,3 +59,61 @@ def test_conditional_counts_the_larger_branch():
 def test_rejects_text_without_an_entry():
   with pytest.raises(ValueError, match="ENTRY"):
     hlo_flops.dot_flops("HloModule m\n")
+
+
+# A GPU program as XLA prints it after the autotuner handed matmuls to
+# cuBLAS: a tuple-shaped __cublas$gemm in a loop of 5 trips (operand shapes
+# printed inline), a __cublas$lt$matmul with a batch dimension whose lhs
+# shape is looked up by name, and the cuDNN attention, which counts nothing.
+_GEMM_CONFIG = (
+    '"gemm_backend_config":{"alpha_real":1,"beta":0,'
+    '"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],'
+    '"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],'
+    '"rhs_batch_dimensions":[]},"epilogue":"DEFAULT"}')
+_BATCHED_CONFIG = (
+    '"gemm_backend_config":{"dot_dimension_numbers":{'
+    '"lhs_contracting_dimensions":[2],"rhs_contracting_dimensions":[1],'
+    '"lhs_batch_dimensions":[0],"rhs_batch_dimensions":[0]}}')
+_STATE = "(s32[], bf16[64,128]{1,0})"
+_CUBLAS_PROGRAM = "\n".join([
+    "HloModule jit_step",
+    "",
+    f"%body (p: {_STATE}) -> {_STATE} {{",
+    f"  %p = {_STATE} parameter(0)",
+    f"  %x = bf16[64,128]{{1,0}} get-tuple-element({_STATE} %p), index=1",
+    "  %w = bf16[128,128]{1,0} constant({...})",
+    "  %g = (bf16[64,128]{1,0}, s8[4194304]{0}) custom-call("
+    "bf16[64,128]{1,0} %x, bf16[128,128]{1,0} %w), "
+    'custom_call_target="__cublas$gemm", '
+    f'backend_config={{"operation_queue_id":"0",{_GEMM_CONFIG}}}',
+    f"  %i = s32[] get-tuple-element({_STATE} %p), index=0",
+    f"  ROOT %t = {_STATE} tuple(s32[] %i, bf16[64,128]{{1,0}} %x)",
+    "}",
+    "",
+    f"%cond (p: {_STATE}) -> pred[] {{",
+    f"  %p = {_STATE} parameter(0)",
+    "  ROOT %c = pred[] constant(true)",
+    "}",
+    "",
+    "ENTRY %main (a: bf16[64,128], b: bf16[3,64,32], c: bf16[3,32,16]) "
+    "-> bf16[3,64,16] {",
+    "  %a = bf16[64,128]{1,0} parameter(0)",
+    "  %b = bf16[3,64,32]{2,1,0} parameter(1)",
+    "  %c = bf16[3,32,16]{2,1,0} parameter(2)",
+    "  %z = s32[] constant(0)",
+    f"  %init = {_STATE} tuple(s32[] %z, bf16[64,128]{{1,0}} %a)",
+    f"  %loop = {_STATE} while({_STATE} %init), condition=%cond, "
+    'body=%body, backend_config={"known_trip_count":{"n":"5"}}',
+    "  %att = (bf16[64,128]{1,0}, u8[0]{0}) custom-call("
+    'bf16[64,128]{1,0} %a), custom_call_target="jax_cp_cudnn_sdpa_fwd"',
+    "  ROOT %m = bf16[3,64,16]{2,1,0} custom-call(%b, %c), "
+    'custom_call_target="__cublas$lt$matmul", '
+    f"backend_config={{{_BATCHED_CONFIG}}}",
+    "}",
+    ""])
+
+
+def test_cublas_gemm_custom_calls_count_like_the_dots_they_replace():
+  loop = 5 * 2 * 64 * 128 * 128
+  batched = 2 * 3 * 64 * 16 * 32
+  assert hlo_flops.dot_flops(_CUBLAS_PROGRAM) == (loop + batched, 0)
