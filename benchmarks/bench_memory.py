@@ -150,9 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "a machine that does not run out)")
   p.add_argument("--peak-tflops", type=float, default=None,
                  help="per device, for the MFU (default: 989 on GPU)")
-  p.add_argument("--mlp-chunk-size", default="none",
-                 help="TransformerLayer.mlp_chunk_size: auto, none or an "
-                      "int (tokens per MLP chunk of a rank)")
+  p.add_argument("--mlp-chunk-size", default="auto",
+                 help="TransformerLayer.mlp_chunk_size: auto (default, as "
+                      "the layer's), none or an int (tokens per MLP chunk "
+                      "of a rank)")
   p.add_argument("--no-check-exact", dest="check_exact",
                  action="store_false",
                  help="skip the exactness check of the step's attention "

@@ -327,3 +327,37 @@ def test_map_token_chunks_with_aux_and_a_new_feature_size():
     _close(run(chunk), whole)
   with pytest.raises(ValueError, match="aux must have the shape of x"):
     common.map_token_chunks(fn, _x(), 5, NO_CP, 1, aux=aux[:, 1:])
+
+
+@pytest.mark.parametrize("build", ["linen", "nnx"])
+def test_default_is_auto_and_chunks_long_rows_only_under_remat(build):
+  """``mlp_chunk_size`` defaults to ``"auto"``: a row longer than
+  ``AUTO_MIN_CHUNK`` tokens under ``remat="full"`` lowers the chunk loop
+  (one ``while`` more than the whole-row layer's gradient), a short row or
+  ``remat="none"`` lowers exactly the whole-row program."""
+  t = 2 * common.AUTO_MIN_CHUNK + 40
+
+  def lowered(remat, tokens, **chunk):
+    xs = jax.ShapeDtypeStruct((1, tokens, E), jnp.float32)
+    c = np.array([[0, tokens // 2, tokens]], np.int32)
+    if build == "linen":
+      m = cp_linen.TransformerLayer(**LAYER, layout=NO_CP, remat=remat,
+                                    **chunk)
+      params = jax.eval_shape(m.init, jax.random.key(0), xs, c, c)
+      f = lambda p, x: jnp.sum(m.apply(p, x, c, c))
+    else:
+      m = nnx.eval_shape(lambda: cp_nnx.TransformerLayer(
+          **LAYER, in_features=E, layout=NO_CP, remat=remat,
+          rngs=nnx.Rngs(0), **chunk))
+      graphdef, params = nnx.split(m)
+      f = lambda s, x: jnp.sum(nnx.merge(graphdef, s)(x, c, c))
+    return jax.jit(jax.grad(f, argnums=(0, 1))).lower(params, xs).as_text()
+
+  default = cp_linen.TransformerLayer(**LAYER).mlp_chunk_size
+  assert default == "auto"
+  loops = lambda text: text.count("stablehlo.while")
+  assert loops(lowered("full", t)) == loops(
+      lowered("full", t, mlp_chunk_size=None)) + 1
+  for remat, tokens in (("none", t), ("full", common.AUTO_MIN_CHUNK)):
+    assert lowered(remat, tokens) == lowered(remat, tokens,
+                                             mlp_chunk_size=None)

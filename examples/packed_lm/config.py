@@ -45,7 +45,7 @@ class Config:
   param_sharding: str = _flag("fsdp", "parameters and optimizer state",
                               ("fsdp", "replicated"))
   remat: str = _flag("none", "rematerialisation of the layers", REMAT)
-  mlp_chunk_size: str = _flag("none", "tokens per MLP chunk of each rank "
+  mlp_chunk_size: str = _flag("auto", "tokens per MLP chunk of each rank "
                               "(TransformerLayer.mlp_chunk_size): auto, "
                               "none (whole rows) or a positive int")
   prefetch: int = _flag(2, "batches built ahead (grain's thread "

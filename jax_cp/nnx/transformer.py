@@ -125,11 +125,11 @@ class TransformerLayer(nnx.Module):
     remat: ``"none"`` (default), a preset name or a ``jax.checkpoint``
       policy, as in :class:`jax_cp.flax.TransformerLayer`; the layer runs
       under ``nnx.remat`` with that policy otherwise.
-    mlp_chunk_size: None (default: whole rows), ``"auto"`` or a positive
+    mlp_chunk_size: ``"auto"`` (default), None (whole rows) or a positive
       int: tokens per chunk (of each rank's) of the position-wise part,
       the pre-MLP norm, the MLP and its residual add, as in
-      :class:`jax_cp.flax.TransformerLayer` (which says when chunking
-      pays).
+      :class:`jax_cp.flax.TransformerLayer` (which says what ``"auto"``
+      picks and what it costs).
     rngs: the random streams of the initializers.
   """
 
@@ -149,7 +149,7 @@ class TransformerLayer(nnx.Module):
                kernel_init: Initializer = default_kernel_init,
                layout: CPLayout | None = None,
                remat: str | Callable = "none",
-               mlp_chunk_size: int | str | None = None,
+               mlp_chunk_size: int | str | None = "auto",
                rngs: nnx.Rngs):
     common.check_layout(layout)
     common.check_norm_type(norm_type)
