@@ -70,7 +70,7 @@ import os
 import time
 from collections.abc import Sequence
 
-from benchmarks import deviceless  # no jax import
+from benchmarks import deviceless, hlo_flops  # no jax import
 from benchmarks.names import MODELS, fmt_tokens, parse_tokens
 from examples.packed_lm.config import REMAT as PRESETS  # no jax import
 
@@ -278,7 +278,6 @@ def matmul_flops(compiled) -> dict:
   nothing), with ``dot_flops_unknown_loops``; ``dot_flops_error`` instead
   where the compiled text cannot be read or counted (a measurement on the
   device goes on without the count)."""
-  from benchmarks import hlo_flops  # pylint: disable=import-outside-toplevel
   try:
     count = hlo_flops.dot_flops(compiled.as_text())
   except Exception as err:  # pylint: disable=broad-except

@@ -6,6 +6,7 @@ remat presets, without CP, at cp=4 in the global view and in a shard_map);
 a chunked gradient runs no collective the whole-row one does not, and none
 per chunk; its compiled temp memory is the smaller one; bad sizes raise."""
 
+import inspect
 import re
 
 import jax
@@ -353,7 +354,10 @@ def test_default_is_auto_and_chunks_long_rows_only_under_remat(build):
       f = lambda s, x: jnp.sum(nnx.merge(graphdef, s)(x, c, c))
     return jax.jit(jax.grad(f, argnums=(0, 1))).lower(params, xs).as_text()
 
-  default = cp_linen.TransformerLayer(**LAYER).mlp_chunk_size
+  default = (cp_linen.TransformerLayer(**LAYER).mlp_chunk_size
+             if build == "linen" else inspect.signature(
+                 cp_nnx.TransformerLayer.__init__).parameters[
+                     "mlp_chunk_size"].default)
   assert default == "auto"
   loops = lambda text: text.count("stablehlo.while")
   assert loops(lowered("full", t)) == loops(
