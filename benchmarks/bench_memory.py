@@ -133,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
                       "mlp_chunk_size=--mlp-chunk-size (chunked) against "
                       "mlp_chunk_size=None (unchunked) instead of none "
                       "against save_context")
+  p.add_argument("--ab-layer-chunk", action="store_true",
+                 help="make --ab compare the first --remat preset with "
+                      "layer_chunk_size=--layer-chunk-size (A) against "
+                      "layer_chunk_size=None (B; the layer with "
+                      "--mlp-chunk-size) instead of none against "
+                      "save_context")
   p.add_argument("--breakdown", action="store_true",
                  help="record, per run, where XLA's planned bytes go: the "
                       "compiled buffer assignment's allocations, the "
@@ -154,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
                  help="TransformerLayer.mlp_chunk_size: auto (default, as "
                       "the layer's), none or an int (tokens per MLP chunk "
                       "of a rank)")
+  p.add_argument("--layer-chunk-size", default="none",
+                 help="TransformerLayer.layer_chunk_size: none (default, as "
+                      "the layer's) or an int (tokens per chunk of the "
+                      "whole layer; cp 1 only)")
   p.add_argument("--no-check-exact", dest="check_exact",
                  action="store_false",
                  help="skip the exactness check of the step's attention "
@@ -178,7 +188,9 @@ def _model_config(args, seq_len: int, cp: int, remat: str):
                 batch=1, dp=1, cp=cp, remat=remat, strategy=args.strategy,
                 backend=args.backend, max_doc_len=args.max_doc_len,
                 doc_order="packed", seed=args.seed,
-                mlp_chunk_size=args.mlp_chunk_size, **sizes)
+                mlp_chunk_size=args.mlp_chunk_size,
+                layer_chunk_size=getattr(args, "layer_chunk_size", None),
+                **sizes)
 
 
 @dataclasses.dataclass
@@ -294,14 +306,35 @@ def is_out_of_memory(err: BaseException) -> bool:
                                  "allocation", "Resource exhausted"))
 
 
-def attention_scratch(cfg, cp: int) -> tuple[int, int]:
-  """The cuDNN backward workspace of the main call (local tokens T/cp) at
-  a time, and the sub-calls over head groups it runs as
+def layer_chunks(cfg, max_seqlen: int):
+  """The :class:`jax_cp.modules.row_chunks.Plan` of the model's layers
+  (``cfg.layer_chunk_size``; None: whole rows)."""
+  from jax_cp import CPLayout  # pylint: disable=import-outside-toplevel
+  from jax_cp.modules import row_chunks  # pylint: disable=import-outside-toplevel
+  return row_chunks.plan(cfg.layer_chunk_size,
+                         CPLayout(cp_axis=None, max_seqlen=max_seqlen),
+                         cfg.seq_len, -1)
+
+
+def attention_calls(cfg, cp: int, max_seqlen: int) -> tuple[int, int]:
+  """The (query, key) tokens of the step's main attention call: a rank's
+  tokens, or with layer chunks a full chunk's and its window's."""
+  chunks = layer_chunks(cfg, max_seqlen)
+  if chunks is None:
+    return cfg.seq_len // cp, cfg.seq_len // cp
+  full = chunks.chunk
+  return full, full + chunks.halo
+
+
+def attention_scratch(cfg, cp: int, max_seqlen: int) -> tuple[int, int]:
+  """The cuDNN backward workspace of the main call (:func:`attention_calls`)
+  at a time, and the sub-calls over head groups it runs as
   (:func:`jax_cp.attention.cudnn_workspace.backward_head_groups`)."""
   from jax_cp.attention import cudnn_workspace as ws  # pylint: disable=import-outside-toplevel
-  tl, hd = cfg.seq_len // cp, cfg.d_model // cfg.heads
-  groups = ws.backward_head_groups(tl, tl, cfg.heads, cfg.kv_heads, hd)
-  return ws.backward_workspace_bytes(tl, tl, cfg.heads // groups,
+  tq, tkv = attention_calls(cfg, cp, max_seqlen)
+  hd = cfg.d_model // cfg.heads
+  groups = ws.backward_head_groups(tq, tkv, cfg.heads, cfg.kv_heads, hd)
+  return ws.backward_workspace_bytes(tq, tkv, cfg.heads // groups,
                                      cfg.kv_heads // groups, hd), groups
 
 
@@ -352,7 +385,7 @@ def measure(args, seq_len: int, cp: int, remat: str, *, timed: bool = True
   try:
     step = build_step(args, seq_len, cp, remat)
     cfg, rows = step.cfg, step.rows
-    scratch, groups = attention_scratch(cfg, cp)
+    scratch, groups = attention_scratch(cfg, cp, int(rows.max_seqlen))
     rec.update(layers=cfg.layers, d_model=cfg.d_model, heads=cfg.heads,
                kv_heads=cfg.kv_heads, dtype=cfg.dtype,
                max_seqlen=int(step.rows.max_seqlen),
@@ -420,7 +453,11 @@ def check_exact(rec: dict, rows, cfg, cp: int) -> None:
   Records ``exact`` (the errors) and turns a failing check into status
   ``"inexact"``: a T trains only with exact gradients. At cp > 1 the
   check runs the cp=1 call of the whole row, whose K/V are a rank's too
-  (every rank's call is smaller in Q)."""
+  (every rank's call is smaller in Q). With layer chunks
+  (``--layer-chunk-size``) it runs the last full chunk's call, bottom-right
+  causal from its queries to its window's keys, the row's documents cut
+  as the layer cuts them (:func:`jax_cp.modules.row_chunks.
+  chunk_segments`)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
@@ -435,17 +472,33 @@ def check_exact(rec: dict, rows, cfg, cp: int) -> None:
   t, d = int(cuP[-1]), cfg.d_model // cfg.heads
   dtype = jnp.dtype(cfg.dtype)
   backend = resolve_backend(rec["backend"], dtype=dtype)
-  keep = lens > 0
-  seg = Segments(jnp.asarray(lens[keep]), jnp.asarray(lens[keep]),
-                 jnp.asarray(cuP[:-1][keep]), jnp.asarray(cuP[:-1][keep]),
-                 int(lens.max()), int(lens.max()), rows_see_keys=True)
+  chunks = layer_chunks(cfg, int(rows.max_seqlen))
+  if chunks is None:
+    keep = lens > 0
+    seg = Segments(jnp.asarray(lens[keep]), jnp.asarray(lens[keep]),
+                   jnp.asarray(cuP[:-1][keep]), jnp.asarray(cuP[:-1][keep]),
+                   int(lens.max()), int(lens.max()), rows_see_keys=True)
+    tq = tkv = t
+    mask = "causal_top_left"
+  else:
+    from jax_cp.modules import row_chunks  # pylint: disable=import-outside-toplevel
+    n = t // chunks.chunk
+    q_start = (n - 1) * chunks.chunk
+    w_start = max(q_start - chunks.halo, 0)
+    tq, tkv = chunks.chunk, chunks.chunk + q_start - w_start
+    parts = [np.asarray(a) for a in row_chunks.chunk_segments(
+        cu, cuP, q_start, w_start, tq)]
+    keep = parts[0] > 0
+    bound = int(rows.max_seqlen)
+    seg = Segments(*(jnp.asarray(a[keep]) for a in parts),
+                   min(bound, tq), min(bound, tkv), rows_see_keys=True)
+    mask = "causal_bottom_right"
   keys = jax.random.split(jax.random.PRNGKey(0), 3)
-  q = jax.random.normal(keys[0], (t, cfg.heads, d), dtype)
-  k = jax.random.normal(keys[1], (t, cfg.kv_heads, d), dtype)
-  v = jax.random.normal(keys[2], (t, cfg.kv_heads, d), dtype)
+  q = jax.random.normal(keys[0], (tq, cfg.heads, d), dtype)
+  k = jax.random.normal(keys[1], (tkv, cfg.kv_heads, d), dtype)
+  v = jax.random.normal(keys[2], (tkv, cfg.kv_heads, d), dtype)
   try:
-    errs = exactness.check_call(backend, q, k, v, seg,
-                                mask="causal_top_left", rows=128)
+    errs = exactness.check_call(backend, q, k, v, seg, mask=mask, rows=128)
   except Exception as err:  # pylint: disable=broad-except
     rec.update(status="inexact", exact=None,
                exact_error=f"{type(err).__name__}: {err}"[:600])
@@ -646,9 +699,11 @@ def _rep_printer(name_a: str, name_b: str):
 def paired_ab(args, seq_len: int, cp: int) -> dict:
   """``none`` (A) against ``save_context`` (B) at ``seq_len``, timed in
   alternation (``benchmarks.timing.paired``): ratio = time(A) / time(B).
-  With ``--ab-mlp-chunk``: :func:`paired_ab_mlp_chunk`."""
+  With ``--ab-mlp-chunk`` or ``--ab-layer-chunk``: :func:`paired_ab_chunks`."""
   if getattr(args, "ab_mlp_chunk", False):
-    return paired_ab_mlp_chunk(args, seq_len, cp)
+    return paired_ab_chunks(args, seq_len, cp, "mlp_chunk_size")
+  if getattr(args, "ab_layer_chunk", False):
+    return paired_ab_chunks(args, seq_len, cp, "layer_chunk_size")
   from benchmarks import timing  # pylint: disable=import-outside-toplevel
   steps = [build_step(args, seq_len, cp, p) for p in ("none",
                                                        "save_context")]
@@ -663,32 +718,31 @@ def paired_ab(args, seq_len: int, cp: int) -> dict:
               ratio_q1=1.0 / r.ratio_q3, ratio_q3=1.0 / r.ratio_q1)
 
 
-def paired_ab_mlp_chunk(args, seq_len: int, cp: int) -> dict:
-  """The first ``--remat`` preset with ``mlp_chunk_size`` =
-  ``--mlp-chunk-size`` (A, chunked) against ``mlp_chunk_size=None`` (B,
-  unchunked) at ``seq_len``, timed in alternation
+def paired_ab_chunks(args, seq_len: int, cp: int, field: str) -> dict:
+  """The first ``--remat`` preset with ``field`` (``mlp_chunk_size`` or
+  ``layer_chunk_size``) as the arguments set it (A, chunked) against
+  ``field=None`` (B, unchunked) at ``seq_len``, timed in alternation
   (``benchmarks.timing.paired``): ``chunked_over_unchunked`` = time(A) /
   time(B), median and quartiles over the reps; the MFU of each from its
   median ms (:func:`step_mfu`: the same model FLOPs for both)."""
   from benchmarks import timing  # pylint: disable=import-outside-toplevel
   remat = args.remat[0]
-  chunk = str(args.mlp_chunk_size)
-  steps = [build_step(argparse.Namespace(**{**vars(args),
-                                            "mlp_chunk_size": c}),
+  chunk = str(getattr(args, field))
+  steps = [build_step(argparse.Namespace(**{**vars(args), field: c}),
                       seq_len, cp, remat) for c in (chunk, None)]
   r = timing.paired(_runner(steps[0]), [()], _runner(steps[1]), [()],
                     reps=args.ab_reps, warmup=1,
-                    on_rep=_rep_printer(f"mlp_chunk_size={chunk}",
-                                        "mlp_chunk_size=None"))
+                    on_rep=_rep_printer(f"{field}={chunk}", f"{field}=None"))
   mfu_a, mfu_b = (step_mfu(args, s, ms)[1] if s.rows is not None else None
                   for s, ms in zip(steps, (r.ms_a, r.ms_b)))
   del steps
   gc.collect()
-  return dict(kind="ab", comparison="mlp_chunk", model=model_name(args),
-              seq_len=seq_len, cp=cp, remat=remat,
-              a=f"mlp_chunk_size={chunk}", b="mlp_chunk_size=None",
-              mlp_chunk_size=chunk, ms_a=r.ms_a, ms_b=r.ms_b,
-              mfu_a=mfu_a, mfu_b=mfu_b,
+  return dict(kind="ab", comparison=field.removesuffix("_size"),
+              model=model_name(args), seq_len=seq_len, cp=cp, remat=remat,
+              a=f"{field}={chunk}", b=f"{field}=None",
+              mlp_chunk_size=str(args.mlp_chunk_size),
+              layer_chunk_size=str(getattr(args, "layer_chunk_size", None)),
+              ms_a=r.ms_a, ms_b=r.ms_b, mfu_a=mfu_a, mfu_b=mfu_b,
               chunked_over_unchunked=r.ratio_median,
               ratio_q1=r.ratio_q1, ratio_q3=r.ratio_q3)
 
@@ -713,7 +767,7 @@ def run(args) -> dict:
             flush=True)
     else:
       records.append(ab)
-      if ab.get("comparison") == "mlp_chunk":
+      if ab.get("comparison"):
         print(f"A/B at T={fmt_tokens(args.ab)} ({ab['remat']}): "
               f"{ab['a']} {ab['ms_a']:.1f} ms, {ab['b']} {ab['ms_b']:.1f} "
               f"ms (chunked / unchunked {ab['chunked_over_unchunked']:.3f}"
@@ -836,7 +890,10 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
            f"{EXACT_TOL:g}: such a T does not train. Runs before the check "
            "existed say *not checked*. *MLP chunk*: `--mlp-chunk-size` "
            "(`TransformerLayer.mlp_chunk_size`); *(scan)*: runs before "
-           "the chunks worked in place, whose chunking cost memory.", ""]
+           "the chunks worked in place, whose chunking cost memory; "
+           "*layer N*: `--layer-chunk-size N` "
+           "(`TransformerLayer.layer_chunk_size`: the whole layer in "
+           "chunks of N tokens, which replace the MLP's).", ""]
   # Each record with its file's MLP chunking (``--mlp-chunk-size``; none
   # in files from before the option).
   of = lambda kind: [(d["env"].get("device_kind"),
@@ -899,6 +956,8 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
   remat_ab = [(d, r) for d, r in of("ab") if not r.get("comparison")]
   chunk_ab = [(d, r) for d, r in of("ab")
               if r.get("comparison") == "mlp_chunk"]
+  layer_ab = [(d, r) for d, r in of("ab")
+              if r.get("comparison") == "layer_chunk"]
   if remat_ab:
     lines += _table("save_context against none (paired A/B)", (
         "device", "model", "T", "cp", "none ms", "save_context ms",
@@ -918,6 +977,18 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
              f"{r['ms_b']:.1f}", pct(r.get("mfu_a")), pct(r.get("mfu_b")),
              f"{r['chunked_over_unchunked']:.3f} ({r['ratio_q1']:.3f}-"
              f"{r['ratio_q3']:.3f})") for dev, r in chunk_ab])
+  if layer_ab:
+    pct = lambda v: "-" if v is None else f"{v:.1%}"
+    lines += _table("layer chunks against whole-row layers (paired A/B)", (
+        "device", "model", "T", "cp", "remat", "layer_chunk_size",
+        "whole-row layer's mlp_chunk_size", "chunked ms", "whole ms",
+        "chunked MFU", "whole MFU", "chunked / whole (IQR)"), [
+            (dev, r["model"], fmt_tokens(r["seq_len"]), r["cp"],
+             r["remat"], r["layer_chunk_size"], r["mlp_chunk_size"],
+             f"{r['ms_a']:.1f}", f"{r['ms_b']:.1f}", pct(r.get("mfu_a")),
+             pct(r.get("mfu_b")),
+             f"{r['chunked_over_unchunked']:.3f} ({r['ratio_q1']:.3f}-"
+             f"{r['ratio_q3']:.3f})") for dev, r in layer_ab])
   lines += _breakdown_section(runs)
   lines += _growth_table(results)
   lines += _layer_growth_table(results)
@@ -1094,19 +1165,23 @@ def _mlp_chunk(env: dict) -> str:
     chunk += " (scan)"
   elif chunk == "auto" and date < AUTO_FOUR_BUFFERS_SINCE:
     chunk += " (mlp_dim/d)"
+  layer = env.get("args", {}).get("layer_chunk_size")
+  if layer not in (None, "none", "None"):
+    chunk = f"layer {layer}"
   return chunk
 
 
 def _argv(args: dict) -> list[str]:
   """The options of a recorded run that shape what it measured."""
   keys = ("model", "layers", "remat", "seq_lens", "cp", "search",
-          "search_start", "ab", "ab_mlp_chunk", "mlp_chunk_size",
+          "search_start", "ab", "ab_mlp_chunk", "ab_layer_chunk",
+          "mlp_chunk_size", "layer_chunk_size",
           "time_budget", "compile_only", "breakdown", "backend", "target")
   out = []
   for k in keys:
     v = args.get(k)
-    if v in (None, False, [], "") or (k == "mlp_chunk_size"
-                                      and v == "none") or (
+    if v in (None, False, [], "") or (
+        k in ("mlp_chunk_size", "layer_chunk_size") and v == "none") or (
                                           k == "backend" and v == "auto"):
       continue
     flag = "--" + k.replace("_", "-")

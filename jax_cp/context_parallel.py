@@ -188,7 +188,7 @@ def _run_local(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded):
   return out[0] if squeeze else out
 
 
-def _resolve_mesh(mesh):
+def resolve_mesh(mesh):
   if mesh is None:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty:
@@ -247,7 +247,7 @@ def cp_attention(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
     raise ValueError("cp_attention is the global view; a layout with "
                      "view='local' goes to cp_attention_local inside your "
                      "shard_map")
-  mesh = _resolve_mesh(layout.mesh)
+  mesh = resolve_mesh(layout.mesh)
   cp_axis, batch_axis, head_axis = (layout.cp_axis, layout.batch_axis,
                                     layout.head_axis)
   checks.check_mesh_axis(mesh, cp_axis, "cp_axis")
@@ -271,8 +271,8 @@ def cp_attention(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
   if head_axis is not None:
     checks.check_head_axis_divides(head_axis, mesh.shape[head_axis], q.shape,
                                    k.shape)
-  x_spec, m_spec = _specs(q.ndim, batch_axes, cp_axis, head_axis)
-  args = [_place(x, mesh, spec) for x, spec in (
+  x_spec, m_spec = specs(q.ndim, batch_axes, cp_axis, head_axis)
+  args = [place(x, mesh, spec) for x, spec in (
       (q, x_spec), (k, x_spec), (v, x_spec),
       (jnp.asarray(cu_seqlens, jnp.int32), m_spec),
       (jnp.asarray(cu_seqlens_padded, jnp.int32), m_spec))]
@@ -281,7 +281,7 @@ def cp_attention(q, k, v, cu_seqlens, cu_seqlens_padded=None, *,
                        out_specs=x_spec, check_vma=False)(*args)
 
 
-def _specs(ndim: int, batch_axes, cp_axis: str, head_axis: str | None):
+def specs(ndim: int, batch_axes, cp_axis: str, head_axis: str | None):
   """The ``PartitionSpec`` of q/k/v and of the row metadata."""
   bspec = None
   if batch_axes:
@@ -291,7 +291,7 @@ def _specs(ndim: int, batch_axes, cp_axis: str, head_axis: str | None):
   return P(cp_axis, head_axis, None), P(None)
 
 
-def _place(x, mesh, spec):
+def place(x, mesh, spec):
   """Puts ``x`` in the sharding ``shard_map`` expects: ``jax.reshard`` on
   meshes with Explicit axes (it checks types), a sharding constraint on
   Auto ones (a no-op when already so)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import types
 
 import pytest
 
@@ -430,3 +431,29 @@ def test_matmul_flops_records_why_it_has_no_count():
            "rhs_contracting_dims={0}\n}\n")
   assert bench_memory.matmul_flops(Text(entry)) == {
       "dot_flops": 2 * 2 * 5 * 3, "dot_flops_unknown_loops": 0}
+
+
+def test_layer_chunk_run_checks_the_chunk_call(tmp_path):
+  """``--layer-chunk-size``: the scratch is the chunk call's (queries of a
+  chunk, keys of its window), the exactness check runs the last full
+  chunk's bottom-right call, and the runs table names the chunking."""
+  md = tmp_path / "MEMORY.md"
+  path = bench_memory.main([
+      "--device", "cpu", "--backend", "xla", "--layers", "1", "--d-model",
+      "32", "--heads", "2", "--kv-heads", "1", "--seq-lens", "512",
+      "--cp", "1", "--steps", "1", "--max-doc-len", "64",
+      "--layer-chunk-size", "128", "--out", str(tmp_path),
+      "--markdown", str(md)])
+  with open(path) as f:
+    run = next(r for r in json.load(f)["records"] if r["kind"] == "run")
+  assert run["status"] == "ok", run
+  assert max(run["exact"].values()) < 1e-4, run["exact"]
+  halo = run["max_seqlen"] - 1
+  assert bench_memory.attention_calls(
+      types.SimpleNamespace(layer_chunk_size=128, seq_len=512), 1,
+      run["max_seqlen"]) == (128, 128 + halo)
+  from jax_cp.attention import cudnn_workspace
+  assert run["attention_scratch_bytes"] == \
+      cudnn_workspace.backward_workspace_bytes(128, 128 + halo, 2, 1, 16)
+  assert "| cpu | example* | 1 | 512 | 1 | none | layer 128 |" in \
+      md.read_text()

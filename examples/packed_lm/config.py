@@ -48,6 +48,10 @@ class Config:
   mlp_chunk_size: str = _flag("auto", "tokens per MLP chunk of each rank "
                               "(TransformerLayer.mlp_chunk_size): auto, "
                               "none (whole rows) or a positive int")
+  layer_chunk_size: str = _flag("none", "tokens per chunk of the whole "
+                                "layer, one rank only "
+                                "(TransformerLayer.layer_chunk_size): none "
+                                "(whole rows) or a positive int")
   prefetch: int = _flag(2, "batches built ahead (grain's thread "
                         "prefetch)")
   log_every: int = _flag(10, "steps between waits for the device (loss)")
@@ -92,20 +96,25 @@ class Config:
     if self.remat not in REMAT:
       raise ValueError(f"remat={self.remat!r} is not one of {list(REMAT)}")
     self.mlp_chunk_size = parse_chunk_size(self.mlp_chunk_size)
+    self.layer_chunk_size = parse_chunk_size(self.layer_chunk_size,
+                                             "layer_chunk_size", auto=False)
 
 
-def parse_chunk_size(value):
-  """``"auto"``, None (``"none"``) or a positive int, from a flag's text or
-  a value given as it is."""
-  if value is None or value == "auto" or (
-      isinstance(value, int) and not isinstance(value, bool)):
+def parse_chunk_size(value, name: str = "mlp_chunk_size",
+                     auto: bool = True):
+  """``"auto"`` (with ``auto``), None (``"none"``) or a positive int, from
+  a flag's text or a value given as it is; ``name`` names the flag in the
+  error."""
+  if value is None or (auto and value == "auto") or (
+      isinstance(value, int) and not isinstance(value, bool) and value > 0):
     return value
   text = str(value).strip().lower()
   if text == "none":
     return None
   if text.isdigit() and int(text) > 0:
     return int(text)
-  raise ValueError(f"mlp_chunk_size must be auto, none or a positive int, "
+  allowed = "auto, none" if auto else "none"
+  raise ValueError(f"{name} must be {allowed} or a positive int, "
                    f"got {value!r}")
 
 

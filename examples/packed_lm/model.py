@@ -38,7 +38,8 @@ class PackedLM(nnx.Module):
       setattr(self, f"layer_{i}", jax_cp.nnx.TransformerLayer(
           cfg.heads, cfg.d_model, num_kv_heads=cfg.kv_heads, dtype=dtype,
           layout=layout, remat=cfg.remat,
-          mlp_chunk_size=cfg.mlp_chunk_size, rngs=rngs))
+          mlp_chunk_size=cfg.mlp_chunk_size,
+          layer_chunk_size=cfg.layer_chunk_size, rngs=rngs))
     self.final_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
     self.logits = nnx.Linear(cfg.d_model, VOCAB_SIZE, dtype=dtype,
                              rngs=rngs)

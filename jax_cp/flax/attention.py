@@ -192,23 +192,36 @@ class MultiHeadAttention(nn.Module):
     return remat_call(nn.remat, self.remat, body, self, x, position_ids)
 
   @nn.compact
-  def _attend(self, x, cu_seqlens, cu_seqlens_padded, position_ids):
+  def _attend(self, x, cu_seqlens, cu_seqlens_padded, position_ids,
+              window=None):
+    """The block; with a layer chunk's ``window``
+    (:class:`jax_cp.modules.row_chunks.Window`) ``x`` is the window's
+    tokens, the output its chunk's (the last ``window.queries``), and the
+    metadata are not read."""
     features = x.shape[-1]
     head_dim = common.head_features(features, self.num_heads, self.head_dim)
     dense = lambda heads, name: nn.DenseGeneral(
         (heads, head_dim), use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, kernel_init=self.kernel_init,
         bias_init=self.bias_init, name=name)
-    q = dense(self.num_heads, "query")(x)
+    xq = x if window is None else x[..., -window.queries:, :]
+    q = dense(self.num_heads, "query")(xq)
     k = dense(self.num_kv_heads, "key")(x)
     v = dense(self.num_kv_heads, "value")(x)
     q, k, v = common.rotate_qkv(q, k, v, self.rope_theta, position_ids)
-    out = DotProductAttention(attn_mask_type=self.attn_mask_type,
-                              window_size=self.window_size,
-                              softmax_scale=self.softmax_scale,
-                              dtype=self.dtype, layout=self.layout,
-                              name="attention")(q, k, v, cu_seqlens,
-                                                cu_seqlens_padded)
+    if window is not None:
+      if self.dtype is not None:
+        q, k, v = (a.astype(self.dtype) for a in (q, k, v))
+      out = common.attend_window(
+          common.check_layout(self.layout), q, k, v, window,
+          window_size=self.window_size, softmax_scale=self.softmax_scale)
+    else:
+      out = DotProductAttention(attn_mask_type=self.attn_mask_type,
+                                window_size=self.window_size,
+                                softmax_scale=self.softmax_scale,
+                                dtype=self.dtype, layout=self.layout,
+                                name="attention")(q, k, v, cu_seqlens,
+                                                  cu_seqlens_padded)
     out = nn.DenseGeneral(self.out_features or features, axis=(-2, -1),
                           use_bias=self.use_bias, dtype=self.dtype,
                           param_dtype=self.param_dtype,

@@ -143,6 +143,24 @@ class TransformerLayer(nn.Module):
       tokens per chunk.
       docs/design.md, "Chunked position-wise work", gives the compiled
       memory.
+    layer_chunk_size: None (default: the row at once) or a positive int:
+      the whole layer (norms, projections, attention, MLP, residual adds)
+      over chunks of this many tokens of the row (a shorter last chunk
+      takes the rest), each attending to its own queries' documents
+      through a halo of the ``max_seqlen - 1`` tokens before it (a sliding
+      window's ``left``, when that is shorter), in a loop whose backward
+      re-runs each chunk's forward next to that chunk's backward
+      (:func:`jax_cp.modules.row_chunks.map_row_chunks`). The layer then
+      keeps, per token, its input, output and their cotangents and no
+      other buffer of the row, whatever ``remat`` says; with
+      ``remat="full"`` a step holds about 2·d bytes per token beyond the
+      saved layer inputs, against about 14·d in whole rows
+      (docs/design.md, "Layer chunks"). Replaces ``mlp_chunk_size``. One
+      rank only (cp size 1); needs the layout's ``max_seqlen`` (or a
+      window) and a chunk of at least the halo. Concrete metadata with a
+      longer padded document raise ``ValueError``; traced ones give NaN
+      (``max_seqlen_violation="error"``: a ``checkify`` error), since a
+      ``"fallback"`` to whole rows would keep their buffers.
   """
 
   num_heads: int
@@ -162,12 +180,15 @@ class TransformerLayer(nn.Module):
   layout: CPLayout | None = None
   remat: str | Callable = "none"
   mlp_chunk_size: int | str | None = "auto"
+  layer_chunk_size: int | None = None
 
   def __post_init__(self):
     common.check_layout(self.layout)
     checks.check_window_size(self.window_size, "causal")
     remat_policy(self.remat)
     common.check_chunk_size(self.mlp_chunk_size, "mlp_chunk_size")
+    common.check_chunk_size(self.layer_chunk_size, "layer_chunk_size",
+                            auto=False)
     common.check_norm_type(self.norm_type)
     super().__post_init__()
 
@@ -211,15 +232,21 @@ class TransformerLayer(nn.Module):
         use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, kernel_init=self.kernel_init,
         layout=self.layout, name="attention")
-    h = x + layout.shard_tokens(attn(self._norm("pre_attention_norm")(x),
-                                     cu_seqlens, cu_seqlens_padded,
-                                     position_ids))
+    pre_attention_norm = self._norm("pre_attention_norm")
     mlp = MlpBlock(self.mlp_dim or 4 * x.shape[-1],
                    activation=self.mlp_activation, use_bias=self.use_bias,
                    dtype=self.dtype, param_dtype=self.param_dtype,
                    kernel_init=self.kernel_init, layout=self.layout,
                    name="mlp")
     norm = self._norm("pre_mlp_norm")
+    plan = common.layer_chunk_plan(self.layer_chunk_size, layout, x.shape,
+                                   self.window_size)
+    if plan is not None:
+      return self._chunked(layout, plan, x, cu_seqlens, cu_seqlens_padded,
+                           position_ids, pre_attention_norm, attn, norm,
+                           mlp)
+    h = x + layout.shard_tokens(attn(pre_attention_norm(x), cu_seqlens,
+                                     cu_seqlens_padded, position_ids))
     cp = layout.resolve_cp_size()
     mlp_dim = mlp.mlp_dim * (2 if mlp.activation in common.GATED else 1)
     chunk = common.mlp_chunk_tokens(
@@ -235,3 +262,28 @@ class TransformerLayer(nn.Module):
       return hc + mlp_u.apply(mlp_v, norm_u.apply(norm_v, hc), pin=pin)
 
     return common.map_token_chunks(position_wise, h, chunk, layout, cp)
+
+  def _chunked(self, layout, plan, x, cu_seqlens, cu_seqlens_padded,
+               position_ids, *modules):
+    """The layer over the chunks of ``plan`` (``layer_chunk_size``)."""
+    if self.is_initializing():          # creates the parameters
+      norm1, attn, norm2, mlp = modules
+      window = common.init_window(x)
+      pos = None if position_ids is None else position_ids[..., :1]
+      h = x[..., :1, :] + attn._attend(norm1(x[..., :1, :]), None, None, pos,
+                                       window)
+      mlp(norm2(h), pin=lambda v: v)
+    (n1_u, n1_v), (a_u, a_v), (n2_u, n2_v), (m_u, m_v) = (
+        m.unbind() for m in modules)
+    pin = layout.shard_tokens
+
+    def make_fn(window):
+      def fn(xw, pos):
+        a = a_u.apply(a_v, n1_u.apply(n1_v, xw), None, None, pos, window,
+                      method=MultiHeadAttention._attend)
+        h = xw[..., -window.queries:, :] + pin(a)
+        return h + m_u.apply(m_v, n2_u.apply(n2_v, h), pin=pin)
+      return fn
+
+    return common.run_layer_chunks(make_fn, layout, x, position_ids,
+                                   cu_seqlens, cu_seqlens_padded, plan)

@@ -22,8 +22,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_cp import checks, partition
 from jax_cp import context_parallel as _cp
+from jax_cp.attention.api import fused_attention
 from jax_cp.layout import NO_CP, CPLayout, unpack_metadata
-from jax_cp.modules import remat, rotary
+from jax_cp.modules import remat, rotary, row_chunks
 from jax_cp.strategy import CPLoadBalancingStrategy
 
 # The MLP activations: plain, and gated (``act(gate(x)) * up(x)``).
@@ -413,13 +414,81 @@ def call_inputs(layout: CPLayout | None, x_shape, cu_seqlens,
 def rotate_qkv(q, k, v, theta: float | None, position_ids):
   """``q``/``k`` ``[.., T, H, D]`` with rotary embeddings of base ``theta``
   (unchanged when None) at ``position_ids``, and ``v``; named
-  ``query_proj``, ``key_proj``, ``value_proj``."""
+  ``query_proj``, ``key_proj``, ``value_proj``. ``q`` may hold the last
+  tokens of ``k``'s only (a layer chunk's queries, whose keys include the
+  halo before them): it takes the last of the positions."""
   if theta is not None:
-    q = rotary.apply_rotary(q, position_ids, theta)
+    q = rotary.apply_rotary(q, position_ids[..., -q.shape[-3]:], theta)
     k = rotary.apply_rotary(k, position_ids, theta)
   return (checkpoint_name(q, remat.QUERY_PROJ),
           checkpoint_name(k, remat.KEY_PROJ),
           checkpoint_name(v, remat.VALUE_PROJ))
+
+
+def layer_chunk_plan(chunk_size: int | None, layout: CPLayout, x_shape,
+                     window_size) -> row_chunks.Plan | None:
+  """The chunks of a :class:`TransformerLayer` with ``layer_chunk_size=
+  chunk_size`` on ``x`` of ``x_shape`` (None: the whole row at once),
+  :func:`jax_cp.modules.row_chunks.plan`."""
+  window_left = checks.check_window_size(window_size, "causal")
+  return row_chunks.plan(chunk_size, layout, x_shape[-2], window_left)
+
+
+def run_layer_chunks(make_fn: Callable, layout: CPLayout, x, position_ids,
+                     cu_seqlens, cu_seqlens_padded, plan: row_chunks.Plan):
+  """A layer over the chunks of ``plan``
+  (:func:`jax_cp.modules.row_chunks.map_row_chunks`), on ``x [B, T, E]``
+  or ``[T, E]``, with the bound of the halo checked first
+  (:func:`jax_cp.modules.row_chunks.check_bound`). ``cu_seqlens``: the
+  layer's argument, arrays or a :class:`jax_cp.CPBatch`."""
+  cu, cuP = metadata(layout, cu_seqlens, cu_seqlens_padded,
+                     "TransformerLayer's batch")
+  broken = row_chunks.check_bound(plan, layout.for_batch(cu_seqlens), cuP)
+  cu, cuP = jnp.asarray(cu, jnp.int32), jnp.asarray(cuP, jnp.int32)
+  single = x.ndim == 2
+  if single:
+    x, cu, cuP = x[None], cu[None], cuP[None]
+    position_ids = None if position_ids is None else position_ids[None]
+  y = row_chunks.map_row_chunks(make_fn, x, position_ids, cu, cuP, plan,
+                                broken, layout.shard_tokens)
+  return y[0] if single else y
+
+
+def init_window(x, queries: int = 1):
+  """A one-document window of the first ``queries`` tokens of ``x [.., T,
+  E]``, for the modules to create their parameters on."""
+  lens = jnp.full(x.shape[:-2] + (1,), queries, jnp.int32)
+  zeros = jnp.zeros_like(lens)
+  return row_chunks.Window(queries, (lens, lens, zeros, zeros), queries,
+                           queries)
+
+
+def attend_window(layout: CPLayout, query, key, value, window, *,
+                  window_size=None, softmax_scale: float | None = None):
+  """Attention of one layer chunk (:class:`jax_cp.modules.row_chunks.
+  Window`): the chunk's queries ``[B, c, Hq, D]`` to its window's keys and
+  values ``[B, W, Hkv, D]``, one :func:`jax_cp.fused_attention` call over
+  the documents' parts, bottom-right causal, on each device's rows (a
+  ``shard_map`` over the batch and head axes in the global view with a
+  mesh). Keys and values turn NaN when ``window.broken`` holds."""
+  key, value = row_chunks.poison(window.broken, key, value)
+
+  def call(q, k, v, *segments):
+    return fused_attention(
+        q, k, v, *segments, attn_mask_type="causal",
+        softmax_scale=softmax_scale, backend=layout.backend,
+        max_seqlen_q=window.max_seqlen_q, max_seqlen_kv=window.max_seqlen_kv,
+        window_size=window_size)
+
+  if layout.cp_axis is None or layout.is_local:
+    return call(query, key, value, *window.segments)
+  mesh = _cp.resolve_mesh(layout.mesh)
+  x_spec, m_spec = _cp.specs(4, layout.batch_axes, layout.cp_axis,
+                             layout.head_axis)
+  args = [_cp.place(a, mesh, x_spec) for a in (query, key, value)]
+  args += [_cp.place(a, mesh, m_spec) for a in window.segments]
+  return jax.shard_map(call, mesh=mesh, in_specs=(x_spec,) * 3 + (m_spec,) * 4,
+                       out_specs=x_spec, check_vma=False)(*args)
 
 
 def attend(layout: CPLayout, query, key, value, cu_seqlens,

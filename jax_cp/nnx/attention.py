@@ -207,8 +207,22 @@ class MultiHeadAttention(nnx.Module):
                                                  cu_seqlens_padded, pos)
     return remat_call(nnx.remat, self.remat, body, self, x, position_ids)
 
-  def _attend(self, x, cu_seqlens, cu_seqlens_padded, position_ids):
-    q, k, v = common.rotate_qkv(self.query(x), self.key(x), self.value(x),
+  def _attend(self, x, cu_seqlens, cu_seqlens_padded, position_ids,
+              window=None):
+    """The block; with a layer chunk's ``window``
+    (:class:`jax_cp.modules.row_chunks.Window`) ``x`` is the window's
+    tokens, the output its chunk's (the last ``window.queries``), and the
+    metadata are not read."""
+    xq = x if window is None else x[..., -window.queries:, :]
+    q, k, v = common.rotate_qkv(self.query(xq), self.key(x), self.value(x),
                                 self.rope_theta, position_ids)
-    out = self.attention(q, k, v, cu_seqlens, cu_seqlens_padded)
+    if window is None:
+      out = self.attention(q, k, v, cu_seqlens, cu_seqlens_padded)
+    else:
+      dpa = self.attention
+      if dpa.dtype is not None:
+        q, k, v = (a.astype(dpa.dtype) for a in (q, k, v))
+      out = common.attend_window(
+          common.check_layout(self.layout), q, k, v, window,
+          window_size=dpa.window_size, softmax_scale=dpa.softmax_scale)
     return checkpoint_name(self.out(out), OUT_PROJ)

@@ -130,6 +130,10 @@ class TransformerLayer(nnx.Module):
       the pre-MLP norm, the MLP and its residual add, as in
       :class:`jax_cp.flax.TransformerLayer` (which says what ``"auto"``
       picks and what it costs).
+    layer_chunk_size: None (default) or a positive int: tokens per chunk
+      of the whole layer, each reading a halo of the tokens before it, as
+      in :class:`jax_cp.flax.TransformerLayer` (which gives its rules and
+      memory); replaces ``mlp_chunk_size``; one rank only.
     rngs: the random streams of the initializers.
   """
 
@@ -150,14 +154,17 @@ class TransformerLayer(nnx.Module):
                layout: CPLayout | None = None,
                remat: str | Callable = "none",
                mlp_chunk_size: int | str | None = "auto",
+               layer_chunk_size: int | None = None,
                rngs: nnx.Rngs):
     common.check_layout(layout)
     common.check_norm_type(norm_type)
     remat_policy(remat)
     common.check_chunk_size(mlp_chunk_size, "mlp_chunk_size")
+    common.check_chunk_size(layer_chunk_size, "layer_chunk_size", auto=False)
     self.layout = layout
     self.remat = remat
     self.mlp_chunk_size = mlp_chunk_size
+    self.layer_chunk_size = layer_chunk_size
     norm_cls = nnx.RMSNorm if norm_type == "rmsnorm" else nnx.LayerNorm
     norm = lambda: norm_cls(in_features, epsilon=norm_epsilon, dtype=dtype,
                             param_dtype=param_dtype, rngs=rngs)
@@ -202,6 +209,11 @@ class TransformerLayer(nnx.Module):
 
   def _layer(self, layout, x, cu_seqlens, cu_seqlens_padded, position_ids):
     x = checkpoint_name(x, DECODER_LAYER_INPUT)
+    plan = common.layer_chunk_plan(self.layer_chunk_size, layout, x.shape,
+                                   self.attention.attention.window_size)
+    if plan is not None:
+      return self._chunked(layout, plan, x, cu_seqlens, cu_seqlens_padded,
+                           position_ids)
     h = x + layout.shard_tokens(self.attention(
         self.pre_attention_norm(x), cu_seqlens, cu_seqlens_padded,
         position_ids))
@@ -220,3 +232,21 @@ class TransformerLayer(nnx.Module):
       return hc + mlp(norm(hc), pin=pin)
 
     return common.map_token_chunks(position_wise, h, chunk, layout, cp)
+
+  def _chunked(self, layout, plan, x, cu_seqlens, cu_seqlens_padded,
+               position_ids):
+    """The layer over the chunks of ``plan`` (``layer_chunk_size``)."""
+    graphdef, state = nnx.split((self.pre_attention_norm, self.attention,
+                                 self.pre_mlp_norm, self.mlp))
+    pin = layout.shard_tokens
+
+    def make_fn(window):
+      def fn(xw, pos):
+        norm1, attn, norm2, mlp = nnx.merge(graphdef, state)
+        a = attn._attend(norm1(xw), None, None, pos, window)
+        h = xw[..., -window.queries:, :] + pin(a)
+        return h + mlp(norm2(h), pin=pin)
+      return fn
+
+    return common.run_layer_chunks(make_fn, layout, x, position_ids,
+                                   cu_seqlens, cu_seqlens_padded, plan)

@@ -1,0 +1,296 @@
+"""A whole decoder layer over chunks of a row's tokens
+(``TransformerLayer.layer_chunk_size``; docs/design.md, "Layer chunks").
+
+A chunk's queries attend to keys of their own documents only, and causal
+attention reads no key after its query, so a chunk of tokens ``[a, b)``
+needs, besides its own tokens, only the ``halo`` tokens before it: the
+longest document's length less one (the layout's ``max_seqlen - 1``), or a
+sliding window's ``left`` when that is shorter. The layer then runs as a
+loop over chunks, each on its window of tokens ``[a - halo, b)``: the
+window's norm and key/value projections, the chunk's query projection,
+attention of the chunk's queries to the window's keys (one call over
+ragged segments, bottom-right causal), the output projection, the MLP and
+both residual adds. The loop's backward walks the chunks from the last to
+the first, re-runs each chunk's forward next to its backward, and carries
+the cotangent of the halo's tokens (float32) to the chunk before, whose
+tokens it belongs to. So the layer keeps, per token of the row, its input,
+its output and their cotangents, and nothing else: every other buffer is
+one window's.
+
+One rank only (cp size 1): the chunks are consecutive tokens of the row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
+
+from jax_cp import checks, seqlen_guard
+from jax_cp.layout import CPLayout
+
+
+class Window(NamedTuple):
+  """One chunk's attention call: the chunk's queries are the last
+  ``queries`` tokens of a window whose keys and values are all its
+  tokens; ``segments`` (``q_seqlens``, ``kv_seqlens``, ``q_offsets``,
+  ``kv_offsets``, each ``[B, N]``) are the documents' parts in it, as
+  :func:`jax_cp.fused_attention` takes them; ``broken`` (bool scalar or
+  None) says that a padded document breaks the halo's bound (the keys and
+  values turn NaN)."""
+
+  queries: int
+  segments: tuple
+  max_seqlen_q: int
+  max_seqlen_kv: int
+  broken: Any = None
+
+
+class Plan(NamedTuple):
+  """How a layer of ``tokens`` tokens per row runs in chunks: ``chunk``
+  tokens each (a shorter last one takes the rest), each reading the
+  ``halo`` tokens before it; ``bound`` is the padded document length the
+  halo relies on (None: a window bounds it, documents may be longer)."""
+
+  chunk: int
+  halo: int
+  bound: int | None
+  tokens: int
+
+
+def plan(chunk_size: int | None, layout: CPLayout, tokens: int,
+         window_left: int) -> Plan | None:
+  """The chunks of a layer with ``layer_chunk_size=chunk_size`` over rows of
+  ``tokens`` tokens, or None when the row runs whole (``chunk_size`` None,
+  or at least ``tokens``).
+
+  The halo is ``layout.max_seqlen - 1``, or ``window_left`` (a sliding
+  window, ``-1``: none) when that is smaller.
+
+  Raises:
+    ValueError: naming ``layer_chunk_size``: a cp size above 1, neither
+      ``max_seqlen`` nor a window to bound the halo, or a chunk shorter
+      than the halo.
+  """
+  if chunk_size is None or chunk_size >= tokens:
+    return None
+  cp = layout.resolve_cp_size()
+  if cp != 1:
+    raise ValueError(
+        f"layer_chunk_size={chunk_size} runs a layer over consecutive "
+        f"tokens of one rank; the layout has cp size {cp}. Use "
+        "mlp_chunk_size with context parallelism")
+  bound = layout.max_seqlen
+  halos = [h for h in (None if bound is None else bound - 1,
+                       window_left if window_left >= 0 else None)
+           if h is not None]
+  if not halos:
+    raise ValueError(
+        f"layer_chunk_size={chunk_size} needs a bound on how far back a "
+        "chunk's queries read: the layout's max_seqlen (the longest padded "
+        "document) or a sliding window_size; neither is set")
+  halo = min(halos)
+  if chunk_size < halo:
+    raise ValueError(
+        f"layer_chunk_size={chunk_size} must be at least the halo of "
+        f"{halo} tokens a chunk reads before it (max_seqlen - 1 or the "
+        "window's left)")
+  uses_bound = bound is not None and halo == bound - 1
+  return Plan(int(chunk_size), int(halo), bound if uses_bound else None,
+              tokens)
+
+
+def check_bound(p: Plan, layout: CPLayout, cu_seqlens_padded):
+  """The guard of the halo's bound: a ``ValueError`` for concrete metadata
+  with a longer padded document; for traced metadata a ``checkify`` check
+  (``max_seqlen_violation="error"``) or the bool scalar that turns the
+  keys and values NaN (any other setting: a fallback to the whole row
+  would keep the whole row's buffers, which is what chunks avoid). None
+  when no bound is needed."""
+  if p.bound is None:
+    return None
+  checks.check_max_seqlen_bound(cu_seqlens_padded, p.bound)
+  if layout.max_seqlen_violation == "error":
+    longest = seqlen_guard.longest_padded(cu_seqlens_padded)
+    checkify.check(
+        longest <= p.bound,
+        "a padded document of {longest} tokens is longer than max_seqlen="
+        f"{p.bound}, which bounds layer_chunk_size's halo", longest=longest)
+    return None
+  return seqlen_guard.exceeds_bound(cu_seqlens_padded, p.bound)
+
+
+def poison(broken, *arrays):
+  """``arrays`` times NaN where ``broken`` holds, else themselves."""
+  if broken is None:
+    return arrays
+  return tuple(x * jnp.where(broken, jnp.nan, 1).astype(x.dtype)
+               for x in arrays)
+
+
+def chunk_segments(cu_seqlens, cu_seqlens_padded, q_start, kv_start,
+                   queries: int):
+  """The documents' parts in one chunk's attention call: the queries are
+  tokens ``[q_start, q_start + queries)``, the keys tokens from
+  ``kv_start`` to the same end. ``(q_seqlens, kv_seqlens, q_offsets,
+  kv_offsets)``, each ``[.., N]``: a document's queries in the chunk
+  (its valid tokens only) and its keys from ``kv_start`` (or its first
+  token) to its last query; empty for documents without queries in the
+  chunk. Offsets are relative to each buffer's first token."""
+  cu = jnp.asarray(cu_seqlens, jnp.int32)
+  cuP = jnp.asarray(cu_seqlens_padded, jnp.int32)
+  first = cuP[..., :-1]
+  last = first + (cu[..., 1:] - cu[..., :-1])      # end of the valid tokens
+  end = q_start + queries
+  q_lo, q_hi = jnp.clip(first, q_start, end), jnp.clip(last, q_start, end)
+  q_len = q_hi - q_lo
+  kv_lo = jnp.clip(first, kv_start, end)
+  some = q_len > 0
+  zero = jnp.zeros_like(q_len)
+  return (q_len, jnp.where(some, q_hi - kv_lo, zero),
+          jnp.where(some, q_lo - q_start, zero),
+          jnp.where(some, kv_lo - kv_start, zero))
+
+
+def _add_cotangents(a, b):
+  return a if a.dtype == jax.dtypes.float0 else a + b
+
+
+def map_row_chunks(make_fn: Callable, x, position_ids, cu_seqlens,
+                   cu_seqlens_padded, p: Plan, broken=None,
+                   pin: Callable = lambda v: v):
+  """A layer over the chunks of :class:`Plan` ``p``: ``y [B, T, E]`` from
+  ``x [B, T, E]``, where ``make_fn(window: Window)`` returns
+  ``fn(x_w, pos_w) -> y_c``: the layer on a window's tokens ``x_w [B, W,
+  E]`` (``pos_w``: their ``position_ids``, or None) giving its chunk's
+  (the last ``window.queries`` tokens') outputs.
+
+  Chunk 0 reads no halo (its window is the chunk); the full chunks after
+  it run in a loop; a shorter last chunk takes the rest. The loop is a
+  ``custom_vjp`` that keeps ``x`` and the arrays ``fn`` reads (its
+  parameters) for the backward, which walks the chunks backwards, re-runs
+  each one's forward with :func:`jax.vjp`, writes the chunk's input
+  cotangent over its output cotangent (in place) and carries the float32
+  cotangent of its halo to the chunk before. ``pin`` constrains each
+  token-sized buffer (the layout's :meth:`jax_cp.CPLayout.shard_tokens`).
+  """
+  batch, tokens = x.shape[0], x.shape[1]
+  c, halo = p.chunk, p.halo
+  n, rest = divmod(tokens, c)
+  cu = jnp.asarray(cu_seqlens, jnp.int32)
+  cuP = jnp.asarray(cu_seqlens_padded, jnp.int32)
+  bound = p.bound or tokens
+  part = lambda v, start, size: jax.lax.dynamic_slice_in_dim(v, start, size,
+                                                             axis=1)
+  put = lambda v, u, start: pin(jax.lax.dynamic_update_slice_in_dim(
+      v, u.astype(v.dtype), start, axis=1))
+
+  # The kinds of chunk, by (queries, window tokens): the first, the full
+  # ones with a halo, and the rest.
+  kinds = {"first": (c, c)}
+  if n > 1:
+    kinds["full"] = (c, c + halo)
+  if rest:
+    kinds["rest"] = (rest, rest + halo)
+
+  def aux(ints, q_start, queries, w_start, w_size):
+    position_ids, cu, cuP, _ = ints
+    seg = chunk_segments(cu, cuP, q_start, w_start, queries)
+    pos = (None if position_ids is None
+           else part(position_ids, w_start, w_size))
+    return pos, seg
+
+  # The chunks' integer inputs, explicit for the custom_vjp.
+  ints = (position_ids, cu, cuP, broken)
+
+  def convert(queries, w_size):
+    def fn(xw, pos, seg, broken):
+      window = Window(queries, seg, min(bound, queries), min(bound, w_size),
+                      broken)
+      return make_fn(window)(pin(xw), pos)
+    example = (x[:, :w_size], *aux(ints, 0, queries, 0, w_size), broken)
+    f, consts = jax.closure_convert(fn, *example)
+    return f, consts
+
+  converted = {k: convert(*v) for k, v in kinds.items()}
+  fs = {k: v[0] for k, v in converted.items()}
+  consts = {k: v[1] for k, v in converted.items()}
+
+  def starts(i, kind):
+    """(query start, window start) of chunk ``i`` of a kind."""
+    q_start = i * c
+    return q_start, q_start if kind == "first" else q_start - halo
+
+  def run(kind, consts, x, ints, i):
+    queries, w_size = kinds[kind]
+    q_start, w_start = starts(i, kind)
+    pos, seg = aux(ints, q_start, queries, w_start, w_size)
+    return fs[kind](part(x, w_start, w_size), pos, seg, ints[-1], *consts)
+
+  def forward(consts, x, ints):
+    y = pin(jnp.zeros_like(x))
+    y = put(y, run("first", consts["first"], x, ints, 0), 0)
+    if n > 1:
+      y = jax.lax.fori_loop(1, n, lambda i, y: put(
+          y, run("full", consts["full"], x, ints, i), i * c), y)
+    if rest:
+      y = put(y, run("rest", consts["rest"], x, ints, n), n * c)
+    return y
+
+  @jax.custom_vjp
+  def chunked(consts, x, ints):
+    return forward(consts, x, ints)
+
+  def chunked_fwd(consts, x, ints):
+    return forward(consts, x, ints), (consts, x, ints)
+
+  def chunked_bwd(res, dy):
+    consts, x, ints = res
+    dy = pin(dy)
+
+    def step(kind, i, dx, carry):
+      """The chunk's parameter cotangents, ``dx`` with its tokens'
+      cotangents written in, and the float32 cotangent of its halo (the
+      last ``halo`` tokens before the chunk). ``carry``: the later chunks'
+      cotangent of this chunk's last ``halo`` tokens. The barrier orders
+      the chunk's recompute after the previous chunk's backward."""
+      queries, w_size = kinds[kind]
+      q_start, w_start = starts(i, kind)
+      xw, dx, carry = jax.lax.optimization_barrier(
+          (part(x, w_start, w_size), dx, carry))
+      pos, seg = aux(ints, q_start, queries, w_start, w_size)
+      _, vjp = jax.vjp(
+          lambda cs, xw: fs[kind](xw, pos, seg, ints[-1], *cs),
+          consts[kind], xw)
+      dc, dxw = vjp(part(dx, q_start, queries))
+      dxw = dxw.astype(jnp.float32)
+      if halo:
+        dxw = dxw.at[:, w_size - halo:].add(carry)
+      dx = put(dx, dxw[:, w_size - queries:], q_start)
+      return dc, dx, dxw[:, :halo]
+
+    carry = jnp.zeros((batch, halo) + x.shape[2:], jnp.float32)
+    dx = dy
+    dcs = {}
+    if rest:
+      dcs["rest"], dx, carry = step("rest", n, dx, carry)
+    if n > 1:
+      dc, dx, carry = step("full", n - 1, dx, carry)
+
+      def body(j, state):
+        acc, dx, carry = state
+        dc, dx, carry = step("full", n - 1 - j, dx, carry)
+        return jax.tree.map(_add_cotangents, acc, dc), dx, carry
+
+      dcs["full"], dx, carry = jax.lax.fori_loop(1, n - 1, body,
+                                                 (dc, dx, carry))
+    dcs["first"], dx, _ = step("first", 0, dx, carry)
+    # One buffer for all of dx's readers (see map_token_chunks).
+    return ({k: dcs[k] for k in consts}, jax.lax.optimization_barrier(dx),
+            None)
+
+  chunked.defvjp(chunked_fwd, chunked_bwd)
+  return chunked(consts, x, ints)
