@@ -3,7 +3,10 @@ on the cuDNN backend in bfloat16 is as exact as the whole-row layer on
 cuDNN: both are compared with the whole-row layer in float32 on the xla
 backend (the same parameters), output and every gradient, on rows of
 packed documents whose chunk boundaries cut documents, with and without a
-sliding window, in Linen and NNX."""
+sliding window, in Linen and NNX. The rows are short enough for the
+reference's dense scores (the xla backend's, over both rows' tokens) to
+stay near 1 GB each: the suite's workers share the GPU, and a worker keeps
+what its allocator grew to."""
 
 import jax
 import jax.numpy as jnp
@@ -20,20 +23,20 @@ from tests.gpu._requires import cudnn_backend_or_skip
 
 cudnn_backend_or_skip()
 
-T, E, BOUND = 12288, 256, 2048
+T, E, BOUND = 4096, 256, 1024
 LAYER = dict(num_heads=4, num_kv_heads=2, head_dim=64, mlp_dim=512,
              mlp_activation="swiglu", remat="full")
 
 
 def _rows():
-  """Two rows of documents of 1 to 2048 padded tokens, some with padding."""
+  """Two rows of documents of 1 to 1024 padded tokens, some with padding."""
   rng = np.random.default_rng(0)
   cus, cups = [], []
   for _ in range(2):
     lens = []
     while sum(lens) < T:
       lens.append(int(min(rng.integers(1, BOUND + 1), T - sum(lens))))
-    lens += [0] * (40 - len(lens))
+    lens += [0] * (48 - len(lens))
     pad = [int(rng.integers(0, min(8, n))) if n > 1 else 0 for n in lens]
     cups.append(np.concatenate([[0], np.cumsum(lens)]))
     cus.append(np.concatenate([[0], np.cumsum(np.subtract(lens, pad))]))
@@ -55,8 +58,8 @@ def _linen_step(chunk, backend, dtype, window):
       m.apply(p, x, cu, cuP).astype(jnp.float32) * w)
 
 
-@pytest.mark.parametrize("window, chunk", [(None, 4096), (None, 5000),
-                                           ((300, 0), 1024)])
+@pytest.mark.parametrize("window, chunk", [(None, 1024), (None, 1500),
+                                           ((100, 0), 256)])
 def test_linen_layer_chunks_on_cudnn(window, chunk):
   cu, cuP = _rows()
   rng = np.random.default_rng(1)
@@ -65,7 +68,8 @@ def test_linen_layer_chunks_on_cudnn(window, chunk):
   ref_m, ref = _linen_step(None, "xla", jnp.float32, window)
   params = ref_m.init(jax.random.key(0), x, cu, cuP)
   grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
-  want = grad(ref)(params, x, w, cu, cuP)
+  with jax.default_matmul_precision("highest"):
+    want = grad(ref)(params, x, w, cu, cuP)
   whole = grad(_linen_step(None, "cudnn", jnp.bfloat16, window)[1])(
       params, x, w, cu, cuP)
   got = grad(_linen_step(chunk, "cudnn", jnp.bfloat16, window)[1])(
@@ -94,9 +98,10 @@ def test_nnx_layer_chunks_on_cudnn():
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1))), state
 
   ref, state = step(None, "xla", jnp.float32)
-  want = ref(state, x)
+  with jax.default_matmul_precision("highest"):
+    want = ref(state, x)
   err_whole = _errors(step(None, "cudnn", jnp.bfloat16)[0](state, x), want)
-  err_chunked = _errors(step(3000, "cudnn", jnp.bfloat16)[0](state, x), want)
+  err_chunked = _errors(step(1100, "cudnn", jnp.bfloat16)[0](state, x), want)
   print(f"nnx: whole-row {err_whole:.2e}, chunked {err_chunked:.2e}")
   assert err_whole < 0.05
   assert err_chunked <= 1.5 * err_whole + 1e-3, (err_chunked, err_whole)
