@@ -19,39 +19,29 @@ def test_chunk_size_rejects(bad):
     config.parse_chunk_size(bad)
 
 
-def test_flag_reaches_the_layers():
+@pytest.mark.parametrize("field, value", [("mlp_chunk_size", 48),
+                                          ("layer_chunk_size", 4096)])
+def test_flag_reaches_the_layers(field, value):
   from flax import nnx
 
   import jax_cp
   from examples.packed_lm import model as lm
   args = config.build_parser().parse_args(
       ["--layers", "2", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
-       "--mlp-chunk-size", "48"])
+       "--" + field.replace("_", "-"), str(value)])
   cfg = config.Config(**vars(args))
-  assert cfg.mlp_chunk_size == 48
+  assert getattr(cfg, field) == value
   layout = jax_cp.CPLayout(cp_axis=None)
   m = lm.PackedLM(cfg, layout, rngs=nnx.Rngs(0))
-  assert all(getattr(m, f"layer_{i}").mlp_chunk_size == 48
+  assert all(getattr(getattr(m, f"layer_{i}"), field) == value
              for i in range(2))
+
+
+def test_layer_chunks_are_off_by_default():
+  assert config.Config().layer_chunk_size is None
 
 
 @pytest.mark.parametrize("bad", ["auto", "0", -2, "big"])
 def test_layer_chunk_size_rejects(bad):
   with pytest.raises(ValueError, match="layer_chunk_size must be none or"):
     config.parse_chunk_size(bad, "layer_chunk_size", auto=False)
-
-
-def test_layer_chunk_flag_reaches_the_layers():
-  from flax import nnx
-
-  import jax_cp
-  from examples.packed_lm import model as lm
-  args = config.build_parser().parse_args(
-      ["--layers", "2", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
-       "--layer-chunk-size", "4096"])
-  cfg = config.Config(**vars(args))
-  assert cfg.layer_chunk_size == 4096
-  m = lm.PackedLM(cfg, jax_cp.CPLayout(cp_axis=None), rngs=nnx.Rngs(0))
-  assert all(getattr(m, f"layer_{i}").layer_chunk_size == 4096
-             for i in range(2))
-  assert config.Config().layer_chunk_size is None
