@@ -58,17 +58,24 @@ def dual_chunk_swap_step(cu_seqlens, cu_seqlens_padded, cp_size: int, rank,
 
 def no_load_balance_step(cu_seqlens, cu_seqlens_padded, cp_size: int, rank,
                          total_tokens: int) -> StepMetadata:
-  """NO_LOAD_BALANCE, the one step of rank ``r`` (causal only).
+  """NO_LOAD_BALANCE, the one step of rank ``r`` (causal only): the
+  :func:`contiguous_chunk` of tokens ``[r*Tl, (r+1)*Tl)``."""
+  local = total_tokens // cp_size
+  return contiguous_chunk(cu_seqlens, cu_seqlens_padded,
+                          jnp.asarray(rank, jnp.int32) * local, local)
 
-  With ``lo = r*Tl``, ``hi = lo+Tl``, ``s = cuP[b]``:
-  ``q_len = max(clamp(s+L, lo, hi) - clamp(s, lo, hi), 0)``,
-  ``q_off = clamp(s, lo, hi) - lo``, ``kv_len = min(max(hi-s, 0), L)``,
-  ``kv_off = s``.
+
+def contiguous_chunk(cu_seqlens, cu_seqlens_padded, lo, size: int
+                     ) -> StepMetadata:
+  """The documents' parts in the causal call of the queries of tokens
+  ``[lo, hi = lo + size)`` of the row, against the row's keys.
+
+  With ``s = cuP[b]``: ``q_len = max(clamp(s+L, lo, hi) - clamp(s, lo,
+  hi), 0)``, ``q_off = clamp(s, lo, hi) - lo``, ``kv_len = min(max(hi-s,
+  0), L)``, ``kv_off = s``.
   """
   lens, _, starts = _lengths(cu_seqlens, cu_seqlens_padded)
-  local = total_tokens // cp_size
-  lo = jnp.asarray(rank, jnp.int32) * local
-  hi = lo + local
+  hi = lo + size
   q_lens = jnp.maximum(jnp.clip(starts + lens, lo, hi)
                        - jnp.clip(starts, lo, hi), 0)
   q_offsets = jnp.clip(starts, lo, hi) - lo

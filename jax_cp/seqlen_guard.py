@@ -73,12 +73,19 @@ def check(cfg, cu_seqlens_padded) -> None:
   document is longer than the bound."""
   if cfg.bound_check != "error":
     return
+  check_longest(cu_seqlens_padded, cfg.max_seqlen,
+                "(max_seqlen_violation='error'); raise max_seqlen or pass "
+                "max_seqlen_violation='fallback'")
+
+
+def check_longest(cu_seqlens_padded, bound: int, why: str) -> None:
+  """A ``checkify`` check that no padded document is longer than ``bound``
+  (the ``max_seqlen`` named in the message, followed by ``why``)."""
   longest = longest_padded(cu_seqlens_padded)
   checkify.check(
-      longest <= cfg.max_seqlen,
+      longest <= bound,
       "a padded document of {longest} tokens is longer than max_seqlen="
-      f"{cfg.max_seqlen} (max_seqlen_violation='error'); raise max_seqlen "
-      "or pass max_seqlen_violation='fallback'", longest=longest)
+      f"{bound} {why}", longest=longest)
 
 
 def run(cfg, cu_seqlens_padded, branch, *operands):
@@ -100,6 +107,14 @@ def poison(cfg, cu_seqlens_padded, *arrays):
   its backward (the xla backend's ``dv`` would stay finite)."""
   if cfg.bound_check != "trusted":
     return arrays
-  broken = exceeds_bound(cu_seqlens_padded, cfg.max_seqlen)
+  return nan_where(exceeds_bound(cu_seqlens_padded, cfg.max_seqlen),
+                   *arrays)
+
+
+def nan_where(broken, *arrays):
+  """``arrays`` times NaN where the bool scalar ``broken`` holds, else
+  times 1 (exactly themselves); ``arrays`` unchanged when it is None."""
+  if broken is None:
+    return arrays
   return tuple(x * jnp.where(broken, jnp.nan, 1).astype(x.dtype)
                for x in arrays)

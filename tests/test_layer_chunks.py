@@ -21,6 +21,7 @@ from jax_cp import CPLoadBalancingStrategy as S
 from jax_cp import flax as cp_linen
 from jax_cp import nnx as cp_nnx
 from jax_cp.modules import row_chunks
+from tests import reference
 from tests._devices import devices
 
 E = 16
@@ -88,6 +89,60 @@ def test_chunked_layer_equals_the_whole_row(build, window, chunk):
   got, want = jax.jit(step)(params, x), jax.jit(whole)(params, x)
   _close(got, want)
   assert float(jnp.abs(got[1][1]).max()) > 0     # x's gradient is not 0
+
+
+def _positions(cuP):
+  """Each token's position in its padded document, by a loop."""
+  pos = np.zeros((cuP.shape[0], int(cuP[0, -1])), np.int64)
+  for b, row in enumerate(cuP):
+    for s, e in zip(row[:-1], row[1:]):
+      pos[b, s:e] = np.arange(e - s)
+  return pos
+
+
+def _rope(x, pos, theta=10000.0):
+  """Half-split rotary embedding, angles in float64 on the host."""
+  d = x.shape[-1]
+  angles = pos[..., None] * theta ** (-np.arange(d // 2) * 2.0 / d)
+  cos = jnp.asarray(np.cos(angles), jnp.float32)[..., None, :]
+  sin = jnp.asarray(np.sin(angles), jnp.float32)[..., None, :]
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def _reference_layer(params, x, window=-1):
+  """The layer written out in float32 on whole rows: RMS norms, GQA
+  projections, rotary, plain masked attention (tests/reference.py), the
+  gated MLP and both residual adds."""
+  p = params["params"]
+  dot = lambda spec, a, b: jnp.einsum(spec, a, b,
+                                      precision=jax.lax.Precision.HIGHEST)
+  norm = lambda v, w: v * jax.lax.rsqrt(
+      jnp.mean(v * v, -1, keepdims=True) + 1e-6) * w["scale"]
+  a, m = p["attention"], p["mlp"]
+  n1 = norm(x, p["pre_attention_norm"])
+  q, k, v = (dot("bte,ehd->bthd", n1, a[n]["kernel"])
+             for n in ("query", "key", "value"))
+  pos = _positions(CU_P)
+  o = reference.batched_attention(_rope(q, pos), _rope(k, pos), v, CU, CU_P,
+                                  window=window)
+  h = x + dot("bthd,hde->bte", o, a["out"]["kernel"])
+  n2 = norm(h, p["pre_mlp_norm"])
+  hidden = (jax.nn.silu(dot("bte,ef->btf", n2, m["gate"]["kernel"]))
+            * dot("bte,ef->btf", n2, m["up"]["kernel"]))
+  return h + dot("btf,fe->bte", hidden, m["down"]["kernel"])
+
+
+@pytest.mark.parametrize("window, chunk", [(None, 35), ((5, 0), 13)])
+def test_chunked_layer_equals_an_independent_reference(window, chunk):
+  """Value and every gradient against :func:`_reference_layer`."""
+  step, params, x = _linen(chunk, window=window)
+  w = _x(1)
+  left = -1 if window is None else window[0]
+  want = jax.value_and_grad(
+      lambda p, x: jnp.sum(_reference_layer(p, x, left) * w),
+      argnums=(0, 1))(params, x)
+  _close(jax.jit(step)(params, x), want, rtol=1e-4)
 
 
 @pytest.mark.parametrize("remat", ["none", "save_context"])

@@ -35,3 +35,10 @@ def test_readme_api_tour_runs(capsys):
   np.testing.assert_allclose(namespace["y_linen"], y_nnx, rtol=1e-5,
                              atol=1e-5)
   assert "another CPLayout" in capsys.readouterr().out
+  # The layer in chunks of the row equals the same layer on the whole row.
+  whole = namespace["chunked"].clone(layer_chunk_size=None)
+  np.testing.assert_allclose(
+      namespace["y_chunks"],
+      whole.apply(namespace["params_1"], namespace["x"][0],
+                  namespace["cu_seqlens"], namespace["cu_seqlens_padded"]),
+      rtol=1e-5, atol=1e-5)

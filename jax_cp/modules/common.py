@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_cp import checks, partition
+from jax_cp import checks, partition, seqlen_guard
 from jax_cp import context_parallel as _cp
 from jax_cp.attention.api import fused_attention
 from jax_cp.layout import NO_CP, CPLayout, unpack_metadata
@@ -169,11 +169,6 @@ def pin_groups(layout: CPLayout, x):
   return layout.constrain(x, (*lead, layout.cp_axis, None, free))
 
 
-def _add_cotangents(a, b):
-  """``a + b``, or ``a`` for the float0 cotangents of integer values."""
-  return a if a.dtype == jax.dtypes.float0 else a + b
-
-
 def map_token_chunks(fn: Callable, x, chunk: int | None, layout: CPLayout,
                      cp_size: int, aux=None):
   """``fn`` over the tokens of ``x [.., T, E]``, ``chunk`` of each rank's
@@ -293,7 +288,7 @@ def map_token_chunks(fn: Callable, x, chunk: int | None, layout: CPLayout,
     def body(i, carry):
       acc, dx = carry
       dc, dx = step(f_full, c_full, i * chunk, chunk, dx)
-      return jax.tree.map(_add_cotangents, acc, dc), dx
+      return jax.tree.map(remat.add_cotangents, acc, dc), dx
 
     dc_full, dx = jax.lax.fori_loop(1, n, body, (dc_full, dx))
     dc_rest = []
@@ -471,7 +466,7 @@ def attend_window(layout: CPLayout, query, key, value, window, *,
   the documents' parts, bottom-right causal, on each device's rows (a
   ``shard_map`` over the batch and head axes in the global view with a
   mesh). Keys and values turn NaN when ``window.broken`` holds."""
-  key, value = row_chunks.poison(window.broken, key, value)
+  key, value = seqlen_guard.nan_where(window.broken, key, value)
 
   def call(q, k, v, *segments):
     return fused_attention(

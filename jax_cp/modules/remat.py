@@ -97,6 +97,12 @@ def remat_policy(remat: str | Callable) -> Callable | None:
                    "jax.checkpoint policy (a callable)")
 
 
+def add_cotangents(a, b):
+  """``a + b``, or ``a`` for the float0 cotangents of integer values: the
+  parameter cotangents a chunk loop's backward sums over its chunks."""
+  return a if a.dtype == jax.dtypes.float0 else a + b
+
+
 def call(transform: Callable, remat: Any, body: Callable, *args):
   """``body(*args)``, under ``transform(body, policy=...)`` (``nn.remat`` or
   ``nnx.remat``) unless ``remat`` is ``"none"``."""

@@ -27,10 +27,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import checkify
 
-from jax_cp import checks, seqlen_guard
+from jax_cp import checks, metadata, seqlen_guard
 from jax_cp.layout import CPLayout
+from jax_cp.modules.remat import add_cotangents
 
 
 class Window(NamedTuple):
@@ -50,15 +50,14 @@ class Window(NamedTuple):
 
 
 class Plan(NamedTuple):
-  """How a layer of ``tokens`` tokens per row runs in chunks: ``chunk``
-  tokens each (a shorter last one takes the rest), each reading the
-  ``halo`` tokens before it; ``bound`` is the padded document length the
-  halo relies on (None: a window bounds it, documents may be longer)."""
+  """How a layer runs in chunks: ``chunk`` tokens each (a shorter last one
+  takes the rest), each reading the ``halo`` tokens before it; ``bound``
+  is the padded document length the halo relies on (None: a window bounds
+  it, documents may be longer)."""
 
   chunk: int
   halo: int
   bound: int | None
-  tokens: int
 
 
 def plan(chunk_size: int | None, layout: CPLayout, tokens: int,
@@ -99,8 +98,7 @@ def plan(chunk_size: int | None, layout: CPLayout, tokens: int,
         f"{halo} tokens a chunk reads before it (max_seqlen - 1 or the "
         "window's left)")
   uses_bound = bound is not None and halo == bound - 1
-  return Plan(int(chunk_size), int(halo), bound if uses_bound else None,
-              tokens)
+  return Plan(int(chunk_size), int(halo), bound if uses_bound else None)
 
 
 def check_bound(p: Plan, layout: CPLayout, cu_seqlens_padded):
@@ -114,21 +112,10 @@ def check_bound(p: Plan, layout: CPLayout, cu_seqlens_padded):
     return None
   checks.check_max_seqlen_bound(cu_seqlens_padded, p.bound)
   if layout.max_seqlen_violation == "error":
-    longest = seqlen_guard.longest_padded(cu_seqlens_padded)
-    checkify.check(
-        longest <= p.bound,
-        "a padded document of {longest} tokens is longer than max_seqlen="
-        f"{p.bound}, which bounds layer_chunk_size's halo", longest=longest)
+    seqlen_guard.check_longest(cu_seqlens_padded, p.bound,
+                               "(the bound of layer_chunk_size's halo)")
     return None
   return seqlen_guard.exceeds_bound(cu_seqlens_padded, p.bound)
-
-
-def poison(broken, *arrays):
-  """``arrays`` times NaN where ``broken`` holds, else themselves."""
-  if broken is None:
-    return arrays
-  return tuple(x * jnp.where(broken, jnp.nan, 1).astype(x.dtype)
-               for x in arrays)
 
 
 def chunk_segments(cu_seqlens, cu_seqlens_padded, q_start, kv_start,
@@ -140,23 +127,14 @@ def chunk_segments(cu_seqlens, cu_seqlens_padded, q_start, kv_start,
   (its valid tokens only) and its keys from ``kv_start`` (or its first
   token) to its last query; empty for documents without queries in the
   chunk. Offsets are relative to each buffer's first token."""
-  cu = jnp.asarray(cu_seqlens, jnp.int32)
-  cuP = jnp.asarray(cu_seqlens_padded, jnp.int32)
-  first = cuP[..., :-1]
-  last = first + (cu[..., 1:] - cu[..., :-1])      # end of the valid tokens
-  end = q_start + queries
-  q_lo, q_hi = jnp.clip(first, q_start, end), jnp.clip(last, q_start, end)
-  q_len = q_hi - q_lo
-  kv_lo = jnp.clip(first, kv_start, end)
-  some = q_len > 0
-  zero = jnp.zeros_like(q_len)
-  return (q_len, jnp.where(some, q_hi - kv_lo, zero),
-          jnp.where(some, q_lo - q_start, zero),
-          jnp.where(some, kv_lo - kv_start, zero))
-
-
-def _add_cotangents(a, b):
-  return a if a.dtype == jax.dtypes.float0 else a + b
+  m = metadata.contiguous_chunk(cu_seqlens, cu_seqlens_padded, q_start,
+                                queries)
+  cut = jnp.maximum(kv_start - m.kv_offsets, 0)   # keys before the window
+  some = m.q_lens > 0
+  zero = jnp.zeros_like(m.q_lens)
+  return (m.q_lens, jnp.where(some, m.kv_lens - cut, zero),
+          jnp.where(some, m.q_offsets, zero),
+          jnp.where(some, m.kv_offsets + cut - kv_start, zero))
 
 
 def map_row_chunks(make_fn: Callable, x, position_ids, cu_seqlens,
@@ -283,7 +261,7 @@ def map_row_chunks(make_fn: Callable, x, position_ids, cu_seqlens,
       def body(j, state):
         acc, dx, carry = state
         dc, dx, carry = step("full", n - 1 - j, dx, carry)
-        return jax.tree.map(_add_cotangents, acc, dc), dx, carry
+        return jax.tree.map(add_cotangents, acc, dc), dx, carry
 
       dcs["full"], dx, carry = jax.lax.fori_loop(1, n - 1, body,
                                                  (dc, dx, carry))
