@@ -47,7 +47,8 @@ the GPU. Its records are named for the GPU with ``(plan)`` added; they
 are plans, not measurements, and train nothing.
 
 Each invocation writes ``memory_<date>_<device>_<model>[_<N>layers]
-[_<tag>].json`` into ``--out`` and
+[_<tag>].json`` into ``--out``, rewritten after every record (a run cut
+short by a time limit keeps what it measured), and at its end
 rebuilds ``--markdown`` (``benchmarks/results/MEMORY.md``) from every such
 file there: a table of the runs, the longest T per preset, the A/B, and a
 plot (matplotlib, when installed) of XLA temp bytes per local token per
@@ -68,7 +69,7 @@ import gc
 import glob
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from benchmarks import deviceless, hlo_flops  # no jax import
 from benchmarks.names import MODELS, fmt_tokens, parse_tokens
@@ -754,10 +755,21 @@ def preallocates() -> bool:
       not in ("false", "0")
 
 
-def run(args) -> dict:
-  """Every run of the arguments; the result dict (also printed)."""
+def run(args, save: Callable[[dict], object] | None = None) -> dict:
+  """Every run of the arguments; the result dict (also printed).
+
+  ``save``, when given, is called with the result dict after every record,
+  so that a run stopped part-way (a time limit, a crash at a larger T)
+  leaves what it measured before."""
   presets = list(dict.fromkeys(args.remat))
   records: list[dict] = []
+  result = {"env": _environment(args), "records": records}
+
+  def keep(*recs: dict) -> None:
+    records.extend(recs)
+    if save is not None:
+      save(result)
+
   # The A/B first: the searches then share the time that is left.
   if args.ab is not None:
     try:
@@ -766,7 +778,7 @@ def run(args) -> dict:
       print(f"A/B at T={fmt_tokens(args.ab)} failed: {err}"[:1200],
             flush=True)
     else:
-      records.append(ab)
+      keep(ab)
       if ab.get("comparison"):
         print(f"A/B at T={fmt_tokens(args.ab)} ({ab['remat']}): "
               f"{ab['a']} {ab['ms_a']:.1f} ms, {ab['b']} {ab['ms_b']:.1f} "
@@ -786,7 +798,7 @@ def run(args) -> dict:
   for remat, cp in groups:
     for t in sorted(set(args.seq_lens)):
       rec = measure(args, t, cp, remat)
-      records.append(dict(kind="run", **rec))
+      keep(dict(kind="run", **rec))
       _print(rec)
   for i, (remat, cp) in enumerate(groups if args.search else []):
     budget = None
@@ -794,11 +806,16 @@ def run(args) -> dict:
       budget = max(0.0, args.time_budget - (
           time.monotonic() - args.started)) / (len(groups) - i)
     s, tried = longest_trainable(args, cp, remat, records, budget)
-    records.extend(dict(kind="run", **rec) for rec in tried)
-    records.append(s)
+    keep(*(dict(kind="run", **rec) for rec in tried), s)
     print(f"longest T that trains ({model_name(args)}, cp={cp}, {remat}): "
           f"{fmt_tokens(s['longest_seq_len'] or 0)} (first failing: "
           f"{s['first_failing_seq_len']})", flush=True)
+  return result
+
+
+def _environment(args) -> dict:
+  """The result's ``env`` block: this process, the arguments, and for
+  ``--target`` the GPU the plan is for."""
   from benchmarks import results  # pylint: disable=import-outside-toplevel
   target = {}
   if args.target is not None:
@@ -806,11 +823,11 @@ def run(args) -> dict:
     target = dict(target=args.target, platform="cuda (compile-only)",
                   device_kind=deviceless.device_kind(args.target)
                   + " (plan)", device_count=min(args.cp))
-  return {"env": results.environment(
+  return results.environment(
       xla_flags=os.environ.get("XLA_FLAGS", ""),
       mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
       preallocate=os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"),
-      args=vars(args), **target), "records": records}
+      args=vars(args), **target)
 
 
 # ------------------------------------------------------------- the report
@@ -1240,12 +1257,21 @@ def main(argv: Sequence[str] | None = None) -> str:
     from benchmarks import standin_attention  # pylint: disable=import-outside-toplevel
     standin_attention.register()
   args.started = time.monotonic()
-  result = run(args)
   from benchmarks import results  # pylint: disable=import-outside-toplevel
   layers = f"{args.layers}layers" if args.layers is not None else ""
   tag = "_".join(x for x in (args.model, layers, args.tag) if x)
-  path = results.write_result(
-      results.result_path(args.out, "memory", result["env"], tag), result)
+  paths: list[str] = []
+
+  def save(result: dict) -> None:
+    # One file per invocation, rewritten after every record.
+    if not paths:
+      paths.append(results.result_path(args.out, "memory", result["env"],
+                                       tag))
+    results.write_result(paths[0], result)
+
+  result = run(args, save)
+  save(result)
+  path = paths[0]
   print(f"wrote {path}", flush=True)
   if args.markdown:
     print(f"wrote {write_report(args.out, args.markdown)}", flush=True)

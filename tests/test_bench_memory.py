@@ -147,6 +147,26 @@ def test_paired_ab_carries_the_donated_state(monkeypatch):
   assert calls["none"] > 2 and calls["save_context"] > 2
 
 
+def test_json_holds_each_record_as_it_is_measured(monkeypatch, tmp_path):
+  """The result file is rewritten after every record: a run stopped at
+  the second T (here a crash) leaves the first T's record on disk."""
+  def fake(args, t, cp, remat, timed=True):
+    if t > 1024:
+      raise KeyboardInterrupt  # stands for a time limit's kill
+    return dict(model="m", seq_len=t, cp=cp, remat=remat, status="ok")
+
+  monkeypatch.setattr(bench_memory, "measure", fake)
+  monkeypatch.setattr(bench_memory, "_print", lambda rec: None)
+  with pytest.raises(KeyboardInterrupt):
+    bench_memory.main(["--device", "cpu", "--seq-lens", "1024", "2048",
+                       "--out", str(tmp_path), "--markdown", ""])
+  (path,) = tmp_path.glob("memory_*.json")
+  with open(path) as f:
+    data = json.load(f)
+  assert [r["seq_len"] for r in data["records"]] == [1024]
+  assert data["env"]["args"]["seq_lens"] == [1024, 2048]
+
+
 def test_search_stops_at_its_budget(monkeypatch):
   monkeypatch.setattr(bench_memory, "measure", lambda *a, **k: 1 / 0)
   args = _args(["--search", "--search-start", "64k"])
