@@ -134,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "mlp_chunk_size=--mlp-chunk-size (chunked) against "
                       "mlp_chunk_size=None (unchunked) instead of none "
                       "against save_context")
+  p.add_argument("--ab-profile", action="store_true",
+                 help="after the A/B's timing, trace one step of each "
+                      "side with jax.profiler and record (and print) its "
+                      "device milliseconds per kernel group and its "
+                      "heaviest kernels (benchmarks/profiling.py)")
   p.add_argument("--ab-layer-chunk", action="store_true",
                  help="make --ab compare the first --remat preset with "
                       "layer_chunk_size=--layer-chunk-size (A) against "
@@ -697,6 +702,45 @@ def _rep_printer(name_a: str, name_b: str):
   return on_rep
 
 
+def ab_profiles(steps: Sequence[Step], names: Sequence[str],
+                top: int = 12) -> dict:
+  """``--ab-profile``: one traced step of each side of an A/B
+  (:func:`benchmarks.profiling.profile`), as ``profile_a`` and
+  ``profile_b``: device ms per kernel group, busy ms and the ``top``
+  heaviest kernels; printed side by side. Empty without a GPU trace."""
+  from benchmarks import profiling  # pylint: disable=import-outside-toplevel
+  got = {}
+  for side, step in zip("ab", steps):
+    one = _runner(step)
+
+    def run_n(n: int, one=one):
+      loss = None
+      for _ in range(n):
+        loss = one()
+      return float(loss)
+
+    prof = profiling.profile(run_n, 1)
+    if prof is None:
+      return {}
+    got[f"profile_{side}"] = dict(
+        groups_ms=prof["groups_ms"], busy_ms=prof["busy_ms"],
+        idle_ms=prof["idle"]["idle_ms"], kernels=prof["kernels"][:top])
+  a, b = got["profile_a"], got["profile_b"]
+  print(f"A/B profile, device ms per step: {names[0]} | {names[1]}",
+        flush=True)
+  for g in sorted(set(a["groups_ms"]) | set(b["groups_ms"])):
+    print(f"  {g:24s} {a['groups_ms'].get(g, 0.0):10.1f} "
+          f"{b['groups_ms'].get(g, 0.0):10.1f}", flush=True)
+  print(f"  {'busy':24s} {a['busy_ms']:10.1f} {b['busy_ms']:10.1f}",
+        flush=True)
+  for side, name in zip((a, b), names):
+    print(f"  heaviest kernels of {name}:", flush=True)
+    for k in side["kernels"]:
+      print(f"    {k['ms']:9.1f} ms {k['launches']:7.0f}x  "
+            f"{k['name'][:110]}", flush=True)
+  return got
+
+
 def paired_ab(args, seq_len: int, cp: int) -> dict:
   """``none`` (A) against ``save_context`` (B) at ``seq_len``, timed in
   alternation (``benchmarks.timing.paired``): ratio = time(A) / time(B).
@@ -736,9 +780,12 @@ def paired_ab_chunks(args, seq_len: int, cp: int, field: str) -> dict:
                     on_rep=_rep_printer(f"{field}={chunk}", f"{field}=None"))
   mfu_a, mfu_b = (step_mfu(args, s, ms)[1] if s.rows is not None else None
                   for s, ms in zip(steps, (r.ms_a, r.ms_b)))
+  profiles = (ab_profiles(steps, (f"{field}={chunk}", f"{field}=None"))
+              if getattr(args, "ab_profile", False) else {})
   del steps
   gc.collect()
   return dict(kind="ab", comparison=field.removesuffix("_size"),
+              **profiles,
               model=model_name(args), seq_len=seq_len, cp=cp, remat=remat,
               a=f"{field}={chunk}", b=f"{field}=None",
               mlp_chunk_size=str(args.mlp_chunk_size),

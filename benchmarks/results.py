@@ -111,9 +111,10 @@ def environment(**extra: Any) -> dict[str, Any]:
 def source_tree(folder: str) -> dict[str, Any]:
   """``git_commit`` (the HEAD commit of the git checkout at ``folder``)
   and ``git_dirty`` (whether tracked files differ from it): which code a
-  result was measured on. Where ``folder`` is not a checkout or git is
-  missing (a copy of the tree on another machine), the commit is
-  ``$JAX_CP_SOURCE_COMMIT`` if set, and both are otherwise None."""
+  result was measured on. ``$JAX_CP_SOURCE_COMMIT``, when set, names the
+  commit instead and ``git_dirty`` is None: a copy of the tree sent to
+  another machine, where git metadata, if any came along, may describe an
+  older commit. Without either (no checkout, no git), both are None."""
   def git(*args: str) -> str | None:
     try:
       out = subprocess.run(("git", "-C", folder, *args), check=True,
@@ -122,11 +123,12 @@ def source_tree(folder: str) -> dict[str, Any]:
       return None
     return out.stdout.strip()
 
+  named = os.environ.get("JAX_CP_SOURCE_COMMIT")
+  if named:
+    return {"git_commit": named, "git_dirty": None}
   commit = git("rev-parse", "HEAD")
   status = git("status", "--porcelain", "--untracked-files=no") \
       if commit else None
-  if not commit:
-    commit = os.environ.get("JAX_CP_SOURCE_COMMIT") or None
   return {"git_commit": commit,
           "git_dirty": None if status is None else bool(status)}
 

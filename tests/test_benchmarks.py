@@ -382,8 +382,8 @@ def test_result_path_is_iso_dated():
 
 
 def test_source_tree(tmp_path, monkeypatch):
-  """The commit and whether tracked files differ from it; outside a
-  checkout, $JAX_CP_SOURCE_COMMIT or None."""
+  """The commit and whether tracked files differ from it, or
+  $JAX_CP_SOURCE_COMMIT (over any checkout) when set; else None."""
   import subprocess
   monkeypatch.delenv("JAX_CP_SOURCE_COMMIT", raising=False)
   assert results.source_tree(str(tmp_path)) == {"git_commit": None,
@@ -407,6 +407,9 @@ def test_source_tree(tmp_path, monkeypatch):
   (repo / "f").write_text("b")
   assert results.source_tree(str(repo)) == {"git_commit": head,
                                             "git_dirty": True}
+  monkeypatch.setenv("JAX_CP_SOURCE_COMMIT", "abc123")
+  assert results.source_tree(str(repo)) == {"git_commit": "abc123",
+                                            "git_dirty": None}
 
 
 def test_write_result_is_atomic(tmp_path, monkeypatch):
