@@ -77,6 +77,7 @@ from examples.packed_lm.config import REMAT as PRESETS  # no jax import
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_MARKDOWN = os.path.join(_HERE, "results", "MEMORY.md")
+DEFAULT_MAX_DOC_LEN = 16384
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="row lengths T (64k, 1M, ...)")
   p.add_argument("--cp", type=int, nargs="+", default=[1])
   p.add_argument("--remat", nargs="+", default=["none"], choices=PRESETS)
-  p.add_argument("--max-doc-len", type=parse_tokens, default=16384,
+  p.add_argument("--max-doc-len", type=parse_tokens,
+                 default=DEFAULT_MAX_DOC_LEN,
                  help="documents cut to this many bytes")
   p.add_argument("--steps", type=int, default=3, help="timed steps")
   p.add_argument("--warmup", type=int, default=1)
@@ -1237,7 +1239,8 @@ def _mlp_chunk(env: dict) -> str:
 
 def _argv(args: dict) -> list[str]:
   """The options of a recorded run that shape what it measured."""
-  keys = ("model", "layers", "remat", "seq_lens", "cp", "search",
+  keys = ("model", "layers", "d_model", "heads", "kv_heads", "max_doc_len",
+          "remat", "seq_lens", "cp", "search",
           "search_start", "ab", "ab_mlp_chunk", "ab_layer_chunk",
           "mlp_chunk_size", "layer_chunk_size",
           "time_budget", "compile_only", "breakdown", "backend", "target")
@@ -1246,7 +1249,8 @@ def _argv(args: dict) -> list[str]:
     v = args.get(k)
     if v in (None, False, [], "") or (
         k in ("mlp_chunk_size", "layer_chunk_size") and v == "none") or (
-                                          k == "backend" and v == "auto"):
+            k == "backend" and v == "auto") or (
+                k == "max_doc_len" and v == DEFAULT_MAX_DOC_LEN):
       continue
     flag = "--" + k.replace("_", "-")
     if v is True:

@@ -477,3 +477,20 @@ def test_layer_chunk_run_checks_the_chunk_call(tmp_path):
       cudnn_workspace.backward_workspace_bytes(128, 128 + halo, 2, 1, 16)
   assert "| cpu | example* | 1 | 512 | 1 | none | layer 128 |" in \
       md.read_text()
+
+
+def test_recorded_command_names_the_model_overrides():
+  """A result's command line (the report's provenance) carries the flags
+  that changed the model or its documents, and leaves out defaults."""
+  plain = vars(_args(["--model", "big", "--seq-lens", "1M"]))
+  assert bench_memory._argv(plain) == [
+      "--model", "big", "--remat", "none", "--seq-lens", "1M", "--cp", "1",
+      "--mlp-chunk-size", "auto"]
+  small = vars(_args(["--model", "big", "--layers", "2", "--d-model", "256",
+                      "--heads", "4", "--kv-heads", "2", "--max-doc-len",
+                      "2048", "--seq-lens", "64k"]))
+  got = bench_memory._argv(small)
+  for flag, value in (("--layers", "2"), ("--d-model", "256"),
+                      ("--heads", "4"), ("--kv-heads", "2"),
+                      ("--max-doc-len", "2048")):
+    assert got[got.index(flag) + 1] == value
