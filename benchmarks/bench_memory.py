@@ -25,7 +25,10 @@ bisects between the last T that trained and the first that failed, to
 ``save_context`` steps at T in alternation (paired A/B); with
 ``--ab-mlp-chunk`` it times instead the first ``--remat`` preset with
 ``mlp_chunk_size`` = ``--mlp-chunk-size`` (chunked) against
-``mlp_chunk_size=None`` (unchunked).
+``mlp_chunk_size=None`` (unchunked); ``--ab-layer-chunk`` likewise with
+``layer_chunk_size``. ``--ab-profile`` then traces one step of each side
+(``benchmarks/profiling.py``) and records its device milliseconds per
+kernel group (attention, matmul, copy, elementwise) and heaviest kernels.
 
 ``--breakdown`` adds to each run where XLA's planned bytes go
 (``benchmarks/buffer_breakdown.py``): the step is compiled with XLA
@@ -757,9 +760,12 @@ def paired_ab(args, seq_len: int, cp: int) -> dict:
   a, b = (_runner(s) for s in steps)
   r = timing.paired(a, [()], b, [()], reps=args.ab_reps, warmup=1,
                     on_rep=_rep_printer("none", "save_context"))
+  profiles = (ab_profiles(steps, ("none", "save_context"))
+              if getattr(args, "ab_profile", False) else {})
   del steps, a, b
   gc.collect()
-  return dict(kind="ab", model=model_name(args), seq_len=seq_len, cp=cp,
+  return dict(kind="ab", **profiles, model=model_name(args), seq_len=seq_len,
+              cp=cp,
               a="none", b="save_context", ms_a=r.ms_a, ms_b=r.ms_b,
               save_context_over_none=1.0 / r.ratio_median,
               ratio_q1=1.0 / r.ratio_q3, ratio_q3=1.0 / r.ratio_q1)

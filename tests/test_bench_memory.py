@@ -494,3 +494,37 @@ def test_recorded_command_names_the_model_overrides():
                       ("--heads", "4"), ("--kv-heads", "2"),
                       ("--max-doc-len", "2048")):
     assert got[got.index(flag) + 1] == value
+
+
+def test_ab_profiles_record_both_sides(monkeypatch, capsys):
+  """--ab-profile: each side's traced step runs (one untraced, one traced
+  call of the runner) and its kernel groups land in profile_a/profile_b;
+  without a GPU trace (profile None) nothing is recorded."""
+  from benchmarks import profiling
+
+  calls = []
+
+  def fake_step(state, batch):
+    calls.append(state)
+    return state + 1, 0.5
+
+  def fake_profile(run, steps):
+    run(1)
+    run(steps)
+    ms = 2.0 + len(calls)
+    return {"groups_ms": {"attention": ms, "matmul": 1.0}, "busy_ms": ms + 1,
+            "idle": {"idle_ms": 0.1},
+            "kernels": [{"name": "k", "ms": ms, "launches": 1.0}] * 20}
+
+  steps = [bench_memory.Step(fake_step, 0, None, None, None, 0, None, 0.0)
+           for _ in range(2)]
+  monkeypatch.setattr(profiling, "profile", fake_profile)
+  got = bench_memory.ab_profiles(steps, ("chunked", "whole"))
+  assert set(got) == {"profile_a", "profile_b"}
+  assert got["profile_a"]["groups_ms"]["attention"] == 4.0
+  assert got["profile_b"]["groups_ms"]["attention"] == 6.0
+  assert len(got["profile_a"]["kernels"]) == 12
+  assert "chunked | whole" in capsys.readouterr().out
+  assert [s.state for s in steps] == [2, 2]      # the state is carried
+  monkeypatch.setattr(profiling, "profile", lambda run, steps: None)
+  assert bench_memory.ab_profiles(steps, ("a", "b")) == {}
