@@ -1089,6 +1089,11 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
 BREAKDOWN_ROWS = 10
 
 
+#: Below this fraction of the temp and arguments, XLA's live-range peak is
+#: reported as partial.
+PARTIAL_PEAK = 0.5
+
+
 def _breakdown_section(runs: list[tuple[str, dict]]) -> list[str]:
   """"Where the bytes go": per run with a ``breakdown`` (``--breakdown``),
   a table of XLA's temp allocation, the largest values live at the
@@ -1136,6 +1141,15 @@ def _breakdown_section(runs: list[tuple[str, dict]]) -> list[str]:
       out += ["Live at the peak (GB): " + ", ".join(
           f"{k} {gb(v)}" for k, v in peak["by_category"].items())
               + f"; total {gb(peak['bytes'])}.", ""]
+      allocated = (r.get("temp_bytes") or temp or 0) + (
+          r.get("argument_bytes") or 0)
+      if peak["bytes"] < PARTIAL_PEAK * allocated:
+        out += [f"XLA's live-range peak here ({gb(peak['bytes'])} GB with "
+                f"the arguments) is below {PARTIAL_PEAK:.0%} of the temp "
+                f"and arguments it allocates ({gb(allocated)} GB), so "
+                "this list shows only part of what is live where the temp "
+                "peaks (XLA's live ranges leave buffers out here; the "
+                "while loops' carried buffers are the likely ones).", ""]
   return out
 
 

@@ -528,3 +528,22 @@ def test_ab_profiles_record_both_sides(monkeypatch, capsys):
   assert [s.state for s in steps] == [2, 2]      # the state is carried
   monkeypatch.setattr(profiling, "profile", lambda run, steps: None)
   assert bench_memory.ab_profiles(steps, ("a", "b")) == {}
+
+
+@pytest.mark.parametrize("peak_gb, noted", [(20.0, True), (60.0, False)])
+def test_breakdown_says_when_the_live_range_peak_is_partial(peak_gb, noted):
+  """A live-range peak below half of the temp and arguments is reported as
+  a partial list, with both numbers."""
+  run = dict(model="big", layers=16, seq_len=1 << 20, cp=1, remat="full",
+             temp_bytes=70e9, argument_bytes=8e9,
+             attention_scratch_bytes=1e9,
+             breakdown={"allocations": {"temp": {"bytes": 70e9}},
+                        "peak": {"bytes": peak_gb * 1e9,
+                                 "by_category": {"state": 8e9},
+                                 "top": [{"name": "v", "category": "mlp",
+                                          "phase": "bwd", "shape": "bf16[1]",
+                                          "bytes": 1e9}]}})
+  text = "\n".join(bench_memory._breakdown_section([("H200", run)]))
+  assert ("only part of what is live" in text) == noted
+  if noted:
+    assert "(20.000 GB with the arguments)" in text and "78.000 GB" in text
