@@ -1331,18 +1331,15 @@ def main(argv: Sequence[str] | None = None) -> str:
   from benchmarks import results  # pylint: disable=import-outside-toplevel
   layers = f"{args.layers}layers" if args.layers is not None else ""
   tag = "_".join(x for x in (args.model, layers, args.tag) if x)
-  paths: list[str] = []
+  path = None
 
   def save(result: dict) -> None:
     # One file per invocation, rewritten after every record.
-    if not paths:
-      paths.append(results.result_path(args.out, "memory", result["env"],
-                                       tag))
-    results.write_result(paths[0], result)
+    nonlocal path
+    path = path or results.result_path(args.out, "memory", result["env"], tag)
+    results.write_result(path, result)
 
-  result = run(args, save)
-  save(result)
-  path = paths[0]
+  save(run(args, save))
   print(f"wrote {path}", flush=True)
   if args.markdown:
     print(f"wrote {write_report(args.out, args.markdown)}", flush=True)

@@ -152,10 +152,13 @@ class TransformerLayer(nn.Module):
       re-runs each chunk's forward next to that chunk's backward
       (:func:`jax_cp.modules.row_chunks.map_row_chunks`). The layer then
       keeps, per token, its input, output and their cotangents and no
-      other buffer of the row, whatever ``remat`` says; with
-      ``remat="full"`` a step holds about 2·d bytes per token beyond the
-      saved layer inputs, against about 14·d in whole rows
-      (docs/design.md, "Layer chunks"). Replaces ``mlp_chunk_size``. One
+      other buffer of the row, whatever ``remat`` says: with
+      ``remat="full"`` XLA's plan for a step grows by about 3·d bytes per
+      token beyond the saved layer inputs, plus one chunk's working set
+      (several GB at chunks of 65536 of a d_model 2048 layer), where whole
+      rows measured about 14·d; the step costs more time (1.30x at 1M
+      tokens on an H200; docs/design.md, "Layer chunks"). Replaces
+      ``mlp_chunk_size``. One
       rank only (cp size 1); needs the layout's ``max_seqlen`` (or a
       window) and a chunk of at least the halo. Concrete metadata with a
       longer padded document raise ``ValueError``; traced ones give NaN
