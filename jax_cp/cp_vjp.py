@@ -37,6 +37,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax_cp import call_plan, seqlen_guard
 from jax_cp.attention.api import window_kwargs
 from jax_cp.attention.merge import (
+  NO_WEIGHT_LSE,
   GradSum,
   add,
   merge_softmax,
@@ -210,11 +211,6 @@ def _vjp_backward(cfg: CPConfig, residuals, dout):
   return dq, dk, dv, None, None
 
 
-# An lse that makes every probability of its row 0 (exp(score - 1e30)):
-# rows a reversed halo call must not count.
-_NO_WEIGHT_LSE = 1e30
-
-
 def _reversed_rows(call: call_plan.Call, x, fill):
   """The first ``lq = call.q_rows`` rows of axis 1 of ``x`` (zero rows past
   the chunk), ``fill`` on the rows past each batch entry's
@@ -296,7 +292,7 @@ def _reversed_halo_backward(cfg: CPConfig, call: call_plan.Call, q, k, kx,
   dq_r, dk_r, dv_r = cfg.backend.backward(
       _flat(qr), _flat(jnp.flip(kh, axis=1)), _flat(jnp.flip(vh, axis=1)),
       _flat(_reversed_rows(call, out, 0)),
-      _reversed_rows(call, lse, _NO_WEIGHT_LSE).reshape(-1, q.shape[2]),
+      _reversed_rows(call, lse, NO_WEIGHT_LSE).reshape(-1, q.shape[2]),
       _flat(_reversed_rows(call, dout, 0)), seg, mask=call.mask,
       scale=cfg.scale)
   dq_h = jnp.flip(dq_r.reshape(qr.shape), axis=1)[:, :n]

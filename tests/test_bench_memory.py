@@ -453,29 +453,32 @@ def test_matmul_flops_records_why_it_has_no_count():
       "dot_flops": 2 * 2 * 5 * 3, "dot_flops_unknown_loops": 0}
 
 
-def test_layer_chunk_run_checks_the_chunk_call(tmp_path):
-  """``--layer-chunk-size``: the scratch is the chunk call's (queries of a
-  chunk, keys of its window), the exactness check runs the last full
-  chunk's bottom-right call, and the runs table names the chunking."""
+def test_layer_chunk_run_checks_the_chunk_calls(tmp_path):
+  """``--layer-chunk-size``: the scratch is the chunk call's (a chunk's
+  queries and keys), the exactness check runs the last full chunk's
+  chunk call and halo call, and the runs table names the chunking."""
   md = tmp_path / "MEMORY.md"
   path = bench_memory.main([
       "--device", "cpu", "--backend", "xla", "--layers", "1", "--d-model",
       "32", "--heads", "2", "--kv-heads", "1", "--seq-lens", "512",
       "--cp", "1", "--steps", "1", "--max-doc-len", "64",
-      "--layer-chunk-size", "128", "--out", str(tmp_path),
+      "--layer-chunk-size", "100", "--out", str(tmp_path),
       "--markdown", str(md)])
   with open(path) as f:
     run = next(r for r in json.load(f)["records"] if r["kind"] == "run")
   assert run["status"] == "ok", run
   assert max(run["exact"].values()) < 1e-4, run["exact"]
-  halo = run["max_seqlen"] - 1
+  # The last full chunk (tokens [400, 500)) starts inside a document: both
+  # calls were checked, its documents' rows in the chunk (top-left) and
+  # the straddling document's rows against its keys in the halo.
+  assert set(run["exact_calls"]) == {"chunk", "halo"}, run
   assert bench_memory.attention_calls(
-      types.SimpleNamespace(layer_chunk_size=128, seq_len=512), 1,
-      run["max_seqlen"]) == (128, 128 + halo)
+      types.SimpleNamespace(layer_chunk_size=100, seq_len=512), 1,
+      run["max_seqlen"]) == (100, 100)
   from jax_cp.attention import cudnn_workspace
   assert run["attention_scratch_bytes"] == \
-      cudnn_workspace.backward_workspace_bytes(128, 128 + halo, 2, 1, 16)
-  assert "| cpu | example* | 1 | 512 | 1 | none | layer 128 |" in \
+      cudnn_workspace.backward_workspace_bytes(100, 100, 2, 1, 16)
+  assert "| cpu | example* | 1 | 512 | 1 | none | layer 100 |" in \
       md.read_text()
 
 

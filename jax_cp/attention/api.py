@@ -90,10 +90,11 @@ def _clamp(offsets, lens, tokens: int, bound: int):
   return offsets, jnp.clip(lens, 0, jnp.minimum(bound, tokens - offsets))
 
 
-def _flatten_segments(q_lens, kv_lens, q_offs, kv_offs, tq, tkv, max_q, max_kv,
-                      rows_see_keys=False, tiled=False):
-  """``[B, N]`` metadata over ``[B, T]`` rows -> one segment list over the
-  flattened ``[B*T]`` buffer."""
+def flatten_segments(q_lens, kv_lens, q_offs, kv_offs, tq, tkv, max_q, max_kv,
+                     rows_see_keys=False, tiled=False) -> Segments:
+  """``[B, N]`` (or ``[N]``) metadata over ``[B, Tq]`` / ``[B, Tkv]`` rows
+  -> one :class:`Segments` list over the flattened ``[B*T]`` buffers, each
+  segment clamped into its row and its bound."""
   as32 = lambda x: jnp.asarray(x, jnp.int32)
   q_lens, kv_lens, q_offs, kv_offs = map(as32, (q_lens, kv_lens, q_offs,
                                                 kv_offs))
@@ -210,7 +211,7 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets, kv_offsets, *,
                           tq, tkv, max_q, max_kv)
   if tiled_mask is not None:
     mask = tiled_mask
-  seg = _flatten_segments(q_seqlens, kv_seqlens, q_offsets, kv_offsets,
+  seg = flatten_segments(q_seqlens, kv_seqlens, q_offsets, kv_offsets,
                           tq, tkv, max_q, max_kv,
                           _rows_see_keys(q_seqlens, kv_seqlens, mask),
                           tiled=tiled_mask is not None)

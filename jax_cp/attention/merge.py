@@ -25,6 +25,11 @@ import jax.numpy as jnp
 #: Values of ``op``.
 MERGE_OPS = ("add", "max")
 
+#: An lse that makes every probability of its row 0 (``exp(score - 1e30)``):
+#: given to a backward call on rows it must not count (a reversed halo
+#: call's rows past the straddling document).
+NO_WEIGHT_LSE = 1e30
+
 
 def check_merge_rows(dst, src, row_offset, op) -> None:
   """``dst [B, Td, ...]``, ``src [B, Ts, ...]`` of one dtype, equal B and

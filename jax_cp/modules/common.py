@@ -12,6 +12,7 @@ unchanged. The checks here run before any projection or attention kernel.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -22,9 +23,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_cp import checks, partition, seqlen_guard
 from jax_cp import context_parallel as _cp
-from jax_cp.attention.api import fused_attention
+from jax_cp.attention.api import default_scale
+from jax_cp.attention.registry import resolve_backend
 from jax_cp.layout import NO_CP, CPLayout, unpack_metadata
-from jax_cp.modules import remat, rotary, row_chunks
+from jax_cp.modules import remat, rotary, row_chunks, window_attention
 from jax_cp.strategy import CPLoadBalancingStrategy
 
 # The MLP activations: plain, and gated (``act(gate(x)) * up(x)``).
@@ -462,18 +464,23 @@ def attend_window(layout: CPLayout, query, key, value, window, *,
                   window_size=None, softmax_scale: float | None = None):
   """Attention of one layer chunk (:class:`jax_cp.modules.row_chunks.
   Window`): the chunk's queries ``[B, c, Hq, D]`` to its window's keys and
-  values ``[B, W, Hkv, D]``, one :func:`jax_cp.fused_attention` call over
-  the documents' parts, bottom-right causal, on each device's rows (a
-  ``shard_map`` over the batch and head axes in the global view with a
-  mesh). Keys and values turn NaN when ``window.broken`` holds."""
+  values ``[B, W, Hkv, D]``, as a top-left chunk call and a halo call
+  (:func:`jax_cp.modules.window_attention.window_attention`), on each
+  device's rows (a ``shard_map`` over the batch and head axes in the
+  global view with a mesh). Keys and values turn NaN when
+  ``window.broken`` holds."""
   key, value = seqlen_guard.nan_where(window.broken, key, value)
+  c, w = query.shape[-3], key.shape[-3]
+  spec = window_attention.Spec(
+      backend=resolve_backend(
+          layout.backend, dtype=query.dtype,
+          score_bytes=4 * query.shape[-2] * math.prod(query.shape[:-2]) * w),
+      scale=default_scale(query.shape[-1], softmax_scale),
+      window_left=checks.check_window_size(window_size, "causal"),
+      halo=w - c, max_q=window.max_seqlen_q, whole_halo=window.whole_halo)
 
   def call(q, k, v, *segments):
-    return fused_attention(
-        q, k, v, *segments, attn_mask_type="causal",
-        softmax_scale=softmax_scale, backend=layout.backend,
-        max_seqlen_q=window.max_seqlen_q, max_seqlen_kv=window.max_seqlen_kv,
-        window_size=window_size)
+    return window_attention.window_attention(q, k, v, segments, spec)
 
   if layout.cp_axis is None or layout.is_local:
     return call(query, key, value, *window.segments)

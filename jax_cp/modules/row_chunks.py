@@ -34,19 +34,23 @@ from jax_cp.modules.remat import add_cotangents
 
 
 class Window(NamedTuple):
-  """One chunk's attention call: the chunk's queries are the last
-  ``queries`` tokens of a window whose keys and values are all its
-  tokens; ``segments`` (``q_seqlens``, ``kv_seqlens``, ``q_offsets``,
+  """One chunk's attention: the chunk's queries are the last ``queries``
+  tokens of a window whose keys and values are all its tokens;
+  ``segments`` (``q_seqlens``, ``kv_seqlens``, ``q_offsets``,
   ``kv_offsets``, each ``[B, N]``) are the documents' parts in it, as
-  :func:`jax_cp.fused_attention` takes them; ``broken`` (bool scalar or
-  None) says that a padded document breaks the halo's bound (the keys and
-  values turn NaN)."""
+  :func:`jax_cp.fused_attention` takes them (bottom-right causal);
+  ``broken`` (bool scalar or None) says that a padded document breaks the
+  halo's bound (the keys and values turn NaN); ``whole_halo``: the halo is
+  ``max_seqlen - 1`` tokens, so every query of the straddling document
+  sees all of its keys there (False: a sliding window's ``left`` bounds
+  the halo; :mod:`jax_cp.modules.window_attention`)."""
 
   queries: int
   segments: tuple
   max_seqlen_q: int
   max_seqlen_kv: int
   broken: Any = None
+  whole_halo: bool = True
 
 
 class Plan(NamedTuple):
@@ -187,7 +191,7 @@ def map_row_chunks(make_fn: Callable, x, position_ids, cu_seqlens,
   def convert(queries, w_size):
     def fn(xw, pos, seg, broken):
       window = Window(queries, seg, min(bound, queries), min(bound, w_size),
-                      broken)
+                      broken, p.bound is not None)
       return make_fn(window)(pin(xw), pos)
     example = (x[:, :w_size], *aux(ints, 0, queries, 0, w_size), broken)
     f, consts = jax.closure_convert(fn, *example)
