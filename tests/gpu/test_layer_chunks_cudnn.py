@@ -44,18 +44,30 @@ def _rows():
 
 
 def _errors(got, want):
-  """Relative max error of each leaf, the largest."""
+  """The largest relative max error of the layer's output and of each
+  gradient: ``got``/``want`` are ``((loss, output), grads)``. The loss
+  itself is left out: it sums 2M products of either sign, so its rounding
+  is relative to those, not to its value (the output it sums is
+  compared element by element)."""
+  (_, out_g), grads_g = got
+  (_, out_w), grads_w = want
   return max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - w))) /
              float(jnp.max(jnp.abs(w)))
-             for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+             for g, w in zip(jax.tree.leaves((out_g, grads_g)),
+                             jax.tree.leaves((out_w, grads_w))))
+
+
+def _loss(y, w):
+  """The loss and, as the auxiliary value, the layer's output."""
+  y = y.astype(jnp.float32)
+  return jnp.sum(y * w), y
 
 
 def _linen_step(chunk, backend, dtype, window):
   m = cp_linen.TransformerLayer(
       **LAYER, dtype=dtype, window_size=window, layer_chunk_size=chunk,
       layout=CPLayout(cp_axis=None, backend=backend, max_seqlen=BOUND))
-  return m, lambda p, x, w, cu, cuP: jnp.sum(
-      m.apply(p, x, cu, cuP).astype(jnp.float32) * w)
+  return m, lambda p, x, w, cu, cuP: _loss(m.apply(p, x, cu, cuP), w)
 
 
 @pytest.mark.parametrize("window, chunk", [(None, 1024), (None, 1500),
@@ -67,7 +79,8 @@ def test_linen_layer_chunks_on_cudnn(window, chunk):
   w = jnp.asarray(rng.standard_normal((2, T, E)), jnp.float32)
   ref_m, ref = _linen_step(None, "xla", jnp.float32, window)
   params = ref_m.init(jax.random.key(0), x, cu, cuP)
-  grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
+  grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1),
+                                              has_aux=True))
   with jax.default_matmul_precision("highest"):
     want = grad(ref)(params, x, w, cu, cuP)
   whole = grad(_linen_step(None, "cudnn", jnp.bfloat16, window)[1])(
@@ -93,9 +106,9 @@ def test_nnx_layer_chunks_on_cudnn():
         layout=CPLayout(cp_axis=None, backend=backend, max_seqlen=BOUND),
         rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(m)
-    f = lambda s, x: jnp.sum(
-        nnx.merge(graphdef, s)(x, cu, cuP).astype(jnp.float32) * w)
-    return jax.jit(jax.value_and_grad(f, argnums=(0, 1))), state
+    f = lambda s, x: _loss(nnx.merge(graphdef, s)(x, cu, cuP), w)
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True)), \
+        state
 
   ref, state = step(None, "xla", jnp.float32)
   with jax.default_matmul_precision("highest"):
