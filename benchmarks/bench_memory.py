@@ -1105,7 +1105,10 @@ def markdown(results: list[dict], plot_name: str | None) -> str:
         + (f", `XLA_PYTHON_CLIENT_PREALLOCATE`={env['preallocate']}"
            if env.get("preallocate") else "")
         + (f", allocator limit {max(limits) / 1e9:.1f} GB" if limits else "")
-        + f"; `{' '.join(_argv(env.get('args', {})))}`")
+        + f"; `{' '.join(_argv(env.get('args', {})))}`"
+        + ("; rebuilt from the run's printed output (the file did not come "
+           "back from the device): values as printed"
+           if env.get("reconstructed") else ""))
   lines.append("")
   if plot_name:
     lines += [f"![bytes per token per layer]({plot_name})", ""]

@@ -550,3 +550,24 @@ def test_breakdown_says_when_the_live_range_peak_is_partial(peak_gb, noted):
   assert ("only part of what is live" in text) == noted
   if noted:
     assert "(20.000 GB with the arguments)" in text and "78.000 GB" in text
+
+
+def test_a_rebuilt_result_says_so_in_its_footer():
+  """A result file rebuilt on the host from a run's printed output
+  (``env["reconstructed"]``) is marked in the report's footer; others
+  are not."""
+  def one(date, rebuilt):
+    env = dict(device_kind="H200", date=date,
+               args=dict(model="big", remat="full"))
+    if rebuilt:
+      env["reconstructed"] = "rebuilt from the log"
+    run = dict(kind="run", model="big", layers=16, seq_len=1 << 20, cp=1,
+               remat="full", status="ok", temp_bytes=77_710_000_000,
+               d_model=2048, heads=32, kv_heads=8, dtype="bfloat16")
+    return dict(env=env, records=[run])
+  text = bench_memory.markdown([one("2026-12-02T14:00:00", False),
+                                one("2026-12-02T15:00:00", True)], None)
+  footers = [line for line in text.splitlines()
+             if line.startswith("- 2026-12-02")]
+  assert ["rebuilt from the run's printed output" in f for f in footers] \
+      == [False, True], footers

@@ -61,7 +61,11 @@ import numpy as np
 import jax_cp._jax_cp_cuda as _jax_cp_cuda  # ModuleNotFoundError when absent
 from jax_cp.attention import cudnn_workspace, head_groups
 from jax_cp.attention.backend import MASK_TYPES, Backend, Segments
-from jax_cp.attention.merge import check_merge_rows, merge_rows_jnp
+from jax_cp.attention.merge import (
+  NO_WEIGHT_LSE,
+  check_merge_rows,
+  merge_rows_jnp,
+)
 
 # The C++/Python contract comes from the extension (csrc/ffi_targets.h).
 #: FFI target names by role, as the extension registers them.
@@ -399,7 +403,7 @@ def _attributes(seg: Segments, q_shape, k_shape, mask: str, scale: np.float32,
 
 #: The lse a tiled backward reads on rows past a segment's length: every
 #: exp(score - lse) there is 0 (scores are far below it; no inf arithmetic).
-TILED_PAST_LENGTH_LSE = np.float32(1e30)
+TILED_PAST_LENGTH_LSE = np.float32(NO_WEIGHT_LSE)
 
 
 def _tiled_stats(seg: Segments, lse):

@@ -25,9 +25,10 @@ import jax.numpy as jnp
 #: Values of ``op``.
 MERGE_OPS = ("add", "max")
 
-#: An lse that makes every probability of its row 0 (``exp(score - 1e30)``):
-#: given to a backward call on rows it must not count (a reversed halo
-#: call's rows past the straddling document).
+#: An lse that makes every probability of its row 0 (``exp(score - 1e30)``,
+#: with no inf arithmetic): given to a backward call on rows it must not
+#: count (a reversed halo call's rows past the straddling document, a
+#: tiled call's rows past a segment's length).
 NO_WEIGHT_LSE = 1e30
 
 

@@ -150,15 +150,18 @@ class TransformerLayer(nn.Module):
       through a halo of the ``max_seqlen - 1`` tokens before it (a sliding
       window's ``left``, when that is shorter), in a loop whose backward
       re-runs each chunk's forward next to that chunk's backward
-      (:func:`jax_cp.modules.row_chunks.map_row_chunks`). The layer then
-      keeps, per token, its input, output and their cotangents and no
-      other buffer of the row, whatever ``remat`` says: with
-      ``remat="full"`` XLA's plan for a step grows by about 3·d bytes per
-      token beyond the saved layer inputs, plus one chunk's working set
-      (several GB at chunks of 65536 of a d_model 2048 layer), where whole
-      rows measured about 14·d; the step costs more time (1.30x at 1M
-      tokens on an H200; docs/design.md, "Layer chunks"). Replaces
-      ``mlp_chunk_size``. One
+      (:func:`jax_cp.modules.row_chunks.map_row_chunks`); a chunk's
+      attention is a top-left call on its own keys and a call for the
+      document that straddles its start on the halo's keys
+      (:mod:`jax_cp.modules.window_attention`). The layer then keeps,
+      per token, its input, output and their cotangents and no other
+      buffer of the row, whatever ``remat`` says: with ``remat="full"``
+      a 16-layer d_model 2048 step on an H200 with chunks of 32768 held
+      74.1 KB of XLA temp per token at 1M tokens (2·d·L + 4.2·d, the
+      chunk's working set included), where whole rows measured about
+      2·d·L + 14·d, and cost 1.023x the whole-row step at 128k (paired)
+      and 1.04x to 1.07x at 512k and 1M (docs/design.md, "Layer
+      chunks"). Replaces ``mlp_chunk_size``. One
       rank only (cp size 1); needs the layout's ``max_seqlen`` (or a
       window) and a chunk of at least the halo. Concrete metadata with a
       longer padded document raise ``ValueError``; traced ones give NaN
