@@ -457,7 +457,7 @@ def measure(args, seq_len: int, cp: int, remat: str, *, timed: bool = True
 EXACT_TOL = 5e-3
 
 
-def _layer_chunk_calls(backend, cu, cuP, chunks, bound: int) -> list:
+def _layer_chunk_calls(cu, cuP, chunks, bound: int) -> list:
   """The attention calls of the last full layer chunk of a row
   (:func:`jax_cp.modules.window_attention.plan_calls`), as ``(segments,
   query tokens, key tokens, mask)``, each without its empty segments; the
@@ -471,9 +471,8 @@ def _layer_chunk_calls(backend, cu, cuP, chunks, bound: int) -> list:
   q_start = (int(cuP[-1]) // c - 1) * c
   halo = q_start - max(q_start - chunks.halo, 0)
   parts = row_chunks.chunk_segments(cu, cuP, q_start, q_start - halo, c)
-  spec = window_attention.Spec(backend, 1.0, -1, halo, min(bound, c), True)
   calls = window_attention.plan_calls([jnp.asarray(a)[None] for a in parts],
-                                      c, spec)
+                                      c, halo, min(bound, c), True)
   out = []
   for seg, tq, tkv, mask in ((calls.chunk, c, c, "causal_top_left"),
                              (calls.halo, calls.rows, halo, "no_mask")):
@@ -524,7 +523,7 @@ def check_exact(rec: dict, rows, cfg, cp: int) -> None:
     calls = {"row": (seg, t, t, "causal_top_left")}
   else:
     calls = dict(zip(("chunk", "halo"), _layer_chunk_calls(
-        backend, cu, cuP, chunks, int(rows.max_seqlen))))
+        cu, cuP, chunks, int(rows.max_seqlen))))
   errs = {}
   for name, (seg, tq, tkv, mask) in calls.items():
     keys = jax.random.split(jax.random.PRNGKey(0), 3)

@@ -42,6 +42,7 @@ from jax_cp.attention.merge import (
   add,
   merge_softmax,
   merge_softmax_rows,
+  reversed_prefix,
 )
 from jax_cp.cp_config import CPConfig
 from jax_cp.modules.remat import CONTEXT
@@ -212,20 +213,11 @@ def _vjp_backward(cfg: CPConfig, residuals, dout):
 
 
 def _reversed_rows(call: call_plan.Call, x, fill):
-  """The first ``lq = call.q_rows`` rows of axis 1 of ``x`` (zero rows past
-  the chunk), ``fill`` on the rows past each batch entry's
-  ``call.halo_rows``, in reverse order: the Q-side input of a reversed halo
-  call (:attr:`jax_cp.call_plan.Call.halo_rows`)."""
-  lq = call.q_rows
-  n = min(lq, x.shape[1])
-  x = x[:, :n]
-  if lq > n:
-    x = jnp.pad(x, [(0, 0), (0, lq - n)] + [(0, 0)] * (x.ndim - 2))
-  if fill is not None:
-    valid = jnp.arange(lq)[None, :] < call.halo_rows[:, None]   # [B, lq]
-    keep = valid.reshape(valid.shape + (1,) * (x.ndim - 2))
-    x = jnp.where(keep, x, jnp.asarray(fill, x.dtype))
-  return jnp.flip(x, axis=1)
+  """The Q-side input of a reversed halo call
+  (:attr:`jax_cp.call_plan.Call.halo_rows`): its first ``call.q_rows``
+  rows, ``fill`` past each batch entry's ``call.halo_rows``, reversed
+  (:func:`jax_cp.attention.merge.reversed_prefix`)."""
+  return reversed_prefix(x, call.q_rows, call.halo_rows, fill)
 
 
 def _halo_kv(cfg: CPConfig, call: call_plan.Call, k, kx, vx, halo):

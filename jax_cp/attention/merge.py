@@ -32,6 +32,23 @@ MERGE_OPS = ("add", "max")
 NO_WEIGHT_LSE = 1e30
 
 
+def reversed_prefix(x, rows: int, valid_rows=None, fill=None):
+  """The Q-side input of a reversed call (a halo whose band is top-left
+  with rows and keys reversed): the first ``rows`` rows of axis 1 of
+  ``x [B, T, ...]`` (zero rows past ``T``), ``fill`` on the rows at or
+  past each batch entry's ``valid_rows`` (int ``[B]``; with ``fill``
+  given), in reverse order."""
+  n = min(rows, x.shape[1])
+  x = x[:, :n]
+  if rows > n:
+    x = jnp.pad(x, [(0, 0), (0, rows - n)] + [(0, 0)] * (x.ndim - 2))
+  if fill is not None:
+    valid = jnp.arange(rows)[None, :] < valid_rows[:, None]    # [B, rows]
+    keep = valid.reshape(valid.shape + (1,) * (x.ndim - 2))
+    x = jnp.where(keep, x, jnp.asarray(fill, x.dtype))
+  return jnp.flip(x, axis=1)
+
+
 def check_merge_rows(dst, src, row_offset, op) -> None:
   """``dst [B, Td, ...]``, ``src [B, Ts, ...]`` of one dtype, equal B and
   trailing dims, static ``0 <= row_offset <= Td - Ts``, ``op`` in

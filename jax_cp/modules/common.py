@@ -456,8 +456,7 @@ def init_window(x, queries: int = 1):
   E]``, for the modules to create their parameters on."""
   lens = jnp.full(x.shape[:-2] + (1,), queries, jnp.int32)
   zeros = jnp.zeros_like(lens)
-  return row_chunks.Window(queries, (lens, lens, zeros, zeros), queries,
-                           queries)
+  return row_chunks.Window(queries, (lens, lens, zeros, zeros), queries)
 
 
 def attend_window(layout: CPLayout, query, key, value, window, *,

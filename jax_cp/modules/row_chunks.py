@@ -48,7 +48,6 @@ class Window(NamedTuple):
   queries: int
   segments: tuple
   max_seqlen_q: int
-  max_seqlen_kv: int
   broken: Any = None
   whole_halo: bool = True
 
@@ -190,8 +189,8 @@ def map_row_chunks(make_fn: Callable, x, position_ids, cu_seqlens,
 
   def convert(queries, w_size):
     def fn(xw, pos, seg, broken):
-      window = Window(queries, seg, min(bound, queries), min(bound, w_size),
-                      broken, p.bound is not None)
+      window = Window(queries, seg, min(bound, queries), broken,
+                      p.bound is not None)
       return make_fn(window)(pin(xw), pos)
     example = (x[:, :w_size], *aux(ints, 0, queries, 0, w_size), broken)
     f, consts = jax.closure_convert(fn, *example)

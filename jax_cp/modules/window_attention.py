@@ -39,7 +39,11 @@ import jax.numpy as jnp
 
 from jax_cp.attention.api import flatten_segments, window_kwargs
 from jax_cp.attention.backend import Segments
-from jax_cp.attention.merge import NO_WEIGHT_LSE, merge_softmax_rows
+from jax_cp.attention.merge import (
+  NO_WEIGHT_LSE,
+  merge_softmax_rows,
+  reversed_prefix,
+)
 
 
 class Calls(NamedTuple):
@@ -54,7 +58,7 @@ class Calls(NamedTuple):
       ``"causal_top_left"`` (rows and keys reversed).
     rows: the halo call's Q rows per batch row: the chunk's first ``rows``
       (zero rows past the chunk when it is shorter).
-    valid: bool ``[B, rows]``: the rows that hold the straddling
+    doc_rows: int ``[B]``: how many of those rows hold the straddling
       document's queries (the others are dropped).
   """
 
@@ -62,7 +66,12 @@ class Calls(NamedTuple):
   halo: Segments | None
   halo_mask: str
   rows: int
-  valid: Any
+  doc_rows: Any
+
+  @property
+  def valid(self):
+    """bool ``[B, rows]``: the rows of the straddling document."""
+    return jnp.arange(self.rows)[None, :] < self.doc_rows[:, None]
 
 
 class Spec(NamedTuple):
@@ -87,36 +96,38 @@ class Spec(NamedTuple):
   whole_halo: bool
 
 
-def plan_calls(segments, queries: int, spec: Spec) -> Calls:
-  """The calls of a window whose ``queries`` chunk queries attend to its
-  keys as ``segments`` say (``q_lens``, ``kv_lens``, ``q_offsets``,
-  ``kv_offsets``, each ``[B, N]``, KV offsets from the window's first
-  token: :func:`jax_cp.modules.row_chunks.chunk_segments`)."""
+def plan_calls(segments, queries: int, halo: int, max_q: int,
+               whole_halo: bool) -> Calls:
+  """The calls of a window of ``halo`` halo tokens whose ``queries`` chunk
+  queries attend to its keys as ``segments`` say (``q_lens``,
+  ``kv_lens``, ``q_offsets``, ``kv_offsets``, each ``[B, N]``, KV offsets
+  from the window's first token:
+  :func:`jax_cp.modules.row_chunks.chunk_segments`); ``max_q`` and
+  ``whole_halo`` as in :class:`Spec`."""
   q_lens, kv_lens, q_offs, _ = (jnp.asarray(a, jnp.int32) for a in segments)
   # A document's keys in the chunk start where its queries do.
   chunk = flatten_segments(q_lens, q_lens, q_offs, q_offs, queries, queries,
-                           spec.max_q, spec.max_q, rows_see_keys=True)
-  if not spec.halo:
+                           max_q, max_q, rows_see_keys=True)
+  if not halo:
     return Calls(chunk, None, "", 0, None)
   # Only the straddling document has keys before its first query.
   before = jnp.where(q_lens > 0, kv_lens - q_lens, 0)
   q_doc = jnp.sum(jnp.where(before > 0, q_lens, 0), axis=-1, keepdims=True)
   h = jnp.sum(before, axis=-1, keepdims=True)
   zero = jnp.zeros_like(h)
-  if spec.whole_halo:
-    rows = min(queries, spec.max_q)
-    halo = flatten_segments(q_doc, h, zero, spec.halo - h, rows, spec.halo,
-                            rows, spec.halo, rows_see_keys=True)
+  if whole_halo:
+    rows = min(queries, max_q)
+    seg = flatten_segments(q_doc, h, zero, halo - h, rows, halo, rows, halo,
+                           rows_see_keys=True)
     mask = "no_mask"
   else:
     # Reversed (row i' = halo-1-j, key m' = halo-1-m): query j sees key m
     # when m >= j, i.e. m' <= i'; the document's keys are the first h.
-    rows = spec.halo
-    halo = flatten_segments(jnp.where(h > 0, rows, 0), h, zero, zero, rows,
-                            spec.halo, rows, spec.halo, rows_see_keys=True)
+    rows = halo
+    seg = flatten_segments(jnp.where(h > 0, rows, 0), h, zero, zero, rows,
+                           halo, rows, halo, rows_see_keys=True)
     mask = "causal_top_left"
-  valid = jnp.arange(rows)[None, :] < q_doc
-  return Calls(chunk, halo, mask, rows, valid)
+  return Calls(chunk, seg, mask, rows, q_doc[:, 0])
 
 
 def _flat(x):
@@ -125,19 +136,12 @@ def _flat(x):
 
 def _halo_rows(calls: Calls, spec: Spec, x, fill=None):
   """The halo call's Q-side input from ``x [B, c, ...]``: its first
-  ``calls.rows`` rows (zero rows past ``c``), reversed when the call is;
-  ``fill`` (if given) on the rows that are not the straddling
-  document's."""
-  n = min(calls.rows, x.shape[1])
-  x = x[:, :n]
+  ``calls.rows`` rows; reversed (zero rows past ``c``, ``fill``, if
+  given, on the rows that are not the straddling document's) when the
+  call is."""
   if spec.whole_halo:
-    return x
-  if calls.rows > n:
-    x = jnp.pad(x, [(0, 0), (0, calls.rows - n)] + [(0, 0)] * (x.ndim - 2))
-  if fill is not None:
-    keep = calls.valid.reshape(calls.valid.shape + (1,) * (x.ndim - 2))
-    x = jnp.where(keep, x, jnp.asarray(fill, x.dtype))
-  return jnp.flip(x, axis=1)
+    return x[:, :calls.rows]
+  return reversed_prefix(x, calls.rows, calls.doc_rows, fill)
 
 
 def _from_halo_rows(calls: Calls, spec: Spec, x, c: int):
@@ -157,7 +161,7 @@ def _halo_kv(spec: Spec, k, v):
 
 def _forward(q, k, v, segments, spec: Spec):
   b, c = spec.backend, q.shape[1]
-  calls = plan_calls(segments, c, spec)
+  calls = plan_calls(segments, c, spec.halo, spec.max_q, spec.whole_halo)
   kc, vc = k[:, spec.halo:], v[:, spec.halo:]
   out, lse = b.forward(_flat(q), _flat(kc), _flat(vc), calls.chunk,
                        mask="causal_top_left", scale=spec.scale,
@@ -189,7 +193,7 @@ def _window_attention_bwd(spec: Spec, res, dout):
   q, k, v, segments, out, lse = res
   b, c, heads = spec.backend, q.shape[1], q.shape[2]
   dout = dout.astype(out.dtype)
-  calls = plan_calls(segments, c, spec)
+  calls = plan_calls(segments, c, spec.halo, spec.max_q, spec.whole_halo)
   kc, vc = k[:, spec.halo:], v[:, spec.halo:]
   dq, dk, dv = b.backward(_flat(q), _flat(kc), _flat(vc), _flat(out),
                           lse.reshape(-1, heads), _flat(dout), calls.chunk,
