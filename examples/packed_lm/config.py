@@ -9,8 +9,7 @@ import math
 import os
 
 CPU_DP, CPU_CP = 2, 4   # the CPU default mesh (8 virtual devices)
-REMAT = ("none", "save_context", "minimal", "minimal_with_context", "full",
-         "offload_context")
+REMAT = ("none", "save_context", "minimal", "minimal_with_context", "full")
 
 
 def _flag(default, help_: str, choices=None):

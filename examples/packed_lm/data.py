@@ -7,15 +7,16 @@ Each pipeline: the files shuffled per epoch (seed + epoch), every
 bytes; grain's ``FirstFitPackIterDataset`` packs them into rows, every
 document starting at a multiple of the layout's padding
 (``pack_alignment_struct``); the rows of a step are batched and converted
-to :class:`jax_cp.PackedRows` by :func:`jax_cp.rows_from_segment_ids` (no
-token moves: the rows are already aligned), balanced for NO_LOAD_BALANCE,
-and built ahead by grain's thread prefetch. Nothing is read before it is
-needed beyond the prefetch depth, and the iterators' state
+to :class:`jax_cp.data.PackedRows` by
+:func:`jax_cp.data.rows_from_segment_ids` (no token moves: the rows are
+already aligned), balanced for NO_LOAD_BALANCE, and built ahead by grain's
+thread prefetch. Nothing is read before it is needed beyond the prefetch
+depth, and the iterators' state
 (:meth:`Batches.get_state`) resumes the stream exactly.
 
 The batch shards (``dp``) define the data, not the processes: a process
 runs the pipelines of the batch shards its devices hold
-(:func:`jax_cp.process_batch_rows`), so every process count reads the same
+(:func:`jax_cp.data.process_batch_rows`), so every process count reads the same
 rows.
 """
 
@@ -69,24 +70,30 @@ def documents(cfg: Config, shard: int = 0, num_shards: int = 1,
   return ds[shard::num_shards].map(read)
 
 
+def host_layout(cfg: Config, cp: int) -> jax_cp.CPLayout:
+  """The layout of the rows for ``cp`` ranks, for the host-side packing
+  (no mesh: the cp size and the strategy)."""
+  return jax_cp.CPLayout(cp_size=cp, strategy=cfg.strategy)
+
+
 def _to_rows(batch: dict, cfg: Config, cp: int, multiple: int
-             ) -> jax_cp.PackedRows:
-  rows = jax_cp.rows_from_segment_ids(
+             ) -> jax_cp.data.PackedRows:
+  rows = jax_cp.data.rows_from_segment_ids(
       batch["tokens_segment_ids"], batch["tokens"],
       positions=batch["tokens_positions"], pad_multiple=multiple,
       max_docs=MAX_DOCS, padding="between")
   if cfg.doc_order == "balanced":
-    rows = jax_cp.balance_rows(rows, cp, cfg.strategy)
+    rows = jax_cp.data.balance_rows(rows, host_layout(cfg, cp))
   return rows
 
 
 def shard_pipeline(cfg: Config, cp: int, rows: int, shard: int = 0,
                    num_shards: int = 1, workers: int = 0,
                    files: list | None = None) -> grain.IterDataset:
-  """Batches of ``rows`` packed rows (:class:`jax_cp.PackedRows`) of one
+  """Batches of ``rows`` packed rows (:class:`jax_cp.data.PackedRows`) of one
   batch shard, padded for the strategy on ``cp`` ranks; ``workers > 0``
   packs in that many grain worker processes."""
-  multiple = jax_cp.pad_multiple_for(cfg.strategy, cp)
+  multiple = jax_cp.data.pad_multiple_for(host_layout(cfg, cp))
   docs = documents(cfg, shard, num_shards, files).to_iter_dataset(
       grain.ReadOptions(num_threads=4, prefetch_buffer_size=64))
   packed = grain_exp.FirstFitPackIterDataset(
@@ -119,11 +126,11 @@ class Batches:
   def __iter__(self):
     return self
 
-  def __next__(self) -> jax_cp.PackedRows:
+  def __next__(self) -> jax_cp.data.PackedRows:
     parts = [next(self._iters[s]) for s in self.shards]
     if len(parts) == 1:
       return parts[0]
-    return jax_cp.PackedRows(**{
+    return jax_cp.data.PackedRows(**{
         k: np.concatenate([getattr(p, k) for p in parts])
         for k in ("tokens", "labels", "loss_mask", "position_ids",
                   "cu_seqlens", "cu_seqlens_padded")})
@@ -148,14 +155,14 @@ def held_shards(local_rows: np.ndarray, batch: int, num_shards: int):
   return sorted({int(r) // (batch // num_shards) for r in local_rows})
 
 
-def place_batch(rows: jax_cp.PackedRows, layout: jax_cp.CPLayout,
+def place_batch(rows: jax_cp.data.PackedRows, layout: jax_cp.CPLayout,
                 local=None, *, global_batch: int | None = None
                 ) -> jax_cp.CPBatch:
   """The global batch from this process's rows: ``rows[local]`` of all
   the rows, or ``rows`` themselves (``local=None``) of a batch of
   ``global_batch`` rows (default: ``rows.num_rows``)."""
   mine = rows if local is None else rows[local]
-  return jax_cp.make_global_batch(
+  return jax_cp.data.make_global_batch(
       mine.tensors, mine.cu_seqlens_padded, layout,
       cu_seqlens=mine.cu_seqlens,
       global_batch_size=global_batch or rows.num_rows)
@@ -175,14 +182,14 @@ def iter_documents(seed: int = 0, max_doc_len: int | None = None
         yield np.frombuffer(doc, dtype=np.uint8)
 
 
-def load_rows(cfg: Config, num_rows: int, cp: int) -> jax_cp.PackedRows:
+def load_rows(cfg: Config, num_rows: int, cp: int) -> jax_cp.data.PackedRows:
   """``num_rows`` rows of :func:`iter_documents` packed by
-  :func:`jax_cp.pack_documents` for the strategy on ``cp`` ranks, in
+  :func:`jax_cp.data.pack_documents` for the strategy on ``cp`` ranks, in
   ``cfg.doc_order``, all at once: the fixed batch of the benchmarks (the
   training run streams with :class:`Batches`)."""
-  rows = jax_cp.pack_documents(
+  rows = jax_cp.data.pack_documents(
       iter_documents(cfg.seed, cfg.max_doc_len), cfg.seq_len, num_rows,
-      jax_cp.pad_multiple_for(cfg.strategy, cp))
+      jax_cp.data.pad_multiple_for(host_layout(cfg, cp)))
   if cfg.doc_order == "balanced":
-    rows = jax_cp.balance_rows(rows, cp, cfg.strategy)
+    rows = jax_cp.data.balance_rows(rows, host_layout(cfg, cp))
   return rows

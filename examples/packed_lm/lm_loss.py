@@ -1,5 +1,5 @@
 """The model's loss with its head run chunk by chunk
-(:func:`jax_cp.modules.chunked_loss.chunked_cross_entropy`): the final
+(:func:`jax_cp.chunked_cross_entropy`): the final
 norm, the logits and the cross entropy of a few thousand tokens at a time,
 so the step never holds the ``[B, T, 256]`` float32 logits of a row."""
 
@@ -11,7 +11,6 @@ from flax import nnx
 
 import jax_cp
 from examples.packed_lm.model import VOCAB_SIZE, PackedLM
-from jax_cp.modules.chunked_loss import chunked_cross_entropy
 
 
 def hidden_states(model: PackedLM, batch: jax_cp.CPBatch):
@@ -36,6 +35,6 @@ def token_losses(model: PackedLM, batch: jax_cp.CPBatch,
     norm, logits = nnx.merge(graphdef, state)
     return logits(norm(x)).astype(jnp.float32)
 
-  return chunked_cross_entropy(
+  return jax_cp.chunked_cross_entropy(
       head, hidden_states(model, batch), batch.tensors["labels"],
       vocab=VOCAB_SIZE, chunk_size=chunk_size, layout=model.layout)

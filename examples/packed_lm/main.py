@@ -62,15 +62,16 @@ def main(argv: list[str] | None = None) -> dict:
   is_main, b = jax.process_index() == 0, cfg.batch
   log = print if is_main and not cfg.quiet else (lambda *a: None)
   mesh = make_mesh(cfg.dp, cfg.cp, cfg.device)
-  local = jax_cp.process_batch_rows(mesh, b, model.DATA)
-  batches = data.Batches(cfg, cfg.cp, data.held_shards(local, b, cfg.dp),
-                         cfg.dp)
-  multiple = jax_cp.pad_multiple_for(cfg.strategy, cfg.cp)
+  layout = model.make_layout(cfg, mesh)
+  multiple = jax_cp.data.pad_multiple_for(layout)
   # A padded document is at most max_doc_len rounded up; so is the padding
   # after a row's last document (first-fit packing closes a row only when
   # a document does not fit in what is left).
   max_seqlen = cfg.max_seqlen or -(-cfg.max_doc_len // multiple) * multiple
-  layout = model.make_layout(cfg, mesh, max_seqlen)
+  layout = layout.replace(max_seqlen=max_seqlen)
+  local = jax_cp.data.process_batch_rows(layout, b)
+  batches = data.Batches(cfg, cfg.cp, data.held_shards(local, b, cfg.dp),
+                         cfg.dp)
   log(f"data: grain pipeline, {b} rows x {cfg.seq_len} tokens per step "
       f"({cfg.doc_order}), max_seqlen={max_seqlen}; mesh dp={cfg.dp} x "
       f"cp={cfg.cp} ({cfg.strategy}) over {jax.process_count()} process(es)")
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
         yield last["batch"]
 
     # This process's rows stand for the step's (MFU).
-    step_flops = lambda s: jax_cp.model_flops(
+    step_flops = lambda s: jax_cp.planning.model_flops(
         cu_of_step.pop(s), tokens=b * cfg.seq_len, matmul_params=n_matmul,
         num_layers=cfg.layers, num_heads=cfg.heads,
         head_dim=cfg.d_model // cfg.heads) * cfg.dp / len(batches.shards)
@@ -136,9 +137,9 @@ def main(argv: list[str] | None = None) -> dict:
     lm = nnx.merge(nnx.graphdef(nnx.eval_shape(
         lambda: model.PackedLM(cfg, nocp, rngs=nnx.Rngs(0)))), params)
     tensors, cu_p, cu = whole
-    tensors = {k: jax_cp.restore_from_cp(v, cu_p, layout, seq_dim=1)
+    tensors = {k: jax_cp.data.restore_from_cp(v, cu_p, layout, seq_dim=1)
                for k, v in tensors.items()}
-    eval_nocp = train.evaluate(lm, jax_cp.make_global_batch(
+    eval_nocp = train.evaluate(lm, jax_cp.data.make_global_batch(
         tensors, cu_p, nocp, cu_seqlens=cu))
     rel = abs(eval_cp - eval_nocp) / max(abs(eval_nocp), 1e-12)
     tol = 1e-4 if cfg.dtype == "float32" else 5e-3   # sums in other orders

@@ -1,20 +1,28 @@
-"""Varlen (THD) attention: the ``fused_attention`` primitive and its backends.
+"""Varlen (THD) attention without CP: the ``fused_attention`` primitive, its
+backends, and the pieces the CP layer and the layer chunks build on.
 
-* :mod:`~jax_cp.attention.backend`: the backend contract (``Protocol``) and
-  :class:`Segments`.
-* :mod:`~jax_cp.attention.registry`: the table of backends, and choosing one.
-* :mod:`~jax_cp.attention.xla`, :mod:`~jax_cp.attention.cudnn`: the backends.
-* :mod:`~jax_cp.attention.merge`: row merges, portable versions.
+* :mod:`~jax_cp.attention.api`: ``fused_attention``.
+* :mod:`~jax_cp.attention.validation`: the ``check_*`` functions of an
+  attention call's arguments.
+* :mod:`~jax_cp.attention.backend`: the backend contract (``Protocol``),
+  :class:`Segments`, :func:`row_segments`.
+* :mod:`~jax_cp.attention.registry`: the table of backends, and choosing
+  one.
+* :mod:`~jax_cp.attention.xla`, :mod:`~jax_cp.attention.cudnn`: the
+  backends.
+* :mod:`~jax_cp.attention.merge`: row merges and log-sum-exp merges of
+  partial results.
+* :mod:`~jax_cp.attention.straddle`: the halo call of a straddling
+  document (NO_LOAD_BALANCE and layer chunks).
+* :mod:`~jax_cp.attention.chunk_attention`: a layer chunk's attention.
 * :mod:`~jax_cp.attention.cudnn_workspace`: the cuDNN backward's scratch
   memory, as a formula, and the bound on it.
 * :mod:`~jax_cp.attention.head_groups`: a backward in sub-calls over whole
   GQA head groups (how the cuDNN backend keeps to that bound).
-* :mod:`~jax_cp.attention.api`: ``fused_attention``.
 """
 
 from jax_cp.attention.api import fused_attention
 from jax_cp.attention.backend import (
-    MASK_TYPES,
     AttentionBackend,
     Backend,
     InPlaceAttentionBackend,
@@ -25,6 +33,7 @@ from jax_cp.attention.registry import (
     registered_backends,
     resolve_backend,
 )
+from jax_cp.attention.validation import MASK_TYPES
 
 __all__ = ["fused_attention", "AttentionBackend", "Backend",
            "InPlaceAttentionBackend", "MASK_TYPES", "Segments",

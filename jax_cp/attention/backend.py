@@ -2,7 +2,7 @@
 
 A backend computes causal or non-causal attention over *ragged segments* of
 a packed token buffer. The CP layer above talks to backends only through
-this contract (docs/design.md, Backend contract), so it is backend-neutral:
+this contract (docs/internals.md, Backend contract), so it is backend-neutral:
 
 ``forward(q, k, v, seg, *, mask, scale, window_left=-1) -> (out, lse)``
     q: ``[Tq, Hq, D]``; k, v: ``[Tkv, Hkv, D]`` (``Hq % Hkv == 0``).
@@ -51,6 +51,12 @@ bounds ``max_seqlen_q``/``max_seqlen_kv`` (a longer segment is attended in
 full); False when kernels are sized by them, as cuDNN's are, and a longer
 segment gives wrong results.
 
+``split_bottom_right_backward``: True when the backend runs the backward
+of a bottom-right causal segment slower than the backward of its unmasked
+rectangle plus its top-left triangle (cuDNN does, about 2x;
+docs/decisions.md): the CP planner then splits such blocks in the
+backward. The results are the same either way.
+
 In-place writes are an optional capability (``supports_in_place``, the
 :class:`InPlaceAttentionBackend` protocol). Such a backend also takes:
 
@@ -74,10 +80,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 
 from jax_cp.attention.merge import merge_rows_jnp
-
-MASK_TYPES = ("no_mask", "causal_top_left", "causal_bottom_right")
+from jax_cp.attention.validation import MASK_TYPES  # noqa: F401
 
 
 @jax.tree_util.register_dataclass
@@ -108,7 +114,7 @@ class Segments:
       dense kernel without a padding mask (the cudnn backend does: it is
       the graph of ``jax.nn.dot_product_attention``) and mask the rows past
       the lengths itself. A batch of rows holding one document each, at
-      cp=1, is tiled (docs/design.md, Tiled calls). Such a kernel reads
+      cp=1, is tiled (docs/internals.md, Tiled calls). Such a kernel reads
       the padding rows, so they must hold finite values.
   """
 
@@ -121,6 +127,52 @@ class Segments:
   rows_see_keys: bool = dataclasses.field(default=False,
                                           metadata=dict(static=True))
   tiled: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+
+def row_segments(q_lens, kv_lens, q_offsets, kv_offsets, q_tokens: int,
+                 kv_tokens: int, max_q: int, max_kv: int, *,
+                 rows_see_keys: bool = False, tiled: bool = False,
+                 clamp: bool = False,
+                 heaviest_first: bool = False) -> Segments:
+  """``[B, N]`` (or ``[N]``) segments over ``B`` rows of ``q_tokens`` Q and
+  ``kv_tokens`` K/V rows as one :class:`Segments` list over the flattened
+  ``[B*T]`` buffers. The bounds are capped by the token counts (and are at
+  least 1).
+
+  ``clamp`` (for metadata a caller passes in, which cannot be checked
+  when traced) puts every segment into its row and its bound: its offset
+  into ``[0, tokens]``, its length into ``[0, min(bound, tokens -
+  offset)]``, so no kernel reads or writes outside the buffers. Without
+  it the lengths stay as given, so a backend that is exact past its
+  bounds (``exact_past_bounds``) attends a longer segment in full.
+  ``heaviest_first`` orders the segments by their causal pairs
+  ``q * (2 kv - q)``, most first: the order changes no result, and fused
+  kernels, which start their thread blocks roughly in segment order, then
+  leave short blocks for the end of the grid (docs/decisions.md). Tiled
+  segments keep their order (segment ``i`` is row ``i``).
+  """
+  as32 = lambda x: jnp.asarray(x, jnp.int32)
+  q_lens, kv_lens, q_offsets, kv_offsets = map(
+      as32, (q_lens, kv_lens, q_offsets, kv_offsets))
+  max_q = max(min(int(max_q), q_tokens), 1)
+  max_kv = max(min(int(max_kv), kv_tokens), 1)
+  if clamp:
+    q_offsets = jnp.clip(q_offsets, 0, q_tokens)
+    q_lens = jnp.clip(q_lens, 0, jnp.minimum(max_q, q_tokens - q_offsets))
+    kv_offsets = jnp.clip(kv_offsets, 0, kv_tokens)
+    kv_lens = jnp.clip(kv_lens, 0,
+                       jnp.minimum(max_kv, kv_tokens - kv_offsets))
+  if q_lens.ndim == 2:
+    rows = jnp.arange(q_lens.shape[0], dtype=jnp.int32)[:, None]
+    q_offsets = q_offsets + rows * q_tokens
+    kv_offsets = kv_offsets + rows * kv_tokens
+  seg = [x.reshape(-1) for x in (q_lens, kv_lens, q_offsets, kv_offsets)]
+  if heaviest_first and not tiled and seg[0].shape[0] > 1:
+    q, kv = seg[0].astype(jnp.float32), seg[1].astype(jnp.float32)
+    order = jnp.argsort(-(q * (2 * kv - q)), stable=True)
+    seg = [x[order] for x in seg]
+  return Segments(*seg, max_q, max_kv, rows_see_keys=rows_see_keys,
+                  tiled=tiled)
 
 
 Pair = tuple[jax.Array, jax.Array]
@@ -139,6 +191,9 @@ class AttentionBackend(Protocol):
 
   @property
   def exact_past_bounds(self) -> bool: ...
+
+  @property
+  def split_bottom_right_backward(self) -> bool: ...
 
   def is_available(self, platform: str) -> bool: ...
 
@@ -185,6 +240,9 @@ class Backend:
       (see :class:`InPlaceAttentionBackend`).
     exact_past_bounds: results do not depend on the segments' static
       bounds (see the module docstring).
+    split_bottom_right_backward: the CP planner splits bottom-right blocks
+      into a rectangle and a triangle in the backward (see the module
+      docstring).
     dtypes: the q/k/v dtypes it takes; None: every floating dtype.
   """
 
@@ -195,4 +253,5 @@ class Backend:
   merge_rows: Callable[..., jax.Array] = merge_rows_jnp
   supports_in_place: bool = False
   exact_past_bounds: bool = False
+  split_bottom_right_backward: bool = False
   dtypes: tuple[Any, ...] | None = None

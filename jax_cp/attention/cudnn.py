@@ -36,11 +36,11 @@ same kernels. The handler fills the rows past each segment's length after
 the forward; the backward gets those rows' ``lse`` as a huge value, so
 their probabilities and their share of every gradient are exactly 0, and
 reads the ``lse`` head-major as cuDNN 9.19 wants for a dense graph
-(docs/design.md, Tiled calls).
+(docs/internals.md, Tiled calls).
 
 A sliding window (``window_left``) is cuDNN's diagonal band,
 ``set_diagonal_band_left_bound(window_left + 1)`` on both alignments,
-forward and backward (docs/design.md, Sliding window); bottom-right segments
+forward and backward (docs/internals.md, Sliding window); bottom-right segments
 first drop the KV rows before their band (:func:`_cut_to_band`).
 
 Limitation (cuDNN writes dK/dV per segment, it does not accumulate): the
@@ -170,7 +170,7 @@ def check_token_counts(q_shape, k_shape) -> None:
 #: exactly with int32 element offsets, per tensor it addresses through them
 #: (Q, K/V, and its own float32 buffers sized like Q and like K/V at the
 #: query heads): past it dK/dV and then dQ come out wrong
-#: (docs/design.md, "Ragged offsets and the size limit"). At or past it a
+#: (docs/internals.md, Ragged offsets). At or past it a
 #: call gets int64 offsets.
 INT32_OFFSET_ELEMENT_LIMIT = 2**29
 
@@ -578,4 +578,5 @@ for _name, _capsule in _jax_cp_cuda.registrations().items():
 
 BACKEND = Backend(name="cudnn", forward=forward, backward=backward,
                   is_available=_is_available, merge_rows=merge_rows,
-                  supports_in_place=True, dtypes=SUPPORTED_DTYPES)
+                  supports_in_place=True, split_bottom_right_backward=True,
+                  dtypes=SUPPORTED_DTYPES)

@@ -28,14 +28,7 @@ import warnings
 import jax
 import numpy as np
 
-# Names other modules import from here.
-from jax_cp.attention.backend import (  # noqa: F401
-    MASK_TYPES,
-    AttentionBackend,
-    Backend,
-    InPlaceAttentionBackend,
-    Segments,
-)
+from jax_cp.attention.backend import AttentionBackend
 
 #: name -> (module defining ``BACKEND``, extension module it needs or None).
 BUILTIN_BACKENDS: dict[str, tuple[str, str | None]] = {
@@ -47,7 +40,7 @@ BUILTIN_BACKENDS: dict[str, tuple[str, str | None]] = {
 BUILD_HINT = ('on a GPU machine with a C++ compiler (no CUDA toolkit '
               'needed), install jax_cp with its extension: '
               'pip install -e ".[cuda13]" -C cuda=13 '
-              '(README: Building the cuDNN extension)')
+              '(docs/gpu.md)')
 
 # Backends loaded so far or registered by users, and the warnings given.
 _BACKENDS: dict[str, AttentionBackend] = {}

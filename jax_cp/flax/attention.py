@@ -6,19 +6,18 @@ Every module takes one static ``layout`` field, a :class:`jax_cp.CPLayout`
 
 * **global view** (``view="global"``, the default): call the module under
   ``jit`` with a mesh (the layout's ``mesh`` or ``jax.set_mesh``). Token
-  arrays hold the *whole* row in :func:`jax_cp.reorder_for_cp` layout, their
-  token axis sharded over ``cp_axis``; attention goes through
-  :func:`jax_cp.cp_attention`, which opens its own ``shard_map``.
+  arrays hold the *whole* row in :func:`jax_cp.data.reorder_for_cp`
+  layout, their token axis sharded over ``cp_axis``; attention opens its
+  own ``shard_map``.
 * **local view** (``view="local"``): call the module inside your own
   ``jax.shard_map``; token arrays hold this rank's chunk (as produced by
-  :func:`jax_cp.get_batch_on_this_cp_rank`) and attention goes through
-  :func:`jax_cp.cp_attention_local`.
+  :func:`jax_cp.data.get_batch_on_this_cp_rank`).
 
 In both views ``cu_seqlens`` / ``cu_seqlens_padded`` are the *global* row
 metadata ``[B, N+1]`` (``[N+1]`` for unbatched inputs), or a
 :class:`jax_cp.CPBatch` in place of ``cu_seqlens``, whose layout must match
-the module's. Without a layout the row is attended whole, through
-:func:`jax_cp.cp_attention_local` with no cp axis.
+the module's; attention is :func:`jax_cp.cp_attention` with the module's
+layout. Without a layout the row is attended whole.
 """
 
 from __future__ import annotations
@@ -31,11 +30,12 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_cp import checks
-from jax_cp.layout import CPLayout
-from jax_cp.modules import common
-from jax_cp.modules.remat import OUT_PROJ, remat_policy
+from jax_cp.attention.validation import check_window_size
+from jax_cp.checkpoint_names import OUT_PROJ
+from jax_cp.cp.layout import CPLayout
+from jax_cp.modules import inputs, layer_chunks, settings
 from jax_cp.modules.remat import call as remat_call
+from jax_cp.modules.remat import remat_policy
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
@@ -70,8 +70,8 @@ class DotProductAttention(nn.Module):
   layout: CPLayout | None = None
 
   def __post_init__(self):
-    common.check_layout(self.layout)
-    checks.check_window_size(self.window_size, self.attn_mask_type)
+    inputs.module_layout(self.layout)
+    check_window_size(self.window_size, self.attn_mask_type)
     super().__post_init__()
 
   @nn.compact
@@ -91,15 +91,15 @@ class DotProductAttention(nn.Module):
     Returns:
       ``[.., T, Hq, D]`` in the layout of ``query``; 0 on padding tokens.
     """
-    layout = common.check_layout(self.layout).for_batch(cu_seqlens)
-    cu_seqlens, cu_seqlens_padded = common.metadata(
+    layout = inputs.module_layout(self.layout)
+    cu_seqlens, cu_seqlens_padded = inputs.metadata(
         layout, cu_seqlens, cu_seqlens_padded, "DotProductAttention's batch")
-    common.check_tokens(layout, query.shape[-3], cu_seqlens_padded, "query")
+    inputs.check_tokens(layout, query.shape[-3], cu_seqlens_padded, "query")
     self.sow("intermediates", "cp_strategy_code",
-             jnp.int32(common.STRATEGY_CODES[layout.strategy]))
+             jnp.int32(settings.STRATEGY_CODES[layout.strategy]))
     if self.dtype is not None:
       query, key, value = (x.astype(self.dtype) for x in (query, key, value))
-    return common.attend(layout, query, key, value, cu_seqlens,
+    return inputs.attend(layout, query, key, value, cu_seqlens,
                            cu_seqlens_padded,
                            attn_mask_type=self.attn_mask_type,
                            window_size=self.window_size,
@@ -119,8 +119,6 @@ class MultiHeadAttention(nn.Module):
     num_heads: number of query heads.
     num_kv_heads: number of key/value heads (GQA/MQA); must divide
       ``num_heads``. Default: ``num_heads``.
-    num_gqa_groups: alias of ``num_kv_heads`` (TransformerEngine's name);
-      set at most one of the two (or both to the same value).
     head_dim: per-head features (default ``E // num_heads``).
     out_features: output features (default ``E``).
     rope_theta: rotary base; ``None`` disables rotary embeddings.
@@ -143,7 +141,6 @@ class MultiHeadAttention(nn.Module):
 
   num_heads: int
   num_kv_heads: int | None = None
-  num_gqa_groups: int | None = None
   head_dim: int | None = None
   out_features: int | None = None
   rope_theta: float | None = 10000.0
@@ -159,12 +156,12 @@ class MultiHeadAttention(nn.Module):
   remat: str | Callable = "none"
 
   def __post_init__(self):
-    common.check_layout(self.layout)
-    checks.check_window_size(self.window_size, self.attn_mask_type)
+    inputs.module_layout(self.layout)
+    check_window_size(self.window_size, self.attn_mask_type)
     remat_policy(self.remat)
     # The field holds the resolved count, as the NNX module's attribute.
-    self.num_kv_heads = common.num_kv_heads(
-        self.num_heads, self.num_kv_heads, self.num_gqa_groups)
+    self.num_kv_heads = settings.num_kv_heads(
+        self.num_heads, self.num_kv_heads)
     super().__post_init__()
 
   def __call__(self, x, cu_seqlens, cu_seqlens_padded=None,
@@ -184,7 +181,7 @@ class MultiHeadAttention(nn.Module):
     Returns:
       ``[.., T, out_features]``.
     """
-    _, position_ids = common.call_inputs(
+    _, position_ids = inputs.call_inputs(
         self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
         "MultiHeadAttention", self.rope_theta)
     body = lambda module, x, pos: module._attend(x, cu_seqlens,
@@ -195,11 +192,11 @@ class MultiHeadAttention(nn.Module):
   def _attend(self, x, cu_seqlens, cu_seqlens_padded, position_ids,
               window=None):
     """The block; with a layer chunk's ``window``
-    (:class:`jax_cp.modules.row_chunks.Window`) ``x`` is the window's
+    (:class:`jax_cp.modules.layer_chunks.Window`) ``x`` is the window's
     tokens, the output its chunk's (the last ``window.queries``), and the
     metadata are not read."""
     features = x.shape[-1]
-    head_dim = common.head_features(features, self.num_heads, self.head_dim)
+    head_dim = settings.head_features(features, self.num_heads, self.head_dim)
     dense = lambda heads, name: nn.DenseGeneral(
         (heads, head_dim), use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, kernel_init=self.kernel_init,
@@ -208,12 +205,12 @@ class MultiHeadAttention(nn.Module):
     q = dense(self.num_heads, "query")(xq)
     k = dense(self.num_kv_heads, "key")(x)
     v = dense(self.num_kv_heads, "value")(x)
-    q, k, v = common.rotate_qkv(q, k, v, self.rope_theta, position_ids)
+    q, k, v = inputs.rotate_qkv(q, k, v, self.rope_theta, position_ids)
     if window is not None:
       if self.dtype is not None:
         q, k, v = (a.astype(self.dtype) for a in (q, k, v))
-      out = common.attend_window(
-          common.check_layout(self.layout), q, k, v, window,
+      out = layer_chunks.attend_window(
+          inputs.module_layout(self.layout), q, k, v, window,
           window_size=self.window_size, softmax_scale=self.softmax_scale)
     else:
       out = DotProductAttention(attn_mask_type=self.attn_mask_type,

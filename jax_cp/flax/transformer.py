@@ -9,12 +9,13 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_cp import checks
+from jax_cp.attention.validation import check_window_size
+from jax_cp.checkpoint_names import DECODER_LAYER_INPUT, MLPWO
+from jax_cp.cp.layout import CPLayout
 from jax_cp.flax.attention import Dtype, Initializer, MultiHeadAttention
-from jax_cp.layout import CPLayout
-from jax_cp.modules import common
-from jax_cp.modules.remat import DECODER_LAYER_INPUT, MLPWO, remat_policy
+from jax_cp.modules import inputs, layer_chunks, settings, token_chunks
 from jax_cp.modules.remat import call as remat_call
+from jax_cp.modules.remat import remat_policy
 
 
 class MlpBlock(nn.Module):
@@ -37,7 +38,7 @@ class MlpBlock(nn.Module):
       (a shorter last chunk takes the rest), in a loop whose backward
       re-runs each chunk's forward, so one chunk's hidden activations are
       live at a time, forward and backward, as
-      :func:`jax_cp.modules.common.map_token_chunks`.
+      :func:`jax_cp.modules.token_chunks.map_token_chunks`.
   """
 
   mlp_dim: int
@@ -50,8 +51,8 @@ class MlpBlock(nn.Module):
   chunk_size: int | None = None
 
   def __post_init__(self):
-    common.check_activation(self.activation)
-    common.check_chunk_size(self.chunk_size, "chunk_size", auto=False)
+    settings.check_activation(self.activation)
+    token_chunks.check_chunk_size(self.chunk_size, "chunk_size", auto=False)
     super().__post_init__()
 
   @nn.compact
@@ -65,19 +66,19 @@ class MlpBlock(nn.Module):
         param_dtype=self.param_dtype, kernel_init=self.kernel_init, name=name)
     layers = {"up": dense(self.mlp_dim, "up"),
               "down": dense(x.shape[-1], "down")}
-    if self.activation in common.GATED:
+    if self.activation in settings.GATED:
       layers["gate"] = dense(self.mlp_dim, "gate")
-    layout = common.check_layout(self.layout)
+    layout = inputs.module_layout(self.layout)
 
     def apply(layers, x, pin):
-      h = common.mlp_hidden(self.activation, lambda: layers["up"](x),
+      h = settings.mlp_hidden(self.activation, lambda: layers["up"](x),
                             lambda: layers["gate"](x), pin)
       return checkpoint_name(pin(layers["down"](h)), MLPWO)
 
     if pin is not None or self.chunk_size is None:
       return apply(layers, x, pin or layout.shard_tokens)
     cp = layout.resolve_cp_size()
-    if self.chunk_size >= x.shape[-2] // common.token_groups(layout, cp):
+    if self.chunk_size >= x.shape[-2] // token_chunks.token_groups(layout, cp):
       return apply(layers, x, layout.shard_tokens)
     if self.is_initializing():
       apply(layers, x[..., :1, :], lambda v: v)    # creates the parameters
@@ -85,7 +86,7 @@ class MlpBlock(nn.Module):
     fn = lambda xc, pin: apply(
         {k: functools.partial(m.apply, v) for k, (m, v) in unbound.items()},
         xc, pin)
-    return common.map_token_chunks(fn, x, self.chunk_size, layout, cp)
+    return token_chunks.map_token_chunks(fn, x, self.chunk_size, layout, cp)
 
 
 class TransformerLayer(nn.Module):
@@ -99,7 +100,6 @@ class TransformerLayer(nn.Module):
   Attributes:
     num_heads: number of query heads.
     num_kv_heads: number of key/value heads (default ``num_heads``).
-    num_gqa_groups: alias of ``num_kv_heads``.
     head_dim: per-head features (default ``E // num_heads``).
     mlp_dim: hidden features of the MLP (default ``4 * E``).
     mlp_activation: see :class:`MlpBlock`.
@@ -118,60 +118,33 @@ class TransformerLayer(nn.Module):
       view ``"global"`` runs under ``jit`` with a mesh, ``"local"`` inside
       the caller's ``shard_map``.
     remat: ``"none"`` (default), a preset name (``"save_context"``,
-      ``"minimal"``, ``"minimal_with_context"``, ``"full"``,
-      ``"offload_context"``) or a ``jax.checkpoint`` policy: what the
-      backward keeps of the layer's activations (:func:`jax_cp.remat_policy`;
-      docs/design.md, Rematerialization). The layer runs under ``nn.remat``
-      with that policy otherwise.
+      ``"minimal"``, ``"minimal_with_context"``, ``"full"``) or a
+      ``jax.checkpoint`` policy: what the backward keeps of the layer's
+      activations (:func:`jax_cp.remat_policy`). The layer runs under
+      ``nn.remat`` with that policy otherwise.
     mlp_chunk_size: the position-wise part (the pre-MLP norm, the MLP and
-      its residual add) over each rank's tokens in chunks of this many
-      (a shorter last chunk takes the rest), in a loop whose backward
-      re-runs each chunk's forward next to that chunk's backward
-      (:func:`jax_cp.modules.common.map_token_chunks`): one chunk's MLP
-      activations are live at a time, not the row's, whatever ``remat``
-      saves of the rest of the layer (the chunks' ``mlpwi``/``mlpwo`` are
-      never saved), and the loop works in place on the residual stream
-      and its cotangent, so it keeps no token-sized buffer of its own.
-      Chunks never move tokens between ranks (no collective).
-      ``"auto"`` (default): whole rows under ``remat="none"`` or up to
-      8192 tokens per rank; else about ``4 * mlp_dim / E`` chunks (twice
-      that when gated), so that the hidden-wide buffers of a chunk's
-      backward take what the layer input does, of at least 8192 tokens
-      (:func:`jax_cp.modules.common.mlp_chunk_tokens`); measured on one
-      H200 at 256k tokens with ``remat="full"``, its step costs 1.007x
-      the whole-row one. None: the whole row at once; a positive int:
-      tokens per chunk.
-      docs/design.md, "Chunked position-wise work", gives the compiled
-      memory.
+      its residual add) over chunks of this many of each rank's tokens, one
+      chunk's MLP activations live at a time, forward and backward
+      (:func:`jax_cp.modules.token_chunks.map_token_chunks`). ``"auto"``
+      (default): whole rows under ``remat="none"`` or up to 8192 tokens per
+      rank, else chunks of at least 8192 tokens
+      (:func:`jax_cp.modules.token_chunks.mlp_chunk_tokens`); None: whole
+      rows; a positive int: tokens per chunk.
     layer_chunk_size: None (default: the row at once) or a positive int:
-      the whole layer (norms, projections, attention, MLP, residual adds)
-      over chunks of this many tokens of the row (a shorter last chunk
-      takes the rest), each attending to its own queries' documents
-      through a halo of the ``max_seqlen - 1`` tokens before it (a sliding
-      window's ``left``, when that is shorter), in a loop whose backward
-      re-runs each chunk's forward next to that chunk's backward
-      (:func:`jax_cp.modules.row_chunks.map_row_chunks`); a chunk's
-      attention is a top-left call on its own keys and a call for the
-      document that straddles its start on the halo's keys
-      (:mod:`jax_cp.modules.window_attention`). The layer then keeps,
-      per token, its input, output and their cotangents and no other
-      buffer of the row, whatever ``remat`` says: with ``remat="full"``
-      a 16-layer d_model 2048 step on an H200 with chunks of 32768 held
-      74.1 KB of XLA temp per token at 1M tokens (2·d·L + 4.2·d, the
-      chunk's working set included), where whole rows measured about
-      2·d·L + 14·d, and cost 1.023x the whole-row step at 128k (paired)
-      and 1.04x to 1.07x at 512k and 1M (docs/design.md, "Layer
-      chunks"). Replaces ``mlp_chunk_size``. One
-      rank only (cp size 1); needs the layout's ``max_seqlen`` (or a
-      window) and a chunk of at least the halo. Concrete metadata with a
-      longer padded document raise ``ValueError``; traced ones give NaN
-      (``max_seqlen_violation="error"``: a ``checkify`` error), since a
-      ``"fallback"`` to whole rows would keep their buffers.
+      the whole layer over chunks of this many tokens of the row, each
+      reading a halo of the ``max_seqlen - 1`` tokens before it (a sliding
+      window's ``left``, when shorter), so the layer keeps per token only
+      its input, output and their cotangents
+      (:mod:`jax_cp.modules.layer_chunks`). Replaces ``mlp_chunk_size``.
+      One rank only (cp size 1); needs the layout's ``max_seqlen`` or a
+      window, and a chunk of at least the halo.
+
+  docs/long_rows.md says when to choose each of ``remat``,
+  ``mlp_chunk_size`` and ``layer_chunk_size``, and what they cost.
   """
 
   num_heads: int
   num_kv_heads: int | None = None
-  num_gqa_groups: int | None = None
   head_dim: int | None = None
   mlp_dim: int | None = None
   mlp_activation: str = "gelu"
@@ -189,13 +162,13 @@ class TransformerLayer(nn.Module):
   layer_chunk_size: int | None = None
 
   def __post_init__(self):
-    common.check_layout(self.layout)
-    checks.check_window_size(self.window_size, "causal")
+    inputs.module_layout(self.layout)
+    check_window_size(self.window_size, "causal")
     remat_policy(self.remat)
-    common.check_chunk_size(self.mlp_chunk_size, "mlp_chunk_size")
-    common.check_chunk_size(self.layer_chunk_size, "layer_chunk_size",
+    token_chunks.check_chunk_size(self.mlp_chunk_size, "mlp_chunk_size")
+    token_chunks.check_chunk_size(self.layer_chunk_size, "layer_chunk_size",
                             auto=False)
-    common.check_norm_type(self.norm_type)
+    settings.check_norm_type(self.norm_type)
     super().__post_init__()
 
   def _norm(self, name: str) -> Callable:
@@ -209,7 +182,7 @@ class TransformerLayer(nn.Module):
 
     Args:
       x: ``[B, T, E]`` (or ``[T, E]``): the whole row in
-        :func:`jax_cp.reorder_for_cp` layout sharded over ``cp_axis``
+        :func:`jax_cp.data.reorder_for_cp` layout sharded over ``cp_axis``
         (global view), or this rank's chunk (local view).
       cu_seqlens: int ``[B, N+1]`` global valid lengths, or a
         :class:`jax_cp.CPBatch` holding both metadata arrays.
@@ -221,7 +194,7 @@ class TransformerLayer(nn.Module):
     Returns:
       ``[B, T, E]``, same layout as ``x``.
     """
-    layout, position_ids = common.call_inputs(
+    layout, position_ids = inputs.call_inputs(
         self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
         "TransformerLayer", self.rope_theta)
     body = lambda module, x, pos: module._layer(
@@ -233,7 +206,7 @@ class TransformerLayer(nn.Module):
     x = checkpoint_name(x, DECODER_LAYER_INPUT)
     attn = MultiHeadAttention(
         num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-        num_gqa_groups=self.num_gqa_groups, head_dim=self.head_dim,
+        head_dim=self.head_dim,
         rope_theta=self.rope_theta, window_size=self.window_size,
         use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, kernel_init=self.kernel_init,
@@ -245,7 +218,7 @@ class TransformerLayer(nn.Module):
                    kernel_init=self.kernel_init, layout=self.layout,
                    name="mlp")
     norm = self._norm("pre_mlp_norm")
-    plan = common.layer_chunk_plan(self.layer_chunk_size, layout, x.shape,
+    plan = layer_chunks.layer_chunk_plan(self.layer_chunk_size, layout, x.shape,
                                    self.window_size)
     if plan is not None:
       return self._chunked(layout, plan, x, cu_seqlens, cu_seqlens_padded,
@@ -254,10 +227,11 @@ class TransformerLayer(nn.Module):
     h = x + layout.shard_tokens(attn(pre_attention_norm(x), cu_seqlens,
                                      cu_seqlens_padded, position_ids))
     cp = layout.resolve_cp_size()
-    mlp_dim = mlp.mlp_dim * (2 if mlp.activation in common.GATED else 1)
-    chunk = common.mlp_chunk_tokens(
+    mlp_dim = mlp.mlp_dim * (2 if mlp.activation in settings.GATED else 1)
+    chunk = token_chunks.mlp_chunk_tokens(
         self.mlp_chunk_size, self.remat,
-        h.shape[-2] // common.token_groups(layout, cp), h.shape[-1], mlp_dim)
+        h.shape[-2] // token_chunks.token_groups(layout, cp), h.shape[-1],
+        mlp_dim)
     if chunk is None:
       return h + mlp(norm(h))
     if self.is_initializing():
@@ -267,14 +241,14 @@ class TransformerLayer(nn.Module):
     def position_wise(hc, pin):
       return hc + mlp_u.apply(mlp_v, norm_u.apply(norm_v, hc), pin=pin)
 
-    return common.map_token_chunks(position_wise, h, chunk, layout, cp)
+    return token_chunks.map_token_chunks(position_wise, h, chunk, layout, cp)
 
   def _chunked(self, layout, plan, x, cu_seqlens, cu_seqlens_padded,
                position_ids, *modules):
     """The layer over the chunks of ``plan`` (``layer_chunk_size``)."""
     if self.is_initializing():          # creates the parameters
       norm1, attn, norm2, mlp = modules
-      window = common.init_window(x)
+      window = layer_chunks.init_window(x)
       pos = None if position_ids is None else position_ids[..., :1]
       h = x[..., :1, :] + attn._attend(norm1(x[..., :1, :]), None, None, pos,
                                        window)
@@ -291,5 +265,5 @@ class TransformerLayer(nn.Module):
         return h + m_u.apply(m_v, n2_u.apply(n2_v, h), pin=pin)
       return fn
 
-    return common.run_layer_chunks(make_fn, layout, x, position_ids,
+    return layer_chunks.run_layer_chunks(make_fn, layout, x, position_ids,
                                    cu_seqlens, cu_seqlens_padded, plan)

@@ -15,8 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_cp.layout import NO_CP, CPLayout
-from jax_cp.modules import common
+from jax_cp.cp.layout import CPLayout
+from jax_cp.modules import token_chunks
+from jax_cp.modules.inputs import module_layout
 
 # "auto": chunks of about this many logits, or float32 values of the
 # hidden states the head normalizes (64 MiB), and of at least
@@ -31,7 +32,7 @@ def loss_chunk_tokens(chunk_size: Any, vocab: int, local_tokens: int,
   a positive int, None, or ``"auto"`` (``AUTO_LOGITS // max(vocab,
   features)`` tokens, at least ``AUTO_MIN_TOKENS``; ``features``: the
   hidden states' size)."""
-  common.check_chunk_size(chunk_size, "chunk_size")
+  token_chunks.check_chunk_size(chunk_size, "chunk_size")
   if chunk_size is None:
     return None
   if chunk_size == "auto":
@@ -54,7 +55,7 @@ def chunked_cross_entropy(logits_fn: Callable, x, labels, *, vocab: int,
 
   The chunks of each rank's tokens (in the global view with CP, ``c``
   tokens of every rank at a time: no token moves between ranks) run in
-  :func:`jax_cp.modules.common.map_token_chunks`' loop, so at most one
+  :func:`jax_cp.modules.token_chunks.map_token_chunks`' loop, so at most one
   chunk's logits (and softmax) are live, forward and backward: the
   backward re-runs ``logits_fn`` one chunk at a time and writes each
   chunk's cotangent of ``x`` over that chunk of ``x``. A shorter last
@@ -79,17 +80,17 @@ def chunked_cross_entropy(logits_fn: Callable, x, labels, *, vocab: int,
     ValueError: a ``chunk_size`` that is not None, ``"auto"`` or a
       positive int; ``labels`` not of ``x``'s shape without its features.
   """
-  layout = common.check_layout(layout) if layout is not None else NO_CP
+  layout = module_layout(layout)
   if tuple(labels.shape) != tuple(x.shape[:-1]):
     raise ValueError(f"labels must have the shape of x without its feature "
                      f"dim, {tuple(x.shape[:-1])}; got {tuple(labels.shape)}")
   cp = layout.resolve_cp_size()
-  groups = common.token_groups(layout, cp)
+  groups = token_chunks.token_groups(layout, cp)
   chunk = loss_chunk_tokens(chunk_size, vocab, x.shape[-2] // groups,
                             x.shape[-1])
   if chunk is None:
     return _cross_entropy(logits_fn, x, labels)
-  ce = common.map_token_chunks(
+  ce = token_chunks.map_token_chunks(
       lambda xc, lc, pin: _cross_entropy(logits_fn, xc, lc)[..., None], x,
       chunk, layout, cp, aux=labels)
   return ce.reshape(labels.shape)

@@ -1,10 +1,11 @@
 """Rotary position embedding driven by per-document position ids.
 
 In a packed row the positions restart at 0 for every document
-(:func:`jax_cp.get_position_ids`), and under context parallelism they travel
-with the tokens: slice them with :func:`jax_cp.get_batch_on_this_cp_rank`
-(local view) or permute them with :func:`jax_cp.reorder_for_cp` (global view)
-exactly like the token ids. Rotary embeddings then only need each token's
+(:func:`jax_cp.data.get_position_ids`), and under context parallelism they
+travel with the tokens: slice them with
+:func:`jax_cp.data.get_batch_on_this_cp_rank` (local view) or permute them
+with :func:`jax_cp.data.reorder_for_cp` (global view) exactly like the
+token ids. Rotary embeddings then only need each token's
 own position, whatever rank holds it.
 """
 

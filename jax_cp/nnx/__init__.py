@@ -1,15 +1,13 @@
 """Flax NNX modules for context-parallel attention over packed rows.
 
-``DotProductAttention`` -> ``MultiHeadAttention`` -> ``TransformerLayer``,
-the NNX counterparts of :mod:`jax_cp.flax`: same math (the runtime of
-:mod:`jax_cp.modules`), same public names, same parameter names and shapes
-(:func:`load_linen_params`, :func:`linen_params` convert). Each holds its
-:class:`jax_cp.CPLayout` as static configuration and hands it to its
-children.
+``DotProductAttention`` -> ``MultiHeadAttention`` -> ``TransformerLayer``
+(and ``MlpBlock``), the NNX counterparts of :mod:`jax_cp.flax`: same math
+(the runtime of :mod:`jax_cp.modules`), same names, same parameter names
+and shapes (:func:`load_linen_params`, :func:`linen_params` convert). Each
+holds its :class:`jax_cp.CPLayout` as static configuration and hands it
+to its children.
 """
 
-from jax_cp.modules.common import STRATEGY_CODES, strategy_from_code
-from jax_cp.modules.rotary import apply_rotary
 from jax_cp.nnx.attention import DotProductAttention, MultiHeadAttention
 from jax_cp.nnx.convert import linen_params, load_linen_params
 from jax_cp.nnx.transformer import MlpBlock, TransformerLayer
@@ -18,10 +16,7 @@ __all__ = [
     "DotProductAttention",
     "MlpBlock",
     "MultiHeadAttention",
-    "STRATEGY_CODES",
     "TransformerLayer",
-    "apply_rotary",
     "linen_params",
     "load_linen_params",
-    "strategy_from_code",
 ]

@@ -7,9 +7,8 @@ static module configuration (a plain attribute, not an ``nnx.Variable``):
 ``nnx.split`` puts it in the graph definition, so ``nnx.jit`` and
 ``nnx.value_and_grad`` trace one program per layout and forward and
 backward see the same one. Views as in the Linen modules: ``"global"``
-under ``jit`` with a mesh (:func:`jax_cp.cp_attention`), ``"local"`` inside
-the caller's ``shard_map`` (:func:`jax_cp.cp_attention_local`); without a
-layout, no CP.
+under ``jit`` with a mesh, ``"local"`` inside the caller's ``shard_map``;
+without a layout, no CP. Attention is :func:`jax_cp.cp_attention`.
 """
 
 from __future__ import annotations
@@ -22,11 +21,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_cp import checks
-from jax_cp.layout import CPLayout
-from jax_cp.modules import common
-from jax_cp.modules.remat import OUT_PROJ, remat_policy
+from jax_cp.attention.validation import check_window_size
+from jax_cp.checkpoint_names import OUT_PROJ
+from jax_cp.cp.layout import CPLayout
+from jax_cp.modules import inputs, layer_chunks, settings
 from jax_cp.modules.remat import call as remat_call
+from jax_cp.modules.remat import remat_policy
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
@@ -61,8 +61,8 @@ class DotProductAttention(nnx.Module):
                softmax_scale: float | None = None,
                dtype: Dtype | None = None,
                layout: CPLayout | None = None):
-    common.check_layout(layout)
-    checks.check_window_size(window_size, attn_mask_type)
+    inputs.module_layout(layout)
+    check_window_size(window_size, attn_mask_type)
     self.attn_mask_type = attn_mask_type
     self.window_size = None if window_size is None else tuple(window_size)
     self.softmax_scale = softmax_scale
@@ -85,16 +85,16 @@ class DotProductAttention(nnx.Module):
     Returns:
       ``[.., T, Hq, D]`` in the layout of ``query``; 0 on padding tokens.
     """
-    layout = common.check_layout(self.layout).for_batch(cu_seqlens)
-    cu_seqlens, cu_seqlens_padded = common.metadata(
+    layout = inputs.module_layout(self.layout)
+    cu_seqlens, cu_seqlens_padded = inputs.metadata(
         layout, cu_seqlens, cu_seqlens_padded, "DotProductAttention's batch")
-    common.check_tokens(layout, query.shape[-3], cu_seqlens_padded, "query")
+    inputs.check_tokens(layout, query.shape[-3], cu_seqlens_padded, "query")
     if hasattr(self, "__captures__"):   # set by nnx.capture for the call
       self.sow(nnx.Intermediate, "cp_strategy_code",
-               jnp.int32(common.STRATEGY_CODES[layout.strategy]))
+               jnp.int32(settings.STRATEGY_CODES[layout.strategy]))
     if self.dtype is not None:
       query, key, value = (x.astype(self.dtype) for x in (query, key, value))
-    return common.attend(layout, query, key, value, cu_seqlens,
+    return inputs.attend(layout, query, key, value, cu_seqlens,
                            cu_seqlens_padded,
                            attn_mask_type=self.attn_mask_type,
                            window_size=self.window_size,
@@ -115,7 +115,6 @@ class MultiHeadAttention(nnx.Module):
     in_features: features of ``x`` (``E``).
     num_kv_heads: number of key/value heads (GQA/MQA); must divide
       ``num_heads``. Default: ``num_heads``.
-    num_gqa_groups: alias of ``num_kv_heads``.
     head_dim: per-head features (default ``in_features // num_heads``).
     out_features: output features (default ``in_features``).
     rope_theta: rotary base; ``None`` disables rotary embeddings.
@@ -139,7 +138,6 @@ class MultiHeadAttention(nnx.Module):
 
   def __init__(self, num_heads: int, in_features: int, *,
                num_kv_heads: int | None = None,
-               num_gqa_groups: int | None = None,
                head_dim: int | None = None,
                out_features: int | None = None,
                rope_theta: float | None = 10000.0,
@@ -154,14 +152,13 @@ class MultiHeadAttention(nnx.Module):
                layout: CPLayout | None = None,
                remat: str | Callable = "none",
                rngs: nnx.Rngs):
-    common.check_layout(layout)
+    inputs.module_layout(layout)
     remat_policy(remat)
     self.remat = remat
     self.num_heads = num_heads
-    self.num_kv_heads = common.num_kv_heads(num_heads, num_kv_heads,
-                                            num_gqa_groups)
+    self.num_kv_heads = settings.num_kv_heads(num_heads, num_kv_heads)
     self.in_features = in_features
-    self.head_dim = common.head_features(in_features, num_heads, head_dim)
+    self.head_dim = settings.head_features(in_features, num_heads, head_dim)
     self.out_features = out_features or in_features
     self.rope_theta = rope_theta
     self.layout = layout
@@ -197,7 +194,7 @@ class MultiHeadAttention(nnx.Module):
     Returns:
       ``[.., T, out_features]``.
     """
-    _, position_ids = common.call_inputs(
+    _, position_ids = inputs.call_inputs(
         self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
         "MultiHeadAttention", self.rope_theta)
     if x.shape[-1] != self.in_features:
@@ -210,11 +207,11 @@ class MultiHeadAttention(nnx.Module):
   def _attend(self, x, cu_seqlens, cu_seqlens_padded, position_ids,
               window=None):
     """The block; with a layer chunk's ``window``
-    (:class:`jax_cp.modules.row_chunks.Window`) ``x`` is the window's
+    (:class:`jax_cp.modules.layer_chunks.Window`) ``x`` is the window's
     tokens, the output its chunk's (the last ``window.queries``), and the
     metadata are not read."""
     xq = x if window is None else x[..., -window.queries:, :]
-    q, k, v = common.rotate_qkv(self.query(xq), self.key(x), self.value(x),
+    q, k, v = inputs.rotate_qkv(self.query(xq), self.key(x), self.value(x),
                                 self.rope_theta, position_ids)
     if window is None:
       out = self.attention(q, k, v, cu_seqlens, cu_seqlens_padded)
@@ -222,7 +219,7 @@ class MultiHeadAttention(nnx.Module):
       dpa = self.attention
       if dpa.dtype is not None:
         q, k, v = (a.astype(dpa.dtype) for a in (q, k, v))
-      out = common.attend_window(
-          common.check_layout(self.layout), q, k, v, window,
+      out = layer_chunks.attend_window(
+          inputs.module_layout(self.layout), q, k, v, window,
           window_size=dpa.window_size, softmax_scale=dpa.softmax_scale)
     return checkpoint_name(self.out(out), OUT_PROJ)

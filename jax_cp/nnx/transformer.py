@@ -9,10 +9,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_cp.layout import CPLayout
-from jax_cp.modules import common
-from jax_cp.modules.remat import DECODER_LAYER_INPUT, MLPWO, remat_policy
+from jax_cp.checkpoint_names import DECODER_LAYER_INPUT, MLPWO
+from jax_cp.cp.layout import CPLayout
+from jax_cp.modules import inputs, layer_chunks, settings, token_chunks
 from jax_cp.modules.remat import call as remat_call
+from jax_cp.modules.remat import remat_policy
 from jax_cp.nnx.attention import (
   Dtype,
   Initializer,
@@ -45,7 +46,7 @@ class MlpBlock(nnx.Module):
       (a shorter last chunk takes the rest), in a loop whose backward
       re-runs each chunk's forward, so one chunk's hidden activations are
       live at a time, forward and backward, as
-      :func:`jax_cp.modules.common.map_token_chunks`.
+      :func:`jax_cp.modules.token_chunks.map_token_chunks`.
     rngs: the random streams of the initializers.
   """
 
@@ -57,16 +58,16 @@ class MlpBlock(nnx.Module):
                layout: CPLayout | None = None,
                chunk_size: int | None = None,
                rngs: nnx.Rngs):
-    common.check_activation(activation)
-    common.check_chunk_size(chunk_size, "chunk_size", auto=False)
+    settings.check_activation(activation)
+    token_chunks.check_chunk_size(chunk_size, "chunk_size", auto=False)
     self.chunk_size = chunk_size
-    self.layout = common.check_layout(layout) if layout is not None \
+    self.layout = inputs.module_layout(layout) if layout is not None \
         else None
     self.activation = activation
     dense = lambda i, o: nnx.Linear(
         i, o, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
         kernel_init=kernel_init, rngs=rngs)
-    if activation in common.GATED:
+    if activation in settings.GATED:
       self.gate = dense(in_features, mlp_dim)
     self.up = dense(in_features, mlp_dim)
     self.down = dense(mlp_dim, in_features)
@@ -76,16 +77,16 @@ class MlpBlock(nnx.Module):
     the hidden activations and the output (default: the layout's
     :meth:`jax_cp.CPLayout.shard_tokens`; a chunk of a chunked
     :class:`TransformerLayer` passes its own)."""
-    layout = common.check_layout(self.layout)
+    layout = inputs.module_layout(self.layout)
     if pin is not None or self.chunk_size is None:
       return self._apply(x, pin or layout.shard_tokens)
     graphdef, state = nnx.split(self)
     fn = lambda xc, pin: nnx.merge(graphdef, state)._apply(xc, pin)
-    return common.map_token_chunks(fn, x, self.chunk_size, layout,
+    return token_chunks.map_token_chunks(fn, x, self.chunk_size, layout,
                                    layout.resolve_cp_size())
 
   def _apply(self, x, pin):
-    h = common.mlp_hidden(self.activation, lambda: self.up(x),
+    h = settings.mlp_hidden(self.activation, lambda: self.up(x),
                           lambda: self.gate(x), pin)
     return checkpoint_name(pin(self.down(h)), MLPWO)
 
@@ -104,7 +105,6 @@ class TransformerLayer(nnx.Module):
     num_heads: number of query heads.
     in_features: features of ``x`` (``E``).
     num_kv_heads: number of key/value heads (default ``num_heads``).
-    num_gqa_groups: alias of ``num_kv_heads``.
     head_dim: per-head features (default ``E // num_heads``).
     mlp_dim: hidden features of the MLP (default ``4 * E``).
     mlp_activation: see :class:`MlpBlock`.
@@ -127,19 +127,15 @@ class TransformerLayer(nnx.Module):
       under ``nnx.remat`` with that policy otherwise.
     mlp_chunk_size: ``"auto"`` (default), None (whole rows) or a positive
       int: tokens per chunk (of each rank's) of the position-wise part,
-      the pre-MLP norm, the MLP and its residual add, as in
-      :class:`jax_cp.flax.TransformerLayer` (which says what ``"auto"``
-      picks and what it costs).
+      as in :class:`jax_cp.flax.TransformerLayer`.
     layer_chunk_size: None (default) or a positive int: tokens per chunk
       of the whole layer, each reading a halo of the tokens before it, as
-      in :class:`jax_cp.flax.TransformerLayer` (which gives its rules and
-      memory); replaces ``mlp_chunk_size``; one rank only.
+      in :class:`jax_cp.flax.TransformerLayer`; one rank only.
     rngs: the random streams of the initializers.
   """
 
   def __init__(self, num_heads: int, in_features: int, *,
                num_kv_heads: int | None = None,
-               num_gqa_groups: int | None = None,
                head_dim: int | None = None,
                mlp_dim: int | None = None,
                mlp_activation: str = "gelu",
@@ -156,11 +152,12 @@ class TransformerLayer(nnx.Module):
                mlp_chunk_size: int | str | None = "auto",
                layer_chunk_size: int | None = None,
                rngs: nnx.Rngs):
-    common.check_layout(layout)
-    common.check_norm_type(norm_type)
+    inputs.module_layout(layout)
+    settings.check_norm_type(norm_type)
     remat_policy(remat)
-    common.check_chunk_size(mlp_chunk_size, "mlp_chunk_size")
-    common.check_chunk_size(layer_chunk_size, "layer_chunk_size", auto=False)
+    token_chunks.check_chunk_size(mlp_chunk_size, "mlp_chunk_size")
+    token_chunks.check_chunk_size(layer_chunk_size, "layer_chunk_size",
+                                  auto=False)
     self.layout = layout
     self.remat = remat
     self.mlp_chunk_size = mlp_chunk_size
@@ -171,7 +168,7 @@ class TransformerLayer(nnx.Module):
     self.pre_attention_norm = norm()
     self.attention = MultiHeadAttention(
         num_heads, in_features, num_kv_heads=num_kv_heads,
-        num_gqa_groups=num_gqa_groups, head_dim=head_dim,
+        head_dim=head_dim,
         rope_theta=rope_theta, window_size=window_size, use_bias=use_bias,
         dtype=dtype,
         param_dtype=param_dtype, kernel_init=kernel_init, layout=layout,
@@ -188,7 +185,7 @@ class TransformerLayer(nnx.Module):
 
     Args:
       x: ``[B, T, E]`` (or ``[T, E]``): the whole row in
-        :func:`jax_cp.reorder_for_cp` layout sharded over the cp axis
+        :func:`jax_cp.data.reorder_for_cp` layout sharded over the cp axis
         (global view), or this rank's chunk (local view).
       cu_seqlens: int ``[B, N+1]`` global valid lengths, or a
         :class:`jax_cp.CPBatch` holding both metadata arrays.
@@ -200,7 +197,7 @@ class TransformerLayer(nnx.Module):
     Returns:
       ``[B, T, E]``, same layout as ``x``.
     """
-    layout, position_ids = common.call_inputs(
+    layout, position_ids = inputs.call_inputs(
         self.layout, x.shape, cu_seqlens, cu_seqlens_padded, position_ids,
         "TransformerLayer", self.attention.rope_theta)
     body = lambda layer, x, pos: layer._layer(layout, x, cu_seqlens,
@@ -209,7 +206,7 @@ class TransformerLayer(nnx.Module):
 
   def _layer(self, layout, x, cu_seqlens, cu_seqlens_padded, position_ids):
     x = checkpoint_name(x, DECODER_LAYER_INPUT)
-    plan = common.layer_chunk_plan(self.layer_chunk_size, layout, x.shape,
+    plan = layer_chunks.layer_chunk_plan(self.layer_chunk_size, layout, x.shape,
                                    self.attention.attention.window_size)
     if plan is not None:
       return self._chunked(layout, plan, x, cu_seqlens, cu_seqlens_padded,
@@ -218,10 +215,10 @@ class TransformerLayer(nnx.Module):
         self.pre_attention_norm(x), cu_seqlens, cu_seqlens_padded,
         position_ids))
     cp = layout.resolve_cp_size()
-    chunk = common.mlp_chunk_tokens(
+    chunk = token_chunks.mlp_chunk_tokens(
         self.mlp_chunk_size, self.remat,
-        h.shape[-2] // common.token_groups(layout, cp), h.shape[-1],
-        self.mlp.up.out_features * (2 if self.mlp.activation in common.GATED
+        h.shape[-2] // token_chunks.token_groups(layout, cp), h.shape[-1],
+        self.mlp.up.out_features * (2 if self.mlp.activation in settings.GATED
                                     else 1))
     if chunk is None:
       return h + self.mlp(self.pre_mlp_norm(h))
@@ -231,7 +228,7 @@ class TransformerLayer(nnx.Module):
       norm, mlp = nnx.merge(graphdef, state)
       return hc + mlp(norm(hc), pin=pin)
 
-    return common.map_token_chunks(position_wise, h, chunk, layout, cp)
+    return token_chunks.map_token_chunks(position_wise, h, chunk, layout, cp)
 
   def _chunked(self, layout, plan, x, cu_seqlens, cu_seqlens_padded,
                position_ids):
@@ -248,5 +245,5 @@ class TransformerLayer(nnx.Module):
         return h + mlp(norm2(h), pin=pin)
       return fn
 
-    return common.run_layer_chunks(make_fn, layout, x, position_ids,
+    return layer_chunks.run_layer_chunks(make_fn, layout, x, position_ids,
                                    cu_seqlens, cu_seqlens_padded, plan)

@@ -1,5 +1,5 @@
 """A whole decoder layer over chunks of a row's tokens
-(``TransformerLayer.layer_chunk_size``; docs/design.md, "Layer chunks").
+(``TransformerLayer.layer_chunk_size``; docs/long_rows.md, Layer chunks).
 
 A chunk's queries attend to keys of their own documents only, and causal
 attention reads no key after its query, so a chunk of tokens ``[a, b)``
@@ -8,9 +8,9 @@ longest document's length less one (the layout's ``max_seqlen - 1``), or a
 sliding window's ``left`` when that is shorter. The layer then runs as a
 loop over chunks, each on its window of tokens ``[a - halo, b)``: the
 window's norm and key/value projections, the chunk's query projection,
-attention of the chunk's queries to the window's keys (one call over
-ragged segments, bottom-right causal), the output projection, the MLP and
-both residual adds. The loop's backward walks the chunks from the last to
+attention of the chunk's queries to the window's keys
+(:mod:`jax_cp.attention.chunk_attention`), the output projection, the MLP
+and both residual adds. The loop's backward walks the chunks from the last to
 the first, re-runs each chunk's forward next to its backward, and carries
 the cotangent of the halo's tokens (float32) to the chunk before, whose
 tokens it belongs to. So the layer keeps, per token of the row, its input,
@@ -22,14 +22,20 @@ One rank only (cp size 1): the chunks are consecutive tokens of the row.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jax_cp import checks, metadata, seqlen_guard
-from jax_cp.layout import CPLayout
+from jax_cp.attention import chunk_attention
+from jax_cp.attention.registry import resolve_backend
+from jax_cp.attention.validation import check_window_size, default_scale
+from jax_cp.cp import api as cp_api
+from jax_cp.cp import guard, metadata, validation
+from jax_cp.cp.layout import CPLayout
+from jax_cp.modules.inputs import metadata as module_metadata
 from jax_cp.modules.remat import add_cotangents
 
 
@@ -43,7 +49,7 @@ class Window(NamedTuple):
   halo's bound (the keys and values turn NaN); ``whole_halo``: the halo is
   ``max_seqlen - 1`` tokens, so every query of the straddling document
   sees all of its keys there (False: a sliding window's ``left`` bounds
-  the halo; :mod:`jax_cp.modules.window_attention`)."""
+  the halo; :mod:`jax_cp.attention.chunk_attention`)."""
 
   queries: int
   segments: tuple
@@ -104,21 +110,16 @@ def plan(chunk_size: int | None, layout: CPLayout, tokens: int,
   return Plan(int(chunk_size), int(halo), bound if uses_bound else None)
 
 
-def check_bound(p: Plan, layout: CPLayout, cu_seqlens_padded):
+def check_bound(p: Plan, cu_seqlens_padded):
   """The guard of the halo's bound: a ``ValueError`` for concrete metadata
-  with a longer padded document; for traced metadata a ``checkify`` check
-  (``max_seqlen_violation="error"``) or the bool scalar that turns the
-  keys and values NaN (any other setting: a fallback to the whole row
-  would keep the whole row's buffers, which is what chunks avoid). None
-  when no bound is needed."""
+  with a longer padded document; for traced metadata the bool scalar that
+  turns the keys and values NaN (a fallback to the whole row would keep
+  the whole row's buffers, which is what chunks avoid). None when no
+  bound is needed."""
   if p.bound is None:
     return None
-  checks.check_max_seqlen_bound(cu_seqlens_padded, p.bound)
-  if layout.max_seqlen_violation == "error":
-    seqlen_guard.check_longest(cu_seqlens_padded, p.bound,
-                               "(the bound of layer_chunk_size's halo)")
-    return None
-  return seqlen_guard.exceeds_bound(cu_seqlens_padded, p.bound)
+  validation.check_max_seqlen_bound(cu_seqlens_padded, p.bound)
+  return guard.exceeds_bound(cu_seqlens_padded, p.bound)
 
 
 def chunk_segments(cu_seqlens, cu_seqlens_padded, q_start, kv_start,
@@ -275,3 +276,71 @@ def map_row_chunks(make_fn: Callable, x, position_ids, cu_seqlens,
 
   chunked.defvjp(chunked_fwd, chunked_bwd)
   return chunked(consts, x, ints)
+
+
+def layer_chunk_plan(chunk_size: int | None, layout: CPLayout, x_shape,
+                     window_size) -> Plan | None:
+  """The chunks of a :class:`TransformerLayer` with ``layer_chunk_size=
+  chunk_size`` on ``x`` of ``x_shape`` (None: the whole row at once),
+  :func:`plan`."""
+  window_left = check_window_size(window_size, "causal")
+  return plan(chunk_size, layout, x_shape[-2], window_left)
+
+
+def run_layer_chunks(make_fn: Callable, layout: CPLayout, x, position_ids,
+                     cu_seqlens, cu_seqlens_padded, plan: Plan):
+  """A layer over the chunks of ``plan`` (:func:`map_row_chunks`), on
+  ``x [B, T, E]`` or ``[T, E]``, with the bound of the halo checked first
+  (:func:`check_bound`). ``cu_seqlens``: the layer's argument, arrays or
+  a :class:`jax_cp.CPBatch`."""
+  cu, cuP = module_metadata(layout, cu_seqlens, cu_seqlens_padded,
+                            "TransformerLayer's batch")
+  broken = check_bound(plan, cuP)
+  cu, cuP = jnp.asarray(cu, jnp.int32), jnp.asarray(cuP, jnp.int32)
+  single = x.ndim == 2
+  if single:
+    x, cu, cuP = x[None], cu[None], cuP[None]
+    position_ids = None if position_ids is None else position_ids[None]
+  y = map_row_chunks(make_fn, x, position_ids, cu, cuP, plan,
+                                broken, layout.shard_tokens)
+  return y[0] if single else y
+
+
+def init_window(x, queries: int = 1):
+  """A one-document window of the first ``queries`` tokens of ``x [.., T,
+  E]``, for the modules to create their parameters on."""
+  lens = jnp.full(x.shape[:-2] + (1,), queries, jnp.int32)
+  zeros = jnp.zeros_like(lens)
+  return Window(queries, (lens, lens, zeros, zeros), queries)
+
+
+def attend_window(layout: CPLayout, query, key, value, window, *,
+                  window_size=None, softmax_scale: float | None = None):
+  """Attention of one layer chunk (:class:`Window`): the chunk's queries
+  ``[B, c, Hq, D]`` to its window's keys and values ``[B, W, Hkv, D]``, as
+  a top-left chunk call and a halo call
+  (:func:`jax_cp.attention.chunk_attention.chunk_attention`), on each
+  device's rows (a ``shard_map`` over the batch and head axes in the
+  global view with a mesh). Keys and values turn NaN when
+  ``window.broken`` holds."""
+  key, value = guard.nan_where(window.broken, key, value)
+  c, w = query.shape[-3], key.shape[-3]
+  spec = chunk_attention.Spec(
+      backend=resolve_backend(
+          layout.backend, dtype=query.dtype,
+          score_bytes=4 * query.shape[-2] * math.prod(query.shape[:-2]) * w),
+      scale=default_scale(query.shape[-1], softmax_scale),
+      window_left=check_window_size(window_size, "causal"),
+      halo=w - c, max_q=window.max_seqlen_q, whole_halo=window.whole_halo)
+
+  def call(q, k, v, *segments):
+    return chunk_attention.chunk_attention(q, k, v, segments, spec)
+
+  if layout.cp_axis is None or layout.is_local:
+    return call(query, key, value, *window.segments)
+  mesh = layout.context_mesh()
+  x_spec, m_spec = cp_api.specs(4, layout)
+  args = [cp_api.place(a, mesh, x_spec) for a in (query, key, value)]
+  args += [cp_api.place(a, mesh, m_spec) for a in window.segments]
+  return jax.shard_map(call, mesh=mesh, in_specs=(x_spec,) * 3 + (m_spec,) * 4,
+                       out_specs=x_spec, check_vma=False)(*args)

@@ -3,8 +3,9 @@
 A query at document position ``j`` sees keys ``0..j`` (``j + 1`` pairs);
 under a causal sliding window ``(left, 0)`` it sees ``min(j + 1, left + 1)``.
 :func:`range_pairs` sums them over a range of query positions: the work
-counts of :mod:`jax_cp.cost_model`, :mod:`jax_cp.document_order` and
-:mod:`jax_cp.flops` (numpy, int64, elementwise over arrays of ranges).
+counts of :mod:`jax_cp.planning.cost_model`,
+:mod:`jax_cp.planning.document_order` and :mod:`jax_cp.planning.flops`
+(numpy, int64, elementwise over arrays of ranges).
 """
 
 from __future__ import annotations

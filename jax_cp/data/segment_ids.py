@@ -8,12 +8,14 @@ jax_cp describes it by cumulative lengths (``cu_seqlens``,
 its padded slot.
 
 * :func:`rows_from_segment_ids` (host, numpy): a batch ``[B, T]`` in the
-  segment-id convention to :class:`jax_cp.PackedRows` for a strategy's
+  segment-id convention to :class:`jax_cp.data.PackedRows` for a strategy's
   padding. Rows whose documents already start at multiples of the padding
   (grain's ``pack_alignment_struct``) keep every token where it is; other
   rows are re-laid, each document padded to the multiple.
 * :func:`to_segment_layout`: per-token outputs of the packed rows (logits,
-  losses) back in the caller's segment-id layout.
+  losses) back in the caller's segment-id layout, and
+  :func:`from_segment_layout` the other way (per-token features of the
+  caller's batch into the packed rows).
 * :func:`cu_seqlens_from_segment_ids` (jittable): the metadata of aligned
   rows already on the device, for a static number of document slots.
 
@@ -34,9 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cp.layout import CPLayout
-from jax_cp.packing import PackedRows, pad_multiple_for
-from jax_cp.partition import get_position_ids
+from jax_cp.attention.validation import concrete
+from jax_cp.cp.partition import get_position_ids
+from jax_cp.data.packing import PackedRows
 
 PADDING = ("trailing", "between")
 OVERFLOW = ("raise", "truncate")
@@ -148,20 +150,6 @@ def _check_positive_int(value, name: str) -> int:
   return int(value)
 
 
-def resolve_pad_multiple(pad_multiple: int | CPLayout) -> int:
-  """An int, or the padding a :class:`jax_cp.CPLayout` needs
-  (:func:`jax_cp.pad_multiple_for` of its strategy and cp size; the cp size
-  is read from its mesh or the context mesh when the layout does not set
-  it)."""
-  if isinstance(pad_multiple, CPLayout):
-    layout = pad_multiple
-    if layout.cp_axis is None:
-      return 1
-    cp = layout.cp_size or layout.resolve_cp_size()
-    return pad_multiple_for(layout.strategy, cp)
-  return _check_positive_int(pad_multiple, "pad_multiple")
-
-
 # ------------------------------------------------------------ conversion
 
 
@@ -225,7 +213,7 @@ def _with_tail_slot(lens, slots, seq_len: int, multiple: int):
 
 def rows_from_segment_ids(segment_ids, tokens, labels=None, *,
                           positions=None, loss_mask=None,
-                          pad_multiple: int | CPLayout = 1,
+                          pad_multiple: int = 1,
                           seq_len: int | None = None,
                           max_docs: int | None = None,
                           padding: str = "trailing",
@@ -249,21 +237,23 @@ def rows_from_segment_ids(segment_ids, tokens, labels=None, *,
     tokens: ``[B, T]`` input tokens.
     labels: optional ``[B, T]`` targets at each token (MaxText's
       ``targets``), moved with their tokens; default: the next token of the
-      same document, with the loss mask 0 on each document's last token.
+      same document, with the loss mask 0 on each document's last token (a
+      document cut at the row's end by ``overflow="truncate"`` keeps its
+      next token as the label of its last kept token, mask 1).
     positions: optional ``[B, T]`` positions (MaxText's
       ``inputs_position``, grain's ``<feature>_positions``): checked to
       restart at 0 at each document and step by 1.
     loss_mask: optional ``[B, T]`` 1 where ``labels`` is a target (e.g.
       ``targets_segmentation != 0``); default with ``labels``: the
       documents' tokens.
-    pad_multiple: every padded slot is a multiple of it: an int, or the
-      :class:`jax_cp.CPLayout` the rows are for
-      (:func:`jax_cp.pad_multiple_for` of its strategy and cp size).
+    pad_multiple: every padded slot is a multiple of it
+      (:func:`jax_cp.data.pad_multiple_for` of the layout the rows are
+      for).
     seq_len: tokens per output row (default ``T``), a multiple of
       ``pad_multiple``.
     max_docs: slots per row ``N`` (static), at least each row's documents
       and its empty tail slot; default: the most any row needs, rounded up
-      to a multiple of 8 (as :func:`jax_cp.pack_documents`).
+      to a multiple of 8 (as :func:`jax_cp.data.pack_documents`).
     padding: ``"trailing"``: padding only ends a row (MaxText); ``"between"``:
       padding may follow any document (grain with
       ``pack_alignment_struct``).
@@ -274,7 +264,7 @@ def rows_from_segment_ids(segment_ids, tokens, labels=None, *,
     pad_id: the token (and label) of padding positions of re-laid rows.
 
   Returns:
-    A :class:`jax_cp.PackedRows` of ``seq_len`` tokens per row: int32
+    A :class:`jax_cp.data.PackedRows` of ``seq_len`` tokens per row: int32
     ``tokens``, ``labels``, ``position_ids``, float32 ``loss_mask``, and
     the metadata: one slot per document, in the row's order, then one empty
     slot for the padding after the last document's slot, if any (a row
@@ -289,7 +279,7 @@ def rows_from_segment_ids(segment_ids, tokens, labels=None, *,
   """
   _check_choice(padding, "padding", PADDING)
   _check_choice(overflow, "overflow", OVERFLOW)
-  multiple = resolve_pad_multiple(pad_multiple)
+  multiple = _check_positive_int(pad_multiple, "pad_multiple")
   arrays = check_segment_arrays(segment_ids, tokens=tokens, labels=labels,
                                 positions=positions, loss_mask=loss_mask)
   seg, tok = arrays["segment_ids"], arrays["tokens"]
@@ -389,7 +379,7 @@ def to_segment_layout(x, segment_ids, rows: PackedRows | tuple, *,
   Args:
     x: ``[B, T_rows, ...]`` values of the rows of ``rows`` (logits, per-token
       losses), numpy or JAX, in physical order (outputs in a CP layout go
-      through :func:`jax_cp.restore_from_cp` first).
+      through :func:`jax_cp.data.restore_from_cp` first).
     segment_ids: the int ``[B, T]`` the rows were built from.
     rows: the :class:`PackedRows` :func:`rows_from_segment_ids` returned, or
       its ``(cu_seqlens, cu_seqlens_padded)``.
@@ -416,7 +406,81 @@ def to_segment_layout(x, segment_ids, rows: PackedRows | tuple, *,
   return xp.where(xp.asarray(mask), got, xp.asarray(fill, dtype=got.dtype))
 
 
+def from_segment_layout(x, segment_ids, rows: PackedRows | tuple, *,
+                        seq_len: int | None = None, fill: Any = 0):
+  """Per-token values of a segment-id batch in the packed rows' layout: the
+  inverse of :func:`to_segment_layout`, for the features
+  :func:`rows_from_segment_ids` does not carry itself (per-token floats,
+  embeddings, weights).
+
+  Args:
+    x: ``[B, T, ...]`` values at each token of the segment-id rows, numpy
+      or JAX.
+    segment_ids: the int ``[B, T]`` the rows were built from.
+    rows: the :class:`PackedRows` :func:`rows_from_segment_ids` returned, or
+      its ``(cu_seqlens, cu_seqlens_padded)``.
+    seq_len: the packed rows' tokens (default: ``rows.seq_len``, or the
+      metadata's ``cu_seqlens_padded[..., -1]``).
+    fill: the value at the packed rows' padding positions.
+
+  Returns:
+    ``[B, seq_len, ...]`` in physical order (put it in a CP layout with
+    :func:`jax_cp.data.make_global_batch` or
+    :func:`jax_cp.data.reorder_for_cp`), numpy for numpy ``x``, JAX
+    otherwise (the index is built on the host).
+  """
+  cu, cu_p = ((rows.cu_seqlens, rows.cu_seqlens_padded)
+              if isinstance(rows, PackedRows) else rows)
+  index = segment_index(segment_ids, cu, cu_p)
+  if tuple(np.shape(x)[:2]) != index.shape:
+    raise ValueError(f"x has shape {np.shape(x)}: it needs the tokens of "
+                     f"segment_ids, [B, T, ...] = {index.shape} + ...")
+  if seq_len is None:
+    seq_len = int(np.asarray(cu_p).reshape(-1, np.shape(cu_p)[-1])[0, -1])
+  xp = np if isinstance(x, np.ndarray) else jnp
+  # The packed position of every token that has one; the others go to a
+  # scratch column past the row, dropped afterwards.
+  dest = np.where(index >= 0, index, seq_len)
+  shape = (index.shape[0], seq_len + 1) + tuple(np.shape(x)[2:])
+  rows_idx = np.broadcast_to(np.arange(index.shape[0])[:, None], index.shape)
+  if xp is np:
+    out = np.full(shape, fill, dtype=np.asarray(x).dtype)
+    out[rows_idx, dest] = x
+  else:
+    out = jnp.full(shape, fill, dtype=x.dtype).at[rows_idx, dest].set(x)
+  return out[:, :seq_len]
+
+
 # ------------------------------------------------------------- on device
+
+
+def _check_aligned_rows(seg: np.ndarray, max_docs: int, multiple: int):
+  """The preconditions of :func:`cu_seqlens_from_segment_ids` on concrete
+  ids: contiguous runs, every document starting at a multiple of
+  ``multiple``, and at most ``max_docs`` slots per row.
+
+  Raises:
+    ValueError: naming the row, the position and the rule broken.
+  """
+  for r, row in enumerate(seg):
+    starts, ends, ids = _runs(row)
+    check_row_documents(r, starts, ends, ids, "between")
+    doc = ids != 0
+    bad = starts[doc][starts[doc] % multiple != 0]
+    if bad.size:
+      raise ValueError(
+          f"row {r}: a document starts at position {int(bad[0])}, not a "
+          f"multiple of pad_multiple={multiple}; cu_seqlens_from_segment_ids"
+          " takes aligned rows (grain's pack_alignment_struct), "
+          "rows_from_segment_ids re-lays any other")
+    slots = int(doc.sum()) + int(not doc[:1].all())
+    end = int(ends[doc][-1]) if doc.any() else 0
+    slots += int(-(-end // multiple) * multiple < row.size and doc.any())
+    if slots > max_docs:
+      raise ValueError(
+          f"row {r} needs {slots} slots (its {int(doc.sum())} documents, "
+          f"its leading and trailing padding), more than max_docs="
+          f"{max_docs}")
 
 
 def cu_seqlens_from_segment_ids(segment_ids, max_docs: int,
@@ -424,20 +488,26 @@ def cu_seqlens_from_segment_ids(segment_ids, max_docs: int,
   """``(cu_seqlens, cu_seqlens_padded)`` of aligned rows, jittable.
 
   For rows already on the device whose documents each start at a multiple
-  of ``pad_multiple``, the first at 0 (grain's ``pack_alignment_struct``):
-  the metadata :func:`rows_from_segment_ids` builds for them (which keeps
-  their tokens in place). Document ``d``'s padded slot runs from its start
-  to the next document's; the last one's to the next multiple of
-  ``pad_multiple``, and the rest of the row is an empty slot. Nothing is
-  checked: ids must form contiguous runs, and a row must hold fewer than
-  ``max_docs`` documents (grain's ``max_sequences_per_bin``, plus one for
-  the empty slot); the tokens of documents beyond that count as padding.
+  of ``pad_multiple`` (grain's ``pack_alignment_struct``): the metadata
+  that keep their tokens in place. Document ``d``'s padded slot runs from
+  its start to the next document's; the last one's to the next multiple
+  of ``pad_multiple``, and the rest of the row is an empty slot; padding
+  before a row's first document is an empty slot too. Rows whose first
+  document starts at 0 get the metadata :func:`rows_from_segment_ids`
+  builds for them.
+
+  Concrete ids (numpy, or JAX arrays outside a trace) are checked:
+  contiguous runs, aligned documents, at most ``max_docs`` slots, each
+  broken rule a ``ValueError``. Traced ids cannot be: a row with more
+  documents than ``max_docs`` slots (grain's ``max_sequences_per_bin``,
+  plus one each for the leading and trailing padding) counts the
+  documents past them as padding of its last slot.
 
   Args:
     segment_ids: int ``[B, T]`` (or ``[T]``), 0 for padding.
     max_docs: slots per row ``N`` (static).
     pad_multiple: the alignment of the documents (static; as
-      :func:`jax_cp.pad_multiple_for`).
+      :func:`jax_cp.data.pad_multiple_for`).
 
   Returns:
     int32 ``[B, N+1]`` (or ``[N+1]``) ``cu_seqlens`` and
@@ -453,13 +523,18 @@ def cu_seqlens_from_segment_ids(segment_ids, max_docs: int,
     return cu[0], cu_p[0]
   if seg.ndim != 2:
     raise ValueError(f"segment_ids must be [B, T] or [T], got {seg.shape}")
+  host = concrete(segment_ids)
+  if host is not None:
+    _check_aligned_rows(host.reshape(seg.shape), max_docs, multiple)
   t = seg.shape[1]
   pos = jnp.arange(t)
   valid = seg != 0
   prev = jnp.pad(seg[:, :-1], ((0, 0), (1, 0)))
   last_end = jnp.max(jnp.where(valid, pos + 1, 0), axis=1, keepdims=True)
   tail = -(-last_end // multiple) * multiple   # the empty slot's start
-  start = (valid & (seg != prev)) | (pos == tail)
+  # A slot starts with each document, at the trailing padding, and at 0
+  # (padding before the first document is an empty slot of its own).
+  start = (valid & (seg != prev)) | (pos == tail) | (pos == 0)
   slot = jnp.cumsum(start, axis=1) - 1
 
   def one_row(start_r, slot_r, valid_r):
@@ -475,5 +550,5 @@ def cu_seqlens_from_segment_ids(segment_ids, max_docs: int,
 
 
 __all__ = ("check_positions", "check_row_documents", "check_segment_arrays",
-           "cu_seqlens_from_segment_ids", "resolve_pad_multiple",
+           "cu_seqlens_from_segment_ids", "from_segment_layout",
            "rows_from_segment_ids", "segment_index", "to_segment_layout")

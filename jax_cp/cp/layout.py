@@ -1,16 +1,15 @@
 """One static object for the token layout of a CP run, and batches that
-carry it.
+carry it (docs/concepts.md).
 
 :class:`CPLayout` holds every setting that decides where the tokens of a
 packed row live and how attention exchanges them: the cp mesh axis (and the
-mesh), the cp size, the load-balancing strategy, the K/V exchange, the
-``max_seqlen`` bound, the attention backend, the batch and head mesh axes,
-and the view (``"global"``: whole rows under ``jit`` with a mesh;
-``"local"``: this rank's chunk inside a ``shard_map``). It is validated
-once, when built, is frozen and hashable (a static argument of ``jax.jit``
-and static module configuration), and every function that produces or
-consumes the layout takes it: :func:`jax_cp.get_batch_on_this_cp_rank`,
-:func:`jax_cp.reorder_for_cp`, :func:`jax_cp.make_global_batch`,
+mesh), the cp size, the load-balancing strategy, the ``max_seqlen`` bound,
+the attention backend, the batch and head mesh axes, and the view
+(``"global"``: whole rows under ``jit`` with a mesh; ``"local"``: this
+rank's chunk inside a ``shard_map``). It is validated once, when built, is
+frozen and hashable (a static argument of ``jax.jit`` and static module
+configuration), and every function that produces or consumes the layout
+takes it: the data functions of :mod:`jax_cp.data`,
 :func:`jax_cp.cp_attention`, the modules of :mod:`jax_cp.flax` and
 :mod:`jax_cp.nnx`. Built once and passed everywhere, it cannot partition
 with one strategy and attend with another.
@@ -23,14 +22,14 @@ layout raises ``ValueError`` (:meth:`CPLayout.check_matches`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
-from jax_cp import checks
-from jax_cp.strategy import (
+from jax_cp.attention.validation import concrete
+from jax_cp.cp import validation
+from jax_cp.cp.strategy import (
   DEFAULT_STRATEGY,
   CPLoadBalancingStrategy,
   as_strategy,
@@ -38,24 +37,6 @@ from jax_cp.strategy import (
 
 MeshLike = jax.sharding.Mesh | jax.sharding.AbstractMesh
 VIEWS = ("global", "local")
-
-# The keyword forms of the public functions, by argument name: the
-# CPLayout field each sets.
-KEYWORDS: Mapping[str, str] = {
-    "cp_axis": "cp_axis",
-    "cp_size": "cp_size",
-    "load_balancing_strategy": "strategy",
-    "strategy": "strategy",
-    "cp_comm_type": "comm_type",
-    "comm_type": "comm_type",
-    "max_seqlen": "max_seqlen",
-    "max_seqlen_violation": "max_seqlen_violation",
-    "backend": "backend",
-    "mesh": "mesh",
-    "batch_axis": "batch_axis",
-    "head_axis": "head_axis",
-    "view": "view",
-}
 
 # The fields that decide which tokens a rank holds: two layouts that agree
 # on them partition a row identically.
@@ -82,12 +63,6 @@ def _optional_bound(value, argname: str) -> int | None:
   return None if value is None else int(value)
 
 
-def _check_comm_type(value, argname: str) -> None:
-  if value not in (*checks.CP_COMM_TYPES, checks.CP_COMM_LOCAL_COPIES):
-    raise ValueError(f"{argname}={value!r} is not supported; jax_cp "
-                     f"implements {list(checks.CP_COMM_TYPES)}")
-
-
 @dataclasses.dataclass(frozen=True)
 class CPLayout:
   """The token layout and exchange of a context-parallel run.
@@ -97,7 +72,8 @@ class CPLayout:
   modules. Arguments are validated by the constructor; strings are
   converted (``strategy`` to :class:`jax_cp.CPLoadBalancingStrategy`, a list
   of batch axes to a tuple), so equal settings give equal, equally hashed
-  layouts.
+  layouts. docs/concepts.md describes the layout; docs/max_seqlen.md the
+  bound.
 
   Attributes:
     cp_axis: the mesh axis the token dim is split over; ``None``: no CP
@@ -108,18 +84,12 @@ class CPLayout:
       enclosing ``shard_map`` when attention runs (:meth:`resolve_cp_size`).
     strategy: the load-balancing strategy (:class:`CPLoadBalancingStrategy`
       or its string), default DUAL_CHUNK_SWAP.
-    comm_type: the K/V exchange, ``"all_gather"``.
     max_seqlen: static bound on every padded document length (``None``: the
-      row length). Data functions check concrete rows against it.
-    max_seqlen_violation: what attention does with traced metadata whose
-      padded document is longer than ``max_seqlen`` (concrete metadata is
-      checked by value): ``"fallback"`` (default: an in-graph ``cond`` runs
-      that step unbounded, right and slower), ``"error"`` (a
-      ``jax.experimental.checkify`` check), or ``"checked_on_host"`` (the
-      data pipeline checks every batch on the host, as
-      :func:`jax_cp.make_global_batch` does: no ``cond``, which on GPU
-      makes the host wait for the device; a broken bound still makes the
-      outputs NaN, :func:`jax_cp.seqlen_guard.poison`).
+      row length): kernels are sized by it and NO_LOAD_BALANCE exchanges
+      only the ``max_seqlen - 1`` tokens before each chunk. Concrete
+      metadata with a longer document raise ``ValueError``; a batch checked
+      on the host runs the bounded program alone; raw traced metadata get
+      an in-graph fallback (docs/max_seqlen.md).
     backend: varlen attention backend: ``"auto"``, ``"xla"`` or ``"cudnn"``.
       ``"auto"`` runs cuDNN on a GPU where the extension is built and q/k/v
       are bfloat16 or float16, else ``"xla"`` (float32 inputs on a GPU: with
@@ -132,18 +102,16 @@ class CPLayout:
     head_axis: mesh axis the heads are sharded over (tensor parallel),
       global view.
     view: ``"global"``: arrays hold whole rows in
-      :func:`jax_cp.reorder_for_cp` order, sharded over ``cp_axis``, and
+      :func:`jax_cp.data.reorder_for_cp` order, sharded over ``cp_axis``, and
       attention opens its own ``shard_map``. ``"local"``: arrays hold this
-      rank's chunk (:func:`jax_cp.get_batch_on_this_cp_rank`) inside the
+      rank's chunk (:func:`jax_cp.data.get_batch_on_this_cp_rank`) inside the
       caller's ``shard_map``.
   """
 
   cp_axis: str | None = "cp"
   cp_size: int | None = None
   strategy: CPLoadBalancingStrategy | str = DEFAULT_STRATEGY
-  comm_type: str = "all_gather"
   max_seqlen: int | None = None
-  max_seqlen_violation: str = "fallback"
   backend: str = "auto"
   mesh: MeshLike | None = None
   batch_axis: str | tuple[str, ...] | None = None
@@ -156,11 +124,9 @@ class CPLayout:
     if self.cp_axis is not None and not isinstance(self.cp_axis, str):
       raise ValueError(f"cp_axis must be a mesh axis name or None, got "
                        f"{self.cp_axis!r}")
-    _check_comm_type(self.comm_type, "comm_type")
     if not isinstance(self.backend, str):
       raise ValueError(f"backend must be a string, got {self.backend!r}")
     set_("max_seqlen", _optional_bound(self.max_seqlen, "max_seqlen"))
-    checks.check_max_seqlen_violation(self.max_seqlen_violation)
     if self.view not in VIEWS:
       raise ValueError(f"view={self.view!r} is not one of {list(VIEWS)}")
     batch = _axes(self.batch_axis, "batch_axis")
@@ -171,7 +137,7 @@ class CPLayout:
                        f"{self.head_axis!r}")
     size = self.cp_size
     if size is not None:
-      checks.check_cp_size(size)
+      validation.check_cp_size(size)
       set_("cp_size", int(size))
     if self.cp_axis is None:
       if size not in (None, 1):
@@ -179,62 +145,16 @@ class CPLayout:
                          "means no CP (cp_size 1)")
       set_("cp_size", 1)
     if self.mesh is not None:
-      checks.check_mesh_axis(self.mesh, self.cp_axis, "cp_axis")
+      validation.check_mesh_axis(self.mesh, self.cp_axis, "cp_axis")
       for ax in batch:
-        checks.check_mesh_axis(self.mesh, ax, "batch_axis")
-      checks.check_mesh_axis(self.mesh, self.head_axis, "head_axis")
+        validation.check_mesh_axis(self.mesh, ax, "batch_axis")
+      validation.check_mesh_axis(self.mesh, self.head_axis, "head_axis")
       if self.cp_axis is not None:
         on_mesh = int(self.mesh.shape[self.cp_axis])
         if size is not None and int(size) != on_mesh:
           raise ValueError(f"cp_size={size} disagrees with the mesh, whose "
                            f"axis {self.cp_axis!r} has size {on_mesh}")
         set_("cp_size", on_mesh)
-
-  # ------------------------------------------------------------ building
-
-  @classmethod
-  def build(cls, layout: CPLayout | None, what: str,
-            **keywords: Any) -> CPLayout:
-    """The layout of a call that takes either ``layout=`` or the keyword
-    settings (:data:`KEYWORDS`), never both.
-
-    Args:
-      layout: the caller's layout, or None.
-      what: the function's name, for errors.
-      **keywords: the keyword settings the caller passed (absent ones
-        left out).
-
-    Raises:
-      ValueError: both a layout and keyword settings, or an unknown
-        keyword.
-    """
-    unknown = sorted(set(keywords) - set(KEYWORDS))
-    if unknown:
-      raise ValueError(f"{what} got unknown layout settings {unknown}; "
-                       f"accepted: {sorted(KEYWORDS)}")
-    if layout is not None:
-      if not isinstance(layout, CPLayout):
-        raise ValueError(f"{what}: layout must be a jax_cp.CPLayout, got "
-                         f"{type(layout).__name__}")
-      if keywords:
-        raise ValueError(
-            f"{what} got layout= and the layout settings {sorted(keywords)}:"
-            " pass one of them (the layout already holds every setting; "
-            "use layout.replace(...) to change one)")
-      return layout
-    fields: dict[str, Any] = {}
-    for name, value in keywords.items():
-      field = KEYWORDS[name]
-      # Errors name the argument the caller wrote.
-      if field == "strategy":
-        value = as_strategy(value, name)
-      elif field == "comm_type":
-        _check_comm_type(value, name)
-      if field in fields and fields[field] != value:
-        raise ValueError(f"{what}: {name}={value!r} repeats the {field} "
-                         f"setting with another value")
-      fields[field] = value
-    return cls(**fields)
 
   def replace(self, **changes: Any) -> CPLayout:
     """A copy with some fields changed (validated again)."""
@@ -291,35 +211,45 @@ class CPLayout:
             "has this axis") from None
     else:
       mesh = self.context_mesh()
-      checks.check_mesh_axis(mesh, self.cp_axis, "cp_axis")
+      validation.check_mesh_axis(mesh, self.cp_axis, "cp_axis")
       for ax in self.batch_axes:
-        checks.check_mesh_axis(mesh, ax, "batch_axis")
-      checks.check_mesh_axis(mesh, self.head_axis, "head_axis")
+        validation.check_mesh_axis(mesh, ax, "batch_axis")
+      validation.check_mesh_axis(mesh, self.head_axis, "head_axis")
       size = int(mesh.shape[self.cp_axis])
     if self.cp_size is not None and size != self.cp_size:
       raise ValueError(f"the layout's cp_size={self.cp_size} disagrees with "
                        f"the size {size} of axis {self.cp_axis!r} here")
     return size
 
-  def shard_tokens(self, x):
-    """``x`` (``[B, T, ...]`` or ``[T, ...]``, whole rows of the global
-    view) constrained to keep its token axis sharded over ``cp_axis`` (and
-    the batch axis over ``batch_axis``); its other axes are left to XLA.
+  def shard_tokens(self, x, seq_dim: int | None = None):
+    """``x`` constrained to keep its token axis sharded over ``cp_axis``
+    (and, for ``[B, T, ...]``, its batch axis over ``batch_axis``); its
+    other axes are left to XLA.
+
+    ``seq_dim`` is the token axis: by default 0 for ``[T, E]`` and 1 for
+    arrays of 3 or more dims (``[B, T, E]``, ``[B, T, H, D]``); pass
+    ``seq_dim=0`` for an unbatched ``[T, H, D]``. Whole rows of the
+    global view.
+
     Without this, XLA's partitioner may all-gather the tokens of an
     activation to shard a matmul's output features over the cp axis
-    instead (seen at data=1 x cp=2 on an FSDP-sharded MLP: an all-gather of
-    the MLP's input and an all-reduce of its gradient per layer); pinned,
-    it gathers the weight. ``x`` itself in the local view, without CP, or
+    instead (an FSDP-sharded MLP at data=1 x cp=2 gets an all-gather of
+    its input and an all-reduce of its gradient per layer); pinned, it
+    gathers the weight. ``x`` itself in the local view, without CP, or
     where ``cp_axis`` is an ``Explicit`` mesh axis (the sharding is then
     part of ``x``'s type and the partitioner chooses nothing).
     """
+    if seq_dim is None:
+      seq_dim = 0 if x.ndim < 3 else 1
+    if not 0 <= seq_dim < x.ndim:
+      raise ValueError(f"seq_dim={seq_dim} is not an axis of x with shape "
+                       f"{tuple(x.shape)}")
     free = jax.sharding.PartitionSpec.UNCONSTRAINED
-    if x.ndim >= 3:
-      batch = self.batch_axes or None
-      spec = ((batch,) + (None,) * (x.ndim - 3) + (self.cp_axis, free))
-    else:
-      spec = (self.cp_axis,) + (free,) * (x.ndim - 1)
-    return self.constrain(x, spec)
+    spec = [free] * x.ndim
+    spec[seq_dim] = self.cp_axis
+    if seq_dim == 1:
+      spec[0] = self.batch_axes or None
+    return self.constrain(x, tuple(spec))
 
   def constrain(self, x, spec: tuple):
     """``x`` under ``with_sharding_constraint(PartitionSpec(*spec))`` (on
@@ -341,21 +271,6 @@ class CPLayout:
   def token_fields(self) -> dict[str, Any]:
     """The settings that decide which tokens each rank holds."""
     return {name: getattr(self, name) for name in _TOKEN_FIELDS}
-
-  def for_batch(self, batch: Any) -> CPLayout:
-    """The layout attention runs ``batch`` with: ``self``, or, where
-    ``batch`` is a :class:`CPBatch` whose metadata were checked on the host
-    against a bound no larger than ``max_seqlen``
-    (:attr:`CPBatch.checked_max_seqlen`) and ``max_seqlen_violation`` is
-    ``"fallback"``, a copy with ``"checked_on_host"``: the step then
-    compiles no fallback branch. Arrays and unchecked batches keep the
-    layout's setting."""
-    checked = getattr(batch, "checked_max_seqlen", None)
-    if (not isinstance(batch, CPBatch) or checked is None
-        or self.max_seqlen is None or checked > self.max_seqlen
-        or self.max_seqlen_violation != "fallback"):
-      return self
-    return self.replace(max_seqlen_violation="checked_on_host")
 
   def check_matches(self, other: CPLayout, what: str) -> None:
     """Raises unless ``other`` puts every token where this layout does.
@@ -392,30 +307,27 @@ class CPBatch:
 
   A pytree: the arrays are leaves, ``layout`` is static (auxiliary) data,
   so a batch passes through ``jit``, ``shard_map`` and the modules and
-  keeps its layout. :func:`jax_cp.make_global_batch` returns one; pass it
+  keeps its layout. :func:`jax_cp.data.make_global_batch` returns one; pass it
   where the row metadata is expected (``cp_attention(q, k, v, batch)``,
   ``layer(x, batch)``, ``MultiHeadAttention(attention_fn=...)(x,
   mask=batch)``): the metadata are read from it and its layout is checked
   against the consumer's (:meth:`CPLayout.check_matches`).
 
-  Unpacks as the pair ``(tensors, cu_seqlens_padded)``.
-
   **Checked on the host.** A batch whose metadata were checked against the
-  layout's ``max_seqlen`` on the host (:func:`jax_cp.make_global_batch`,
+  layout's ``max_seqlen`` on the host (:func:`jax_cp.data.make_global_batch`,
   :meth:`check_on_host`) records the bound in ``checked_max_seqlen``,
   static data that survives ``jit``: attention given the batch, traced or
-  not, runs as with ``max_seqlen_violation="checked_on_host"``
-  (:meth:`CPLayout.for_batch`), with no fallback branch and none of its
-  memory. The record is a promise about the values of the metadata leaves,
-  and pytree operations keep static data whatever leaves they are given
-  (``jax.tree.map``, ``tree_unflatten``, ``dataclasses.replace``), so a
-  batch whose metadata change after the check keeps it. Attention guards
-  against that: with a trusted bound it still evaluates the bound on the
-  traced metadata (a few integer ops) and makes the outputs and gradients
-  NaN where it is broken (:func:`jax_cp.seqlen_guard.poison`), never a
-  silent wrong answer. To change the metadata, build a new ``CPBatch``
-  (unchecked: the layout's ``max_seqlen_violation`` applies) and call
-  :meth:`check_on_host` on it.
+  not, runs the bounded program alone (:meth:`checked_for`), with no
+  fallback branch and none of its memory. The record is a promise about
+  the values of the metadata leaves, and pytree operations keep static
+  data whatever leaves they are given (``jax.tree.map``,
+  ``tree_unflatten``, ``dataclasses.replace``), so a batch whose metadata
+  change after the check keeps it. Attention guards against that: it still
+  evaluates the bound on the traced metadata (a few integer ops) and makes
+  the outputs and gradients NaN where it is broken, never a silent wrong
+  answer. To change the metadata, build a new ``CPBatch`` (unchecked) and
+  call :meth:`check_on_host` on it. docs/max_seqlen.md has the whole
+  mechanism.
 
   Attributes:
     tensors: the token arrays (one array, or a dict / tuple of arrays) in
@@ -459,16 +371,21 @@ class CPBatch:
     if w is None:
       raise ValueError("check_on_host needs a bound: max_seqlen=, or a "
                        "layout with max_seqlen")
-    cuP = checks.concrete(self.cu_seqlens_padded)
+    cuP = concrete(self.cu_seqlens_padded)
     if cuP is None:
       raise ValueError("check_on_host needs concrete cu_seqlens_padded (on "
                        "the host, outside jit); these are traced")
-    checks.check_cu_seqlens_padded(cuP)
-    checks.check_max_seqlen_bound(cuP, w)
+    validation.check_cu_seqlens_padded(cuP)
+    validation.check_max_seqlen_bound(cuP, w)
     return dataclasses.replace(self, checked_max_seqlen=w)
 
-  def __iter__(self):
-    return iter((self.tensors, self.cu_seqlens_padded))
+  def checked_for(self, layout: CPLayout) -> bool:
+    """Whether the metadata were checked on the host against a bound no
+    larger than ``layout.max_seqlen``: attention with ``layout`` then
+    trusts the bound (no fallback branch)."""
+    return (self.checked_max_seqlen is not None
+            and layout.max_seqlen is not None
+            and self.checked_max_seqlen <= layout.max_seqlen)
 
   def metadata(self, layout: CPLayout | None, what: str
                ) -> tuple[Any, Any]:
@@ -486,6 +403,15 @@ class CPBatch:
                        "valid lengths (make_global_batch(..., cu_seqlens=...)"
                        " or CPBatch(cu_seqlens=...))")
     return self.cu_seqlens, self.cu_seqlens_padded
+
+
+def check_layout(layout: Any, what: str) -> CPLayout:
+  """``layout``, checked to be a :class:`CPLayout`; ``what`` names the
+  caller in the error."""
+  if not isinstance(layout, CPLayout):
+    raise ValueError(f"{what}: layout must be a jax_cp.CPLayout, got "
+                     f"{type(layout).__name__} {layout!r}")
+  return layout
 
 
 def unpack_metadata(cu_seqlens, cu_seqlens_padded, layout: CPLayout | None,

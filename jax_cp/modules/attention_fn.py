@@ -6,18 +6,17 @@ attention_fn=cp_attention_fn(layout))`` run packed CP attention: the
 packing metadata arrive as the module's ``mask`` argument, a
 :class:`jax_cp.CPBatch` (``mha(x, mask=batch)``), whose layout is checked
 against ``layout``. Flax builds the projections; the attention itself is
-:func:`jax_cp.cp_attention` (global view) or
-:func:`jax_cp.cp_attention_local` (local view, or no CP), causal within
-each document.
+:func:`jax_cp.cp_attention` with the layout (or the batch's), causal
+within each document.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from jax_cp import checks
-from jax_cp.layout import CPBatch, CPLayout
-from jax_cp.modules import common
+from jax_cp.attention.validation import check_window_size
+from jax_cp.cp.api import cp_attention
+from jax_cp.cp.layout import CPBatch, CPLayout, check_layout
 
 
 def cp_attention_fn(layout: CPLayout | None = None, *,
@@ -49,8 +48,8 @@ def cp_attention_fn(layout: CPLayout | None = None, *,
       supports.
   """
   if layout is not None:
-    common.check_layout(layout)
-  checks.check_window_size(window_size, attn_mask_type)
+    check_layout(layout, "cp_attention_fn")
+  check_window_size(window_size, attn_mask_type)
 
   def attention_fn(query, key, value, bias=None, mask=None,
                    broadcast_dropout: bool = True, dropout_rng=None,
@@ -62,7 +61,7 @@ def cp_attention_fn(layout: CPLayout | None = None, *,
       raise ValueError(
           "cp_attention_fn needs the packing metadata: call the attention "
           "module with mask=batch, a jax_cp.CPBatch holding cu_seqlens and "
-          "cu_seqlens_padded (e.g. from jax_cp.make_global_batch)")
+          "cu_seqlens_padded (e.g. from jax_cp.data.make_global_batch)")
     if not isinstance(mask, CPBatch):
       raise ValueError(
           f"cp_attention_fn takes the packing metadata as mask, a "
@@ -80,14 +79,10 @@ def cp_attention_fn(layout: CPLayout | None = None, *,
     given = {k: v for k, v in unsupported.items() if v is not None}
     if given:
       raise ValueError(f"cp_attention_fn does not support {sorted(given)}")
-    use = (mask.layout if layout is None else layout).for_batch(mask)
-    cu_seqlens, cu_seqlens_padded = mask.metadata(
-        use, "the batch given to cp_attention_fn")
     if dtype is not None:
       query, key, value = (x.astype(dtype) for x in (query, key, value))
-    return common.attend(use, query, key, value, cu_seqlens,
-                           cu_seqlens_padded, attn_mask_type=attn_mask_type,
-                           window_size=window_size,
-                           softmax_scale=softmax_scale)
+    return cp_attention(query, key, value, mask, layout=layout,
+                        attn_mask_type=attn_mask_type,
+                        window_size=window_size, softmax_scale=softmax_scale)
 
   return attention_fn

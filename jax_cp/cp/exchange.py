@@ -4,7 +4,7 @@
   buffers are put back into sequence order with a gather. Gradients go back
   with the inverse gather and a reduce-scatter (``psum_scatter``).
 * ``halo`` (NO_LOAD_BALANCE with a ``max_seqlen`` bound W or a sliding
-  window ``(left, 0)``; docs/design.md, Exchange): rank r needs only
+  window ``(left, 0)``; docs/internals.md, Exchange): rank r needs only
   physical tokens ``[lo - halo, lo)``, ``halo = min(W-1, left)``, from its
   predecessors, ``ceil(halo/Tl)`` ``ppermute`` hops. The halo is all a call
   reads of it: the straddling document's keys before the chunk (its local
@@ -15,12 +15,6 @@
 * ``none``: one rank (cp=1), the local chunk is the row; or NO_LOAD_BALANCE
   with a halo of 0 tokens (window ``(0, 0)``): the local chunk is all any
   query sees.
-
-With ``communicate=False`` (``cp_comm_type="local_copies"``) every collective
-of the exchange is replaced by a local copy of the same shape: the step keeps
-its shapes and calls but moves nothing between ranks, so its results are
-wrong for cp > 1. It exists to time a step without its communication
-(``benchmarks/bench_cp.py``).
 
 K and V travel together (concatenated on the head axis): one collective for
 both.
@@ -33,8 +27,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_cp import partition
 from jax_cp.attention.merge import add, merge_rows_jnp
+from jax_cp.cp import partition
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +43,6 @@ class KVExchange:
     restore_dual_chunk: all-gathered buffer is in DUAL_CHUNK_SWAP layout and
       must be put back into sequence order.
     halo_tokens: tokens received from predecessors (``kind == "halo"``).
-    communicate: False replaces each collective by a local copy of the same
-      shape (all-gather: the local chunk repeated; reduce-scatter: this
-      rank's slice; permute: identity). Wrong results for cp > 1; for
-      timing a step without communication.
   """
 
   kind: str
@@ -61,7 +51,6 @@ class KVExchange:
   total_tokens: int
   restore_dual_chunk: bool = False
   halo_tokens: int = 0
-  communicate: bool = True
 
   @property
   def local_tokens(self) -> int:
@@ -83,21 +72,15 @@ class KVExchange:
 
   def _all_gather(self, x):
     """Tiled all-gather over the cp axis on the token axis (1)."""
-    if self.communicate:
-      return jax.lax.all_gather(x, self.cp_axis, axis=1, tiled=True)
-    return jnp.concatenate([x] * self.cp_size, axis=1)
+    return jax.lax.all_gather(x, self.cp_axis, axis=1, tiled=True)
 
   def _reduce_scatter(self, x):
     """Tiled sum-scatter over the cp axis on the token axis (1)."""
-    if self.communicate:
-      return jax.lax.psum_scatter(x, self.cp_axis, scatter_dimension=1,
-                                  tiled=True)
-    tl = x.shape[1] // self.cp_size
-    rank = jax.lax.axis_index(self.cp_axis)
-    return jax.lax.dynamic_slice_in_dim(x, rank * tl, tl, axis=1)
+    return jax.lax.psum_scatter(x, self.cp_axis, scatter_dimension=1,
+                                tiled=True)
 
   def _permute(self, x, perm):
-    return jax.lax.ppermute(x, self.cp_axis, perm) if self.communicate else x
+    return jax.lax.ppermute(x, self.cp_axis, perm)
 
   # ----------------------------------------------------------------- forward
 
@@ -187,15 +170,14 @@ class KVExchange:
 
 def choose_exchange(strategy_is_nlb: bool, cp_axis, cp_size: int,
                     total_tokens: int, max_seqlen: int | None,
-                    communicate: bool = True, window_left: int = -1
-                    ) -> KVExchange:
+                    window_left: int = -1) -> KVExchange:
   """The cheapest correct exchange for the layout, chosen statically.
 
   NO_LOAD_BALANCE with a bound W moves ``W-1`` tokens per rank through
   ``ceil((W-1)/Tl)`` hops instead of ``(cp-1)*Tl``; when that reaches rank 0
-  anyway (``W-1 >= (cp-1)*Tl``) the all-gather is used. ``communicate``
-  is :attr:`KVExchange.communicate`. A causal sliding window bounds the
-  halo further, to ``min(W-1, window_left)``: no query looks further back.
+  anyway (``W-1 >= (cp-1)*Tl``) the all-gather is used. A causal sliding
+  window bounds the halo further, to ``min(W-1, window_left)``: no query
+  looks further back.
 
   DUAL_CHUNK_SWAP all-gathers with or without a window. A windowed query
   chunk needs only the ``window_left`` tokens before it, but they are
@@ -204,7 +186,8 @@ def choose_exchange(strategy_is_nlb: bool, cp_axis, cp_size: int,
   send both neighbours' whole chunks (``2*Tl`` tokens per rank), which only
   beats the all-gather's ``(cp-1)*Tl`` at cp > 3. With a window,
   NO_LOAD_BALANCE is balanced by construction and needs only the halo, so
-  it is the strategy to use (:func:`jax_cp.recommend_strategy` says so).
+  it is the strategy to use (:func:`jax_cp.planning.recommend_strategy`
+  says so).
   """
   if cp_size == 1:
     return KVExchange("none", cp_axis, 1, total_tokens)
@@ -217,7 +200,6 @@ def choose_exchange(strategy_is_nlb: bool, cp_axis, cp_size: int,
       return KVExchange("none", cp_axis, cp_size, total_tokens)
     if halo < (cp_size - 1) * tl:
       return KVExchange("halo", cp_axis, cp_size, total_tokens,
-                        halo_tokens=halo, communicate=communicate)
+                        halo_tokens=halo)
   return KVExchange("all_gather", cp_axis, cp_size, total_tokens,
-                    restore_dual_chunk=not strategy_is_nlb,
-                    communicate=communicate)
+                    restore_dual_chunk=not strategy_is_nlb)

@@ -10,7 +10,7 @@ Every function here has two paths with the same results:
   with the number of documents (``max_docs``) static. Trailing empty
   documents (repeated last ``cu_seqlens_padded`` value) are allowed.
 
-The layouts (docs/design.md, Strategies):
+The layouts (docs/concepts.md, Strategies):
 
 * ``DUAL_CHUNK_SWAP``: document ``b`` of padded length ``P_b`` is cut into
   ``2*cp`` chunks of ``c_b = P_b / (2*cp)`` tokens; rank ``r`` holds chunks
@@ -29,9 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cp import checks
-from jax_cp.layout import CPLayout
-from jax_cp.strategy import CPLoadBalancingStrategy
+from jax_cp.attention.validation import concrete
+from jax_cp.cp import validation
+from jax_cp.cp.layout import CPLayout, check_layout
+from jax_cp.cp.strategy import CPLoadBalancingStrategy
 
 
 def _is_jax(*xs: Any) -> bool:
@@ -58,26 +59,6 @@ def _dcs_physical_index(xp, cu_seqlens_padded, cp_size: int, rank, t):
   chunk_len = xp.maximum((cs[b + 1] - cs[b]) // 2, 1)   # c_b
   chunk = xp.where(i < chunk_len, rank, 2 * cp_size - 1 - rank)
   return (cuP[b] + chunk * chunk_len + i % chunk_len).astype(xp.int32)
-
-
-def _given(**keywords: Any) -> dict:
-  """The keyword settings a caller passed (those not None)."""
-  return {k: v for k, v in keywords.items() if v is not None}
-
-
-def as_layout(layout: CPLayout | int, what: str,
-              **keywords: Any) -> CPLayout:
-  """A :class:`CPLayout`, or a cp size with keyword settings (None: not
-  given) made into one (cp axis ``"cp"``, no mesh).
-
-  Raises:
-    ValueError: a layout together with keyword settings, or a bad cp size.
-  """
-  keywords = _given(**keywords)
-  if isinstance(layout, CPLayout):
-    return CPLayout.build(layout, what, **keywords)
-  checks.check_cp_size(layout)
-  return CPLayout.build(None, what, cp_size=int(layout), **keywords)
 
 
 def _cp_size(layout: CPLayout, what: str) -> int:
@@ -114,49 +95,38 @@ def _local_tokens(cu_seqlens_padded, cp_size: int,
           "total_tokens must be given when cu_seqlens_padded is traced "
           "(the number of local tokens has to be static)")
     total_tokens = int(np.asarray(cu_seqlens_padded)[..., -1].flat[0])
-  checks.check_divisible_tokens(total_tokens, cp_size)
+  validation.check_divisible_tokens(total_tokens, cp_size)
   return total_tokens // cp_size
 
 
-def get_partition_indices(
-    cu_seqlens_padded,
-    layout: CPLayout | int,
-    cp_rank,
-    load_balancing_strategy=None,
-    *,
-    total_tokens: int | None = None,
-):
+def get_partition_indices(cu_seqlens_padded, layout: CPLayout, cp_rank, *,
+                          total_tokens: int | None = None):
   """Physical token indices that CP rank ``cp_rank`` holds, in local order.
 
   Args:
     cu_seqlens_padded: int ``[N+1]`` (or ``[B, N+1]`` for a batch of rows)
       cumulative padded document lengths, ``cuP[-1] == T``.
-    layout: the :class:`jax_cp.CPLayout` (its cp size and strategy), or the
-      cp size (static) with the strategy in ``load_balancing_strategy``.
+    layout: the :class:`jax_cp.CPLayout` (its cp size and strategy).
     cp_rank: this rank, a Python int or a (traced) JAX scalar.
-    load_balancing_strategy: with an int ``layout`` only: a
-      :class:`CPLoadBalancingStrategy` or its string (default
-      DUAL_CHUNK_SWAP).
     total_tokens: ``T``; needed only when ``cu_seqlens_padded`` is traced.
 
   Returns:
     int32 ``[T // cp_size]`` (``[B, T // cp_size]`` for batched metadata):
     numpy for host inputs, a JAX array when any input is a JAX array.
   """
-  layout = as_layout(layout, "get_partition_indices",
-                     load_balancing_strategy=load_balancing_strategy)
+  layout = check_layout(layout, "get_partition_indices")
   strategy = layout.strategy
   cp_size = _cp_size(layout, "get_partition_indices")
   xp = _xp(cu_seqlens_padded, cp_rank)
   if xp is np:
-    checks.check_cp_rank(cp_rank, cp_size)
-  checks.check_cu_seqlens_padded(cu_seqlens_padded, total_tokens)
+    validation.check_cp_rank(cp_rank, cp_size)
+  validation.check_cu_seqlens_padded(cu_seqlens_padded, total_tokens)
   local = _local_tokens(cu_seqlens_padded, cp_size, total_tokens)
   if cp_size == 1:
     # One rank holds the row in order, whatever the strategy.
     strategy = CPLoadBalancingStrategy.NO_LOAD_BALANCE
   if strategy is CPLoadBalancingStrategy.DUAL_CHUNK_SWAP:
-    checks.check_dual_chunk_divisible(cu_seqlens_padded, cp_size)
+    validation.check_dual_chunk_divisible(cu_seqlens_padded, cp_size)
   if xp is jnp:
     cp_rank = jnp.asarray(cp_rank, jnp.int32)
 
@@ -218,45 +188,34 @@ def _take(x, idx, seq_dim: int, batched: bool):
   return xp.take_along_axis(x, idx.reshape(shape), axis=seq_dim)
 
 
-def get_batch_on_this_cp_rank(
-    cu_seqlens_padded,
-    *tensors,
-    cp_rank=None,
-    layout: CPLayout | None = None,
-    seq_dim: int = 0,
-    cp_size: int | None = None,
-    load_balancing_strategy=None,
-    max_seqlen: int | None = None,
-) -> tuple[Any, ...]:
+def get_batch_on_this_cp_rank(cu_seqlens_padded, *tensors, layout: CPLayout,
+                              cp_rank=None, seq_dim: int = 0
+                              ) -> tuple[Any, ...]:
   """Slices each tensor along ``seq_dim`` to the tokens of ``cp_rank``.
 
   The usual data-loader step: ``input_ids, labels, position_ids =
   get_batch_on_this_cp_rank(cuP, input_ids, labels, position_ids,
-  cp_rank=r, layout=layout)``, then attend with the same ``layout``. With
+  layout=layout, cp_rank=r)``, then attend with the same ``layout``. With
   batched metadata ``[B, N+1]`` each row is sliced with its own layout
   (``seq_dim`` must then be >= 1).
 
   Args:
     cu_seqlens_padded: int ``[N+1]`` / ``[B, N+1]`` row metadata.
     *tensors: arrays with the whole rows along ``seq_dim``.
-    cp_rank: the rank, an int or a (traced) scalar; default, inside a
-      ``shard_map``: ``lax.axis_index(layout.cp_axis)``.
     layout: the :class:`jax_cp.CPLayout` (cp size, strategy, and
       ``max_seqlen``: when set and the metadata is concrete it is checked
       against the longest padded document here, on the host, where a
       violation can still be reported; under ``jit`` it cannot).
+    cp_rank: the rank, an int or a (traced) scalar; default, inside a
+      ``shard_map``: ``lax.axis_index(layout.cp_axis)``.
     seq_dim: the token dim of the tensors.
-    cp_size, load_balancing_strategy, max_seqlen: the keyword form of
-      ``layout`` (exclusive with it).
 
   Raises:
     ValueError: a tensor's length along ``seq_dim`` is not ``cuP[-1]``, the
       layout breaks the strategy's rules, or a document is longer than
       ``max_seqlen``.
   """
-  layout = CPLayout.build(layout, "get_batch_on_this_cp_rank", **_given(
-      cp_size=cp_size, load_balancing_strategy=load_balancing_strategy,
-      max_seqlen=max_seqlen))
+  layout = check_layout(layout, "get_batch_on_this_cp_rank")
   if cp_rank is None:
     cp_rank = _traced_rank(layout, "get_batch_on_this_cp_rank")
   if layout.max_seqlen is not None:
@@ -266,7 +225,7 @@ def get_batch_on_this_cp_rank(
   batched = np.ndim(cu_seqlens_padded) == 2
   total = tensors[0].shape[seq_dim]
   for i, x in enumerate(tensors):
-    checks.check_seq_len_matches(x.shape[seq_dim], cu_seqlens_padded,
+    validation.check_seq_len_matches(x.shape[seq_dim], cu_seqlens_padded,
                                  f"tensors[{i}]")
     if x.shape[seq_dim] != total:
       raise ValueError(
@@ -297,35 +256,33 @@ def _inverse_permutation(perm):
   return jnp.argsort(perm, axis=-1).astype(jnp.int32)
 
 
-def reorder_for_cp(x, cu_seqlens_padded, layout: CPLayout | int,
-                   load_balancing_strategy=None, seq_dim: int = 0):
+def reorder_for_cp(x, cu_seqlens_padded, layout: CPLayout, seq_dim: int = 0):
   """Global view: permutes the tokens so that a contiguous split of
   ``seq_dim`` over the cp axis gives rank ``r`` exactly
   ``get_partition_indices(..., r)``.
 
   After this, shard ``seq_dim`` over the cp mesh axis (``NamedSharding`` with
   ``P(..., "cp", ...)``) and call :func:`jax_cp.cp_attention` with the same
-  ``layout``. NO_LOAD_BALANCE is the identity.
+  ``layout``. NO_LOAD_BALANCE is the identity. On a mesh of ``Explicit``
+  axes a sharded ``x`` keeps its sharding (the tokens over cp).
 
   Args:
     x: the whole rows, tokens along ``seq_dim``.
     cu_seqlens_padded: int ``[N+1]`` / ``[B, N+1]`` row metadata.
-    layout: the :class:`jax_cp.CPLayout`, or the cp size with the strategy
-      in ``load_balancing_strategy`` (default DUAL_CHUNK_SWAP).
-    load_balancing_strategy: with an int ``layout`` only.
+    layout: the :class:`jax_cp.CPLayout` (its cp size and strategy).
     seq_dim: the token dim of ``x``.
   """
-  layout = as_layout(layout, "reorder_for_cp",
-                     load_balancing_strategy=load_balancing_strategy)
+  layout = check_layout(layout, "reorder_for_cp")
   return _permute(x, cu_seqlens_padded, layout, seq_dim, inverse=False)
 
 
-def restore_from_cp(x, cu_seqlens_padded, layout: CPLayout | int,
-                    load_balancing_strategy=None, seq_dim: int = 0):
+def restore_from_cp(x, cu_seqlens_padded, layout: CPLayout,
+                    seq_dim: int = 0):
   """Inverse of :func:`reorder_for_cp`: back to physical token order (same
-  arguments)."""
-  layout = as_layout(layout, "restore_from_cp",
-                     load_balancing_strategy=load_balancing_strategy)
+  arguments). On a mesh of ``Explicit`` axes a sharded ``x`` keeps its
+  sharding: the result's tokens stay sharded over cp, in physical order
+  (``jax.reshard`` it to combine it with arrays of another sharding)."""
+  layout = check_layout(layout, "restore_from_cp")
   return _permute(x, cu_seqlens_padded, layout, seq_dim, inverse=True)
 
 
@@ -333,11 +290,11 @@ def _permute(x, cu_seqlens_padded, layout: CPLayout, seq_dim: int,
              inverse: bool):
   cp_size = _cp_size(layout, "reorder_for_cp")
   total = x.shape[seq_dim]
-  checks.check_seq_len_matches(total, cu_seqlens_padded, "x")
+  validation.check_seq_len_matches(total, cu_seqlens_padded, "x")
   if layout.strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE or (
       cp_size == 1):
-    checks.check_cu_seqlens_padded(cu_seqlens_padded, total)
-    checks.check_divisible_tokens(total, cp_size)
+    validation.check_cu_seqlens_padded(cu_seqlens_padded, total)
+    validation.check_divisible_tokens(total, cp_size)
     return x
   perm = _cp_permutation(cu_seqlens_padded, layout, cp_size, total)
   if inverse:
@@ -347,23 +304,23 @@ def _permute(x, cu_seqlens_padded, layout: CPLayout, seq_dim: int,
 
 def longest_padded_document(cu_seqlens_padded) -> int:
   """The longest padded document of a row (or of all rows): the tightest
-  ``max_seqlen`` for :func:`jax_cp.cp_attention`. Host (concrete) data."""
-  cuP = checks.concrete(cu_seqlens_padded)
+  ``max_seqlen`` of a :class:`jax_cp.CPLayout`. Host (concrete) data."""
+  cuP = concrete(cu_seqlens_padded)
   if cuP is None:
     raise ValueError("longest_padded_document needs concrete (host) "
                      "cu_seqlens_padded, not a traced value")
-  checks.check_cu_seqlens_padded(cuP)
+  validation.check_cu_seqlens_padded(cuP)
   return int(np.diff(cuP, axis=-1).max())
 
 
 def check_max_seqlen_bound(cu_seqlens_padded, max_seqlen) -> None:
   """Raises if a concrete row holds a padded document longer than
   ``max_seqlen`` (a no-op for traced metadata)."""
-  cuP = checks.concrete(cu_seqlens_padded)
+  cuP = concrete(cu_seqlens_padded)
   if cuP is None:
     return
-  checks.check_cu_seqlens_padded(cuP)
-  checks.check_max_seqlen_bound(cuP, max_seqlen)
+  validation.check_cu_seqlens_padded(cuP)
+  validation.check_max_seqlen_bound(cuP, max_seqlen)
 
 
 def get_position_ids(cu_seqlens_padded, total_tokens: int | None = None,
@@ -396,7 +353,7 @@ def get_position_ids(cu_seqlens_padded, total_tokens: int | None = None,
 
 def _physical_position_ids(cu_seqlens_padded, total_tokens):
   xp = _xp(cu_seqlens_padded)
-  checks.check_cu_seqlens_padded(cu_seqlens_padded, total_tokens)
+  validation.check_cu_seqlens_padded(cu_seqlens_padded, total_tokens)
   cuP = xp.asarray(cu_seqlens_padded).astype(xp.int32)
   if total_tokens is None:
     if xp is jnp and isinstance(cu_seqlens_padded, jax.core.Tracer):
@@ -449,7 +406,7 @@ def gathered_to_sequence_index(cu_seqlens_padded, cp_size: int,
 def sequence_to_gathered_index(cu_seqlens_padded, cp_size: int,
                                total_tokens: int):
   """DUAL_CHUNK_SWAP, jnp: for each gathered index ``g`` (rank ``g // Tl``,
-  local token ``g % Tl``), its physical position in the row (docs/design.md,
+  local token ``g % Tl``), its physical position in the row (docs/internals.md,
   Exchange). ``[T]`` or ``[B, T]`` int32."""
   local = total_tokens // cp_size
 

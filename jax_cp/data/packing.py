@@ -10,7 +10,7 @@ restart at 0). :func:`balance_rows` then reorders each row's documents so
 that NO_LOAD_BALANCE's contiguous chunks hold near-equal attention work.
 
 The rows are host (numpy) arrays in physical order, with their metadata:
-hand them to :func:`jax_cp.make_global_batch` (``rows.tensors``,
+hand them to :func:`jax_cp.data.make_global_batch` (``rows.tensors``,
 ``rows.cu_seqlens_padded``, ``cu_seqlens=rows.cu_seqlens``).
 """
 
@@ -21,9 +21,13 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from jax_cp.document_order import balance_document_order, permute_documents
-from jax_cp.partition import get_position_ids
-from jax_cp.strategy import CPLoadBalancingStrategy, as_strategy
+from jax_cp.cp.layout import CPLayout, check_layout
+from jax_cp.cp.partition import get_position_ids
+from jax_cp.cp.strategy import CPLoadBalancingStrategy
+from jax_cp.planning.document_order import (
+  balance_document_order,
+  permute_documents,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +35,7 @@ class PackedRows:
   """R packed rows of T tokens (numpy, host), next-token labels included.
 
   Index it like an array of rows: ``rows[a:b]`` (a batch), ``rows[idx]``
-  (the rows of :func:`jax_cp.process_batch_rows`).
+  (the rows of :func:`jax_cp.data.process_batch_rows`).
 
   Attributes:
     tokens: int32 ``[R, T]`` input tokens (``pad_id`` on padding).
@@ -78,16 +82,18 @@ class PackedRows:
                          for f in dataclasses.fields(self)})
 
 
-def pad_multiple_for(strategy, cp_size: int) -> int:
-  """Padded document lengths of ``strategy`` on ``cp_size`` ranks must be
-  multiples of this: ``2*cp_size`` for DUAL_CHUNK_SWAP, 1 (no padding) for
-  NO_LOAD_BALANCE."""
-  strategy = as_strategy(strategy, "strategy")
-  if isinstance(cp_size, bool) or not isinstance(
-      cp_size, (int, np.integer)) or cp_size < 1:
-    raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
-  if strategy is CPLoadBalancingStrategy.DUAL_CHUNK_SWAP:
-    return 2 * int(cp_size)
+def pad_multiple_for(layout: CPLayout) -> int:
+  """Padded document lengths of rows for ``layout`` must be multiples of
+  this: ``2 * cp`` for DUAL_CHUNK_SWAP (its two chunks per rank split every
+  document in ``2 * cp`` equal parts), 1 (no padding) for NO_LOAD_BALANCE
+  and without CP. The cp size is the layout's, or read from the context
+  mesh."""
+  layout = check_layout(layout, "pad_multiple_for")
+  if layout.cp_axis is None:
+    return 1
+  cp = layout.cp_size or layout.resolve_cp_size()
+  if layout.strategy is CPLoadBalancingStrategy.DUAL_CHUNK_SWAP:
+    return 2 * int(cp)
   return 1
 
 
@@ -134,7 +140,7 @@ def pack_documents(docs: Iterable, seq_len: int, num_rows: int,
     seq_len: tokens per row ``T``; a multiple of ``pad_multiple``.
     num_rows: rows to build.
     pad_multiple: every padded document length is a multiple of it
-      (:func:`pad_multiple_for` of the strategy and cp size).
+      (:func:`pad_multiple_for` of the layout).
     max_docs: document slots per row ``N`` (static); default: the most any
       row needs, rounded up to a multiple of 8.
     pad_id: the token of padding positions.
@@ -178,17 +184,17 @@ def pack_documents(docs: Iterable, seq_len: int, num_rows: int,
                     cu_seqlens=cu, cu_seqlens_padded=cu_p)
 
 
-def balance_rows(rows: PackedRows, cp_size: int, strategy,
+def balance_rows(rows: PackedRows, layout: CPLayout,
                  window_size=None) -> PackedRows:
   """Every row with its documents reordered so that NO_LOAD_BALANCE's
-  contiguous chunks of ``cp_size`` ranks hold near-equal attention work
-  (:func:`jax_cp.balance_document_order`, then
-  :func:`jax_cp.permute_documents` on the metadata and every per-token
-  array). Documents move whole, so labels, loss mask and positions stay
-  right. DUAL_CHUNK_SWAP (every rank holds a share of every document): the
-  rows as they are."""
+  contiguous chunks of the layout's ranks hold near-equal attention work
+  (:func:`jax_cp.planning.balance_document_order`, then
+  :func:`jax_cp.planning.permute_documents` on the metadata and every
+  per-token array). Documents move whole, so labels, loss mask and
+  positions stay right. DUAL_CHUNK_SWAP (every rank holds a share of every
+  document): the rows as they are."""
   order = balance_document_order(rows.cu_seqlens, rows.cu_seqlens_padded,
-                                 cp_size, strategy, window_size=window_size)
+                                 layout, window_size=window_size)
   out = permute_documents(order, rows.cu_seqlens, rows.cu_seqlens_padded,
                           *rows.tensors.values(), seq_dim=1)
   return PackedRows(cu_seqlens=out[0], cu_seqlens_padded=out[1],

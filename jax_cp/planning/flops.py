@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from jax_cp import checks
-from jax_cp.pair_counts import range_pairs
+from jax_cp.attention.validation import check_window_size
+from jax_cp.planning.pairs import range_pairs
 
 #: Attention backward FLOPs / forward FLOPs, MFU convention (no recompute).
 BACKWARD_FACTOR = 2.0
@@ -66,7 +66,7 @@ def causal_pairs(cu_seqlens, window_size=None) -> int:
   Raises:
     ValueError: ``cu_seqlens`` decreases, or a bad ``window_size``.
   """
-  left = checks.check_window_size(window_size, "causal")
+  left = check_window_size(window_size, "causal")
   lens = np.diff(np.asarray(cu_seqlens, np.int64), axis=-1)
   if (lens < 0).any():
     raise ValueError("cu_seqlens must be non-decreasing along its last axis")

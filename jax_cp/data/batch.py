@@ -4,8 +4,9 @@ Under JAX's multi-controller runtime (``jax.distributed.initialize``, one
 process per host) every process feeds only the devices it owns.
 :func:`make_global_batch` takes *this process's* packed rows, slices each
 row on the host for the cp rank of each of its devices with
-:func:`jax_cp.get_batch_on_this_cp_rank`, and assembles global
-``jax.Array`` s whose token axis is in :func:`jax_cp.reorder_for_cp` layout,
+:func:`jax_cp.data.get_batch_on_this_cp_rank`, and assembles global
+``jax.Array`` s whose token axis is in :func:`jax_cp.data.reorder_for_cp`
+layout,
 sharded over the cp mesh axis (and the batch over the batch axes). Nothing a
 process does touches another process's rows, and a device only ever
 receives its own tokens.
@@ -34,22 +35,14 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_cp import checks
-from jax_cp.layout import CPBatch, CPLayout
-from jax_cp.partition import check_max_seqlen_bound, get_batch_on_this_cp_rank
+from jax_cp.cp import validation
+from jax_cp.cp.layout import CPBatch, CPLayout, check_layout
+from jax_cp.cp.partition import (
+  check_max_seqlen_bound,
+  get_batch_on_this_cp_rank,
+)
 
 AxisNames = str | Sequence[str] | None
-
-
-class _Unset:
-  """make_global_batch's ``cp_axis`` when the caller passes none (``"cp"``
-  in the keyword form, the layout's own otherwise)."""
-
-  def __repr__(self) -> str:
-    return "'cp'"
-
-
-_UNSET: Any = _Unset()
 
 
 # ------------------------------------------------------------------ helpers
@@ -60,7 +53,7 @@ def _batch_axes(mesh, batch_axis: AxisNames,
   axes = (batch_axis,) if isinstance(batch_axis, str) else tuple(
       batch_axis or ())
   for ax in axes:
-    checks.check_mesh_axis(mesh, ax, "batch_axis")
+    validation.check_mesh_axis(mesh, ax, "batch_axis")
   if cp_axis is not None and cp_axis in axes:
     raise ValueError(f"cp_axis={cp_axis!r} cannot also be a batch axis "
                      f"(batch_axis={batch_axis!r})")
@@ -98,15 +91,15 @@ def _rows_of_shards(shards, n_shards: int, global_batch: int) -> np.ndarray:
                         ).astype(np.int64)
 
 
-def process_batch_rows(mesh, global_batch: int, batch_axis: AxisNames = None,
-                       *, process_index: int | None = None) -> np.ndarray:
+def process_batch_rows(layout: CPLayout, global_batch: int, *,
+                       process_index: int | None = None) -> np.ndarray:
   """The global row indices a process must load and pass, in order.
 
   Args:
-    mesh: the ``jax.sharding.Mesh`` the batch will live on.
+    layout: the :class:`jax_cp.CPLayout` the batch will be in: its mesh
+      (a ``jax.sharding.Mesh``) and ``batch_axis`` (None: replicated, every
+      process loads every row).
     global_batch: ``B``, the number of packed rows of the global batch.
-    batch_axis: the mesh axis (or tuple of axes) the batch dim is sharded
-      over; ``None``: replicated, every process loads every row.
     process_index: which process (default: this one, ``jax.process_index()``).
       Useful to plan the reads of every process from one place.
 
@@ -117,8 +110,9 @@ def process_batch_rows(mesh, global_batch: int, batch_axis: AxisNames = None,
 
   Raises:
     ValueError: ``global_batch`` is not divisible by the number of batch
-      shards, an axis is not in the mesh, or the process owns no device.
+      shards, the layout has no mesh, or the process owns no device.
   """
+  mesh, batch_axis = _layout_mesh(layout, "process_batch_rows")
   axes = _batch_axes(mesh, batch_axis)
   shards, n = _local_batch_shards(mesh, axes, process_index)
   if global_batch < 1 or global_batch % n:
@@ -201,7 +195,16 @@ def _row_locator(rows: np.ndarray):
   return locate
 
 
-def make_global_metadata(local_meta, mesh, *, batch_axis: AxisNames = None,
+def _layout_mesh(layout: CPLayout, what: str):
+  """``(mesh, batch_axis)`` of a layout that must have a mesh."""
+  layout = check_layout(layout, what)
+  if not isinstance(layout.mesh, jax.sharding.Mesh):
+    raise ValueError(f"{what} needs the layout's mesh, a jax.sharding.Mesh "
+                     f"(got {layout.mesh!r})")
+  return layout.mesh, layout.batch_axis
+
+
+def make_global_metadata(local_meta, layout: CPLayout, *,
                          global_batch_size: int | None = None):
   """Assembles per-row arrays (``cu_seqlens``, ...) of this process's rows
   into global arrays sharded over the batch axes, replicated elsewhere.
@@ -209,22 +212,14 @@ def make_global_metadata(local_meta, mesh, *, batch_axis: AxisNames = None,
   Args:
     local_meta: one array or a dict / tuple of arrays ``[B_local, ...]`` for
       the rows of :func:`process_batch_rows`, in that order.
-    mesh: the mesh, or a :class:`jax_cp.CPLayout` (its mesh and batch
-      axes).
-    batch_axis: the batch mesh axis (or axes); with a mesh only.
+    layout: the :class:`jax_cp.CPLayout`: its mesh and batch axes.
     global_batch_size: optional ``B``; when given, ``B_local`` is checked
       against it.
 
   Returns:
     Global arrays ``[B, ...]`` in the container of ``local_meta``.
   """
-  if isinstance(mesh, CPLayout):
-    layout = CPLayout.build(mesh, "make_global_metadata", **(
-        {} if batch_axis is None else {"batch_axis": batch_axis}))
-    if not isinstance(layout.mesh, jax.sharding.Mesh):
-      raise ValueError("make_global_metadata needs the layout's mesh, a "
-                       f"jax.sharding.Mesh (got {layout.mesh!r})")
-    mesh, batch_axis = layout.mesh, layout.batch_axis
+  mesh, batch_axis = _layout_mesh(layout, "make_global_metadata")
   axes = _batch_axes(mesh, batch_axis)
   items, rebuild = _as_items(local_meta)
   b_local = _local_batch_size(items, "metadata")
@@ -264,26 +259,16 @@ def _check_tokens(items, cuP: np.ndarray, seq_dim: int, batched: bool):
                      f"{ {name: x.shape[seq_dim] for name, x in items} }")
   total = totals.pop()
   try:
-    checks.check_cu_seqlens_padded(cuP, total)
+    validation.check_cu_seqlens_padded(cuP, total)
   except ValueError as e:
     raise ValueError(f"local rows of {total} tokens along seq_dim={seq_dim} "
                      f"do not match their metadata: {e}") from None
   return total
 
 
-def make_global_batch(
-    local_rows,
-    cu_seqlens_padded,
-    layout: CPLayout | Any,
-    *,
-    seq_dim: int = 1,
-    global_batch_size: int | None = None,
-    cu_seqlens=None,
-    cp_axis: str | None = _UNSET,
-    batch_axis: AxisNames = None,
-    load_balancing_strategy=None,
-    max_seqlen: int | None = None,
-) -> CPBatch:
+def make_global_batch(local_rows, cu_seqlens_padded, layout: CPLayout, *,
+                      cu_seqlens=None, seq_dim: int = 1,
+                      global_batch_size: int | None = None) -> CPBatch:
   """Global CP-sharded arrays from this process's packed rows.
 
   Without CP (a layout with ``cp_axis=None``) the rows stay whole and in
@@ -293,7 +278,7 @@ def make_global_batch(
 
   For each device this process owns, the device's batch shard and cp rank
   are read from the mesh; its tokens are cut from the local rows on the host
-  with :func:`jax_cp.get_batch_on_this_cp_rank` and put on it; the pieces
+  with :func:`jax_cp.data.get_batch_on_this_cp_rank` and put on it; the pieces
   form global arrays with ``jax.make_array_from_single_device_arrays``.
 
   Args:
@@ -310,24 +295,21 @@ def make_global_batch(
       every process; optional without CP), ``cp_axis`` (``None``: no CP),
       ``batch_axis`` (``None`` replicates the rows over every non-cp axis),
       strategy and ``max_seqlen`` (checked here against the longest padded
-      document). Or the mesh itself, with the keyword settings below.
-    seq_dim: the token dim of the arrays (1 for ``[B, T, ...]``).
-    global_batch_size: optional ``B``; when given the number of local rows is
-      checked against it (without it ``B`` is inferred from ``B_local``, which
-      cannot catch a process passing the rows of other processes too).
+      document).
     cu_seqlens: optional int ``[B_local, N+1]``, the valid-length metadata of
       the same rows; checked here against ``cu_seqlens_padded`` (same shape,
       starts at 0, no document longer than its padded slot; in
       multi-process runs ``cp_attention`` sees only the global, sharded
       metadata and cannot check the values) and assembled into the batch.
-    cp_axis, batch_axis, load_balancing_strategy, max_seqlen: with a mesh
-      as ``layout`` only: the keyword form of the layout (``cp_axis``
-      defaults to ``"cp"``; ``cp_axis=None``: no CP).
+      Attention needs it.
+    seq_dim: the token dim of the arrays (1 for ``[B, T, ...]``).
+    global_batch_size: optional ``B``; when given the number of local rows is
+      checked against it (without it ``B`` is inferred from ``B_local``, which
+      cannot catch a process passing the rows of other processes too).
 
   Returns:
-    A :class:`jax_cp.CPBatch` (unpacks as ``(tensors,
-    cu_seqlens_padded)``): the arrays ``[B, T, ...]`` in
-    :func:`jax_cp.reorder_for_cp` layout with sharding ``P(batch_axis,
+    A :class:`jax_cp.CPBatch`: the arrays ``[B, T, ...]`` in
+    :func:`jax_cp.data.reorder_for_cp` layout with sharding ``P(batch_axis,
     cp_axis)`` on ``(0, seq_dim)`` (without CP: in physical order,
     ``P(batch_axis)``), in the container of ``local_rows``; the
     int32 metadata ``[B, N+1]`` (``cu_seqlens_padded``, and ``cu_seqlens``
@@ -346,16 +328,7 @@ def make_global_batch(
       with ``cu_seqlens_padded``, an axis is unknown, or a layout with CP
       (or with a ``batch_axis``) has no mesh.
   """
-  keywords = {k: v for k, v in dict(
-      batch_axis=batch_axis, load_balancing_strategy=load_balancing_strategy,
-      max_seqlen=max_seqlen).items() if v is not None}
-  if cp_axis is not _UNSET:
-    keywords["cp_axis"] = cp_axis
-  if not isinstance(layout, CPLayout):
-    layout = CPLayout.build(None, "make_global_batch", mesh=layout,
-                            **keywords)
-  else:
-    layout = CPLayout.build(layout, "make_global_batch", **keywords)
+  layout = check_layout(layout, "make_global_batch")
   mesh, cp_axis, batch_axis = layout.mesh, layout.cp_axis, layout.batch_axis
   on_one_device = mesh is None and cp_axis is None
   if on_one_device and batch_axis is not None:
@@ -365,7 +338,7 @@ def make_global_batch(
     raise ValueError("make_global_batch needs the layout's mesh, a "
                      f"jax.sharding.Mesh (got {mesh!r})")
   max_seqlen = layout.max_seqlen
-  checks.check_mesh_axis(mesh, cp_axis, "cp_axis")
+  validation.check_mesh_axis(mesh, cp_axis, "cp_axis")
   axes = () if on_one_device else _batch_axes(mesh, batch_axis, cp_axis)
   cp = 1 if cp_axis is None else mesh.shape[cp_axis]
   items, rebuild = _as_items(local_rows)
@@ -380,9 +353,9 @@ def make_global_batch(
     raise ValueError(f"batch_axis={batch_axis!r} needs batched rows "
                      f"[B_local, T, ...] with cu_seqlens_padded [B_local, N+1]")
   total = _check_tokens(items, cuP, seq_dim, batched)
-  checks.check_divisible_tokens(total, cp)
+  validation.check_divisible_tokens(total, cp)
   if cu_seqlens is not None:
-    checks.check_cu_seqlens(np.asarray(cu_seqlens), cuP)
+    validation.check_cu_seqlens(np.asarray(cu_seqlens), cuP)
   if max_seqlen is not None:
     check_max_seqlen_bound(cuP, max_seqlen)
   local_tokens = total // cp

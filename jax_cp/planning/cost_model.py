@@ -1,4 +1,4 @@
-"""Host-side cost model of CP attention (docs/design.md, Strategies).
+"""Host-side cost model of CP attention (docs/concepts.md, Strategies).
 
 Given a batch's metadata, :func:`estimate_cp_imbalance` predicts what each
 context-parallel rank does in the forward of causal self-attention under a
@@ -21,9 +21,9 @@ load-balancing strategy:
   NO_LOAD_BALANCE, 1 at ``cp == 1``).
 
 Under NO_LOAD_BALANCE the work also depends on the order of the documents
-in the row; :func:`jax_cp.balance_document_order` picks an order that
-evens it out (counting pairs as this module does,
-:mod:`jax_cp.pair_counts`).
+in the row; :func:`jax_cp.planning.balance_document_order` picks an order
+that evens it out (counting pairs as this module does,
+:mod:`jax_cp.planning.pairs`).
 
 :func:`recommend_strategy` turns two such estimates into a predicted step
 time with a deliberately simple model (see
@@ -39,12 +39,14 @@ from typing import Any
 
 import numpy as np
 
-from jax_cp import checks, document_order
-from jax_cp.flops import RECOMPUTE_BACKWARD_FACTOR, attention_flops
-from jax_cp.host_metadata import as_int_rows, host_metadata, resolve_cp
-from jax_cp.layout import CPLayout
-from jax_cp.pair_counts import range_pairs
-from jax_cp.strategy import CPLoadBalancingStrategy
+from jax_cp.attention.validation import check_window_size
+from jax_cp.cp import validation
+from jax_cp.cp.layout import CPLayout
+from jax_cp.cp.strategy import CPLoadBalancingStrategy
+from jax_cp.planning import document_order
+from jax_cp.planning.flops import RECOMPUTE_BACKWARD_FACTOR, attention_flops
+from jax_cp.planning.host import as_int_rows, host_metadata, resolve_layout
+from jax_cp.planning.pairs import range_pairs
 
 _DCS = CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
 _NLB = CPLoadBalancingStrategy.NO_LOAD_BALANCE
@@ -56,7 +58,8 @@ H200_ALLGATHER_BUS_BANDWIDTH = 150e9
 #: Default fixed cost of one attention kernel call (launch + metadata), s.
 CALL_OVERHEAD_S = 20e-6
 #: FLOPs of forward + backward relative to the forward, as the GPU runs them
-#: (the fused backward recomputes Q K^T: 2.5x the forward, jax_cp.flops).
+#: (the fused backward recomputes Q K^T: 2.5x the forward,
+#: jax_cp.planning.flops).
 FWD_BWD_FLOP_FACTOR = 1.0 + RECOMPUTE_BACKWARD_FACTOR
 #: K/V exchanges of forward + backward relative to the forward: forward
 #: gather, backward re-gather, and the reduce-scatter of dK/dV.
@@ -221,12 +224,9 @@ def _rank_pairs(lens, starts, plens, cp: int, total: int,
 # ----------------------------------------------------------------- public API
 
 
-def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded,
-                          cp_size: int | CPLayout,
-                          strategy=None, *, num_heads_q: int = 1,
-                          num_heads_kv: int = 1, head_dim: int = 128,
-                          dtype_bytes: int = 2,
-                          max_seqlen: int | None = None,
+def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded, layout: CPLayout,
+                          *, num_heads_q: int = 1, num_heads_kv: int = 1,
+                          head_dim: int = 128, dtype_bytes: int = 2,
                           window_size=None) -> CPCostEstimate:
   """Predicts per-rank causal attention work and K/V traffic of a batch.
 
@@ -234,16 +234,13 @@ def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded,
     cu_seqlens: int ``[N+1]`` or ``[B, N+1]`` cumulative valid lengths.
     cu_seqlens_padded: int, same shape, cumulative padded lengths
       (``cuP[-1] == T`` in every row).
-    cp_size: number of CP ranks, or a :class:`jax_cp.CPLayout` with a
-      known ``cp_size`` (its strategy and ``max_seqlen`` are then used).
-    strategy: :class:`CPLoadBalancingStrategy` or its string (default
-      DUAL_CHUNK_SWAP); with an int ``cp_size`` only.
+    layout: the :class:`jax_cp.CPLayout` with a known cp size: its strategy
+      and ``max_seqlen`` (the static bound ``W`` on every padded document
+      length; with NO_LOAD_BALANCE it gives the bounded-halo bytes).
     num_heads_q: query heads (scales FLOPs).
     num_heads_kv: key/value heads (scales bytes).
     head_dim: head dimension ``D``.
     dtype_bytes: bytes per K/V element (2 for bf16).
-    max_seqlen: static bound ``W`` on every padded document length; with
-      NO_LOAD_BALANCE it gives the bounded-halo bytes. ``None``: no bound.
     window_size: ``None`` or a causal sliding window ``(left, 0)``: a query
       sees at most ``left + 1`` keys, and NO_LOAD_BALANCE's halo is at most
       ``left`` tokens (with or without ``max_seqlen``).
@@ -257,21 +254,20 @@ def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded,
       with a padded length not divisible by ``2*cp_size``, a document longer
       than ``max_seqlen``, or bad sizes.
   """
-  cp, strategy, max_seqlen = resolve_cp(cp_size, strategy,
-                                        "estimate_cp_imbalance", max_seqlen)
+  cp, strategy, max_seqlen = resolve_layout(layout, "estimate_cp_imbalance")
   hq = _check_positive_int(num_heads_q, "num_heads_q")
   hkv = _check_positive_int(num_heads_kv, "num_heads_kv")
   d = _check_positive_int(head_dim, "head_dim")
   nbytes = _check_positive_int(dtype_bytes, "dtype_bytes")
-  left = checks.check_window_size(window_size, "causal")
+  left = check_window_size(window_size, "causal")
   if hq % hkv:
     raise ValueError(f"num_heads_q={hq} must be a multiple of num_heads_kv="
                      f"{hkv} (GQA/MQA)")
   cu, cuP = host_metadata(cu_seqlens, cu_seqlens_padded)
   total = int(cuP[0, -1])
-  checks.check_divisible_tokens(total, cp)
+  validation.check_divisible_tokens(total, cp)
   if strategy is _DCS:
-    checks.check_dual_chunk_divisible(cuP, cp)
+    validation.check_dual_chunk_divisible(cuP, cp)
   plens = np.diff(cuP, axis=-1)
   lens = np.diff(cu, axis=-1)
   longest = int(plens.max()) if plens.size else 0
@@ -331,7 +327,7 @@ def pad_cu_seqlens(cu_seqlens, multiple: int) -> np.ndarray:
 def _dcs_window_plan_calls(window_left: int, max_seqlen: int
                           ) -> tuple[int, int] | None:
   """(forward, backward) attention calls per rank of DUAL_CHUNK_SWAP's
-  windowed plan at cp > 1 (docs/design.md, Call plans): the top-left
+  windowed plan at cp > 1 (docs/internals.md, Call plans): the top-left
   diagonals, the near rectangles and the far triangles each way; the
   diagonals alone for a window of 0, no near rectangles for 1. None
   without a window, or with one that reaches past every document
@@ -392,7 +388,7 @@ def recommend_strategy(cu_seqlens, cu_seqlens_padded, cp_size: int, *,
     include_backward: model a training step (forward + backward).
     bounded_exchange: whether NO_LOAD_BALANCE exchanges only the halo.
     reorder_documents: estimate NO_LOAD_BALANCE on the rows with their
-      documents reordered by :func:`jax_cp.balance_document_order` (what
+      documents reordered by :func:`balance_document_order` (what
       a data loader that reorders them would run), not as given.
 
   Returns:
@@ -401,15 +397,16 @@ def recommend_strategy(cu_seqlens, cu_seqlens_padded, cp_size: int, *,
   kw = dict(num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
             head_dim=head_dim, dtype_bytes=dtype_bytes,
             window_size=window_size)
+  cp_size = _check_positive_int(cp_size, "cp_size")
+  nlb_layout = CPLayout(cp_size=cp_size, strategy=_NLB,
+                        max_seqlen=max_seqlen)
   cu_nlb, cuP_nlb = cu_seqlens, cu_seqlens_padded
   if reorder_documents:
     order = document_order.balance_document_order(
-        cu_seqlens, cu_seqlens_padded, cp_size, _NLB,
-        window_size=window_size)
+        cu_seqlens, cu_seqlens_padded, nlb_layout, window_size=window_size)
     cu_nlb, cuP_nlb = document_order.permute_documents(
         order, cu_seqlens, cu_seqlens_padded)
-  nlb = estimate_cp_imbalance(cu_nlb, cuP_nlb, cp_size, _NLB,
-                              max_seqlen=max_seqlen, **kw)
+  nlb = estimate_cp_imbalance(cu_nlb, cuP_nlb, nlb_layout, **kw)
   note = " (no_load_balance on the reordered rows)" if reorder_documents \
       else ""
   if cu_seqlens_padded_dcs is None:
@@ -421,8 +418,8 @@ def recommend_strategy(cu_seqlens, cu_seqlens_padded, cp_size: int, *,
                f"multiple of {2 * cp_size})")
     else:
       cu_seqlens_padded_dcs = cu_seqlens_padded
-  dcs = estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded_dcs, cp_size,
-                              _DCS, **kw)
+  dcs = estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded_dcs,
+                              CPLayout(cp_size=cp_size, strategy=_DCS), **kw)
   model = dict(peak_flops=peak_flops, bandwidth=bandwidth,
                call_overhead_s=call_overhead_s,
                include_backward=include_backward)

@@ -1,30 +1,27 @@
-"""The in-graph guard of the ``max_seqlen`` bound (docs/design.md, Exchange).
+"""The in-graph guard of the ``max_seqlen`` bound (docs/max_seqlen.md).
 
 A bound W below the row length lets a step exchange only a halo of
 ``W - 1`` tokens and size its kernels by W; a padded document longer than
 W would silently lose keys. Concrete metadata is checked by value
-(:func:`jax_cp.checks.check_max_seqlen`); traced metadata is checked here,
-in the step, as :attr:`jax_cp.cp_config.CPConfig.bound_check` says:
+(:func:`jax_cp.cp.validation.check_max_seqlen`); traced metadata is
+checked here, in the step, as :attr:`jax_cp.cp.config.CPConfig.bound_check`
+says:
 
-* ``"fallback"``: :func:`run` picks between the bounded program and the
-  unbounded one (all-gather exchange, bounds of the row length) with a
-  ``lax.cond``. The predicate is a few integer ops on the metadata, which
-  every rank of the cp axis holds replicated, so all of them take the same
-  branch and the collectives inside it match. A step that breaks the bound
-  is right, only slower. Where the bounded program is exact for longer
-  documents anyway (:func:`bounded_program_is_exact`), there is no
-  ``cond``.
-* ``"error"``: :func:`check` adds a :func:`jax.experimental.checkify.check`;
-  the caller wraps the step in :func:`jax.experimental.checkify.checkify`
-  and gets the error back (untransformed, tracing it raises and says so).
-* ``"trusted"`` (``max_seqlen_violation="checked_on_host"``, or a
-  :class:`jax_cp.CPBatch` checked on the host): the bounded program only,
-  with no ``cond`` and none of the fallback's memory. :func:`poison` still
-  evaluates the predicate and multiplies the local keys and values by NaN
-  where it holds, so metadata that broke the promise give NaN outputs and
-  gradients instead of a silently wrong answer. The products fuse into the
-  producers of the keys and values: no buffer of their own and no host
-  wait.
+* ``"fallback"`` (raw metadata arrays): :func:`run` picks between the
+  bounded program and the unbounded one (all-gather exchange, bounds of
+  the row length) with a ``lax.cond``. The predicate is a few integer ops
+  on the metadata, which every rank of the cp axis holds replicated, so
+  all of them take the same branch and the collectives inside it match. A
+  step that breaks the bound is right, only slower. Where the bounded
+  program is exact for longer documents anyway
+  (:func:`bounded_program_is_exact`), there is no ``cond``.
+* ``"trusted"`` (a :class:`jax_cp.CPBatch` checked on the host): the
+  bounded program only, with no ``cond`` and none of the fallback's
+  memory. :func:`poison` still evaluates the predicate and multiplies the
+  local keys and values by NaN where it holds, so metadata that broke the
+  promise give NaN outputs and gradients instead of a silently wrong
+  answer. The products fuse into the producers of the keys and values: no
+  buffer of their own and no host wait.
 """
 
 from __future__ import annotations
@@ -33,9 +30,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import checkify
 
-from jax_cp.strategy import CPLoadBalancingStrategy
+from jax_cp.cp.strategy import CPLoadBalancingStrategy
 
 
 def bounded_program_is_exact(cfg, unbounded) -> bool:
@@ -45,8 +41,8 @@ def bounded_program_is_exact(cfg, unbounded) -> bool:
   the bound (NO_LOAD_BALANCE's halo call reads the first ``min(W-1,
   Tl)`` rows; windowed DUAL_CHUNK_SWAP's compact buffers are sized by the
   chunk bound, and a window of ``W - 1`` or more is dropped;
-  docs/design.md, Call plans), and a backend whose results do not depend
-  on the kernels' static bounds."""
+  docs/internals.md, Call plans), and a backend whose results do not
+  depend on the kernels' static bounds."""
   if not cfg.backend.exact_past_bounds or cfg.exchange != unbounded.exchange:
     return False
   prefix = (cfg.strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE
@@ -66,26 +62,6 @@ def longest_padded(cu_seqlens_padded):
 def exceeds_bound(cu_seqlens_padded, max_seqlen: int):
   """bool scalar: some padded document is longer than ``max_seqlen``."""
   return longest_padded(cu_seqlens_padded) > max_seqlen
-
-
-def check(cfg, cu_seqlens_padded) -> None:
-  """With ``bound_check="error"``: a ``checkify`` check that no padded
-  document is longer than the bound."""
-  if cfg.bound_check != "error":
-    return
-  check_longest(cu_seqlens_padded, cfg.max_seqlen,
-                "(max_seqlen_violation='error'); raise max_seqlen or pass "
-                "max_seqlen_violation='fallback'")
-
-
-def check_longest(cu_seqlens_padded, bound: int, why: str) -> None:
-  """A ``checkify`` check that no padded document is longer than ``bound``
-  (the ``max_seqlen`` named in the message, followed by ``why``)."""
-  longest = longest_padded(cu_seqlens_padded)
-  checkify.check(
-      longest <= bound,
-      "a padded document of {longest} tokens is longer than max_seqlen="
-      f"{bound} {why}", longest=longest)
 
 
 def run(cfg, cu_seqlens_padded, branch, *operands):

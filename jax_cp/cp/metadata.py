@@ -1,4 +1,4 @@
-"""Per-step attention metadata of CP (docs/design.md, Call plans).
+"""Per-step attention metadata of CP (docs/internals.md, Call plans).
 
 Pure ``jnp`` functions of (``cu_seqlens``, ``cu_seqlens_padded``, ``cp_size``,
 traced ``rank``). Every result is per document, int32 ``[..., N]``:
@@ -19,8 +19,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-
-from jax_cp.strategy import CPLoadBalancingStrategy, as_strategy
 
 
 class StepMetadata(NamedTuple):
@@ -83,19 +81,6 @@ def contiguous_chunk(cu_seqlens, cu_seqlens_padded, lo, size: int
   return StepMetadata(q_lens, q_offsets, kv_lens, starts)
 
 
-def step_metadata(cu_seqlens, cu_seqlens_padded, cp_size: int, rank,
-                  load_balancing_strategy, total_tokens: int,
-                  causal: bool = True) -> tuple[StepMetadata, ...]:
-  """All steps of a strategy for rank ``rank``: two for DUAL_CHUNK_SWAP,
-  one for NO_LOAD_BALANCE."""
-  strategy = as_strategy(load_balancing_strategy)
-  if strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE:
-    return (no_load_balance_step(cu_seqlens, cu_seqlens_padded, cp_size, rank,
-                                 total_tokens),)
-  return tuple(dual_chunk_swap_step(cu_seqlens, cu_seqlens_padded, cp_size,
-                                    rank, s, causal) for s in (0, 1))
-
-
 def split_bottom_right(meta: StepMetadata) -> tuple[StepMetadata, StepMetadata]:
   """Splits a bottom-right causal segment (Q of length q against KV of
   length kv >= q) into an unmasked rectangle ``Q x KV[:kv-q]`` and a
@@ -127,7 +112,7 @@ def split_windowed_block(meta: StepMetadata, window_left: int,
                          q_tokens: int, kv_tokens: int
                          ) -> tuple[StepMetadata, StepMetadata, StepMetadata]:
   """Splits a windowed bottom-right segment into three parts that cuDNN
-  runs as fast top-left or unmasked calls (docs/design.md, Call plans).
+  runs as fast top-left or unmasked calls (docs/internals.md, Call plans).
 
   The segment's ``q`` Q rows are the last ``q`` of its ``kv`` keys (a
   DUAL_CHUNK_SWAP chunk), so Q row ``j`` sits at key row ``X + j`` with

@@ -12,7 +12,8 @@ the data loader can pick an order whose chunks hold near-equal work:
 * :func:`balance_document_order` searches that order, per row, on the
   host: pairwise swaps of documents, each round taking the swap that
   lowers the busiest rank's pairs most, until no swap helps (work counted
-  as :func:`jax_cp.estimate_cp_imbalance` counts it, window included);
+  as :func:`jax_cp.planning.estimate_cp_imbalance` counts it, window
+  included);
 * :func:`permute_documents` applies an order to the metadata and to every
   per-token array of the row (tokens, labels, loss mask, positions), so a
   document's tokens stay together and in order.
@@ -28,11 +29,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from jax_cp import checks
-from jax_cp.host_metadata import as_int_rows, host_metadata, resolve_cp
-from jax_cp.layout import CPLayout
-from jax_cp.pair_counts import range_pairs
-from jax_cp.strategy import CPLoadBalancingStrategy
+from jax_cp.attention.validation import check_window_size
+from jax_cp.cp import validation
+from jax_cp.cp.layout import CPLayout
+from jax_cp.cp.strategy import CPLoadBalancingStrategy
+from jax_cp.planning.host import as_int_rows, host_metadata, resolve_layout
+from jax_cp.planning.pairs import range_pairs
 
 # Swaps scored in one round are capped at this many boundary evaluations
 # (``swaps * (cp + 1)``); a row with more swaps scores a seeded sample,
@@ -164,9 +166,8 @@ def _balance_row(lens, plens, cp: int, left: int, max_rounds: int,
   return order
 
 
-def balance_document_order(cu_seqlens, cu_seqlens_padded,
-                           cp_size: int | CPLayout, strategy=None, *,
-                           window_size=None, max_rounds: int = 64,
+def balance_document_order(cu_seqlens, cu_seqlens_padded, layout: CPLayout,
+                           *, window_size=None, max_rounds: int = 64,
                            tolerance: float = 1e-3,
                            seed: int = 0) -> np.ndarray:
   """An order of each row's documents that balances NO_LOAD_BALANCE's work.
@@ -174,7 +175,7 @@ def balance_document_order(cu_seqlens, cu_seqlens_padded,
   The work of a rank is the (query, key) pairs of the valid tokens in its
   contiguous chunk, counted per document and causal (with a sliding window
   ``(left, 0)`` a query sees at most ``left + 1`` keys), exactly as
-  :func:`jax_cp.estimate_cp_imbalance` counts it. Starting from the
+  :func:`jax_cp.planning.estimate_cp_imbalance` counts it. Starting from the
   row's own order, each round scores every swap of two documents (a
   seeded sample of them when a row has too many documents to score all at
   once) and applies the one that lowers the busiest rank's pairs most
@@ -187,11 +188,9 @@ def balance_document_order(cu_seqlens, cu_seqlens_padded,
   Args:
     cu_seqlens: int ``[N+1]`` or ``[B, N+1]`` cumulative valid lengths.
     cu_seqlens_padded: int, same shape, cumulative padded lengths.
-    cp_size: number of CP ranks, or a :class:`jax_cp.CPLayout` with a known
-      ``cp_size`` (its strategy is then used).
-    strategy: :class:`jax_cp.CPLoadBalancingStrategy` or its string
-      (default DUAL_CHUNK_SWAP, for which the order changes no rank's
-      work and the identity is returned); with an int ``cp_size`` only.
+    layout: the :class:`jax_cp.CPLayout` the rows are for, with a known
+      cp size; for DUAL_CHUNK_SWAP the order changes no rank's work and
+      the identity is returned.
     window_size: ``None`` or the causal sliding window ``(left, 0)`` the
       model's attention uses (a model mixing windowed and global layers:
       the global one, whose work dominates).
@@ -212,9 +211,8 @@ def balance_document_order(cu_seqlens, cu_seqlens_padded,
       a ``max_rounds`` that is not a non-negative int, or a negative
       ``tolerance``.
   """
-  cp, strategy, _ = resolve_cp(cp_size, strategy,
-                                          "balance_document_order")
-  left = checks.check_window_size(window_size, "causal")
+  cp, strategy, _ = resolve_layout(layout, "balance_document_order")
+  left = check_window_size(window_size, "causal")
   if isinstance(max_rounds, bool) or not isinstance(
       max_rounds, (int, np.integer)) or max_rounds < 0:
     raise ValueError(f"max_rounds must be a non-negative int, got "
@@ -224,7 +222,7 @@ def balance_document_order(cu_seqlens, cu_seqlens_padded,
     raise ValueError(f"tolerance must be a non-negative number, got "
                      f"{tolerance!r}")
   cu, cuP = host_metadata(cu_seqlens, cu_seqlens_padded)
-  checks.check_divisible_tokens(int(cuP[0, -1]), cp)
+  validation.check_divisible_tokens(int(cuP[0, -1]), cp)
   lens, plens = np.diff(cu, axis=-1), np.diff(cuP, axis=-1)
   orders = np.tile(np.arange(lens.shape[1]), (lens.shape[0], 1))
   if strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE and cp > 1:

@@ -13,13 +13,14 @@ class CPLoadBalancingStrategy(str, enum.Enum):
       chunks; rank ``r`` holds chunks ``r`` and ``2*cp-1-r`` of every document,
       which balances causal work exactly. Two attention steps per rank. Needs
       every padded document length divisible by ``2*cp``.
-    NO_LOAD_BALANCE: experimental. The whole physical buffer is cut into
-      ``cp`` contiguous chunks; documents may straddle ranks. One attention
-      step per rank and any document length, at the price of causal
-      imbalance (with one long document the last rank does ``(2cp-1)/cp``
-      times the mean work; with a sliding window ``(left, 0)`` the chunks
-      are close to balanced and the exchange is a ``left``-token halo).
-      Needs causal self-attention, the all-gather exchange and no FP8.
+    NO_LOAD_BALANCE: the whole physical buffer is cut into ``cp``
+      contiguous chunks; documents may straddle ranks. One attention step
+      per rank and any document length, at the price of causal imbalance
+      on long documents (with one long document the last rank does
+      ``(2cp-1)/cp`` times the mean work); with ``max_seqlen`` or a sliding
+      window ``(left, 0)`` a rank receives only the halo of keys before its
+      chunk. Needs causal self-attention and no FP8. docs/concepts.md says
+      which to choose.
 
   Members compare equal to their string values and can be built from them,
   ``CPLoadBalancingStrategy("no_load_balance")``; they are hashable and can
@@ -44,7 +45,7 @@ class CPLoadBalancingStrategy(str, enum.Enum):
 DEFAULT_STRATEGY = CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
 
 
-def as_strategy(value, argname: str = "load_balancing_strategy"
+def as_strategy(value, argname: str = "strategy"
                 ) -> CPLoadBalancingStrategy:
   """Converts a strategy or its string to the enum, or raises ValueError."""
   if value is None:

@@ -1,0 +1,153 @@
+"""The validated, static configuration of one CP attention call.
+
+:func:`make_config` checks every argument that can be checked before
+tracing (:mod:`jax_cp.cp.validation`, :mod:`jax_cp.attention.validation`),
+resolves the backend and chooses the K/V exchange, once per call; the
+resulting :class:`CPConfig` is hashable and travels into the ``shard_map``
+and the ``custom_vjp`` as static data, so forward and backward read the
+same instance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax_cp.attention.backend import AttentionBackend
+from jax_cp.attention.registry import resolve_backend
+from jax_cp.attention.validation import (
+  check_qkv_dtypes,
+  check_qkv_shapes,
+  check_window_size,
+  concrete,
+  default_scale,
+)
+from jax_cp.cp import guard, validation
+from jax_cp.cp.exchange import KVExchange, choose_exchange
+from jax_cp.cp.layout import CPLayout
+from jax_cp.cp.strategy import CPLoadBalancingStrategy
+
+_DCS = CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
+_NLB = CPLoadBalancingStrategy.NO_LOAD_BALANCE
+
+
+@dataclasses.dataclass(frozen=True)
+class CPConfig:
+  """Static (hashable) layout of one CP attention call.
+
+  Attributes:
+    strategy: the load-balancing strategy.
+    cp_axis: the mesh axis the row is split over (None: no CP).
+    cp_size: its size.
+    causal: causal (else unmasked) attention.
+    scale: the softmax scale.
+    backend: the resolved attention backend.
+    total_tokens: T, the tokens of the whole row.
+    max_seqlen: W, the bound on any padded document length (``<= T``).
+    exchange: how K/V travel between ranks.
+    window_left: the left bound of a causal sliding window (a query at
+      document position ``i`` sees keys ``[i - window_left, i]``); -1: none.
+    bound_check: what a step does in-graph when its metadata holds a padded
+      document longer than ``max_seqlen`` (:mod:`jax_cp.cp.guard`):
+      ``"fallback"`` (run ``unbounded``), ``"trusted"`` (checked on the
+      host: no branch, outputs made NaN where the bound is broken all the
+      same), or None: nothing to check (no bound below T, concrete
+      metadata, checked by value already, or a bounded program that is
+      exact for longer documents too).
+    unbounded: with ``bound_check="fallback"``, the same call with
+      ``max_seqlen = T`` (the all-gather, or a sliding window's halo;
+      bounds of the row length).
+    keep_gathered_kv: the forward keeps the all-gathered K/V for the
+      backward instead of gathering them again: when they are at most the
+      size of the local Q (``2 * cp * Hkv <= Hq``, e.g. GQA at cp = 2), so
+      residual memory grows by at most Q's. The backward then has no
+      all-gather to wait for.
+  """
+
+  strategy: CPLoadBalancingStrategy
+  cp_axis: str | None
+  cp_size: int
+  causal: bool
+  scale: float
+  backend: AttentionBackend
+  total_tokens: int
+  max_seqlen: int
+  exchange: KVExchange
+  window_left: int = -1
+  bound_check: str | None = None
+  unbounded: CPConfig | None = None
+  keep_gathered_kv: bool = False
+
+  @property
+  def local_tokens(self) -> int:
+    """Tl = T / cp, the tokens of one rank's chunk."""
+    return self.total_tokens // self.cp_size
+
+  @property
+  def split_bottom_right_backward(self) -> bool:
+    """Bottom-right blocks run their backward as a rectangle and a
+    triangle (the backend's preference; never with a window, whose
+    rectangle would need the band)."""
+    return self.backend.split_bottom_right_backward and self.window_left < 0
+
+
+def make_config(layout: CPLayout, q, k, v, cu_seqlens, cu_seqlens_padded,
+                *, cp_size: int, total_tokens: int,
+                attn_mask_type: str, softmax_scale: float | None,
+                window_size, trusted: bool,
+                platform: str | None = None) -> CPConfig:
+  """Validates everything that can be checked now and builds the config.
+
+  ``q``, ``k``, ``v`` (arrays or ``jax.ShapeDtypeStruct``) have the global
+  shapes ``[.., T, H, D]`` (or the local ones with ``total_tokens = Tl *
+  cp``); ``cu_seqlens``/``cu_seqlens_padded`` the row
+  metadata, checked by value when concrete. With traced metadata and a
+  bound below T, the step checks the bound in-graph: ``trusted`` (a batch
+  checked on the host) only poisons a broken bound, otherwise a fallback
+  runs the unbounded program (:attr:`CPConfig.bound_check`).
+  """
+  strategy = layout.strategy
+  q_shape, k_shape, dtype = q.shape, k.shape, q.dtype
+  check_qkv_shapes(q.shape, k.shape, v.shape)
+  check_qkv_dtypes(q.dtype, k.dtype, v.dtype)
+  validation.check_attention_config(strategy, attn_mask_type, window_size,
+                                    dtype)
+  window_left = check_window_size(window_size, attn_mask_type)
+  validation.check_cu_seqlens_rank(q_shape, cu_seqlens=cu_seqlens,
+                                   cu_seqlens_padded=cu_seqlens_padded)
+  validation.check_divisible_tokens(total_tokens, cp_size)
+  validation.check_cu_seqlens_padded(cu_seqlens_padded, total_tokens)
+  validation.check_cu_seqlens(cu_seqlens, cu_seqlens_padded)
+  if strategy is _DCS and cp_size > 1:
+    validation.check_dual_chunk_divisible(cu_seqlens_padded, cp_size)
+  bound = validation.check_max_seqlen(layout.max_seqlen, cu_seqlens_padded,
+                                      total_tokens)
+  resolved = resolve_backend(
+      layout.backend, platform, dtype,
+      score_bytes=4 * int(q_shape[-2]) * int(total_tokens) ** 2)
+
+  def config(w: int) -> CPConfig:
+    """The layout for the bound ``w``."""
+    left = window_left
+    if strategy is _DCS and left >= w - 1:
+      left = -1    # no document is longer than the window: plain causal
+    exchange = choose_exchange(strategy is _NLB, layout.cp_axis, cp_size,
+                               total_tokens, w, window_left=left)
+    keep = (exchange.kind == "all_gather" and
+            2 * cp_size * k_shape[-2] <= q_shape[-2])
+    return CPConfig(strategy=strategy, cp_axis=layout.cp_axis,
+                    cp_size=cp_size, causal=attn_mask_type == "causal",
+                    scale=default_scale(q_shape[-1], softmax_scale),
+                    backend=resolved, total_tokens=total_tokens,
+                    max_seqlen=w, exchange=exchange, window_left=left,
+                    keep_gathered_kv=keep)
+
+  cfg = config(bound)
+  if bound >= total_tokens or concrete(cu_seqlens_padded) is not None:
+    return cfg    # no bound, or one checked by value above
+  unbounded = config(total_tokens)
+  if guard.bounded_program_is_exact(cfg, unbounded):
+    return cfg
+  if trusted:
+    # Checked on the host: no branch, only the poison.
+    return dataclasses.replace(cfg, bound_check="trusted")
+  return dataclasses.replace(cfg, bound_check="fallback", unbounded=unbounded)

@@ -1,0 +1,324 @@
+"""The differentiable per-rank CP attention: forward and backward of one
+rank's chunk under ``jax.custom_vjp``, run inside a ``shard_map``
+(docs/internals.md, Call plans and Exchange).
+
+Forward: exchange K/V (:mod:`jax_cp.cp.exchange`), then run the calls of
+:func:`jax_cp.cp.call_plan.forward_plan` in order, each by its kind:
+a :class:`~jax_cp.cp.call_plan.RowsCall` writes its rows into the first
+call's outputs (in place where the backend can) or has them added, a
+:class:`~jax_cp.cp.call_plan.HaloCall` and the
+:class:`~jax_cp.cp.call_plan.CompactCalls` are merged by log-sum-exp.
+Backward: keep only local residuals (plus a small received halo,
+:attr:`KVExchange.keeps_halo`, or all-gathered K/V no larger than Q,
+:attr:`CPConfig.keep_gathered_kv`), exchange K/V again where it must, run
+:func:`jax_cp.cp.call_plan.backward_plan`, and return dK/dV to their
+owners (reduce-scatter, or reverse halo permutes merged with the backend's
+``merge_rows``).
+
+With traced metadata and a ``max_seqlen`` bound, forward and backward each
+run under :func:`jax_cp.cp.guard.run`: a step whose padded documents break
+the bound takes the unbounded program (:attr:`CPConfig.unbounded`).
+
+Inputs are batched: q ``[B, Tl, Hq, D]``, k/v ``[B, Tl, Hkv, D]``, row
+metadata ``[B, N+1]`` int32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jax_cp.attention import straddle
+from jax_cp.attention.api import window_kwargs
+from jax_cp.attention.merge import GradSum, add, merge_softmax
+from jax_cp.checkpoint_names import CONTEXT
+from jax_cp.cp import call_plan, guard
+from jax_cp.cp.call_plan import CompactCalls, HaloCall, RowsCall
+from jax_cp.cp.config import CPConfig
+
+
+def _flat(x):
+  """``[B, T, ...]`` -> ``[B*T, ...]``: the backend's packed layout."""
+  return x.reshape((-1,) + x.shape[2:])
+
+
+def _rank(cfg: CPConfig):
+  if cfg.cp_size == 1:
+    return jnp.int32(0)
+  return jax.lax.axis_index(cfg.cp_axis).astype(jnp.int32)
+
+
+class _KV:
+  """The K/V a rank's calls read: its local chunk, and the exchanged
+  buffer (the all-gathered row ``gathered``, or the received ``halo``
+  ``[B, H, 2*Hkv, D]``, K heads first)."""
+
+  def __init__(self, cfg: CPConfig, k, v, gathered=None, halo=None):
+    self.cfg, self.k, self.v = cfg, k, v
+    self.gathered, self.halo = gathered, halo
+
+  @classmethod
+  def exchange(cls, cfg: CPConfig, k, v, cu_seqlens_padded):
+    if cfg.exchange.kind == "halo":
+      return cls(cfg, k, v, halo=cfg.exchange.receive_halo(k, v))
+    return cls(cfg, k, v, gathered=cfg.exchange.gather(k, v,
+                                                       cu_seqlens_padded))
+
+  def exchanged(self):
+    """The exchanged buffer, ``(k, v)``."""
+    if self.halo is not None:
+      hk = self.k.shape[2]
+      return self.halo[:, :, :hk], self.halo[:, :, hk:]
+    return self.gathered
+
+  def of(self, call: RowsCall):
+    return self.exchanged() if call.exchanged else (self.k, self.v)
+
+  def before_chunk(self, rows: int):
+    """The ``rows`` K/V rows right before the chunk, in sequence order:
+    the received halo, or rows ``[lo - rows, lo)`` of the all-gathered
+    row, zero rows standing for those before row 0 (no document reaches
+    there)."""
+    if self.halo is not None:
+      return self.exchanged()
+    lo = _rank(self.cfg) * self.k.shape[1]
+    pad = lambda x: jnp.pad(x, [(0, 0), (rows, 0), (0, 0), (0, 0)])
+    return tuple(jax.lax.dynamic_slice_in_dim(pad(x), lo, rows, axis=1)
+                 for x in self.gathered)
+
+  def halo_kv(self, call: HaloCall):
+    if call.before_chunk is None:
+      return self.exchanged()
+    return self.before_chunk(call.before_chunk)
+
+  def place_before_chunk(self, g, rows: int):
+    """A gradient of :meth:`before_chunk`'s rows as one of the exchanged
+    buffer: itself for a received halo, else in place in a row of
+    zeros."""
+    if self.halo is not None:
+      return g
+    lo = _rank(self.cfg) * self.k.shape[1]
+    t = self.gathered[0].shape[1]
+    zeros = jnp.zeros((g.shape[0], t + rows) + g.shape[2:], g.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(zeros, g, lo, axis=1)[:, rows:]
+
+
+def _gather_rows(x, idx, valid, fill=0):
+  """Rows ``idx [B, n]`` of axis 1 of ``x [B, T, ...]``, ``fill`` where
+  not ``valid [B, n]``: the compact buffers of windowed DUAL_CHUNK_SWAP
+  (:class:`~jax_cp.cp.call_plan.CompactCalls`), and their results put
+  back."""
+  tail = (1,) * (x.ndim - 2)
+  g = jnp.take_along_axis(x, idx.reshape(idx.shape + tail), axis=1)
+  return jnp.where(valid.reshape(valid.shape + tail), g,
+                   jnp.asarray(fill, x.dtype))
+
+
+def _compact_kv(rows, kv: _KV):
+  kx, vx = kv.exchanged()
+  return (_gather_rows(kx, rows.kv_src, rows.kv_valid),
+          _gather_rows(vx, rows.kv_src, rows.kv_valid))
+
+
+def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
+  """(out, lse, saved): ``saved`` is what the backward reuses of the
+  exchange: the received K|V halo when the exchange keeps it, the
+  all-gathered ``(k, v)`` with :attr:`CPConfig.keep_gathered_kv`, else
+  None."""
+  backend = cfg.backend
+  kv = _KV.exchange(cfg, k, v, cu_seqlens_padded)
+  out = lse = None
+  for call in call_plan.forward_plan(cfg, cu_seqlens, cu_seqlens_padded,
+                                     _rank(cfg)):
+    if isinstance(call, RowsCall):
+      kc, vc = kv.of(call)
+      extra = window_kwargs(call.window_left)
+      if call.into:
+        # The earlier calls' outputs hold 0 / -inf on this call's rows.
+        extra.update(into=(_flat(out), _flat(lse)))
+      o, l = backend.forward(_flat(q), _flat(kc), _flat(vc), call.segments,
+                             mask=call.mask, scale=cfg.scale, **extra)
+      o, l = o.reshape(q.shape), l.reshape(q.shape[:3])
+      if out is None or call.into:
+        out, lse = o, l
+      else:
+        out, lse = add(out, o), jnp.maximum(lse, l)
+    elif isinstance(call, HaloCall):
+      if kv.halo is not None:
+        # The halo call waits for the halo: keep it after the earlier
+        # calls, which then hide the exchange (XLA may otherwise schedule
+        # it first).
+        kv.halo, out, lse = jax.lax.optimization_barrier(
+            (kv.halo, out, lse))
+      kh, vh = kv.halo_kv(call)
+      o_h, l_h = straddle.forward(backend, call.call, q, kh, vh,
+                                  scale=cfg.scale)
+      out, lse = straddle.merge(out, lse, o_h, l_h, call.call,
+                                backend.merge_rows)
+    else:
+      out, lse = _compact_forward(cfg, call, q, kv, out, lse)
+  if cfg.keep_gathered_kv:
+    saved = kv.gathered
+  else:
+    saved = kv.halo if cfg.exchange.keeps_halo else None
+  return out.astype(q.dtype), lse, saved
+
+
+def _compact_forward(cfg: CPConfig, call: CompactCalls, q, kv: _KV, out,
+                     lse):
+  """The near and far parts' rows, merged among themselves, put back on
+  the local rows and merged into ``out``/``lse`` by log-sum-exp."""
+  rows = call.rows
+  qc = _gather_rows(q, rows.q_src, rows.q_valid)
+  kc, vc = _compact_kv(rows, kv)
+  parts = []
+  for seg, mask in call.calls:
+    o, l = cfg.backend.forward(_flat(qc), _flat(kc), _flat(vc), seg,
+                               mask=mask, scale=cfg.scale)
+    parts.append((o.reshape(qc.shape), l.reshape(qc.shape[:3])))
+  o, l = merge_softmax(*parts[0], parts[1:])
+  return merge_softmax(out, lse, [
+      (_gather_rows(o, rows.q_inv, rows.q_has),
+       _gather_rows(l, rows.q_inv, rows.q_has, -jnp.inf))])
+
+
+def _guarded_forward(q, k, v, cu_seqlens, cu_seqlens_padded,
+                     cfg: CPConfig):
+  """:func:`_forward` under the bound check (:mod:`jax_cp.cp.guard`).
+  Both branches save what the bounded program saves, in its shape: a
+  bounded halo becomes zeros in the unbounded branch (its backward does not
+  read them); all-gathered K/V are all-gathered by both."""
+
+  def branch(c: CPConfig, q, k, v, cu, cuP):
+    out, lse, saved = _forward(q, k, v, cu, cuP, c)
+    if c is cfg.unbounded and cfg.keep_gathered_kv:
+      assert c.exchange.kind == "all_gather", c.exchange
+    elif c is cfg.unbounded:
+      # Its backward exchanges again (with a sliding window it may keep a
+      # halo of another size, dropped here); the residual takes the
+      # bounded forward's shape: zeros shaped (and, in a shard_map checking
+      # types, varying) like its halo, at most half a chunk, so a prefix of
+      # the local K|V.
+      saved = None
+      if cfg.exchange.keeps_halo:
+        h = cfg.exchange.halo_tokens
+        saved = jnp.zeros_like(jnp.concatenate([k[:, :h], v[:, :h]], axis=2))
+    return out, lse, saved
+
+  return guard.run(cfg, cu_seqlens_padded, branch, q, k, v, cu_seqlens,
+                   cu_seqlens_padded)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def cp_attention_vjp(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
+  """This rank's attention output ``[B, Tl, Hq, D]``, differentiable in
+  q, k, v."""
+  return _guarded_forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg)[0]
+
+
+def _vjp_forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
+  out, lse, saved = _guarded_forward(q, k, v, cu_seqlens, cu_seqlens_padded,
+                                     cfg)
+  # Named for jax.checkpoint policies (jax_cp.modules.remat): a policy that
+  # saves "context" spares its backward the exchange and the forward calls.
+  out, lse, saved = checkpoint_name((out, lse, saved), CONTEXT)
+  return out, (q, k, v, cu_seqlens, cu_seqlens_padded, out, lse, saved)
+
+
+def _vjp_backward(cfg: CPConfig, residuals, dout):
+  def branch(c: CPConfig, residuals, dout):
+    if c is cfg.unbounded and not cfg.keep_gathered_kv:
+      residuals = residuals[:-1] + (None,)   # its forward kept no halo
+    return _backward(c, residuals, dout)
+
+  dq, dk, dv = guard.run(cfg, residuals[4], branch, residuals, dout)
+  return dq, dk, dv, None, None
+
+
+def _backward(cfg: CPConfig, residuals, dout):
+  """(dq, dk, dv) of this rank's chunk."""
+  q, k, v, cu_seqlens, cu_seqlens_padded, out, lse, saved = residuals
+  backend = cfg.backend
+  if isinstance(saved, tuple):
+    kv = _KV(cfg, k, v, gathered=saved)       # all-gathered in the forward
+  elif saved is not None:
+    kv = _KV(cfg, k, v, halo=saved)
+  else:
+    # The barrier keeps XLA from merging this re-gather with the forward's
+    # (which would keep the exchanged K/V alive from forward to backward).
+    k, v = jax.lax.optimization_barrier((k, v))
+    kv = _KV.exchange(cfg, k, v, cu_seqlens_padded)
+  dout = dout.astype(out.dtype)
+  dq, dk, dv, dkx, dvx = GradSum(), GradSum(), GradSum(), GradSum(), GradSum()
+  for call in call_plan.backward_plan(cfg, cu_seqlens, cu_seqlens_padded,
+                                      _rank(cfg)):
+    if isinstance(call, RowsCall):
+      kc, vc = kv.of(call)
+      extra = window_kwargs(call.window_left)
+      if call.into:
+        extra.update(dq_into=_flat(dq.full))
+      dq_i, dk_i, dv_i = backend.backward(
+          _flat(q), _flat(kc), _flat(vc), _flat(out),
+          lse.reshape(-1, q.shape[2]), _flat(dout), call.segments,
+          mask=call.mask, scale=cfg.scale, **extra)
+      dq_i = dq_i.reshape(q.shape)
+      if call.into:
+        dq.full = dq_i
+      else:
+        dq.add(dq_i, None)
+      (dkx if call.exchanged else dk).add(dk_i.reshape(kc.shape), None)
+      (dvx if call.exchanged else dv).add(dv_i.reshape(vc.shape), None)
+    elif isinstance(call, HaloCall):
+      kh, vh = kv.halo_kv(call)
+      dq_h, dk_h, dv_h = straddle.backward(backend, call.call, q, kh, vh,
+                                           out, lse, dout, scale=cfg.scale)
+      dq.add(dq_h, dq_h.shape[1])
+      if call.before_chunk is not None:
+        dk_h = kv.place_before_chunk(dk_h, call.before_chunk)
+        dv_h = kv.place_before_chunk(dv_h, call.before_chunk)
+      dkx.add(dk_h, None)
+      dvx.add(dv_h, None)
+    else:
+      _compact_backward(cfg, call, q, out, lse, dout, kv, dq, dkx, dvx)
+  merge = backend.merge_rows
+  dq = dq.total(merge, q.dtype)
+  dk, dv = dk.total(merge, k.dtype), dv.total(merge, v.dtype)
+  dkx, dvx = dkx.total(merge, k.dtype), dvx.total(merge, v.dtype)
+  if dkx is not None:
+    # Gradients of the exchanged K/V go back to their owners and are merged
+    # into the local ones (dk/dv may be None: DUAL_CHUNK_SWAP has no local
+    # call).
+    dk, dv = cfg.exchange.scatter(dkx, dvx, cu_seqlens_padded, into=(dk, dv),
+                                  merge_rows=merge)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _compact_backward(cfg: CPConfig, call: CompactCalls, q, out, lse, dout,
+                      kv: _KV, dq: GradSum, dkx: GradSum, dvx: GradSum):
+  """The near and far parts' gradients, summed in the compact buffers and
+  put back on their rows: dq on the local ones, dK/dV on the exchanged
+  ones (per step: the two steps' regions may hold the same key)."""
+  rows = call.rows
+  qc, oc, lc, dc = (_gather_rows(x, rows.q_src, rows.q_valid)
+                    for x in (q, out, lse, dout))
+  kc, vc = _compact_kv(rows, kv)
+  dqc, dkc, dvc = GradSum(), GradSum(), GradSum()
+  for seg, mask in call.calls:
+    dq_i, dk_i, dv_i = cfg.backend.backward(
+        _flat(qc), _flat(kc), _flat(vc), _flat(oc),
+        lc.reshape(-1, q.shape[2]), _flat(dc), seg, mask=mask,
+        scale=cfg.scale)
+    dqc.add(dq_i.reshape(qc.shape), None)
+    dkc.add(dk_i.reshape(kc.shape), None)
+    dvc.add(dv_i.reshape(vc.shape), None)
+  dq.add(_gather_rows(dqc.full, rows.q_inv, rows.q_has), None)
+  for part, total in ((dkc, dkx), (dvc, dvx)):
+    total.add(sum(_gather_rows(part.full, rows.kv_inv[st],
+                               rows.kv_has[st]).astype(jnp.float32)
+                  for st in (0, 1)), None)
+
+
+cp_attention_vjp.defvjp(_vjp_forward, _vjp_backward)
