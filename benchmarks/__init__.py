@@ -1,15 +1,14 @@
 """Benchmarks of jax_cp, run from the repository root as modules
-(``python -m benchmarks.bench_cp --help``; see ``benchmarks/README.md``).
+(``python -m benchmarks.bench_cp --help``; ``benchmarks/README.md``).
 
-Shared modules: :mod:`benchmarks.names` (distributions, strategies, passes
-and their labels), :mod:`benchmarks.workload` (rows, inputs, step
-programs), :mod:`benchmarks.timing` (steady, pipelined and paired A/B
-timing), :mod:`benchmarks.results` (writing and loading result files),
-:mod:`benchmarks.derived` (speed-ups and shares across records),
-:mod:`benchmarks.targets` (the speed targets of ``targets.json``),
-:mod:`benchmarks.tables` and :mod:`benchmarks.plots` (``RESULTS.md``,
-``speedup.png``), :mod:`benchmarks.weak_scaling` and
-:mod:`benchmarks.scaling_report` (``bench_step --weak``, ``SCALING.md``)
-and :mod:`benchmarks.profiling` (kernels of a profiler trace, collectives
-of program text).
+Commands: :mod:`~benchmarks.bench_fused`, :mod:`~benchmarks.bench_cp`,
+:mod:`~benchmarks.bench_step`, :mod:`~benchmarks.bench_memory` and
+:mod:`~benchmarks.results` (the tables). The shared base they import:
+:mod:`~benchmarks.workload` (rows, meshes, inputs, FLOPs),
+:mod:`~benchmarks.timing` (paired A/B), :mod:`~benchmarks.results` (result
+files, tables), :mod:`~benchmarks.profiling` (kernels of a trace),
+:mod:`~benchmarks.exactness` (the subset reference), and for
+``bench_memory`` :mod:`~benchmarks.hlo_flops`,
+:mod:`~benchmarks.buffer_breakdown`, :mod:`~benchmarks.deviceless` and
+:mod:`~benchmarks.standin_attention`.
 """

@@ -1,44 +1,35 @@
-"""Speed of the cuDNN varlen primitive (no CP) on one GPU, side by side with
-JAX's own cuDNN attention, in one run.
+"""The varlen primitive against JAX's own cuDNN attention, paired, one GPU.
 
-    python -m benchmarks.bench_fused [--tokens 32768] [--out DIR]
+    python -m benchmarks.bench_fused --head-dim 128 64 --tokens 64k 32k
 
-Per (document mix, Hkv), forward and forward+backward, bf16, Hq=32, D=128:
+For every (head dim, T) pair, Hkv, document mix and pass, the primitive
+(B: :func:`jax_cp.fused_attention`, top-left causal, ``max_seqlen`` the
+longest document) is timed in alternation with each reference (A,
+:func:`benchmarks.timing.paired`):
 
-* ``ours``: ``jax_cp.fused_attention(backend="cudnn")`` over the packed row,
-  top-left causal (Q and KV lengths agree), ``max_seqlen`` = longest doc;
-* ``ours_br``: the same with the bottom-right mask (what CP steps need; the
-  backward penalty the CP layer avoids by splitting);
-* ``ours_rowbound``: ``max_seqlen`` = T (what a kernel sized by the row does);
-* ``jax_dense``: ``jax.nn.dot_product_attention(implementation="cudnn",
-  is_causal=True)`` on the one-document row (B=1);
-* ``jax_packed``: JAX's cuDNN packed path
-  (``fused_attention_stablehlo.dot_product_attention`` with ``q_offsets``,
-  ``MaskType.PADDING_CAUSAL``).
+* ``jax_nn``: ``jax.nn.dot_product_attention(implementation="cudnn",
+  is_causal=True)`` over the row as one batch entry, on the one-document
+  row only (``--jax-nn-implementation`` picks another implementation);
+* ``jax_packed``: JAX's packed cuDNN call
+  (``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`` with
+  ``q_offsets``/``kv_offsets`` and ``MaskType.PADDING_CAUSAL``).
 
-``--window LEFT`` runs every variant with the causal sliding window
-``(LEFT, 0)`` (``jax_dense`` as ``local_window_size=(LEFT, 0)``,
-``jax_packed`` as ``sliding_window_length=LEFT+1``), counts only the pairs
-inside the window, and on the one-document row also times ``ours`` against
-``jax_dense`` forward+backward in alternation (:func:`benchmarks.timing.paired`;
-``paired_vs_jax_dense`` records, ratio > 1: ours faster).
+Both sides get the row's metadata (lengths, offsets) as arguments of the
+jitted program. ``--window LEFT`` runs every program with the causal
+sliding window ``(LEFT, 0)``. The ratio is the reference's time over the
+primitive's (> 1: the primitive is faster); TFLOP/s count the causal
+pairs (within the window) with the backward's recompute
+(:func:`benchmarks.workload.attention_flops`). ``--profile`` adds the
+device time per kernel of one call of the primitive and of ``jax_nn`` on
+the one-document row (:mod:`benchmarks.profiling`).
 
-FLOPs (hardware FLOPs, :func:`jax_cp.attention_flops` with
-``recompute=True``): ``4 * Hq * D * pairs`` forward with ``pairs =
-L(L+1)/2`` per document (``sum min(j+1, LEFT+1)`` with a window), 3.5x that
-for forward+backward (the fused backward recomputes ``Q K^T``).
-Median of ``--reps`` synced host-clock timings after warm-up, two
-alternating input sets
-(:func:`benchmarks.timing.synced`).
+Writes ``fused_<date>_<device>.json`` and rebuilds ``fused.md`` beside it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,192 +37,130 @@ import numpy as np
 from jax._src.cudnn import fused_attention_stablehlo as fas
 
 import jax_cp
-from benchmarks import fused_parity, timing
-from benchmarks.names import DISTS, HEAD_DIM, HQ
-from benchmarks.results import environment, result_path, write_result
-from benchmarks.workload import pack_row
+from benchmarks import profiling, results, timing, workload
+
+REFERENCES = ("jax_nn", "jax_packed")
 
 
-def fwd_and_bwd(attn):
-  fwd = jax.jit(attn)
-
-  def loss(q, k, v, w):
-    return jnp.sum(attn(q, k, v).astype(jnp.float32) * w)
-  bwd = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-  return fwd, bwd
-
-
-def window_pairs(lens: np.ndarray, window: int | None) -> int:
-  """Causal (query, key) pairs of the documents, inside the window."""
-  cu = np.concatenate([[0], np.cumsum(lens, dtype=np.int64)])
-  return jax_cp.causal_pairs(cu, None if window is None else (window, 0))
-
-
-def variants(dist: str, tokens: int, head_dim: int, backend: str,
-             lens: np.ndarray, offs: np.ndarray,
-             window: int | None = None) -> dict[str, Callable]:
-  """The attention functions ``(q, k, v) -> out`` compared on one row."""
-  longest = int(lens.max())
-  window_size = None if window is None else (window, 0)
-
-  def ours(mask: str, bound: int) -> Callable:
-    return lambda q, k, v: jax_cp.fused_attention(
-        q, k, v, lens, lens, offs, offs, attn_mask_type=mask,
-        backend=backend, max_seqlen_q=bound, max_seqlen_kv=bound,
-        window_size=window_size)
-
-  out = {"ours": ours("causal_top_left", longest),
-         "ours_br": ours("causal_bottom_right", longest)}
-  if dist != "one_doc":
-    out["ours_rowbound"] = ours("causal_top_left", tokens)
-  if dist == "one_doc":
-    out["jax_dense"] = lambda q, k, v: jax.nn.dot_product_attention(
-        q[None], k[None], v[None], is_causal=True, implementation="cudnn",
-        local_window_size=window_size)[0]
-  q_seq = jnp.asarray(lens[None])
-  q_off = jnp.asarray(np.append(offs, tokens)[None].astype(np.int32))
-  scale = 1.0 / np.sqrt(head_dim)
-  out["jax_packed"] = lambda q, k, v: fas.dot_product_attention(
-      q[None], k[None], v[None], q_seqlen=q_seq, kv_seqlen=q_seq,
-      q_offsets=q_off, kv_offsets=q_off, scale=scale,
-      mask_type=fas.MaskType.PADDING_CAUSAL,
-      sliding_window_length=None if window is None else window + 1)[0]
-  return out
-
-
-def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-  """Runs every variant; returns the records (also printed, and written
-  to ``--out``)."""
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--tokens", type=int, nargs="+", default=[32768])
-  p.add_argument("--hq", type=int, default=HQ)
-  p.add_argument("--hkv", type=int, nargs="+", default=[8, 32])
-  p.add_argument("--head-dim", type=int, nargs="+", default=[HEAD_DIM])
-  p.add_argument("--dists", nargs="+", choices=DISTS,
-                 default=["one_doc", "uniform_1k_8k", "short_128_1k"])
-  p.add_argument("--reps", type=int, default=10)
-  p.add_argument("--backend", default="cudnn",
-                 help="jax_cp backend of the ours* variants")
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="python -m benchmarks.bench_fused",
+      description=__doc__.split("\n\n")[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--head-dim", type=int, nargs="+", default=[128])
+  p.add_argument("--tokens", type=workload.parse_tokens, nargs="+",
+                 default=[65536], help="one T, or one per --head-dim")
+  p.add_argument("--hq", type=int, default=32)
+  p.add_argument("--hkv", type=int, nargs="+", default=[8])
+  p.add_argument("--dists", nargs="+", choices=workload.DISTS,
+                 default=list(workload.DISTS))
+  p.add_argument("--passes", nargs="+", choices=workload.PASSES,
+                 default=list(workload.PASSES))
+  p.add_argument("--refs", nargs="+", choices=REFERENCES,
+                 default=list(REFERENCES))
   p.add_argument("--window", type=int, default=None,
-                 help="causal sliding window (LEFT, 0) for every variant")
-  p.add_argument("--out", default=None)
-  p.add_argument("--parity", action="store_true",
-                 help="paired A/B of ours against jax.nn and JAX packed per "
-                      "(--head-dim, --tokens) pair (benchmarks/fused_parity)")
-  p.add_argument("--refs", nargs="+", default=["jax_dense", "jax_packed"],
-                 choices=["jax_dense", "jax_packed"],
-                 help="with --parity: the references ours is paired against")
+                 help="causal sliding window (LEFT, 0) for every program")
+  p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--backend", default="cudnn",
+                 help="jax_cp backend of the primitive")
+  p.add_argument("--jax-nn-implementation", default="cudnn",
+                 help="jax.nn.dot_product_attention's implementation")
+  p.add_argument("--reps", type=int, default=10)
+  p.add_argument("--seed", type=int, default=0)
   p.add_argument("--profile", action="store_true",
-                 help="with --parity: per-kernel device time on one document")
-  args = p.parse_args(argv)
-  if args.window is not None and args.window < 0:
-    p.error("--window must be >= 0")
-  if args.parity:
-    records = fused_parity.run(args, variants, fwd_and_bwd, pack_row)
-    _write(args, {"parity": True, "records": records})
-    return records
-  if len(args.tokens) != 1 or len(args.head_dim) != 1:
-    p.error("--tokens and --head-dim take several values only with --parity")
-  t, hq, d = args.tokens[0], args.hq, args.head_dim[0]
-  results = []
-  rng = np.random.default_rng(0)
-
-  def inputs(hkv: int) -> tuple:
-    q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.bfloat16)
-    k = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.bfloat16)
-    v = jnp.asarray(rng.standard_normal((t, hkv, d)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.float32)
-    return q, k, v, w
-
-  for dist in args.dists:
-    cu, cuP = pack_row(dist, t, 1, seed=0)
-    lens = np.diff(cu).astype(np.int32)
-    offs = cuP[:-1].astype(np.int32)
-    longest = int(lens.max())
-    pairs = window_pairs(lens, args.window)
-    flops = {p: float(jax_cp.attention_flops(
-        pairs, num_heads=hq, head_dim=d, backward=p == "fwd+bwd",
-        recompute=True)) for p in ("fwd", "fwd+bwd")}
-    for hkv in args.hkv:
-      sets = [inputs(hkv), inputs(hkv)]
-      fns = variants(dist, t, d, args.backend, lens, offs, args.window)
-      if args.window is not None and "jax_dense" in fns:
-        results.append(paired_record(fns, sets, args.reps, dist, hkv,
-                                     args.window))
-        print(json.dumps(results[-1]), flush=True)
-      for name, attn in fns.items():
-        fwd, bwd = fwd_and_bwd(attn)
-        for pass_name, fn, arg_sets, fl in (
-            ("fwd", fwd, [s[:3] for s in sets], flops["fwd"]),
-            ("fwd+bwd", bwd, sets, flops["fwd+bwd"])):
-          rec = {"dist": dist, "hkv": hkv, "variant": name,
-                 "pass_": pass_name, "docs": len(lens), "longest": longest}
-          try:
-            ms = 1e3 * statistics.median(timing.synced(
-                fn, arg_sets, reps=args.reps, warmup=3))
-            rec.update(ms=ms, tflops=fl / ms / 1e9)
-          except Exception as e:  # noqa: BLE001  (recorded; the run goes on)
-            rec.update(error=f"{type(e).__name__}: {str(e)[:300]}")
-          results.append(rec)
-          print(json.dumps(rec), flush=True)
-  results, paired = ([r for r in results if "speedup_median" not in r],
-                     [r for r in results if "speedup_median" in r])
-  for r in paired:
-    print(f"paired fwd+bwd ours / jax_dense ({r['dist']}, Hkv={r['hkv']}, "
-          f"window {r['window']}): {r['speedup_median']:.3f}x "
-          f"(IQR {r['speedup_q1']:.3f}-{r['speedup_q3']:.3f})")
-  # Ratios against the references, per (dist, hkv, pass).
-  print("\n| mix | Hkv | pass | variant | ms | TFLOP/s | vs jax_dense | "
-        "vs jax_packed |\n|---|---|---|---|---|---|---|---|")
-  for r in results:
-    if "ms" not in r:
-      print(f"| {r['dist']} | {r['hkv']} | {r['pass_']} | {r['variant']} | "
-            f"error: {r['error'][:60]} | | | |")
-      continue
-    ref = {x["variant"]: x for x in results
-           if (x["dist"], x["hkv"], x["pass_"]) ==
-           (r["dist"], r["hkv"], r["pass_"]) and "ms" in x}
-    one = [x for x in results if x["dist"] == "one_doc" and
-           x["hkv"] == r["hkv"] and x["pass_"] == r["pass_"] and
-           x["variant"] == "jax_dense" and "ms" in x]
-    vd = f"{r['tflops'] / one[0]['tflops']:.2f}x" if one else ""
-    vp = (f"{r['tflops'] / ref['jax_packed']['tflops']:.2f}x"
-          if "jax_packed" in ref else "")
-    print(f"| {r['dist']} | {r['hkv']} | {r['pass_']} | {r['variant']} | "
-          f"{r['ms']:.2f} | {r['tflops']:.0f} | {vd} | {vp} |")
-  _write(args, {"tokens": t, "hq": hq, "head_dim": d, "window": args.window,
-                "records": results + paired})
-  return results + paired
+                 help="device time per kernel on the one-document row")
+  p.add_argument("--out", default=results.RESULTS_DIR)
+  p.add_argument("--tag", default=None, help="suffix of the result file")
+  return p
 
 
-def _write(args, record: dict[str, Any]) -> None:
-  """Writes a run's records through :mod:`benchmarks.results` (``--out``)."""
-  if not args.out:
-    return
-  env = environment()
-  tag = "parity" if record.get("parity") else None
-  path = write_result(result_path(args.out, "fused", env, tag=tag),
-                      {"env": env, "args": vars(args), **record})
-  print("wrote", path)
+def attention_fns(args, tokens: int, head_dim: int, longest: int
+                  ) -> dict[str, Callable]:
+  """``(q, k, v, lens, offs) -> out`` of the primitive and the
+  references (``lens``, ``offs``: int32 ``[N]`` document lengths and
+  first tokens)."""
+  window = workload.window_size(args.window)
+
+  def ours(q, k, v, lens, offs):
+    return jax_cp.fused_attention(
+        q, k, v, lens, lens, offs, offs, attn_mask_type="causal_top_left",
+        backend=args.backend, max_seqlen_q=longest, max_seqlen_kv=longest,
+        window_size=window)
+
+  def jax_nn(q, k, v, lens, offs):
+    del lens, offs
+    return jax.nn.dot_product_attention(
+        q[None], k[None], v[None], is_causal=True, local_window_size=window,
+        implementation=args.jax_nn_implementation)[0]
+
+  def jax_packed(q, k, v, lens, offs):
+    ends = jnp.concatenate([offs, jnp.full((1,), tokens, offs.dtype)])
+    return fas.dot_product_attention(
+        q[None], k[None], v[None], q_seqlen=lens[None], kv_seqlen=lens[None],
+        q_offsets=ends[None], kv_offsets=ends[None],
+        scale=1.0 / np.sqrt(head_dim), mask_type=fas.MaskType.PADDING_CAUSAL,
+        sliding_window_length=None if window is None else window[0] + 1)[0]
+  return {"ours": ours, "jax_nn": jax_nn, "jax_packed": jax_packed}
 
 
-def paired_record(fns: dict[str, Callable], sets: list, reps: int, dist: str,
-                  hkv: int, window: int) -> dict[str, Any]:
-  """``ours`` against ``jax_dense`` forward+backward, timed in
-  alternation; ``speedup_median`` > 1 when ours is faster."""
-  rec = {"dist": dist, "hkv": hkv, "variant": "paired_vs_jax_dense",
-         "pass_": "fwd+bwd", "window": window}
-  try:
-    r = timing.paired(fwd_and_bwd(fns["jax_dense"])[1], sets,
-                      fwd_and_bwd(fns["ours"])[1], sets, reps=reps)
-    rec.update(ms_jax_dense=r.ms_a, ms_ours=r.ms_b,
-               speedup_median=r.ratio_median, speedup_q1=r.ratio_q1,
-               speedup_q3=r.ratio_q3)
-  except Exception as e:  # noqa: BLE001  (recorded; the run goes on)
-    rec.update(error=f"{type(e).__name__}: {str(e)[:300]}",
-               speedup_median=float("nan"), speedup_q1=float("nan"),
-               speedup_q3=float("nan"))
-  return rec
+def kernel_profile(fn: Callable, arg_sets, name: str) -> dict | None:
+  """:func:`benchmarks.profiling.profile` of one call per step."""
+  def run(n: int) -> None:
+    jax.block_until_ready([fn(*arg_sets[0]) for _ in range(n)])
+  prof = profiling.profile(run, 5)
+  profiling.print_breakdown(name, prof)
+  return prof
+
+
+def main(argv: Sequence[str] | None = None) -> str:
+  """Runs the pairs; returns the path of the JSON written."""
+  args = build_parser().parse_args(argv)
+  tokens = args.tokens * (len(args.head_dim) if len(args.tokens) == 1
+                          else 1)
+  if len(tokens) != len(args.head_dim):
+    raise SystemExit("--tokens takes one value or one per --head-dim")
+  run = results.Run("fused", argv, args, args.tag)
+  run.extra["profiles"] = []
+  dtype = jnp.dtype(args.dtype)
+  for (d, t), hkv, dist in ((dt, h, x) for dt in zip(args.head_dim, tokens)
+                            for h in args.hkv for x in args.dists):
+    cu, cuP = workload.pack_row(dist, t, 1, args.seed)
+    lens, offs = (jnp.asarray(x, jnp.int32) for x in (np.diff(cu), cuP[:-1]))
+    fns = attention_fns(args, t, d, int(np.diff(cu).max()))
+    shapes = [(t, args.hq, d), (t, hkv, d), (t, hkv, d), (t, args.hq, d)]
+    sets = [tuple(workload.random_inputs(shapes, dtype, args.seed + i))
+            + (lens, offs) for i in range(2)]
+    refs = [r for r in args.refs if r != "jax_nn" or dist == "one_doc"]
+    for pass_name in args.passes:
+      step = {n: jax.jit(workload.with_pass(f, pass_name))
+              for n, f in fns.items()}
+      flops = workload.attention_flops(cu, args.hq, d, pass_name, args.window)
+      for ref in refs:
+        rec = dict(head_dim=d, tokens=t, hq=args.hq, hkv=hkv, dist=dist,
+                   docs=len(cu) - 1, window=args.window, reference=ref,
+                   dtype=args.dtype, reps=args.reps, flops=flops)
+        rec["pass"] = pass_name
+        try:
+          rec.update(timing.paired(step[ref], sets, step["ours"], sets,
+                                   reps=args.reps).fields())
+          rec["tflops_a"] = flops / rec["ms_a"] / 1e9
+          rec["tflops_b"] = flops / rec["ms_b"] / 1e9
+          print(f"D={d} T={t} Hkv={hkv} {dist} {pass_name}: {ref} "
+                f"{rec['ms_a']:.3f} ms, ours {rec['ms_b']:.3f} ms "
+                f"({rec['tflops_b']:.1f} TFLOP/s), {ref} / ours "
+                f"{rec['ratio']:.3f} (IQR {rec['ratio_q1']:.3f}-"
+                f"{rec['ratio_q3']:.3f})", flush=True)
+        except Exception as err:  # noqa: BLE001  (recorded; run goes on)
+          rec["error"] = f"{type(err).__name__}: {err}"[:600]
+          print(f"D={d} T={t} Hkv={hkv} {dist} {pass_name} {ref}: "
+                f"{rec['error'][:300]}", flush=True)
+        run.add(rec)
+      if args.profile and dist == "one_doc":
+        for name in ("ours", "jax_nn"):
+          label = f"{name}, {pass_name}, D={d}, T={t}, Hkv={hkv}"
+          run.extra["profiles"].append(dict(
+              program=label, profile=kernel_profile(step[name], sets, label)))
+  return run.finish()
 
 
 if __name__ == "__main__":

@@ -1,44 +1,24 @@
 """Where XLA's planned bytes go: the buffer assignment of a compiled step.
 
-XLA writes, per compiled module, when ``xla_dump_to`` is set (jax passes
-it per compile: ``lowered.compile(compiler_options=dump_options(dir))``,
-no ``XLA_FLAGS`` needed), next to the optimized HLO text
-``*after_optimizations.txt``:
+With ``xla_dump_to`` set for one compile (jax's ``compiler_options``,
+:func:`dump_options`: no ``XLA_FLAGS`` needed) XLA writes, beside the
+optimized HLO text ``*after_optimizations.txt``, its buffer assignment
+(``*-buffer-assignment.txt``: the allocations, each with the values placed
+in it) and live ranges (``*-live-range.txt``, with the values live at the
+schedule's peak). :func:`parse_buffer_assignment`,
+:func:`parse_live_range_peak` and :func:`parse_hlo_metadata` (each
+instruction's ``op_name`` and Python call stack) read them;
+:func:`categorize` names a value's part of the model (attention, mlp,
+logits/loss, embedding, norm, rotary, optimizer; the step's arguments are
+``state``) and :func:`summarize` gives a JSON-serializable dict:
 
-* ``*after_optimizations-buffer-assignment.txt``: the allocations
-  (``allocation N: size S, ... parameter 3 | maybe-live-out |
-  preallocated-temp | constant:``), each followed by the logical buffers
-  (*values*) placed in it, ``value: <id name{index} @color> (size=..,
-  offset=..): shape``;
-* ``*after_optimizations-live-range.txt``: the schedule's live ranges and
-  ``Live ranges at K (peak):`` the buffers live at the step of the
-  schedule where the live bytes peak, with their bytes.
-
-:func:`parse_buffer_assignment` and :func:`parse_live_range_peak` read the
-two; :func:`parse_hlo_metadata` reads, per instruction of the optimized
-HLO, its ``op_name`` (jax's name stack: ``transpose(...)`` marks the
-backward, ``rematted_computation`` a recomputation) and its Python call
-stack (the module's ``StackFrames``), from which :func:`categorize` gives
-a category: attention, mlp, logits/loss, embedding, norm, rotary,
-optimizer, state (the step's arguments: parameters and optimizer state),
-other. :func:`summarize` turns them into a JSON-serializable dict.
-
-What the numbers are (and are not):
-
-* ``allocations``: bytes per allocation kind, exact (the temp sum is
-  XLA's ``temp_size_in_bytes``, give or take the small allocations that
-  memory analysis counts elsewhere).
-* ``peak``: the values live at the schedule's peak and their bytes: a
-  decomposition of the peak *live* bytes (arguments, outputs and
-  temporaries together). The temp allocation can be larger than the
-  temporaries live at that point (fragmentation of XLA's heap packing, or
-  a temp peak elsewhere in the schedule); buffers that XLA does not plan
-  (the cuDNN backward's run-time workspace) are not in it.
-* ``top_temp``: the largest values placed in the temp allocation(s).
-  On GPU the temp is one allocation whose values overlap in time: these
-  values need not be live together, and their sum exceeds the
-  allocation. They show what is big (a saved activation stack, the
-  float32 logits), not what adds up to the peak.
+* ``allocations``: bytes and count per allocation kind (the temp sum is
+  XLA's ``temp_size_in_bytes``);
+* ``peak``: the values live at the peak, by category and the largest (a
+  decomposition of the live bytes; the temp allocation can exceed it,
+  and the cuDNN workspace allocated at run time is in neither);
+* ``top_temp``: the largest values of the temp allocation, which overlap
+  in time (what is big, not parts that add up).
 """
 
 from __future__ import annotations
@@ -200,7 +180,7 @@ def parse_hlo_metadata(text: str) -> dict:
 RULES = (
     ("optimizer", ("optax", "Optimizer.update", "apply_updates")),
     ("attention", ("attention", "attend", "cudnn", "dot_product", "flash",
-                   "cp_vjp")),
+                   "straddle")),
     ("mlp", ("Mlp", "mlp")),
     ("logits/loss", ("cross_entropy", "token_losses", "lm_loss", "logits",
                      "_one_hot")),

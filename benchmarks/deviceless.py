@@ -11,9 +11,11 @@ backend (the extension built: its handlers register with the plugin's
 CUDA libraries, no device needed) or the attention stand-in
 (``benchmarks/standin_attention.py``).
 
-Set :func:`configure` before jax is imported: JAX keeps the CPU as its
-default backend and skips the plugin's check of the local CUDA libraries
-(there is no driver to ask).
+Call :func:`configure` before the first device is used: JAX keeps the CPU
+as its platform and skips the plugin's check of the local CUDA libraries
+(there is no driver to ask). A plan for N GPUs (``bench_memory --target
+h200 --cp N``) lowers the step for a ``(1, N)`` mesh of N compile-only
+devices (:func:`compile_only_devices`), in hosts of 8 past 8.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import os
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 TARGETS_DIR = os.path.join(_HERE, "gpu_targets")
+#: GPUs per host of a plan of several hosts (an H200 node holds 8).
+GPUS_PER_HOST = 8
 
 
 def targets() -> list[str]:
@@ -51,13 +55,25 @@ def device_kind(name: str) -> str:
 
 
 def configure() -> None:
-  """Environment for compiling with no GPU present (before jax loads)."""
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  """Compiling with no GPU present: the CPU as JAX's platform, and no check
+  of the local CUDA libraries (before the first device is used)."""
+  import jax  # pylint: disable=import-outside-toplevel
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  jax.config.update("jax_platforms", "cpu")
+
+
+def topology(count: int, per_host: int = GPUS_PER_HOST) -> str:
+  """The topology of ``count`` GPUs, ``per_host`` on each host:
+  ``1x<hosts>x<GPUs per host>`` (a count above ``per_host`` fills whole
+  hosts)."""
+  if count < 1 or (count > per_host and count % per_host):
+    raise ValueError(f"{count} GPUs do not fill hosts of {per_host}")
+  return f"1x{max(1, count // per_host)}x{min(count, per_host)}"
 
 
 def compile_only_devices(name: str, count: int) -> list:
-  """``count`` compile-only devices of target ``name`` (one host).
+  """``count`` compile-only devices of target ``name``, in hosts of
+  :data:`GPUS_PER_HOST` (:func:`topology`).
 
   Raises RuntimeError saying what to install when the CUDA plugin is
   missing."""
@@ -65,7 +81,7 @@ def compile_only_devices(name: str, count: int) -> list:
   try:
     topo = topologies.get_topology_desc(
         platform="cuda", target_config=target_config(name),
-        topology=f"1x1x{count}")
+        topology=topology(count))
   except NotImplementedError as err:
     raise RuntimeError(
         "compiling for a GPU target needs JAX's CUDA plugin: pip install "

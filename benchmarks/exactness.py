@@ -21,12 +21,19 @@ offsets) are checked as well as the first ones.
 The reference builds each row's mask from the call's :class:`Segments`
 (token offsets and lengths), the contract every backend implements
 (:mod:`jax_cp.attention.backend`), and shares no code with a backend.
+
+:class:`Case`, :func:`segments_for` and :func:`run_case` describe and check
+one large ``cudnn`` call (``tests/gpu/exact_call.py`` runs them): a row
+of ``tokens`` tokens as one document, 25 random documents (``mixed``),
+documents of 1k-8k tokens (``short``), or a CP rank's call (``cp``: Q the
+last ``1/cp`` of each document, K/V the whole documents, bottom-right).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -241,3 +248,91 @@ def check_call(backend, q, k, v, seg: Segments, *, mask: str,
   got = run(q, k, v, seg, rows_d, dout_rows)
   errs = errors(q, k, v, seg, rows_d, dout_rows, got)
   return {name: float(e) for name, e in zip(OUTPUTS, errs)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One call: layout (``one_doc``, ``mixed``, ``short``, ``cp``), sizes,
+  dtype, and for ``cp`` the cp size whose rank's call it is."""
+
+  layout: str
+  tokens: int
+  hq: int
+  hkv: int
+  d: int
+  dtype: str = "bfloat16"
+  cp: int = 8
+
+  @property
+  def name(self) -> str:
+    return (f"{self.layout} T={self.tokens} {self.hq}/{self.hkv}/{self.d} "
+            f"{self.dtype}")
+
+
+def segments_for(case: Case, seed: int = 0):
+  """Host values ``(q_lens, kv_lens, q_offsets, kv_offsets, max_q, max_kv,
+  tq, mask, tiled)`` of a case's call."""
+  rng, t = np.random.default_rng(seed), case.tokens
+  if case.layout == "one_doc":
+    return [t], [t], [0], [0], t, t, t, "causal_top_left", True
+  if case.layout == "mixed":
+    cuts = np.sort(rng.choice(np.arange(1, t), size=24, replace=False))
+    bounds = np.concatenate([[0], cuts, [t]])
+  elif case.layout in ("short", "cp"):
+    lens = []
+    while sum(lens) < t:
+      lens.append(int(rng.integers(1024, 8193)))
+    lens[-1] -= sum(lens) - t
+    if lens[-1] <= 0:
+      lens.pop()
+      lens[-1] += t - sum(lens)
+    bounds = np.concatenate([[0], np.cumsum(lens)])
+  else:
+    raise ValueError(f"unknown layout {case.layout!r}")
+  lens, starts = np.diff(bounds), bounds[:-1]
+  if case.layout == "cp":
+    q_lens = -(-lens // case.cp)
+    q_off = np.concatenate([[0], np.cumsum(q_lens)[:-1]])
+    return (q_lens, lens, q_off, starts, int(q_lens.max()), int(lens.max()),
+            int(q_lens.sum()), "causal_bottom_right", False)
+  return (lens, lens, starts, starts, int(lens.max()), int(lens.max()), t,
+          "causal_top_left", False)
+
+
+def run_case(case: Case, bits: int | None, rows: int, seed: int) -> dict:
+  """:func:`check_call` of a case's ``cudnn`` call with ``bits``-wide
+  ragged offsets (None: the backend's choice): ``errors`` per output, or
+  ``error`` with the message of a call that failed."""
+  from jax_cp.attention import cudnn  # pylint: disable=import-outside-toplevel
+  q_lens, kv_lens, q_off, kv_off, max_q, max_kv, tq, mask, tiled = \
+      segments_for(case, seed)
+  seg = Segments(*(jnp.asarray(x, jnp.int32) for x in
+                   (q_lens, kv_lens, q_off, kv_off)), max_q, max_kv,
+                 rows_see_keys=True, tiled=tiled)
+  dtype = jnp.dtype(case.dtype)
+  kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
+  q = jax.random.normal(kq, (tq, case.hq, case.d), dtype)
+  k = jax.random.normal(kk, (case.tokens, case.hkv, case.d), dtype)
+  v = jax.random.normal(kv, (case.tokens, case.hkv, case.d), dtype)
+  chosen = cudnn.ragged_offset_bits
+  if bits is not None:
+    cudnn.ragged_offset_bits = lambda *a, **kw: bits
+  t0 = time.perf_counter()
+  try:
+    errs, error = check_call(cudnn.BACKEND, q, k, v, seg, mask=mask,
+                             rows=rows, seed=seed), None
+  except Exception as e:  # noqa: BLE001  (recorded, the caller goes on)
+    errs, error = {}, f"{type(e).__name__}: {str(e)[:300]}"
+  finally:
+    cudnn.ragged_offset_bits = chosen
+  default_bits = chosen((tq, case.hq, case.d),
+                        (case.tokens, case.hkv, case.d), len(q_lens), max_q)
+  return dict(case=dataclasses.asdict(case), name=case.name,
+              bits=default_bits if bits is None else bits,
+              default_bits=default_bits, tq=tq, tkv=case.tokens, mask=mask,
+              tiled=tiled, segments=len(q_lens),
+              q_elements=tq * case.hq * case.d,
+              kv_elements=case.tokens * case.hkv * case.d,
+              kv_full_head_elements=case.tokens * case.hq * case.d,
+              errors=errs, error=error,
+              seconds=round(time.perf_counter() - t0, 2))

@@ -1,246 +1,345 @@
-"""Result files: the one place they are written and read.
+"""Result files and the tables built from them.
 
-A result file is a JSON object ``{"env": {...}, "records": [...], ...}``
-named ``<prefix>_<date>_<device>[_<tag>].json``:
+A command writes ``<benchmark>_<date>_<device>[_<tag>].json`` (the date in
+ISO 8601's basic form, UTC) into ``--out`` (default ``benchmarks/results``)
+holding ``{"benchmark", "env", "args", "records"}``. ``env`` records when
+(``date``, UTC), which code (``git_commit``: ``$JAX_CP_SOURCE_COMMIT`` when
+set, else ``git rev-parse HEAD``; ``git_dirty``; ``commit_by_date`` where
+the commit is the one that was HEAD at the file's date), how (``command``,
+the exact command line) and on what (device, versions, ``XLA_FLAGS``).
+Each record is one row of the benchmark's table.
 
-* :func:`environment` gives the ``env`` block (its ``date`` is ISO 8601 in
-  UTC, e.g. ``2026-12-01T07:15:00+00:00``; ``git_commit`` and ``git_dirty``
-  say which code ran, :func:`source_tree`), :func:`result_path` the name
-  (the same date in ISO 8601's basic format, ``20261201T071500Z``) and
-  :func:`write_result` writes it atomically, so a run cut short, or
-  rewriting its file after every measurement, leaves a valid file.
-* :func:`load` reads files (globs allowed) and merges their records by a
-  key, the newest file winning per key: :func:`record_key` for
-  ``bench_cp``, :func:`paired_key` for ``speedup_ab``. :func:`read_result`
-  reads one file.
-
-Older files are read too: names and ``env.date`` fields of the form
-``%Y%m%d-%H%M%S`` (local time, read as UTC), and ``bench_fused`` files
-that hold ``results`` with ``device`` and ``jax`` at the top level.
+:func:`write_table` rebuilds ``<benchmark>.md`` (:data:`TABLES`: fused,
+cp, step, memory) from every file of that benchmark in a folder, one row
+per record with its file's date, commit and command;
+``python -m benchmarks.results [FOLDER]`` rebuilds all four.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import glob
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from benchmarks.workload import DIST_LABEL, fmt_tokens
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                            "results")
-# Records without a ``timing`` field hold synced timings.
-DEFAULT_TIMING = "synced"
-
-NAME_DATE = "%Y%m%dT%H%M%SZ"         # ISO 8601 basic format, UTC
-OLD_NAME_DATE = "%Y%m%d-%H%M%S"
-_NAME_DATE_RE = re.compile(r"_(\d{8}T\d{6}Z|\d{8}-\d{6})_")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# ----------------------------------------------------------------- dates
+def command_line(module: str, argv: Sequence[str] | None) -> str:
+  """The command that ran ``module`` with ``argv`` (None: this process's
+  own arguments)."""
+  argv = sys.argv[1:] if argv is None else list(argv)
+  return shlex.join(["python", "-m", f"benchmarks.{module}", *argv])
 
 
-def now() -> datetime.datetime:
-  """This moment in UTC, to the second."""
-  return datetime.datetime.now(datetime.UTC).replace(microsecond=0)
-
-
-def parse_date(text: str | None) -> datetime.datetime | None:
-  """An ``env.date`` or file-name date (ISO 8601, either format, or
-  ``%Y%m%d-%H%M%S``) as a UTC datetime; ``None`` if it is none of these.
-  A date without a time zone is read as UTC."""
-  if not text:
-    return None
-  for parse in (datetime.datetime.fromisoformat,
-                lambda s: datetime.datetime.strptime(s, OLD_NAME_DATE)):
-    try:
-      date = parse(text)
-    except ValueError:
-      continue
-    if date.tzinfo is None:
-      return date.replace(tzinfo=datetime.UTC)
-    return date.astimezone(datetime.UTC)
-  return None
-
-
-def file_date(data: dict[str, Any], path: str) -> datetime.datetime:
-  """When a result file was written: its ``env.date``, else the date in
-  its name, else the earliest date (such files lose every tie)."""
-  date = parse_date(str(data.get("env", {}).get("date") or ""))
-  if date is None:
-    m = _NAME_DATE_RE.search(os.path.basename(path))
-    date = parse_date(m.group(1)) if m else None
-  return date or datetime.datetime.min.replace(tzinfo=datetime.UTC)
-
-
-# ----------------------------------------------------------------- writing
-
-
-def environment(**extra: Any) -> dict[str, Any]:
-  """The ``env`` block of a result file: date, versions and devices of this
-  process, plus ``extra`` fields."""
-  # Imported here: reading results needs only the standard library.
-  import jax  # pylint: disable=import-outside-toplevel
-  import jaxlib  # pylint: disable=import-outside-toplevel
-
-  import jax_cp  # pylint: disable=import-outside-toplevel
-  env = {"date": now().isoformat(),
-         "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-         "jax_cp": jax_cp.__version__, "python": sys.version.split()[0],
-         "platform": jax.default_backend(),
-         "device_kind": jax.devices()[0].device_kind,
-         "device_count": jax.device_count(), "cudnn": None}
-  try:
-    from jax._src.lib import cuda_versions  # pylint: disable=import-outside-toplevel
-    if cuda_versions is not None:
-      env["cudnn"] = int(cuda_versions.cudnn_get_version())
-      env["cuda_runtime"] = int(cuda_versions.cuda_runtime_get_version())
-  except Exception:  # noqa: BLE001, S110  (no CUDA in this jaxlib)
-    pass
-  env.update(source_tree(os.path.dirname(os.path.dirname(
-      os.path.abspath(jax_cp.__file__)))))
-  env.update(extra)
-  return env
-
-
-def source_tree(folder: str) -> dict[str, Any]:
-  """``git_commit`` (the HEAD commit of the git checkout at ``folder``)
-  and ``git_dirty`` (whether tracked files differ from it): which code a
-  result was measured on. ``$JAX_CP_SOURCE_COMMIT``, when set, names the
-  commit instead and ``git_dirty`` is None: a copy of the tree sent to
-  another machine, where git metadata, if any came along, may describe an
-  older commit. Without either (no checkout, no git), both are None."""
-  def git(*args: str) -> str | None:
-    try:
-      out = subprocess.run(("git", "-C", folder, *args), check=True,
-                           capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-      return None
-    return out.stdout.strip()
-
+def source_tree(folder: str = ROOT) -> dict[str, Any]:
+  """``git_commit`` and ``git_dirty`` of the code: ``$JAX_CP_SOURCE_COMMIT``
+  when set (a copy of the tree; ``git_dirty`` None), else the checkout's
+  HEAD and whether tracked files differ from it (None without git)."""
   named = os.environ.get("JAX_CP_SOURCE_COMMIT")
   if named:
     return {"git_commit": named, "git_dirty": None}
+
+  def git(*args: str) -> str | None:
+    try:
+      return subprocess.run(("git", "-C", folder, *args), check=True,
+                            capture_output=True, text=True,
+                            timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+      return None
   commit = git("rev-parse", "HEAD")
-  status = git("status", "--porcelain", "--untracked-files=no") \
-      if commit else None
+  status = git("status", "--porcelain", "--untracked-files=no") if commit \
+      else None
   return {"git_commit": commit,
           "git_dirty": None if status is None else bool(status)}
 
 
-def result_path(out_dir: str, prefix: str, env: dict[str, Any],
+def environment(command: str, **extra: Any) -> dict[str, Any]:
+  """The ``env`` block: date (UTC), commit, ``command``, device, versions,
+  ``XLA_FLAGS``, and ``extra``."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jaxlib  # pylint: disable=import-outside-toplevel
+
+  import jax_cp  # pylint: disable=import-outside-toplevel
+  env = {"date": datetime.datetime.now(datetime.UTC).replace(
+             microsecond=0).isoformat(),
+         **source_tree(), "commit_by_date": False, "command": command,
+         "device_kind": jax.devices()[0].device_kind,
+         "device_count": jax.device_count(),
+         "platform": jax.default_backend(), "jax": jax.__version__,
+         "jaxlib": jaxlib.__version__, "jax_cp": jax_cp.__version__,
+         "python": sys.version.split()[0],
+         "xla_flags": os.environ.get("XLA_FLAGS", "")}
+  try:
+    from jax._src.lib import cuda_versions  # pylint: disable=import-outside-toplevel
+    env["cudnn"] = int(cuda_versions.cudnn_get_version())
+  except Exception:  # noqa: BLE001  (no CUDA in this jaxlib)
+    env["cudnn"] = None
+  return {**env, **extra}
+
+
+def result_path(out_dir: str, benchmark: str, env: dict,
                 tag: str | None = None) -> str:
-  """``<out_dir>/<prefix>_<date>_<device>[_<tag>].json`` for a file whose
-  ``env`` is ``env`` (the name's date is ``env["date"]``)."""
-  date = parse_date(env["date"])
-  if date is None:
-    raise ValueError(f"env['date'] must be an ISO 8601 date, got "
-                     f"{env['date']!r}")
-  parts = [prefix, date.strftime(NAME_DATE),
+  """``<out_dir>/<benchmark>_<date>_<device>[_<tag>].json``."""
+  date = datetime.datetime.fromisoformat(env["date"])
+  parts = [benchmark, date.strftime("%Y%m%dT%H%M%SZ"),
            re.sub(r"[^A-Za-z0-9]+", "_", env["device_kind"]).strip("_")]
   if tag:
     parts.append(re.sub(r"[^A-Za-z0-9.-]+", "_", tag))
   return os.path.join(out_dir, "_".join(parts) + ".json")
 
 
-def write_result(path: str, payload: dict[str, Any]) -> str:
-  """Writes ``payload`` as JSON to ``path`` atomically (a temporary file
-  renamed over it; removed if the write fails) and returns ``path``."""
+def write(path: str, benchmark: str, env: dict, args: dict,
+          records: list[dict], **extra: Any) -> str:
+  """Writes a result file atomically (a run cut short, or one rewriting
+  its file after every record, leaves a valid file); returns ``path``."""
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  tmp = path + ".tmp"
-  try:
-    with open(tmp, "w") as f:
-      json.dump(payload, f, indent=1, default=str)
-    os.replace(tmp, path)
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
+  payload = dict(benchmark=benchmark, env=env, args=args, records=records,
+                 **extra)
+  with open(path + ".tmp", "w") as f:
+    json.dump(payload, f, indent=1, default=str)
+  os.replace(path + ".tmp", path)
   return path
 
 
-# ----------------------------------------------------------------- reading
-
-
-def read_result(path: str) -> dict[str, Any]:
-  """One result file, in today's shape: ``env`` and ``records`` present
-  (older ``bench_fused`` files' ``results``, ``device`` and ``jax`` moved
-  there)."""
-  with open(path) as f:
-    data = json.load(f)
-  if "records" not in data and "results" in data:
-    data["records"] = data.pop("results")
-    data.setdefault("env", {"device_kind": data.get("device"),
-                            "jax": data.get("jax")})
-  data.setdefault("env", {})
-  data.setdefault("records", [])
-  return data
-
-
-def record_key(r: dict[str, Any]) -> tuple:
-  """A ``bench_cp`` record's configuration."""
-  return (r["kind"], r["row_id"], r["cp"], r["strategy"], r["pass_name"],
-          r["hkv"], r["hq"], r["head_dim"], r["dtype"], r.get("bound"),
-          r.get("window"))
-
-
-def paired_key(r: dict[str, Any]) -> tuple:
-  """A ``speedup_ab`` record's configuration: the row, the pass, cp and
-  strategy, the shapes, the sliding window and DUAL_CHUNK_SWAP's windowed
-  plan, the document order (packed or reordered) and what it is paired
-  against (cp=1, or the fallback guard)."""
-  return (r["dist"], r["pass_name"], r["cp"], r["strategy"], r["tokens"],
-          r["hkv"], r["hq"], r["head_dim"], r["dtype"], r.get("window"),
-          r.get("dcs_window_plan", "split"), r.get("doc_order", "packed"),
-          r.get("against", "cp1"))
-
-
-@dataclasses.dataclass
-class Loaded:
-  """What :func:`load` read.
-
-  Attributes:
-    records: the merged records, each with ``_file`` (the base name of the
-      file it came from) and ``_date`` (that file's date, ISO 8601).
-    files: every file read, oldest first: its ``env`` with ``path``,
-      ``args`` and ``summary`` added.
-  """
-
-  records: list[dict[str, Any]]
-  files: list[dict[str, Any]]
-
-
-def _paths(patterns: Sequence[str]) -> list[str]:
-  """The files of ``patterns``: a glob's matches (none is fine), or a path
-  (which must then exist)."""
-  out = []
-  for pattern in patterns:
-    if any(c in pattern for c in "*?["):
-      out += sorted(glob.glob(pattern))
-    else:
-      out.append(pattern)
-  return list(dict.fromkeys(out))
-
-
-def load(patterns: Sequence[str],
-         key: Callable[[dict[str, Any]], Hashable] = record_key) -> Loaded:
-  """Reads result files (paths or globs) and merges their records: per
-  ``key``, the record of the newest file (by :func:`file_date`) wins."""
+def load(benchmark: str, folder: str = RESULTS_DIR
+         ) -> list[tuple[dict, dict]]:
+  """``(env, record)`` of every record of the benchmark's files in
+  ``folder``, oldest file first."""
   files = []
-  for path in _paths(patterns):
-    data = read_result(path)
-    files.append((file_date(data, path), path, data))
-  files.sort(key=lambda f: (f[0], f[1]))
-  merged: dict[Hashable, dict[str, Any]] = {}
-  for date, path, data in files:
-    for r in data["records"]:
-      merged[key(r)] = dict(r, _file=os.path.basename(path),
-                            _date=date.isoformat())
-  return Loaded(list(merged.values()),
-                [dict(d["env"], path=path, args=d.get("args", {}),
-                      summary=d.get("summary", {}))
-                 for _, path, d in files])
+  for path in glob.glob(os.path.join(folder, f"{benchmark}_*.json")):
+    with open(path) as f:
+      files.append(json.load(f))
+  files.sort(key=lambda d: d["env"]["date"])
+  return [(d["env"], r) for d in files for r in d["records"]]
+
+
+# ---------------------------------------------------------------- tables
+
+
+def _num(v, fmt: str = ".2f") -> str:
+  return "-" if v is None else format(v, fmt)
+
+
+def _ratio(r: dict) -> str:
+  if r.get("error"):
+    return "error: " + r["error"][:80].replace("|", "/")
+  if r.get("ratio") is None:
+    return "-"
+  return f"**{r['ratio']:.3f}** ({r['ratio_q1']:.3f}–{r['ratio_q3']:.3f})"
+
+
+def _gb(v) -> str:
+  return "-" if v is None else f"{v / 1e9:.2f}"
+
+
+def _mix(r: dict) -> str:
+  return f"{DIST_LABEL.get(r['dist'], r['dist'])} ({r.get('docs', '?')})"
+
+
+def _pct(v) -> str:
+  return "-" if v is None else f"{v:.1%}"
+
+
+def _memory_status(r: dict) -> str:
+  if r.get("kind") == "search":
+    fail = r.get("first_failing_seq_len")
+    return ("longest that trains" + (f" (fails at {fmt_tokens(fail)})"
+                                     if fail else ""))
+  if r.get("kind") == "ab":
+    return f"A/B: {r['a']} / {r['b']}"
+  return r.get("status", "?")
+
+
+def _memory_seq(r: dict) -> str:
+  t = r.get("longest_seq_len") if r.get("kind") == "search" \
+      else r.get("seq_len")
+  return fmt_tokens(t) if t else "-"
+
+
+def _exact(r: dict) -> str:
+  if r.get("exact"):
+    return f"{max(r['exact'].values()):.1e}"
+  return "-" if r.get("kind") != "run" else "not checked"
+
+
+Column = tuple[str, Callable[[dict], Any]]
+#: Per benchmark: the title, what the rows are, and the columns (before the
+#: date, commit and command every row ends with).
+TABLES: dict[str, tuple[str, str, list[Column]]] = {
+    "fused": (
+        "The varlen primitive against JAX's cuDNN attention",
+        "`benchmarks/bench_fused.py`: `jax_cp.fused_attention` (B) paired "
+        "with a reference (A) on one GPU: `jax.nn.dot_product_attention("
+        "implementation=\"cudnn\")` on one document (*jax.nn*), or JAX's "
+        "packed cuDNN call with segment offsets (*JAX packed*). Ratio: "
+        "A's time over B's (> 1: the primitive is faster), median of the "
+        "paired reps (IQR). TFLOP/s: causal pairs counted, the backward's "
+        "recompute included.", [
+            ("D", lambda r: r["head_dim"]),
+            ("T", lambda r: fmt_tokens(r["tokens"])),
+            ("Hq/Hkv", lambda r: f"{r['hq']}/{r['hkv']}"),
+            ("documents", _mix),
+            ("window", lambda r: r.get("window") or "-"),
+            ("pass", lambda r: r["pass"]),
+            ("reference", lambda r: r["reference"]),
+            ("ours ms", lambda r: _num(r.get("ms_b"))),
+            ("reference ms", lambda r: _num(r.get("ms_a"))),
+            ("reference / ours (IQR)", _ratio),
+            ("ours TFLOP/s", lambda r: _num(r.get("tflops_b"), ".0f"))]),
+    "cp": (
+        "CP attention at cp=N against cp=1 on the same row",
+        "`benchmarks/bench_cp.py`: `jax_cp.cp_attention` at cp=1 (A) and "
+        "at cp=N (B) on the same packed row, timed in alternation. "
+        "Speed-up: A's time over B's, median of the paired reps (IQR). "
+        "Order: the documents as packed, or reordered by "
+        "`balance_document_order` for the cp=N ranks. TFLOP/s per GPU at "
+        "cp=N: causal pairs counted, the backward's recompute included.", [
+            ("strategy", lambda r: r["strategy"]),
+            ("documents", _mix),
+            ("order", lambda r: r.get("doc_order", "packed")),
+            ("window", lambda r: r.get("window") or "-"),
+            ("pass", lambda r: r["pass"]),
+            ("cp", lambda r: r["cp"]),
+            ("T", lambda r: fmt_tokens(r["tokens"])),
+            ("Hq/Hkv/D", lambda r: f"{r['hq']}/{r['hkv']}/{r['head_dim']}"),
+            ("cp=1 ms", lambda r: _num(r.get("ms_a"))),
+            ("cp=N ms", lambda r: _num(r.get("ms_b"))),
+            ("speed-up (IQR)", _ratio),
+            ("TFLOP/s per GPU", lambda r: _num(r.get("tflops_b"), ".0f"))]),
+    "step": (
+        "The example's training step",
+        "`benchmarks/bench_step.py`: the whole training step of "
+        "`examples/packed_lm` (AdamW, FSDP), A and B timed in alternation,"
+        " device-only steady step times. Ratio: A's time over B's (IQR). "
+        "MFU: model FLOPs (`jax_cp.planning.model_flops`) over the peak "
+        "of the devices used.", [
+            ("model", lambda r: f"{r['model']} ({r['layers']} x "
+             f"{r['d_model']}, {r['heads']}/{r['kv_heads']})"),
+            ("T", lambda r: fmt_tokens(r["seq_len"])),
+            ("docs ≤", lambda r: fmt_tokens(r["max_doc_len"])),
+            ("strategy", lambda r: r["strategy"]),
+            ("order", lambda r: r.get("doc_order", "packed")),
+            ("A", lambda r: r["a"]), ("A ms", lambda r: _num(r.get("ms_a"))),
+            ("A MFU", lambda r: _pct(r.get("mfu_a"))),
+            ("B", lambda r: r["b"]), ("B ms", lambda r: _num(r.get("ms_b"))),
+            ("B MFU", lambda r: _pct(r.get("mfu_b"))),
+            ("A / B (IQR)", _ratio)]),
+    "memory": (
+        "Memory of the example's training step against the row length",
+        "`benchmarks/bench_memory.py`: one packed row per step, AdamW. "
+        "*temp*, *args*: XLA's compiled memory analysis; *peak*: the "
+        "device's `peak_bytes_in_use`; *scratch*: the cuDNN backward "
+        "workspace of the main attention call "
+        "(`jax_cp.attention.cudnn_workspace`), outside XLA's buffers; "
+        "*exact*: the largest relative error of that call's out, lse, dq, "
+        "dk, dv against the subset reference (`benchmarks/exactness.py`; "
+        "status *inexact* above 5e-3); status *compiled*: planned, not "
+        "run; a device named *(plan)*: compiled for that GPU without one. "
+        "A/B rows: A's step time over B's, paired.", [
+            ("model", lambda r: r["model"]),
+            ("layers", lambda r: r.get("layers", "-")),
+            ("T", _memory_seq), ("cp", lambda r: r.get("cp", 1)),
+            ("remat", lambda r: r.get("remat", "-")),
+            ("MLP chunk", lambda r: r.get("mlp_chunk_size", "-")),
+            ("layer chunk", lambda r: r.get("layer_chunk_size", "-")),
+            ("status", _memory_status),
+            ("temp GB", lambda r: _gb(r.get("temp_bytes"))),
+            ("args GB", lambda r: _gb(r.get("argument_bytes"))),
+            ("out GB", lambda r: _gb(r.get("output_bytes"))),
+            ("peak GB", lambda r: _gb(r.get("peak_bytes_in_use"))),
+            ("scratch GB", lambda r: _gb(r.get("attention_scratch_bytes"))),
+            ("ms/step", lambda r: (f"{r['ms_a']:.1f} / {r['ms_b']:.1f}"
+                                   if r.get("kind") == "ab" else
+                                   _num(r.get("ms_per_step"), ".1f"))),
+            ("MFU", lambda r: _pct(r.get("mfu"))),
+            ("exact", _exact),
+            ("A / B (IQR)", lambda r: _ratio(r) if r.get("kind") == "ab"
+             else "-")]),
+}
+
+
+def provenance(env: dict) -> tuple[str, str, str]:
+  """A row's date (UTC), commit and command cells."""
+  commit = (env.get("git_commit") or "unknown")[:7]
+  if env.get("git_dirty"):
+    commit += " (modified)"
+  if env.get("commit_by_date"):
+    commit += " (commit by date)"
+  if env.get("reconstructed"):
+    commit += " (rebuilt from printed output)"
+  date = env["date"][:16].replace("T", " ")
+  flags = env.get("xla_flags")
+  command = (f"XLA_FLAGS={shlex.quote(flags)} " if flags else "") + env.get(
+      "command", "?")
+  return date, commit, "`" + command.replace("|", "\\|") + "`"
+
+
+def table(benchmark: str, rows: list[tuple[dict, dict]]) -> str:
+  """The markdown of a benchmark's table of ``(env, record)`` rows."""
+  title, intro, columns = TABLES[benchmark]
+  header = [c for c, _ in columns] + ["date (UTC)", "commit", "command"]
+  lines = [f"# {title}", "", intro, "",
+           "Written by `python -m benchmarks.results` from the "
+           f"`{benchmark}_*.json` files beside it; device and versions are "
+           "in each file's `env`.", "",
+           "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  for env, r in rows:
+    cells = [str(fn(r)) for _, fn in columns] + list(provenance(env))
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def write_table(benchmark: str, folder: str = RESULTS_DIR) -> str:
+  """Rebuilds ``<folder>/<benchmark>.md`` from the benchmark's files."""
+  path = os.path.join(folder, f"{benchmark}.md")
+  with open(path, "w") as f:
+    f.write(table(benchmark, load(benchmark, folder)))
+  return path
+
+
+class Run:
+  """One invocation's result file: ``add`` appends records and rewrites
+  the file, ``finish`` rebuilds the benchmark's table beside it."""
+
+  def __init__(self, benchmark: str, argv: Sequence[str] | None, args,
+               tag: str | None = None, **env: Any):
+    self.benchmark, self.out, self.args = benchmark, args.out, vars(args)
+    self.env = environment(command_line(f"bench_{benchmark}", argv), **env)
+    self.path = result_path(self.out, benchmark, self.env, tag)
+    self.records: list[dict] = []
+    self.extra: dict[str, Any] = {}
+
+  def add(self, *records: dict) -> None:
+    self.records += records
+    write(self.path, self.benchmark, self.env, self.args, self.records,
+          **self.extra)
+
+  def finish(self) -> str:
+    self.add()
+    print(f"wrote {self.path}\nwrote {write_table(self.benchmark, self.out)}",
+          flush=True)
+    return self.path
+
+
+def main(argv: Sequence[str] | None = None) -> list[str]:
+  """Rebuilds every table of a folder (default ``benchmarks/results``)."""
+  argv = sys.argv[1:] if argv is None else list(argv)
+  folder = argv[0] if argv else RESULTS_DIR
+  paths = [write_table(b, folder) for b in TABLES]
+  print("\n".join(paths))
+  return paths
+
+
+if __name__ == "__main__":
+  main()

@@ -55,13 +55,13 @@ struct SdpaGraphKey {
   // s = max_seqlen_q = max_seqlen_kv), top-left causal, q_len <= kv_len:
   // the dense graph without ragged offsets and without the padding mask
   // (rows past a segment's length are handled by the handlers and the
-  // Python wrapper; docs/design.md, Tiled calls).
+  // Python wrapper; docs/internals.md, Tiled calls).
   bool tiled = false;
   // Width of the ragged element offsets (32 or 64). cuDNN addresses its
   // own float32 buffers of a ragged backward (the dQ accumulator, dK/dV at
   // the query heads with GQA) through the same offsets; 64-bit offsets keep
-  // that addressing exact past 2^30 elements (docs/design.md, Ragged
-  // offsets and the size limit).
+  // that addressing exact past 2^30 elements (docs/internals.md, Ragged
+  // offsets).
   int64_t offset_bits = 32;
 
   float scale() const;

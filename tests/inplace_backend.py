@@ -27,7 +27,8 @@ rows gives non-finite results instead of right ones by luck.
   the Q, out, dO and lse rows their segments cover.
 
 :func:`make_backend` builds one (hashable) backend that logs the in-place
-arguments of each call, at trace time, to a list.
+arguments of each call, at trace time, to a list; with or without the
+split of bottom-right backward blocks (``split_bottom_right_backward``).
 """
 
 from __future__ import annotations
@@ -118,10 +119,13 @@ def _clean_kv(k, v, kv_read):
           jnp.where(_rows(v, kv_read), v, zero))
 
 
-def make_backend(name: str, log: list | None = None) -> Backend:
+def make_backend(name: str, log: list | None = None,
+                 split_bottom_right_backward: bool = False) -> Backend:
   """A strict in-place backend named ``name``; each traced call appends
   ``dict(kind=, into=, tq=, mask=)`` (backward calls also ``heads=(Hq,
-  Hkv)``) to ``log`` (when given)."""
+  Hkv)``) to ``log`` (when given). ``split_bottom_right_backward``: the
+  CP planner splits its bottom-right backward blocks into a rectangle
+  and a triangle, as it does the cudnn backend's."""
 
   def record(**entry):
     if log is not None:
@@ -194,6 +198,6 @@ def make_backend(name: str, log: list | None = None) -> Backend:
 
   return Backend(name=name, forward=forward, backward=backward,
                  is_available=is_available, merge_rows=merge_rows_jnp,
-                 supports_in_place=True,
-                 exact_past_bounds=False)
+                 supports_in_place=True, exact_past_bounds=False,
+                 split_bottom_right_backward=split_bottom_right_backward)
 

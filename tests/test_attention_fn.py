@@ -89,10 +89,12 @@ def test_nnx_attention_fn_with_cp_matches_no_cp(x, strategy):
   layout = CPLayout(mesh=mesh, strategy=strategy, batch_axis="data",
                     backend="xla")
   mha = _flax_nnx_mha(jax_cp.cp_attention_fn(layout))
-  batch = jax_cp.make_global_batch(dict(x=x), CU_P, layout, cu_seqlens=CU)
+  batch = jax_cp.data.make_global_batch(dict(x=x), CU_P, layout,
+                                        cu_seqlens=CU)
   with jax.set_mesh(mesh):
     out = nnx.jit(lambda m, b: m(b.tensors["x"], mask=b))(mha, batch)
-  got = jax_cp.restore_from_cp(np.asarray(out), CU_P, layout, seq_dim=1)
+  got = jax_cp.data.restore_from_cp(np.asarray(out), CU_P, layout,
+                                    seq_dim=1)
 
   no_cp = _flax_nnx_mha(jax_cp.cp_attention_fn(NO_CP))
   nnx.update(no_cp, nnx.state(mha, nnx.Param))

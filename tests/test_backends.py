@@ -181,7 +181,7 @@ def test_auto_fused_attention_rejects_a_long_float32_call(fresh_registry):
 
 
 def test_auto_attention_with_float32_runs_on_xla(fresh_registry, caplog):
-  """fused_attention and cp_attention_local with backend="auto", the fake
+  """fused_attention and cp_attention without CP, backend="auto", the fake
   cuDNN available on this platform: float32 inputs run on xla (the fake
   would raise on them) with the logged line, and match the reference;
   bfloat16 inputs run on the fake."""
@@ -197,18 +197,21 @@ def test_auto_attention_with_float32_runs_on_xla(fresh_registry, caplog):
   want = np.asarray(ref.attention(q, k, v, cu, cuP))
   valid = ref.valid_token_mask(cu, cuP)
   meta = (cu[1:] - cu[:-1], cu[1:] - cu[:-1], cuP[:-1], cuP[:-1])
-  out = jax_cp.fused_attention(q, k, v, *meta, attn_mask_type="causal",
+  out = jax_cp.fused_attention(q, k, v, *meta,
+                               attn_mask_type="causal_bottom_right",
                                backend="auto")
   assert out.dtype == jnp.float32 and calls == []
   assert ref.rel_err(np.asarray(out)[valid], want[valid]) < 1e-5
   assert len(_auto_lines(caplog)) == 1
-  out = jax_cp.cp_attention_local(q, k, v, cu, cuP, cp_axis=None,
-                                  backend="auto")
+  out = jax_cp.cp_attention(q, k, v, (cu, cuP),
+                            layout=jax_cp.CPLayout(cp_axis=None,
+                                                   backend="auto"))
   assert calls == [] and len(_auto_lines(caplog)) == 1
   assert ref.rel_err(np.asarray(out)[valid], want[valid]) < 1e-5
   bf = lambda x: jnp.asarray(x, jnp.bfloat16)
   out = jax_cp.fused_attention(bf(q), bf(k), bf(v), *meta,
-                               attn_mask_type="causal", backend="auto")
+                               attn_mask_type="causal_bottom_right",
+                               backend="auto")
   assert calls == [jnp.dtype(jnp.bfloat16)]
   assert ref.rel_err(np.asarray(out, np.float32)[valid], want[valid]) < 2e-2
   assert len(_auto_lines(caplog)) == 1
@@ -229,7 +232,8 @@ def test_unknown_backend_and_user_backend(fresh_registry):
 @pytest.mark.parametrize("module", [
     "jax_cp.attention.backend", "jax_cp.attention.xla",
     "jax_cp.attention.registry", "jax_cp.attention.cudnn",
-    "jax_cp.call_plan", "jax_cp.cp_vjp", "jax_cp.context_parallel"])
+    "jax_cp.attention.straddle", "jax_cp.cp.call_plan", "jax_cp.cp.vjp",
+    "jax_cp.cp.api"])
 def test_each_module_imports_alone(module):
   """A fresh interpreter imports the module first (the cudnn module only
   where its extension exists)."""

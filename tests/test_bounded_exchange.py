@@ -9,10 +9,13 @@ import numpy as np
 import pytest
 
 import jax_cp
+from jax_cp import CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
-from jax_cp.kv_exchange import choose_exchange
+from jax_cp.cp.exchange import choose_exchange
+from jax_cp.data import get_batch_on_this_cp_rank, longest_padded_document
 from tests import reference as ref
 from tests._devices import cp_mesh
+from tests.split_backend import SPLIT_XLA
 
 T, D = 128, 16
 NLB = S.NO_LOAD_BALANCE
@@ -24,15 +27,17 @@ def layout_with_longest(rng, w, batch, max_docs=64):
   return ref.rows_with_longest(rng, T, w, batch, max_docs)
 
 
-def run(q, k, v, w, cu, cuP, cp, max_seqlen, split=False):
-  mesh = cp_mesh(cp)
-  attn = functools.partial(jax_cp.cp_attention, mesh=mesh,
-                           load_balancing_strategy=NLB, backend="xla",
-                           max_seqlen=max_seqlen,
-                           split_causal_backward=split)
-  out = jax.jit(lambda q, k, v: attn(q, k, v, cu, cuP))(q, k, v)
+def nlb_layout(cp, max_seqlen, backend="xla"):
+  return CPLayout(mesh=cp_mesh(cp), strategy=NLB, backend=backend,
+                  max_seqlen=max_seqlen)
+
+
+def run(q, k, v, w, cu, cuP, cp, max_seqlen, backend="xla"):
+  attn = functools.partial(jax_cp.cp_attention,
+                           layout=nlb_layout(cp, max_seqlen, backend))
+  out = jax.jit(lambda q, k, v: attn(q, k, v, (cu, cuP)))(q, k, v)
   grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(
-      attn(q, k, v, cu, cuP) * w), argnums=(0, 1, 2)))(q, k, v)
+      attn(q, k, v, (cu, cuP)) * w), argnums=(0, 1, 2)))(q, k, v)
   return out, grads
 
 
@@ -55,7 +60,7 @@ def test_bounded_equals_all_gather_and_reference(cp, w, record_error):
   else:
     assert exch.kind == "all_gather"
   out_b, g_b = run(q, k, v, wt, cu, cuP, cp, max_seqlen=w,
-                   split=cp == 4)
+                   backend=SPLIT_XLA if cp == 4 else "xla")
   out_a, g_a = run(q, k, v, wt, cu, cuP, cp, max_seqlen=None)
   assert ref.rel_err(out_b, out_a) < 1e-5
   for x, y in zip(g_b, g_a):
@@ -73,12 +78,10 @@ def test_lowered_hlo_has_permutes_not_gathers():
   cu, cuP = layout_with_longest(rng, w, batch=1)
   q = jnp.asarray(rng.standard_normal((1, T, 4, D)), jnp.float32)
   k = v = jnp.asarray(rng.standard_normal((1, T, 2, D)), jnp.float32)
-  mesh = cp_mesh(cp)
 
   def loss(q, k, v, bound):
-    return jnp.sum(jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh,
-                                       load_balancing_strategy=NLB,
-                                       backend="xla", max_seqlen=bound))
+    return jnp.sum(jax_cp.cp_attention(q, k, v, (cu, cuP),
+                                       layout=nlb_layout(cp, bound)))
 
   for bound, permutes in ((w, True), (None, False)):
     text = jax.jit(jax.value_and_grad(functools.partial(loss, bound=bound),
@@ -93,35 +96,35 @@ def test_max_seqlen_guard_on_host_helpers():
   cuP = np.array([0, 40, 64], np.int32)
   with pytest.raises(ValueError, match="max_seqlen=30 is smaller than the "
                      "longest padded document \\(40 tokens\\)"):
-    jax_cp.get_batch_on_this_cp_rank(cuP, np.arange(64), cp_size=2,
-                                     cp_rank=0, load_balancing_strategy=NLB,
-                                     max_seqlen=30)
-  assert jax_cp.longest_padded_document(cuP) == 40
-  assert jax_cp.longest_padded_document(np.stack([cuP, [0, 10, 64]])) == 54
+    get_batch_on_this_cp_rank(
+        cuP, np.arange(64), layout=CPLayout(cp_size=2, strategy=NLB,
+                                            max_seqlen=30), cp_rank=0)
+  assert longest_padded_document(cuP) == 40
+  assert longest_padded_document(np.stack([cuP, [0, 10, 64]])) == 54
 
 
-@pytest.mark.parametrize("split", [None, True])
-def test_cudnn_lowering_merges_straddle_parts_in_place(split):
+def test_cudnn_lowering_merges_straddle_parts_in_place():
   """With the cudnn backend (lowered for CUDA here), NO_LOAD_BALANCE runs
-  two calls each way whatever ``split_causal_backward`` says: the local
-  call (which holds the straddling document's local rows) and an unmasked
-  halo call on the first W-1 Q rows and the received halo alone (no
-  buffer of halo and chunk is built). The halo call's rows are merged
-  into the local call's by log-sum-exp, its dq and the halo's dK/dV with
-  aliased ``jax_cp_merge_rows`` calls: no pad or dynamic-update-slice of
-  a full-size buffer, which would cost a pass over (or a copy of) it."""
+  two calls each way (it has no bottom-right block for the backend's
+  split of the backward): the local call (which holds the straddling
+  document's local rows) and an unmasked halo call on the first W-1 Q
+  rows and the received halo alone (no buffer of halo and chunk is
+  built). The halo call's rows are merged into the local call's by
+  log-sum-exp, its dq and the halo's dK/dV with aliased
+  ``jax_cp_merge_rows`` calls: no pad or dynamic-update-slice of a
+  full-size buffer, which would cost a pass over (or a copy of) it."""
   try:
     import jax_cp.attention.cudnn  # noqa: F401
   except ModuleNotFoundError:  # a present but broken extension fails
     pytest.skip("jax_cp's cuDNN extension is not built")
   cp, tl, w = 2, 2048, 1600
   cu = jnp.asarray([0, 300, 1000, 2100, 2600, cp * tl], jnp.int32)
-  mesh = cp_mesh(cp, "cpu")     # only lowered: CPU devices on a GPU too
+  # Only lowered: CPU devices on a GPU too.
+  layout = CPLayout(mesh=cp_mesh(cp, "cpu"), strategy=NLB, backend="cudnn",
+                    max_seqlen=w)
 
   def loss(q, k, v, dout):
-    out = jax_cp.cp_attention(q, k, v, cu, cu, mesh=mesh,
-                              load_balancing_strategy=NLB, backend="cudnn",
-                              max_seqlen=w, split_causal_backward=split)
+    out = jax_cp.cp_attention(q, k, v, (cu, cu), layout=layout)
     return jnp.sum(out.astype(jnp.float32) * dout)
 
   sds = lambda h: jax.ShapeDtypeStruct((cp * tl, h, 64), jnp.bfloat16)
@@ -166,12 +169,10 @@ def test_backward_reuses_a_small_halo(w, keeps):
   cu, cuP = layout_with_longest(rng, w, batch=1)
   q = jnp.asarray(rng.standard_normal((1, T, 4, D)), jnp.float32)
   k = v = jnp.asarray(rng.standard_normal((1, T, 2, D)), jnp.float32)
-  mesh = cp_mesh(cp)
 
   def loss(q, k, v):
-    return jnp.sum(jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh,
-                                       load_balancing_strategy=NLB,
-                                       backend="xla", max_seqlen=w))
+    return jnp.sum(jax_cp.cp_attention(q, k, v, (cu, cuP),
+                                       layout=nlb_layout(cp, w)))
 
   text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(
       q, k, v).as_text()

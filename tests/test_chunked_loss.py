@@ -1,8 +1,9 @@
-"""Chunked logits and loss (jax_cp.modules.chunked_loss): the per-token
-cross entropy against a float64 numpy reference at a 32k vocabulary, its
-gradients against the whole-row computation, no ``[T, vocab]`` value in
-the gradient's program, CP's global view, bad arguments; and the packed_lm
-example's loss_fn against its logits' cross entropy."""
+"""Chunked logits and loss (jax_cp.modules.chunked_loss, also
+``jax_cp.chunked_cross_entropy``): the per-token cross entropy against a
+float64 numpy reference at a 32k vocabulary, its gradients against the
+whole-row computation, no ``[T, vocab]`` value in the gradient's program,
+CP's global view, bad arguments; and the packed_lm example's loss_fn
+against its logits' cross entropy."""
 
 import re
 
@@ -136,6 +137,11 @@ def test_auto_chunk_size():
   assert chunked_loss.loss_chunk_tokens("auto", 32768, 1 << 20, 2048) == 1024
 
 
+def test_chunked_cross_entropy_is_at_the_top_level():
+  assert jax_cp.chunked_cross_entropy is chunked_loss.chunked_cross_entropy
+  assert "chunked_cross_entropy" in jax_cp.__all__
+
+
 def test_example_loss_fn_is_the_cross_entropy_of_its_logits():
   from examples.packed_lm import config, lm_loss, model, train
   cfg = config.Config(layers=1, d_model=32, heads=2, kv_heads=1, seq_len=64,
@@ -147,8 +153,8 @@ def test_example_loss_fn_is_the_cross_entropy_of_its_logits():
   tensors = {"tokens": rng.integers(0, 256, (2, 64)),
              "labels": rng.integers(0, 256, (2, 64)),
              "loss_mask": (rng.random((2, 64)) < 0.9).astype(np.float32),
-             "position_ids": np.asarray(jax_cp.get_position_ids(cu))}
-  batch = jax_cp.make_global_batch(tensors, cu, layout, cu_seqlens=cu)
+             "position_ids": np.asarray(jax_cp.data.get_position_ids(cu))}
+  batch = jax_cp.data.make_global_batch(tensors, cu, layout, cu_seqlens=cu)
   labels, mask = batch.tensors["labels"], batch.tensors["loss_mask"]
   ce = optax.softmax_cross_entropy_with_integer_labels(lm(batch), labels)
   want = jnp.sum(ce * mask) / jnp.sum(mask)

@@ -21,7 +21,7 @@ from jax_cp import CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
 from jax_cp import flax as cp_linen
 from jax_cp import nnx as cp_nnx
-from jax_cp.modules import common
+from jax_cp.modules import token_chunks
 from jax_cp.nnx import convert
 from tests._devices import devices
 
@@ -266,8 +266,8 @@ def test_bad_chunk_sizes_raise(bad):
 
 
 def test_auto_chunk_size():
-  auto = lambda remat, t, d=2048, hidden=2 * 8192: common.mlp_chunk_tokens(
-      "auto", remat, t, d, hidden)
+  auto = lambda remat, t, d=2048, hidden=2 * 8192: (
+      token_chunks.mlp_chunk_tokens("auto", remat, t, d, hidden))
   assert auto("none", 1 << 20) is None            # the backward keeps all
   assert auto("full", 8192) is None               # short rows: whole
   # 4 hidden-wide buffers in a chunk's backward: 4 * hidden / d chunks.
@@ -276,9 +276,9 @@ def test_auto_chunk_size():
   assert auto("full", 1 << 20, d=4096, hidden=4096) == (1 << 20) // 4
   assert auto("save_context", 65536) == 8192      # at least 8192 tokens
   assert auto(jax.checkpoint_policies.nothing_saveable, 1 << 19) == 1 << 14
-  assert common.mlp_chunk_tokens(64, "none", 64, 16, 64) is None
-  assert common.mlp_chunk_tokens(None, "full", 1 << 20, 16, 64) is None
-  assert common.mlp_chunk_tokens(100, "none", 1000, 16, 64) == 100
+  assert token_chunks.mlp_chunk_tokens(64, "none", 64, 16, 64) is None
+  assert token_chunks.mlp_chunk_tokens(None, "full", 1 << 20, 16, 64) is None
+  assert token_chunks.mlp_chunk_tokens(100, "none", 1000, 16, 64) == 100
 
 
 def test_map_token_chunks_runs_whole_when_a_chunk_holds_every_token():
@@ -293,8 +293,8 @@ def test_map_token_chunks_runs_whole_when_a_chunk_holds_every_token():
     return xc + jnp.tanh(pin(xc) @ w)
 
   def run(chunk):
-    f = lambda x: jnp.sum(jnp.sin(common.map_token_chunks(fn, x, chunk,
-                                                          NO_CP, 1)))
+    f = lambda x: jnp.sum(jnp.sin(token_chunks.map_token_chunks(
+        fn, x, chunk, NO_CP, 1)))
     return jax.value_and_grad(f)(_x())
 
   whole = run(T)
@@ -318,7 +318,7 @@ def test_map_token_chunks_with_aux_and_a_new_feature_size():
     return y * jax.nn.one_hot(ac, 3, dtype=y.dtype) + ac[..., None]
 
   def run(chunk):
-    f = lambda x, w_: jnp.sum(jnp.sin(common.map_token_chunks(
+    f = lambda x, w_: jnp.sum(jnp.sin(token_chunks.map_token_chunks(
         lambda xc, ac, pin: fn(xc, ac, pin) * w_, x, chunk, NO_CP, 1,
         aux=aux)))
     return jax.value_and_grad(f, argnums=(0, 1))(_x(), jnp.float32(1.5))
@@ -327,7 +327,7 @@ def test_map_token_chunks_with_aux_and_a_new_feature_size():
   for chunk in (5, T // 2, 7):
     _close(run(chunk), whole)
   with pytest.raises(ValueError, match="aux must have the shape of x"):
-    common.map_token_chunks(fn, _x(), 5, NO_CP, 1, aux=aux[:, 1:])
+    token_chunks.map_token_chunks(fn, _x(), 5, NO_CP, 1, aux=aux[:, 1:])
 
 
 @pytest.mark.parametrize("build", ["linen", "nnx"])
@@ -336,7 +336,7 @@ def test_default_is_auto_and_chunks_long_rows_only_under_remat(build):
   ``AUTO_MIN_CHUNK`` tokens under ``remat="full"`` lowers the chunk loop
   (one ``while`` more than the whole-row layer's gradient), a short row or
   ``remat="none"`` lowers exactly the whole-row program."""
-  t = 2 * common.AUTO_MIN_CHUNK + 40
+  t = 2 * token_chunks.AUTO_MIN_CHUNK + 40
 
   def lowered(remat, tokens, **chunk):
     xs = jax.ShapeDtypeStruct((1, tokens, E), jnp.float32)
@@ -362,6 +362,6 @@ def test_default_is_auto_and_chunks_long_rows_only_under_remat(build):
   loops = lambda text: text.count("stablehlo.while")
   assert loops(lowered("full", t)) == loops(
       lowered("full", t, mlp_chunk_size=None)) + 1
-  for remat, tokens in (("none", t), ("full", common.AUTO_MIN_CHUNK)):
+  for remat, tokens in (("none", t), ("full", token_chunks.AUTO_MIN_CHUNK)):
     assert lowered(remat, tokens) == lowered(remat, tokens,
                                              mlp_chunk_size=None)

@@ -1,5 +1,5 @@
-"""Tests of jax_cp.cost_model against brute force and the formulas of
-docs/design.md, Strategies."""
+"""Tests of jax_cp.planning's cost model against brute force and the
+formulas of docs/concepts.md, Strategies."""
 
 from __future__ import annotations
 
@@ -8,9 +8,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-import jax_cp
+from jax_cp import CPLayout, data, planning
 from jax_cp import CPLoadBalancingStrategy as S
-from jax_cp import cost_model
+from jax_cp.planning import cost_model
+
+
+def _cp(cp, strategy, max_seqlen=None):
+  return CPLayout(cp_size=cp, strategy=strategy, max_seqlen=max_seqlen)
 
 
 def _layout(rng, cp, n_docs, strategy, max_len=40, empty_tail=0):
@@ -43,7 +47,7 @@ def _brute_pairs(cu, cuP, cp, strategy):
   valid = (pos - cuP[doc]) < (cu[doc + 1] - cu[doc])
   out = []
   for r in range(cp):
-    qi = np.asarray(jax_cp.get_partition_indices(cuP, cp, r, strategy))
+    qi = np.asarray(data.get_partition_indices(cuP, _cp(cp, strategy), r))
     mask = ((doc[qi][:, None] == doc[None, :]) & valid[qi][:, None]
             & valid[None, :] & (pos[None, :] <= qi[:, None]))
     out.append(int(mask.sum()))
@@ -57,8 +61,8 @@ def test_matches_brute_force_on_random_layouts(cp, strategy):
   for trial in range(8):
     cu, cuP = _layout(rng, cp, n_docs=int(rng.integers(1, 7)),
                       strategy=strategy, empty_tail=trial % 3)
-    est = jax_cp.estimate_cp_imbalance(cu, cuP, cp, strategy,
-                                       num_heads_q=4, head_dim=8)
+    est = planning.estimate_cp_imbalance(cu, cuP, _cp(cp, strategy),
+                                         num_heads_q=4, head_dim=8)
     want = _brute_pairs(cu, cuP, cp, strategy)
     assert list(est.pairs_per_rank) == want, (cu, cuP)
     assert list(est.flops_per_rank) == [4 * 8 * 4 * p for p in want]
@@ -79,12 +83,12 @@ def test_batched_rows_sum_per_rank(strategy):
       rows.append((cu, cuP))
   cu = np.stack([r[0] for r in rows])
   cuP = np.stack([r[1] for r in rows])
-  est = jax_cp.estimate_cp_imbalance(cu, cuP, cp, strategy, num_heads_q=2,
-                                     num_heads_kv=2,
-                                     head_dim=4, max_seqlen=int(cuP[0, -1]))
-  per_row = [jax_cp.estimate_cp_imbalance(a, b, cp, strategy, num_heads_q=2,
-                                          num_heads_kv=2,
-                                          head_dim=4) for a, b in rows]
+  est = planning.estimate_cp_imbalance(
+      cu, cuP, _cp(cp, strategy, int(cuP[0, -1])), num_heads_q=2,
+      num_heads_kv=2, head_dim=4)
+  per_row = [planning.estimate_cp_imbalance(
+      a, b, _cp(cp, strategy), num_heads_q=2, num_heads_kv=2, head_dim=4)
+             for a, b in rows]
   assert est.pairs_per_rank == tuple(
       sum(e.pairs_per_rank[r] for e in per_row) for r in range(cp))
   assert est.allgather_bytes == sum(e.allgather_bytes for e in per_row)
@@ -98,7 +102,8 @@ def test_one_document_no_load_balance(cp):
   so the ratios hold up to O(1/Tl)."""
   t = 4096 * cp
   tl = t // cp
-  est = jax_cp.estimate_cp_imbalance([0, t], [0, t], cp, "no_load_balance")
+  nlb = _cp(cp, "no_load_balance")
+  est = planning.estimate_cp_imbalance([0, t], [0, t], nlb)
   assert list(est.pairs_per_rank) == [tl * tl * (2 * r + 1) // 2 + tl // 2
                                       for r in range(cp)]
   total = sum(est.pairs_per_rank)
@@ -110,15 +115,16 @@ def test_one_document_no_load_balance(cp):
   # a window of 0 sees no halo, so the local call alone
   # (call_plan.forward_calls; tests/test_call_plan.py checks the plans).
   for left, calls in ((5, 2), (0, 1)):
-    est = jax_cp.estimate_cp_imbalance([0, t], [0, t], cp, "no_load_balance",
-                                       window_size=(left, 0))
+    est = planning.estimate_cp_imbalance([0, t], [0, t], nlb,
+                                         window_size=(left, 0))
     assert est.calls_per_rank == (1 if cp == 1 else calls)
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4, 8])
 def test_one_document_dual_chunk_swap_is_exactly_balanced(cp):
   t = 2 * cp * 1000
-  est = jax_cp.estimate_cp_imbalance([0, t], [0, t], cp, "dual_chunk_swap")
+  est = planning.estimate_cp_imbalance([0, t], [0, t],
+                                       _cp(cp, "dual_chunk_swap"))
   assert len(set(est.pairs_per_rank)) == 1
   assert est.imbalance == 1.0
   assert est.calls_per_rank == 1
@@ -132,16 +138,18 @@ def test_three_quarters_and_quarter():
   (6/32 S^2 vs 4/32 S^2: imbalance 1.2)."""
   s = 4096
   cu = cuP = [0, 3 * s // 4, s]
-  nlb = jax_cp.estimate_cp_imbalance(cu, cuP, 2, "no_load_balance")
-  dcs = jax_cp.estimate_cp_imbalance(cu, cuP, 2, "dual_chunk_swap")
+  nlb = planning.estimate_cp_imbalance(cu, cuP, _cp(2, "no_load_balance"))
+  dcs = planning.estimate_cp_imbalance(cu, cuP, _cp(2, "dual_chunk_swap"))
   assert dcs.imbalance == 1.0
   assert nlb.imbalance == pytest.approx(1.2, rel=1e-3)
   assert nlb.imbalance > dcs.imbalance
   # With valid == padded, DCS is exactly balanced for any layout, so it can
   # never lose on work balance; it loses only through padding that fills
   # the tail chunks, e.g. 5 valid tokens padded to 8 at cp=2:
-  nlb = jax_cp.estimate_cp_imbalance([0, 5], [0, 8], 2, "no_load_balance")
-  dcs = jax_cp.estimate_cp_imbalance([0, 5], [0, 8], 2, "dual_chunk_swap")
+  nlb = planning.estimate_cp_imbalance([0, 5], [0, 8],
+                                       _cp(2, "no_load_balance"))
+  dcs = planning.estimate_cp_imbalance([0, 5], [0, 8],
+                                       _cp(2, "dual_chunk_swap"))
   assert nlb.pairs_per_rank == (10, 5) and dcs.pairs_per_rank == (3, 12)
   assert dcs.imbalance > nlb.imbalance
 
@@ -149,10 +157,9 @@ def test_three_quarters_and_quarter():
 def test_bytes_and_halo():
   t, cp, hkv, d = 4096, 4, 8, 128
   tl = t // cp
-  est = jax_cp.estimate_cp_imbalance([0, 100, 1000, t], [0, 100, 1000, t],
-                                     cp, "no_load_balance", num_heads_q=32,
-                                     num_heads_kv=hkv, head_dim=d,
-                                     max_seqlen=3096)
+  est = planning.estimate_cp_imbalance(
+      [0, 100, 1000, t], [0, 100, 1000, t], _cp(cp, "no_load_balance", 3096),
+      num_heads_q=32, num_heads_kv=hkv, head_dim=d)
   token = hkv * d * 2 * 2
   assert est.allgather_bytes == (cp - 1) * t * token // cp
   assert est.halo_bytes_per_rank == tuple(min(3095, r * tl) * token
@@ -160,15 +167,15 @@ def test_bytes_and_halo():
   assert est.halo_bytes == min(3095, (cp - 1) * tl) * token
   assert est.exchange_bytes == est.halo_bytes
   # A short bound: every rank needs W-1 tokens (rank 0 none).
-  est = jax_cp.estimate_cp_imbalance([0, 100, 200, t], [0, 100, 200, t], cp,
-                                     "no_load_balance", num_heads_q=hkv,
-                                     num_heads_kv=hkv,
-                                     head_dim=d, max_seqlen=t - 200)
+  est = planning.estimate_cp_imbalance(
+      [0, 100, 200, t], [0, 100, 200, t], _cp(cp, "no_load_balance", t - 200),
+      num_heads_q=hkv, num_heads_kv=hkv, head_dim=d)
   assert est.halo_bytes_per_rank[0] == 0
-  dcs = jax_cp.estimate_cp_imbalance([0, t], [0, t], cp, "dual_chunk_swap",
-                                     max_seqlen=t)
+  dcs = planning.estimate_cp_imbalance([0, t], [0, t],
+                                       _cp(cp, "dual_chunk_swap", t))
   assert dcs.halo_bytes is None and dcs.exchange_bytes == dcs.allgather_bytes
-  one = jax_cp.estimate_cp_imbalance([0, t], [0, t], 1, "dual_chunk_swap")
+  one = planning.estimate_cp_imbalance([0, t], [0, t],
+                                       _cp(1, "dual_chunk_swap"))
   assert one.allgather_bytes == 0 and one.imbalance == 1.0
 
 
@@ -176,7 +183,7 @@ def test_predicted_time_and_recommendation():
   t = 65536
   one = dict(cu_seqlens=[0, t], cu_seqlens_padded=[0, t], cp_size=2,
              num_heads_q=32, num_heads_kv=8, head_dim=128)
-  rec = jax_cp.recommend_strategy(**one)
+  rec = planning.recommend_strategy(**one)
   # One long document: the imbalance (1.5) dominates -> DCS.
   assert rec.strategy is S.DUAL_CHUNK_SWAP
   dcs = rec.estimates["dual_chunk_swap"]
@@ -188,52 +195,61 @@ def test_predicted_time_and_recommendation():
   # -> NLB, although it runs two calls.
   lens = np.full(128, t // 128)
   cu = np.concatenate([[0], np.cumsum(lens)])
-  rec = jax_cp.recommend_strategy(cu, cu, 2, num_heads_q=32, num_heads_kv=8,
-                                  head_dim=128, max_seqlen=t // 128)
+  rec = planning.recommend_strategy(cu, cu, 2, num_heads_q=32,
+                                    num_heads_kv=8, head_dim=128,
+                                    max_seqlen=t // 128)
   assert rec.strategy is S.NO_LOAD_BALANCE
   # The model's knobs are arguments: free communication and calls, perfect
   # balance -> tie -> the default.
-  rec = jax_cp.recommend_strategy(cu, cu, 2, bandwidth=1e30,
-                                  call_overhead_s=0.0)
+  rec = planning.recommend_strategy(cu, cu, 2, bandwidth=1e30,
+                                    call_overhead_s=0.0)
   assert rec.strategy is S.DUAL_CHUNK_SWAP
   # A layout DCS cannot use is re-padded for the DCS estimate.
-  rec = jax_cp.recommend_strategy([0, 5, 11], [0, 5, 12], 2)
+  rec = planning.recommend_strategy([0, 5, 11], [0, 5, 12], 2)
   assert rec.estimates["dual_chunk_swap"].total_tokens == 16
   assert "re-padded" in rec.reason
-  assert np.array_equal(cost_model.pad_cu_seqlens([0, 5, 11], 4),
-                        [0, 8, 16])
+  cu, cu_p = cost_model.pad_cu_seqlens([0, 5, 11], 4)
+  np.testing.assert_array_equal(cu, [0, 5, 11, 11])
+  np.testing.assert_array_equal(cu_p, [0, 8, 16, 16])
+  # Rows of other lengths end at the longest one's, in the extra slot.
+  cu, cu_p = cost_model.pad_cu_seqlens([[0, 5, 11], [0, 1, 2]], 4)
+  np.testing.assert_array_equal(cu, [[0, 5, 11, 11], [0, 1, 2, 2]])
+  np.testing.assert_array_equal(cu_p, [[0, 8, 16, 16], [0, 4, 8, 16]])
 
 
-@pytest.mark.parametrize("args, kwargs, match", [
-    (([0, 5], [0, 8], 0, "no_load_balance"), {}, "cp_size"),
-    (([0, 5], [0, 8], 3, "no_load_balance"), {}, "divisible"),
-    (([0, 6], [0, 6], 2, "dual_chunk_swap"), {}, "2\\*cp_size"),
-    (([0, 9], [0, 8], 2, "no_load_balance"), {}, "above its padded"),
-    (([0, 4], [1, 8], 2, "no_load_balance"), {}, "start at 0"),
-    (([0, 4, 2], [0, 4, 8], 2, "no_load_balance"), {}, "non-decreasing"),
-    (([0, 4], [0, 4, 8], 2, "no_load_balance"), {}, "same shape"),
-    (([[0, 4]], [[0, 4, 8]][0:1], 2, "no_load_balance"), {}, "same shape"),
-    (([0, 4], [0, 8], 2, "round_robin"), {}, "CPLoadBalancingStrategy"),
-    (([0.0, 4.0], [0.0, 8.0], 2, "no_load_balance"), {}, "integers"),
-    (([0, 8], [0, 8], 2, "no_load_balance"), {"max_seqlen": 4}, "max_seqlen"),
-    (([0, 8], [0, 8], 2, "no_load_balance"), {"max_seqlen": 0}, "max_seqlen"),
-    (([0, 8], [0, 8], 2, "no_load_balance"), {"num_heads_q": 3,
-                                               "num_heads_kv": 2}, "multiple"),
-    (([0, 8], [0, 8], 2, "no_load_balance"), {"head_dim": 0}, "head_dim"),
-    (([0, 8], [0, 8], 2, "no_load_balance"), {"dtype_bytes": -2},
+@pytest.mark.parametrize("args, layout, kwargs, match", [
+    (([0, 5], [0, 8]), (0, "no_load_balance"), {}, "cp_size"),
+    (([0, 5], [0, 8]), (3, "no_load_balance"), {}, "divisible"),
+    (([0, 6], [0, 6]), (2, "dual_chunk_swap"), {}, "2\\*cp_size"),
+    (([0, 9], [0, 8]), (2, "no_load_balance"), {}, "above its padded"),
+    (([0, 4], [1, 8]), (2, "no_load_balance"), {}, "start at 0"),
+    (([0, 4, 2], [0, 4, 8]), (2, "no_load_balance"), {}, "non-decreasing"),
+    (([0, 4], [0, 4, 8]), (2, "no_load_balance"), {}, "same shape"),
+    (([[0, 4]], [[0, 4, 8]][0:1]), (2, "no_load_balance"), {}, "same shape"),
+    (([0, 4], [0, 8]), (2, "round_robin"), {}, "CPLoadBalancingStrategy"),
+    (([0.0, 4.0], [0.0, 8.0]), (2, "no_load_balance"), {}, "integers"),
+    (([0, 8], [0, 8]), (2, "no_load_balance", 4), {}, "max_seqlen"),
+    (([0, 8], [0, 8]), (2, "no_load_balance", 0), {}, "max_seqlen"),
+    (([0, 8], [0, 8]), (2, "no_load_balance"), {"num_heads_q": 3,
+                                                "num_heads_kv": 2},
+     "multiple"),
+    (([0, 8], [0, 8]), (2, "no_load_balance"), {"head_dim": 0}, "head_dim"),
+    (([0, 8], [0, 8]), (2, "no_load_balance"), {"dtype_bytes": -2},
      "dtype_bytes"),
-    (([[0, 4], [0, 4]], [[0, 8], [0, 4]], 2, "no_load_balance"), {},
+    (([[0, 4], [0, 4]], [[0, 8], [0, 4]]), (2, "no_load_balance"), {},
      "same T"),
-    ((np.zeros((1, 1, 2), int), np.zeros((1, 1, 2), int), 2,
-      "no_load_balance"), {}, "shape"),
+    ((np.zeros((1, 1, 2), int), np.zeros((1, 1, 2), int)),
+     (2, "no_load_balance"), {}, "shape"),
 ])
-def test_bad_input_raises(args, kwargs, match):
+def test_bad_input_raises(args, layout, kwargs, match):
+  """Bad metadata, layouts (the CPLayout refuses some itself) and sizes."""
   with pytest.raises(ValueError, match=match):
-    jax_cp.estimate_cp_imbalance(*args, **kwargs)
+    planning.estimate_cp_imbalance(*args, _cp(*layout), **kwargs)
 
 
 def test_bad_model_parameters_raise():
-  est = jax_cp.estimate_cp_imbalance([0, 8], [0, 8], 2, "no_load_balance")
+  est = planning.estimate_cp_imbalance([0, 8], [0, 8],
+                                       _cp(2, "no_load_balance"))
   with pytest.raises(ValueError, match="peak_flops"):
     est.predicted_time_s(peak_flops=0)
   with pytest.raises(ValueError, match="bandwidth"):
@@ -243,12 +259,13 @@ def test_bad_model_parameters_raise():
 
 
 def test_estimate_is_frozen_and_exported():
-  est = jax_cp.estimate_cp_imbalance([0, 8], [0, 8], 2, S.NO_LOAD_BALANCE)
-  assert isinstance(est, jax_cp.CPCostEstimate)
+  est = planning.estimate_cp_imbalance([0, 8], [0, 8],
+                                       _cp(2, S.NO_LOAD_BALANCE))
+  assert isinstance(est, planning.CPCostEstimate)
   with pytest.raises(dataclasses.FrozenInstanceError):
     est.imbalance = 2.0  # type: ignore[misc]
-  assert "estimate_cp_imbalance" in jax_cp.__all__
-  assert "recommend_strategy" in jax_cp.__all__
+  assert "estimate_cp_imbalance" in planning.__all__
+  assert "recommend_strategy" in planning.__all__
 
 
 def test_imbalance_at_32m_tokens_and_128_heads_does_not_wrap():
@@ -256,9 +273,9 @@ def test_imbalance_at_32m_tokens_and_128_heads_does_not_wrap():
   positive and exact: NO_LOAD_BALANCE's imbalance is that of the pairs."""
   t = 32 * 2**20
   cu = np.array([0, t], np.int32)
-  est = jax_cp.estimate_cp_imbalance(cu, cu, 4, "no_load_balance",
-                                     num_heads_q=128, num_heads_kv=8,
-                                     head_dim=128)
+  est = planning.estimate_cp_imbalance(cu, cu, _cp(4, "no_load_balance"),
+                                       num_heads_q=128, num_heads_kv=8,
+                                       head_dim=128)
   assert max(est.flops_per_rank) > 2**63 and min(est.flops_per_rank) > 0
   assert est.flops_per_rank == tuple(p * 4 * 128 * 128
                                      for p in est.pairs_per_rank)

@@ -1,5 +1,5 @@
-"""cp_attention / cp_attention_local forward and gradients against plain
-masked attention on the unpartitioned rows (tests/reference.py)."""
+"""cp_attention forward and gradients, global and local views, against
+plain masked attention on the unpartitioned rows (tests/reference.py)."""
 
 import functools
 
@@ -10,9 +10,16 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_cp
+from jax_cp import CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
+from jax_cp.data import (
+  get_batch_on_this_cp_rank,
+  reorder_for_cp,
+  restore_from_cp,
+)
 from tests import reference as ref
 from tests._devices import devices
+from tests.split_backend import SPLIT_XLA
 
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 T = 128          # tokens per row: cp=8 -> 16 local tokens
@@ -62,16 +69,18 @@ def check_close(got, want, valid, dtype, what, record):
   np.testing.assert_array_equal(got[~valid], 0.0, err_msg=what)
 
 
-def run_global(q, k, v, cu, cuP, w, *, cp, data, strategy, **kw):
+def run_global(q, k, v, cu, cuP, w, *, cp, data, strategy, backend="xla",
+               max_seqlen=None, **kw):
   """Global view: reorder, jit over a (data, cp) mesh, restore."""
-  mesh = mesh_for(cp, data)
-  re = lambda x: jax_cp.reorder_for_cp(x, cuP, cp, strategy, seq_dim=1)
-  back = lambda x: jax_cp.restore_from_cp(x, cuP, cp, strategy, seq_dim=1)
-  attn = functools.partial(jax_cp.cp_attention, mesh=mesh, cp_axis="cp",
-                           batch_axis="data", load_balancing_strategy=strategy,
-                           backend="xla", **kw)
+  layout = CPLayout(mesh=mesh_for(cp, data), cp_axis="cp", batch_axis="data",
+                    strategy=strategy, backend=backend,
+                    max_seqlen=max_seqlen)
+  re = lambda x: reorder_for_cp(x, cuP, layout, seq_dim=1)
+  back = lambda x: restore_from_cp(x, cuP, layout, seq_dim=1)
+  attn = functools.partial(jax_cp.cp_attention, layout=layout, **kw)
+
   def loss(q, k, v, w):
-    out = attn(q, k, v, cu, cuP)
+    out = attn(q, k, v, (cu, cuP))
     return jnp.sum(out.astype(jnp.float32) * w), out
 
   # One program for the output and the gradients (one compile).
@@ -107,21 +116,29 @@ def test_cp_attention_matches_reference(cp, strategy, heads, dtype,
 
 @pytest.mark.parametrize("strategy", list(S), ids=lambda s: s.value)
 @pytest.mark.parametrize("cp", [2, 4])
-def test_split_causal_backward_and_max_seqlen(cp, strategy, record_error):
-  """The rectangle + top-left backward and a tight max_seqlen bound give the
-  reference gradients too (one MQA case)."""
+def test_split_bottom_right_backward_and_max_seqlen(cp, strategy,
+                                                    record_error):
+  """With a tight max_seqlen bound, a backend that runs bottom-right
+  backward blocks as a rectangle and a top-left triangle
+  (tests/split_backend.py) and the plain xla backend both give the
+  reference gradients, and agree with each other (one MQA case)."""
   cu, cuP, rng = make_rows(100 + cp, cp, strategy)
   q, k, v = make_qkv(rng, 2, 4, 1, jnp.float32)
   w = jnp.asarray(rng.standard_normal((2, T, 4, D)), jnp.float32)
   longest = int(np.diff(cuP, axis=-1).max())
-  out, grads = run_global(q, k, v, cu, cuP, w, cp=cp, data=1,
-                          strategy=strategy, split_causal_backward=True,
-                          max_seqlen=longest)
   want, want_grads = reference_out_and_grads(q, k, v, cu, cuP, w)
   valid = np.stack([ref.valid_token_mask(cu[i], cuP[i]) for i in range(2)])
-  check_close(out, want, valid, jnp.float32, "out", record_error)
-  for name, g, gw in zip(("dq", "dk", "dv"), grads, want_grads):
-    check_close(g, gw, valid, jnp.float32, name, record_error)
+  results = []
+  for backend in ("xla", SPLIT_XLA):
+    out, grads = run_global(q, k, v, cu, cuP, w, cp=cp, data=1,
+                            strategy=strategy, backend=backend,
+                            max_seqlen=longest)
+    check_close(out, want, valid, jnp.float32, "out", record_error)
+    for name, g, gw in zip(("dq", "dk", "dv"), grads, want_grads):
+      check_close(g, gw, valid, jnp.float32, name, record_error)
+    results.append((out,) + tuple(grads))
+  for name, plain, split in zip(("out", "dq", "dk", "dv"), *results):
+    assert ref.rel_err(split, plain) < 1e-5, name
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -149,17 +166,16 @@ def test_local_view_inside_user_shard_map(strategy, record_error):
   cu, cuP = cu[0], cuP[0]
   q, k, v = (x[0] for x in make_qkv(rng, 1, 4, 2, jnp.float32))
   w = jnp.asarray(rng.standard_normal((T, 4, D)), jnp.float32)
-  per_rank = [jax_cp.get_batch_on_this_cp_rank(
-      cuP, q, k, v, w, cp_size=cp, cp_rank=r,
-      load_balancing_strategy=strategy) for r in range(cp)]
+  layout = CPLayout(cp_size=cp, strategy=strategy, backend="xla",
+                    view="local")
+  per_rank = [get_batch_on_this_cp_rank(cuP, q, k, v, w, layout=layout,
+                                        cp_rank=r) for r in range(cp)]
   stacked = [jnp.concatenate([p[i] for p in per_rank]) for i in range(4)]
   mesh = jax.make_mesh((cp,), ("cp",), devices=devices(cp),
                        axis_types=(jax.sharding.AxisType.Auto,))
 
   def local(q, k, v, w, cu, cuP):
-    out = jax_cp.cp_attention_local(q, k, v, cu, cuP, cp_axis="cp",
-                                    load_balancing_strategy=strategy,
-                                    backend="xla")
+    out = jax_cp.cp_attention(q, k, v, (cu, cuP), layout=layout)
     return out, jnp.sum(out * w)[None]
 
   def loss(q, k, v, w):
@@ -171,7 +187,7 @@ def test_local_view_inside_user_shard_map(strategy, record_error):
 
   (_, out), grads = jax.jit(jax.value_and_grad(
       loss, argnums=(0, 1, 2), has_aux=True))(*stacked)
-  back = lambda x: jax_cp.restore_from_cp(x, cuP, cp, strategy)
+  back = lambda x: restore_from_cp(x, cuP, layout)
   want, want_grads = reference_out_and_grads(q, k, v, cu, cuP, w)
   valid = ref.valid_token_mask(cu, cuP)
   check_close(back(out), want, valid, jnp.float32, "out", record_error)
@@ -186,11 +202,12 @@ def test_context_mesh_and_3d_inputs(record_error):
   cu, cuP = cu[0], cuP[0]
   q, k, v = (x[0] for x in make_qkv(rng, 1, 2, 2, jnp.float32))
   mesh = jax.make_mesh((cp,), ("cp",), devices=devices(cp))
-  re = lambda x: jax_cp.reorder_for_cp(x, cuP, cp)
+  layout = CPLayout(backend="xla")
+  re = lambda x: reorder_for_cp(x, cuP, layout)
   with jax.set_mesh(mesh):
     out = jax.jit(lambda q, k, v: jax_cp.cp_attention(
-        q, k, v, cu, cuP, backend="xla"))(re(q), re(k), re(v))
-    out = np.asarray(jax_cp.restore_from_cp(out, cuP, cp))
+        q, k, v, (cu, cuP), layout=layout))(re(q), re(k), re(v))
+    out = np.asarray(restore_from_cp(out, cuP, layout))
   want = ref.attention(q, k, v, cu, cuP)
   valid = ref.valid_token_mask(cu, cuP)
   check_close(out, want, valid, jnp.float32, "out", record_error)
@@ -206,14 +223,13 @@ def test_head_axis_tensor_parallel(strategy, record_error):
   devs = np.array(devices(2 * cp * tp)).reshape(2, cp, tp)
   mesh = jax.sharding.Mesh(devs, ("data", "cp", "tp"),
                            axis_types=(jax.sharding.AxisType.Auto,) * 3)
-  re = lambda x: jax_cp.reorder_for_cp(x, cuP, cp, strategy, seq_dim=1)
-  back = lambda x: jax_cp.restore_from_cp(x, cuP, cp, strategy, seq_dim=1)
+  layout = CPLayout(mesh=mesh, cp_axis="cp", batch_axis="data",
+                    head_axis="tp", strategy=strategy, backend="xla")
+  re = lambda x: reorder_for_cp(x, cuP, layout, seq_dim=1)
+  back = lambda x: restore_from_cp(x, cuP, layout, seq_dim=1)
 
   def loss(q, k, v, w):
-    out = jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh, cp_axis="cp",
-                              batch_axis="data", head_axis="tp",
-                              load_balancing_strategy=strategy,
-                              backend="xla")
+    out = jax_cp.cp_attention(q, k, v, (cu, cuP), layout=layout)
     return jnp.sum(out * w), out
 
   (_, out), grads = jax.jit(jax.value_and_grad(
@@ -244,10 +260,10 @@ def test_backward_reuses_gathered_kv_when_small(strategy, hq, kept,
   check_close(out, want, valid, jnp.float32, "out", record_error)
   for name, g, gw in zip(("dq", "dk", "dv"), grads, want_grads):
     check_close(g, gw, valid, jnp.float32, name, record_error)
-  mesh = mesh_for(cp, 1)
+  layout = CPLayout(mesh=mesh_for(cp, 1), cp_axis="cp", batch_axis="data",
+                    strategy=strategy, backend="xla")
   loss = lambda q, k, v: jnp.sum(jax_cp.cp_attention(
-      q, k, v, cu, cuP, mesh=mesh, cp_axis="cp", batch_axis="data",
-      load_balancing_strategy=strategy, backend="xla"))
+      q, k, v, (cu, cuP), layout=layout))
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).as_text()
   # One all-gather of K|V in the forward, one more in the backward unless
   # kept.

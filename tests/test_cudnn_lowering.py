@@ -20,7 +20,7 @@ except ModuleNotFoundError:  # a present but broken extension fails
 
 import jax_cp
 from jax_cp.attention import registry
-from jax_cp.attention.registry import Segments
+from jax_cp.attention.backend import Segments
 from tests._devices import devices
 from tests._lowering import custom_calls, lower_for_cuda
 
@@ -107,7 +107,8 @@ def test_backward_lowers_to_custom_call():
   assert not custom_calls(text, FWD)
 
 
-@pytest.mark.parametrize("mask", ["causal", "causal_top_left", "no_mask"])
+@pytest.mark.parametrize("mask", ["causal_bottom_right", "causal_top_left",
+                                  "no_mask"])
 def test_grad_through_fused_attention(mask):
   b, tq, n = 2, 32, 3
   q = jnp.zeros((b, tq, 4, 64), jnp.bfloat16)
@@ -125,7 +126,7 @@ def test_grad_through_fused_attention(mask):
   text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)
   fwd, = custom_calls(text, FWD)
   bwd, = custom_calls(text, BWD)
-  code = MASK_CODES["causal_bottom_right" if mask == "causal" else mask]
+  code = MASK_CODES[mask]
   s = b * n  # the batch is flattened into one segment list
   common = {"mask": f"{code} : i64", "max_seqlen_kv": "16 : i64",
             "max_seqlen_q": "16 : i64", "scale": "2.500000e-01 : f32",
@@ -354,10 +355,12 @@ def _cp_grad_calls(strategy, window=None, max_seqlen=None):
   cu = np.array([0, 20, 34, 58], np.int32)
   cu_p = np.array([0, 24, 40, 64], np.int32)
 
+  layout = jax_cp.CPLayout(mesh=mesh, cp_axis="cp", backend="cudnn",
+                           strategy=strategy, max_seqlen=max_seqlen)
+
   def loss(q, k, v):
     out = jax_cp.cp_attention(
-        q, k, v, cu, cu_p, mesh=mesh, cp_axis="cp", backend="cudnn",
-        load_balancing_strategy=strategy, max_seqlen=max_seqlen,
+        q, k, v, (cu, cu_p), layout=layout,
         window_size=None if window is None else (window, 0))
     return jnp.sum(out.astype(jnp.float32))
 

@@ -27,14 +27,15 @@ CODES = cudnn_backend.MASK_CODES
 TARGETS = cudnn_backend.FFI_TARGETS
 
 
-def _calls(strategy, window, cp=2, **kw):
+def _calls(strategy, window, cp=2):
   """{"forward", "backward"} -> sorted [(mask, window_left)] of the cuDNN
   calls in the gradient program of cp_attention at ``cp``."""
   mesh = jax.sharding.Mesh(np.array(devices(cp, "cpu")), ("cp",))
+  layout = jax_cp.CPLayout(mesh=mesh, cp_axis="cp", backend="cudnn",
+                           strategy=strategy)
   attn = functools.partial(
-      jax_cp.cp_attention, cu_seqlens=CU, cu_seqlens_padded=CU_P, mesh=mesh,
-      cp_axis="cp", backend="cudnn", load_balancing_strategy=strategy,
-      window_size=None if window is None else (window, 0), **kw)
+      jax_cp.cp_attention, metadata=(CU, CU_P), layout=layout,
+      window_size=None if window is None else (window, 0))
   loss = lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32))
   sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("cp"))
   args = [jax.ShapeDtypeStruct((T, h, D), jnp.bfloat16, sharding=sh)
@@ -61,16 +62,6 @@ def test_windowed_dual_chunk_swap_runs_no_bottom_right_call(cp):
   diag, near = _code("causal_top_left", 5), _code("no_mask", -1)
   far = _code("causal_top_left", -1)
   assert calls["forward"] == calls["backward"] == sorted([diag, near, far])
-
-
-def test_bottom_right_switch_runs_banded_bottom_right_calls():
-  """dcs_window_plan="bottom_right": one banded bottom-right forward call
-  and one per step in the backward (for measurements), with the
-  warning."""
-  with pytest.warns(RuntimeWarning, match="NO_LOAD_BALANCE"):
-    calls = _calls("dual_chunk_swap", 5, dcs_window_plan="bottom_right")
-  br = _code("causal_bottom_right", 5)
-  assert calls == {"forward": [br], "backward": [br, br]}
 
 
 def test_unwindowed_and_no_load_balance_counts_stay():

@@ -1,23 +1,25 @@
 """DUAL_CHUNK_SWAP with a sliding window: its call plan runs no
-bottom-right call (docs/design.md, Call plans). The three parts of a
-windowed block cover its band exactly; the plan's calls and their masks,
-each way; cp_attention at cp 1/2/4/8 against the windowed reference on
-the unpartitioned rows, forward and gradients, on the xla backend and on
-the strict in-place test backend; the ``dcs_window_plan`` argument and its
-warning."""
-
-import dataclasses
+bottom-right call (docs/internals.md, Call plans). The three parts of a
+windowed block cover its band exactly; the plan's calls (a RowsCall, then
+CompactCalls) and their masks, each way, also on a backend that splits
+bottom-right backward blocks; cp_attention at cp 1/2/4/8 against the
+windowed reference on the unpartitioned rows, forward and gradients, on
+the xla backend and on the strict in-place test backend."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax_cp
+from jax_cp import CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
-from jax_cp import call_plan, cp_config, metadata
 from jax_cp.attention import registry, xla
 from jax_cp.attention.backend import Segments
+from jax_cp.cp import call_plan, metadata
+from jax_cp.cp.call_plan import CompactCalls, RowsCall
+from jax_cp.cp.config import make_config
+from jax_cp.data import get_partition_indices
+from jax_cp.planning import recommend_strategy
 from tests import test_inplace_planner as planner
 from tests.inplace_backend import make_backend
 from tests.test_sliding_window import check_cp
@@ -89,36 +91,52 @@ def test_split_of_an_empty_block_has_no_work():
 # ---------------------------------------------------------------------------
 
 
-def _config(left, cp=2, backend="xla", max_seqlen=None, plan="split"):
+def _shape(heads):
+  return jax.ShapeDtypeStruct((1, T, heads, 8), jnp.bfloat16)
+
+
+def _config(left, cp=2, backend="xla", max_seqlen=None):
   cuP = np.array([[0, 24, 40, 64]], np.int32)
   cu = np.array([[0, 20, 34, 58]], np.int32)
-  cfg = cp_config.make_config(
-      (1, T, 4, 8), (1, T, 2, 8), (1, T, 2, 8), jnp.bfloat16, cu, cuP,
-      cp_size=cp, cp_axis="cp", load_balancing_strategy=DCS,
-      cp_comm_type="all_gather", attn_mask_type="causal",
-      softmax_scale=None, backend=backend, max_seqlen=max_seqlen,
-      window_size=(left, 0), split_causal_backward=None, total_tokens=T,
-      dcs_window_plan=plan)
+  cfg = make_config(
+      CPLayout(strategy=DCS, backend=backend, max_seqlen=max_seqlen),
+      _shape(4), _shape(2), _shape(2), cu, cuP, cp_size=cp, total_tokens=T,
+      attn_mask_type="causal", softmax_scale=None, window_size=(left, 0),
+      trusted=False)
   return cfg, cu, cuP
 
 
+def _describe(calls):
+  """The kinds of the calls, and ``(mask, window_left, compact)`` of every
+  backend call they make (the compact calls run without a band)."""
+  kinds, described = [], []
+  for c in calls:
+    kinds.append(type(c))
+    if isinstance(c, RowsCall):
+      described.append((c.mask, c.window_left, False))
+    else:
+      described += [(mask, -1, True) for _, mask in c.calls]
+  return kinds, described
+
+
 def _plan(cfg, cu, cuP, rank=1):
+  """The described forward and backward calls, and their kinds (forward,
+  backward)."""
   r = jnp.int32(rank)
-  describe = lambda calls: [
-      (c.mask, call_plan.window_left(cfg, c), c.window_rows is not None)
-      for c in calls]
-  return (describe(call_plan.forward_calls(cfg, cu, cuP, r)),
-          describe(call_plan.backward_calls(cfg, cu, cuP, r)))
+  fwd_kinds, fwd = _describe(call_plan.forward_plan(cfg, cu, cuP, r))
+  bwd_kinds, bwd = _describe(call_plan.backward_plan(cfg, cu, cuP, r))
+  return fwd, bwd, (fwd_kinds, bwd_kinds)
 
 
 @pytest.mark.parametrize("left", [2, 7, 30])
 def test_windowed_plan_has_no_bottom_right_call(left):
-  """Each way: the diagonal bands (top-left, banded), the near rectangles
-  (unmasked) and the far triangles (top-left, no band needed), each over
-  both steps, the last two over the compact buffers."""
+  """Each way: a RowsCall of the diagonal bands (top-left, banded), then
+  CompactCalls of the near rectangles (unmasked) and the far triangles
+  (top-left, no band needed), each over both steps."""
   cfg, cu, cuP = _config(left)
-  assert cfg.window_left == left and cfg.dcs_window_plan == "split"
-  fwd, bwd = _plan(cfg, cu, cuP)
+  assert cfg.window_left == left
+  fwd, bwd, kinds = _plan(cfg, cu, cuP)
+  assert kinds == ([RowsCall, CompactCalls],) * 2
   diag = ("causal_top_left", left, False)
   near = ("no_mask", -1, True)
   far = ("causal_top_left", -1, True)
@@ -130,49 +148,49 @@ def test_windows_zero_and_one_and_above_every_document():
   reaching past the longest document is plain causal (the unwindowed
   plan: one bottom-right forward call without a band)."""
   cfg, cu, cuP = _config(0)
-  assert _plan(cfg, cu, cuP) == ([("causal_top_left", 0, False)],) * 2
+  fwd, bwd, kinds = _plan(cfg, cu, cuP)
+  assert kinds == ([RowsCall],) * 2
+  assert fwd == bwd == [("causal_top_left", 0, False)]
   cfg, cu, cuP = _config(1)
-  fwd, bwd = _plan(cfg, cu, cuP)
+  fwd, bwd, kinds = _plan(cfg, cu, cuP)
+  assert kinds == ([RowsCall, CompactCalls],) * 2
   assert fwd == bwd == [("causal_top_left", 1, False),
                         ("causal_top_left", -1, True)]
   cfg, cu, cuP = _config(23, max_seqlen=24)
   assert cfg.window_left == -1
-  fwd, _ = _plan(cfg, cu, cuP)
+  fwd, _, kinds = _plan(cfg, cu, cuP)
+  assert kinds[0] == [RowsCall]
   assert fwd == [("causal_bottom_right", -1, False)]
 
 
 @pytest.fixture
 def fake_cudnn(monkeypatch):
-  """A strict in-place test backend registered as "cudnn" for one test."""
+  """The strict in-place test backend, splitting bottom-right backward
+  blocks as cudnn does, registered as "cudnn" for one test."""
   monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
-  registry.register_backend(make_backend("cudnn"))
+  registry.register_backend(make_backend("cudnn",
+                                         split_bottom_right_backward=True))
 
 
-def test_switch_to_bottom_right_warns_on_cudnn(fake_cudnn):
-  """dcs_window_plan="bottom_right": the whole banded bottom-right
-  calls, and on cudnn a warning naming the cost and NO_LOAD_BALANCE;
-  split_backward: a banded bottom-right forward, the split backward, no
-  warning; the default plan warns nothing."""
+def test_windowed_plan_on_cudnn_is_the_split_plan(fake_cudnn):
+  """On a backend that splits bottom-right backward blocks and writes in
+  place (cudnn), the windowed plan is the same: no bottom-right call, no
+  call writing into another's outputs; its split of the backward is for
+  unwindowed blocks (one bottom-right forward call, then two rectangles
+  and one triangle)."""
   del fake_cudnn
-  import warnings  # pylint: disable=import-outside-toplevel
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    cfg, _, _ = _config(7, backend="cudnn")
-  assert cfg.dcs_window_plan == "split"
-  with pytest.warns(RuntimeWarning, match="11x slower.*NO_LOAD_BALANCE"):
-    cfg, cu, cuP = _config(7, backend="cudnn", plan="bottom_right")
-  fwd, bwd = _plan(cfg, cu, cuP)
-  assert fwd == [("causal_bottom_right", 7, False)]
-  assert bwd == [("causal_bottom_right", 7, False)] * 2
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    cfg, cu, cuP = _config(7, backend="cudnn", plan="split_backward")
-  fwd, bwd = _plan(cfg, cu, cuP)
-  assert fwd == [("causal_bottom_right", 7, False)]
-  assert bwd == [("causal_top_left", 7, False), ("no_mask", -1, True),
-                 ("causal_top_left", -1, True)]
-  with pytest.raises(ValueError, match="dcs_window_plan='fast' is not one"):
-    _config(7, plan="fast")
+  cfg, cu, cuP = _config(7, backend="cudnn")
+  assert not cfg.split_bottom_right_backward
+  fwd, bwd, kinds = _plan(cfg, cu, cuP)
+  assert kinds == ([RowsCall, CompactCalls],) * 2
+  assert fwd == bwd == [("causal_top_left", 7, False), ("no_mask", -1, True),
+                        ("causal_top_left", -1, True)]
+  cfg, cu, cuP = _config(-1, backend="cudnn")
+  assert cfg.split_bottom_right_backward
+  fwd, bwd, _ = _plan(cfg, cu, cuP)
+  assert fwd == [("causal_bottom_right", -1, False)]
+  assert bwd == [("no_mask", -1, False)] * 2 + [("causal_top_left", -1,
+                                                 False)]
 
 
 # ---------------------------------------------------------------------------
@@ -186,33 +204,6 @@ def test_switch_to_bottom_right_warns_on_cudnn(fake_cudnn):
 CASES = [(1, 9), (2, 0), (2, 1), (2, 7), (2, 16), (2, 40), (2, 70),
          (4, 8), (4, 21), (8, 3)]
 SLOW_CASES = [(1, 40), (4, 1), (4, 5), (8, 4), (8, 13)]
-
-
-@pytest.mark.parametrize("fn", ["cp_attention", "cp_attention_local"])
-def test_public_functions_reject_an_unknown_plan(fn, monkeypatch):
-  """A ``dcs_window_plan`` that is no plan raises ValueError naming it from
-  both public functions, before any backend call runs."""
-  def no_call(*args, **kwargs):
-    raise AssertionError("a backend call ran")
-  monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
-  registry.register_backend(dataclasses.replace(
-      registry._load("xla"), forward=no_call, backward=no_call))
-  cuP = np.array([0, 24, 40, 64], np.int32)
-  rng = np.random.default_rng(3)
-  q, k, v = (jnp.asarray(rng.standard_normal((T, h, 8)), jnp.float32)
-             for h in (4, 2, 2))
-  kw = dict(cp_axis=None) if fn == "cp_attention_local" else dict(
-      mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("cp",)))
-  with pytest.raises(ValueError, match="dcs_window_plan='fast' is not one "
-                     "of \\['split', 'split_backward', 'bottom_right'\\]"):
-    getattr(jax_cp, fn)(q, k, v, cuP, cuP, backend="xla",
-                        load_balancing_strategy=DCS, window_size=(7, 0),
-                        dcs_window_plan="fast", **kw)
-
-
-@pytest.mark.parametrize("plan", ["split_backward", "bottom_right"])
-def test_other_plans_match_reference(plan):
-  check_cp(2, DCS, 7, seed=5, dcs_window_plan=plan)
 
 
 @pytest.mark.parametrize("cp,left", CASES)
@@ -265,18 +256,18 @@ def test_recommend_strategy_charges_the_windowed_plans_calls(left, calls):
   each way; a window past every document is the plain causal plan."""
   cu = np.array([0, 65536])
   kw = dict(num_heads_q=32, num_heads_kv=8, window_size=(left, 0))
-  rec = jax_cp.recommend_strategy(cu, cu, 2, **kw)
-  free = jax_cp.recommend_strategy(cu, cu, 2, call_overhead_s=0.0, **kw)
+  rec = recommend_strategy(cu, cu, 2, **kw)
+  free = recommend_strategy(cu, cu, 2, call_overhead_s=0.0, **kw)
   extra = {s: rec.predicted_time_s[s] - free.predicted_time_s[s]
            for s in rec.predicted_time_s}
   assert extra["dual_chunk_swap"] == pytest.approx(calls * 20e-6)
   assert extra["no_load_balance"] == pytest.approx(
       (2 if left == 0 else 4) * 20e-6)
   docs = np.arange(0, 65537, 4096)
-  rec = jax_cp.recommend_strategy(docs, docs, 2, max_seqlen=4096,
-                                  call_overhead_s=1e-3, **kw)
-  free = jax_cp.recommend_strategy(docs, docs, 2, max_seqlen=4096,
-                                   call_overhead_s=0.0, **kw)
+  rec = recommend_strategy(docs, docs, 2, max_seqlen=4096,
+                           call_overhead_s=1e-3, **kw)
+  free = recommend_strategy(docs, docs, 2, max_seqlen=4096,
+                            call_overhead_s=0.0, **kw)
   extra = (rec.predicted_time_s["dual_chunk_swap"]
            - free.predicted_time_s["dual_chunk_swap"])
   assert extra == pytest.approx((calls if left < 4095 else 2) * 1e-3)
@@ -289,12 +280,12 @@ def test_traced_metadata_takes_the_guard_on_xla():
   cfgs = []
 
   def config(cu, cuP):
-    cfgs.append(cp_config.make_config(
-        (1, T, 4, 8), (1, T, 2, 8), (1, T, 2, 8), jnp.float32, cu, cuP,
-        cp_size=2, cp_axis="cp", load_balancing_strategy=DCS,
-        cp_comm_type="all_gather", attn_mask_type="causal",
-        softmax_scale=None, backend="xla", max_seqlen=16,
-        window_size=(20, 0), split_causal_backward=None, total_tokens=T))
+    sds = lambda h: jax.ShapeDtypeStruct((1, T, h, 8), jnp.float32)
+    cfgs.append(make_config(
+        CPLayout(strategy=DCS, backend="xla", max_seqlen=16), sds(4),
+        sds(2), sds(2), cu, cuP, cp_size=2, total_tokens=T,
+        attn_mask_type="causal", softmax_scale=None, window_size=(20, 0),
+        trusted=False))
     return cu
 
   jax.eval_shape(config, *[jax.ShapeDtypeStruct((1, 3), jnp.int32)] * 2)
@@ -329,7 +320,8 @@ def _compact_pairs(cp, rank, left, cu, cuP):
         for m in range(kl if not causal else min(i + 1, kl)):
           got[q_src[qo + i], kv_src[ko + m]] += 1
   want = np.zeros((tl, T), int)
-  local = jax_cp.get_partition_indices(cuP[0], cp, rank, DCS)
+  local = get_partition_indices(cuP[0], CPLayout(cp_size=cp, strategy=DCS),
+                                rank)
   for t in range(tl):
     g = int(local[t])
     b = int(np.searchsorted(cuP[0], g, side="right")) - 1
@@ -358,25 +350,3 @@ def test_compaction_covers_each_rank_window_once(cp, left):
     inv = np.asarray(rows.q_inv[0])[np.asarray(rows.q_src[0])[valid]]
     np.testing.assert_array_equal(inv, np.flatnonzero(valid))
 
-
-@pytest.mark.slow
-def test_bench_call_plan_runs(tmp_path):
-  """benchmarks/bench_call_plan.py on the xla backend, tiny: one record
-  per call of each rank's plan (3 each way) and one total per rank and
-  direction."""
-  import json  # pylint: disable=import-outside-toplevel
-
-  from benchmarks import bench_call_plan  # pylint: disable=import-outside-toplevel
-  path = bench_call_plan.main([
-      "--backend", "xla", "--tokens", "128", "--hq", "2", "--hkv", "1",
-      "--head-dim", "8", "--window", "9", "--dtype", "float32", "--reps",
-      "1", "--dists", "one_doc", "--out", str(tmp_path)])
-  with open(path) as f:
-    records = json.load(f)["records"]
-  calls = [r for r in records if "call" in r]
-  assert len(calls) == 2 * 2 * 3
-  assert {r["mask"] for r in calls} == {"causal_top_left", "no_mask"}
-  # Tiny CPU calls: steady timings are noise (they may even be <= 0).
-  assert all(np.isfinite(r["ms"]) and np.isfinite(r["ms_ref"])
-             for r in calls)
-  assert len([r for r in records if "total_ms" in r]) == 4

@@ -33,6 +33,14 @@ def test_target_needs_compile_only_and_cudnn_or_the_standin(extra):
     bench_memory.main(["--target", "h200", "--seq-lens", "8k", *extra])
 
 
+def test_topology_of_n_gpus_fills_hosts_of_eight():
+  assert [deviceless.topology(n) for n in (1, 2, 4, 8, 16)] == [
+      "1x1x1", "1x1x2", "1x1x4", "1x1x8", "1x2x8"]
+  for bad in (0, 12):
+    with pytest.raises(ValueError, match="do not fill hosts"):
+      deviceless.topology(bad)
+
+
 def test_unknown_target_is_refused_by_the_parser(capsys):
   with pytest.raises(SystemExit):
     bench_memory.build_parser().parse_args(["--target", "b300"])
@@ -50,9 +58,10 @@ def _importable(name: str) -> bool:
 
 @pytest.mark.skipif(not _importable("jax_plugins.xla_cuda13"),
                     reason="JAX's CUDA plugin is not installed")
-@pytest.mark.parametrize("backend", ["standin", "cudnn"])
-def test_plan_for_the_h200_compiles_for_sm90(tmp_path, backend):
-  """A small model's step compiled for the H200 target in a fresh process:
+@pytest.mark.parametrize("backend, cp", [("standin", 1), ("standin", 2),
+                                         ("cudnn", 1)])
+def test_plan_for_h200s_compiles_for_sm90(tmp_path, backend, cp):
+  """A small model's step compiled for ``cp`` H200s in a fresh process:
   XLA's GPU pipeline (the buffer assignment of an sm_90 module), the
   record named for the target, and the plan of a longer row larger."""
   if backend == "cudnn" and not _importable("jax_cp._jax_cp_cuda"):
@@ -61,21 +70,21 @@ def test_plan_for_the_h200_compiles_for_sm90(tmp_path, backend):
          if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
   run = subprocess.run(
       [sys.executable, "-m", "benchmarks.bench_memory", "--target", "h200",
-       "--compile-only", "--backend", backend, "--layers", "1",
-       "--d-model", "256", "--heads", "4", "--kv-heads", "2",
-       "--remat", "full", "--seq-lens", "8k", "16k", "--breakdown",
-       "--out", str(tmp_path), "--markdown", str(tmp_path / "M.md")],
+       "--compile-only", "--backend", backend, "--cp", str(cp),
+       "--layers", "1", "--d-model", "256", "--heads", "4", "--kv-heads",
+       "2", "--remat", "full", "--seq-lens", "8k", "16k", "--breakdown",
+       "--out", str(tmp_path)],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
   (path,) = tmp_path.glob("memory_*.json")
   result = json.loads(path.read_text())
   assert result["env"]["device_kind"] == "NVIDIA H200 (plan)"
   assert result["env"]["target"] == "h200"
-  runs = [r for r in result["records"] if r["kind"] == "run"]
-  assert [r["status"] for r in runs] == ["compiled", "compiled"]
+  assert result["env"]["device_count"] == cp
+  runs = result["records"]
+  assert [(r["status"], r["cp"]) for r in runs] == [("compiled", cp)] * 2
   for r in runs:
     assert "sm_9.0" in r["breakdown"]["source"], r["breakdown"]["source"]
-    assert "gpu" in r["breakdown"]["source"]
   short, long = sorted(runs, key=lambda r: r["seq_len"])
   assert long["temp_bytes"] > 1.5 * short["temp_bytes"] > 0
-  assert "NVIDIA H200 (plan)" in (tmp_path / "M.md").read_text()
+  assert "NVIDIA H200 (plan)" in (tmp_path / "memory.md").read_text()

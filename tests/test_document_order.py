@@ -1,10 +1,10 @@
-"""jax_cp.balance_document_order / permute_documents: the per-rank work
-against a count from the reference mask, the reordered row's contents, and
-CP attention on a reordered row against the reference on the original."""
+"""jax_cp.planning.balance_document_order / permute_documents: the
+per-rank work against a count from the reference mask, the reordered row's
+contents, and CP attention on a reordered row against the reference on the
+original."""
 
 from __future__ import annotations
 
-import functools
 import time
 import tracemalloc
 
@@ -14,9 +14,20 @@ import numpy as np
 import pytest
 
 import jax_cp
-from jax_cp import document_order
+from jax_cp import CPLayout
+from jax_cp.planning import (
+  balance_document_order,
+  document_order,
+  estimate_cp_imbalance,
+  permute_documents,
+  recommend_strategy,
+)
 from tests import reference as ref
 from tests._devices import devices
+
+
+def _nlb(cp):
+  return CPLayout(cp_size=cp, strategy="no_load_balance")
 
 
 def _row(rng, n_docs, total, cp, empty_tail=0):
@@ -54,16 +65,14 @@ def test_never_worse_and_counts_match_the_mask(cp, left):
   for trial in range(6):
     cu, cuP = _row(rng, int(rng.integers(2, 24)), 48 * cp, cp,
                    empty_tail=trial % 3)
-    order = jax_cp.balance_document_order(cu, cuP, cp, "no_load_balance",
-                                          window_size=window)
+    order = balance_document_order(cu, cuP, _nlb(cp), window_size=window)
     assert sorted(order) == list(range(len(cu) - 1))
-    cu2, cuP2 = jax_cp.permute_documents(order, cu, cuP)
+    cu2, cuP2 = permute_documents(order, cu, cuP)
     before, after = _mask_pairs(cu, cuP, cp, left), \
         _mask_pairs(cu2, cuP2, cp, left)
     assert after.sum() == before.sum()          # the same documents
     assert after.max() <= before.max()
-    est = jax_cp.estimate_cp_imbalance(cu2, cuP2, cp, "no_load_balance",
-                                       window_size=window)
+    est = estimate_cp_imbalance(cu2, cuP2, _nlb(cp), window_size=window)
     np.testing.assert_array_equal(est.pairs_per_rank, after)
     # Empty slots stay where they were.
     empty = np.flatnonzero(np.diff(cuP) == 0)
@@ -84,7 +93,7 @@ def test_swap_scores_match_a_recount():
     for k in range(len(i)):
       order = np.arange(len(lens))
       order[[i[k], j[k]]] = order[[j[k], i[k]]]
-      cu2, cuP2 = jax_cp.permute_documents(order, cu, cuP)
+      cu2, cuP2 = permute_documents(order, cu, cuP)
       np.testing.assert_array_equal(got[k], _mask_pairs(cu2, cuP2, cp, left),
                                     err_msg=f"swap {i[k]},{j[k]}")
 
@@ -99,13 +108,12 @@ def test_balances_a_row_of_few_long_documents(left):
   lens[-1] += (-lens.sum()) % 2
   cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
   window = None if left < 0 else (left, 0)
-  before = jax_cp.estimate_cp_imbalance(cu, cu, 2, "no_load_balance",
-                                        window_size=window).imbalance
-  order = jax_cp.balance_document_order(cu, cu, 2, "no_load_balance",
-                                        window_size=window)
-  cu2, _ = jax_cp.permute_documents(order, cu, cu)
-  after = jax_cp.estimate_cp_imbalance(cu2, cu2, 2, "no_load_balance",
-                                       window_size=window).imbalance
+  before = estimate_cp_imbalance(cu, cu, _nlb(2),
+                                 window_size=window).imbalance
+  order = balance_document_order(cu, cu, _nlb(2), window_size=window)
+  cu2, _ = permute_documents(order, cu, cu)
+  after = estimate_cp_imbalance(cu2, cu2, _nlb(2),
+                                window_size=window).imbalance
   assert before > 1.01
   assert after < 1.005
 
@@ -137,7 +145,7 @@ def test_a_row_of_100k_documents_in_o_n_memory_and_time():
   tracemalloc.start()
   try:
     t0 = time.perf_counter()
-    order = jax_cp.balance_document_order(cu, cuP, cp, "no_load_balance")
+    order = balance_document_order(cu, cuP, _nlb(cp))
     seconds = time.perf_counter() - t0
     peak = tracemalloc.get_traced_memory()[1]
   finally:
@@ -145,9 +153,8 @@ def test_a_row_of_100k_documents_in_o_n_memory_and_time():
   assert seconds < 5.0, seconds
   assert peak < 2000 * n, peak           # 200 MB; all pairs: 16 * n^2
   assert sorted(order) == list(range(n))
-  est = lambda a, b: jax_cp.estimate_cp_imbalance(
-      a, b, cp, "no_load_balance").imbalance
-  cu2, cuP2 = jax_cp.permute_documents(order, cu, cuP)
+  est = lambda a, b: estimate_cp_imbalance(a, b, _nlb(cp)).imbalance
+  cu2, cuP2 = permute_documents(order, cu, cuP)
   before, after = est(cu, cuP), est(cu2, cuP2)
   assert before > 1.0015 and after < 1.002
 
@@ -156,27 +163,25 @@ def test_identity_where_order_cannot_matter():
   rng = np.random.default_rng(5)
   cu, cuP = _row(rng, 10, 64, 4)
   n = len(cu) - 1
-  for kw in (dict(cp_size=4, strategy="dual_chunk_swap"),
-             dict(cp_size=1, strategy="no_load_balance"),
-             dict(cp_size=4, strategy="no_load_balance", max_rounds=0)):
+  for layout, kw in ((CPLayout(cp_size=4, strategy="dual_chunk_swap"), {}),
+                     (_nlb(1), {}), (_nlb(4), dict(max_rounds=0))):
     np.testing.assert_array_equal(
-        jax_cp.balance_document_order(cu, cuP, **kw), np.arange(n))
+        balance_document_order(cu, cuP, layout, **kw), np.arange(n))
 
 
-def test_batched_rows_and_layout():
+def test_batched_rows():
   rng = np.random.default_rng(11)
   rows = [_row(rng, 12, 96, 4, empty_tail=2) for _ in range(3)]
   cu, cuP = (np.stack(x) for x in zip(*rows))
-  layout = jax_cp.CPLayout(cp_size=4, strategy="no_load_balance")
-  order = jax_cp.balance_document_order(cu, cuP, layout)
+  layout = _nlb(4)
+  order = balance_document_order(cu, cuP, layout)
   assert order.shape == (3, cu.shape[1] - 1)
   for r in range(3):
     np.testing.assert_array_equal(
-        order[r], jax_cp.balance_document_order(cu[r], cuP[r], 4,
-                                                "no_load_balance"))
+        order[r], balance_document_order(cu[r], cuP[r], layout))
   # Deterministic.
   np.testing.assert_array_equal(
-      order, jax_cp.balance_document_order(cu, cuP, layout))
+      order, balance_document_order(cu, cuP, layout))
 
 
 def test_permute_documents_moves_whole_documents():
@@ -185,13 +190,13 @@ def test_permute_documents_moves_whole_documents():
   cu, cuP = (np.stack(x) for x in zip(*rows))
   tokens = rng.integers(0, 1000, (2, 64))
   feats = rng.standard_normal((2, 64, 3))
-  pos = np.asarray(jax_cp.get_position_ids(cuP))
+  pos = np.asarray(jax_cp.data.get_position_ids(cuP))
   order = np.stack([rng.permutation(cu.shape[1] - 1) for _ in range(2)])
-  cu2, cuP2, tok2, feat2, pos2 = jax_cp.permute_documents(
+  cu2, cuP2, tok2, feat2, pos2 = permute_documents(
       order, cu, cuP, tokens, feats, pos, seq_dim=1)
   assert cu2.dtype == cu.dtype and tok2.shape == tokens.shape
   assert feat2.shape == feats.shape
-  np.testing.assert_array_equal(pos2, jax_cp.get_position_ids(cuP2))
+  np.testing.assert_array_equal(pos2, jax_cp.data.get_position_ids(cuP2))
   for r in range(2):
     for slot, d in enumerate(order[r]):
       old = slice(cuP[r, d], cuP[r, d + 1])
@@ -208,27 +213,26 @@ def test_cp_attention_on_a_reordered_row():
   cp, t, h, d = 4, 128, 2, 8
   rng = np.random.default_rng(9)
   cu, cuP = _row(rng, 11, t, cp)
-  order = jax_cp.balance_document_order(cu, cuP, cp, "no_load_balance")
+  order = balance_document_order(cu, cuP, _nlb(cp))
   assert (order != np.arange(len(order))).any()
   q, k, v, w = (rng.standard_normal((t, h, d)).astype(np.float32)
                 for _ in range(4))
-  cu2, cuP2, q2, k2, v2, w2 = jax_cp.permute_documents(
+  cu2, cuP2, q2, k2, v2, w2 = permute_documents(
       order, cu, cuP, q, k, v, w, seq_dim=0)
   mesh = jax.sharding.Mesh(np.array(devices(cp)), ("cp",))
-  attn = functools.partial(jax_cp.cp_attention, mesh=mesh, cp_axis="cp",
-                           load_balancing_strategy="no_load_balance",
-                           backend="xla")
+  layout = CPLayout(mesh=mesh, strategy="no_load_balance", backend="xla")
 
   def loss(q, k, v):
-    out = attn(q[None], k[None], v[None], cu2[None], cuP2[None])[0]
+    out = jax_cp.cp_attention(q[None], k[None], v[None],
+                              (cu2[None], cuP2[None]), layout=layout)[0]
     return jnp.sum(out * w2), out
 
   (_, out2), grads2 = jax.jit(jax.value_and_grad(
       loss, argnums=(0, 1, 2), has_aux=True))(q2, k2, v2)
   # Back to the original order: the inverse permutation of documents.
   inverse = np.argsort(order)
-  back = lambda x: jax_cp.permute_documents(inverse, cu2, cuP2, np.asarray(x),
-                                            seq_dim=0)[2]
+  back = lambda x: permute_documents(inverse, cu2, cuP2, np.asarray(x),
+                                     seq_dim=0)[2]
   f = lambda q, k, v: ref.attention(q, k, v, cu, cuP)
   want = f(q, k, v)
   want_grads = jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2))(
@@ -239,51 +243,49 @@ def test_cp_attention_on_a_reordered_row():
     assert ref.rel_err(back(g)[valid], np.asarray(wg)[valid]) < 1e-4
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(max_rounds=-1), "max_rounds"),
-    (dict(max_rounds=1.5), "max_rounds"),
-    (dict(tolerance=-0.1), "tolerance"),
-    (dict(window_size=(-2, 0)), "window"),
-    (dict(window_size=(4, 1)), "window"),
-    (dict(strategy="ring"), "strategy"),
+@pytest.mark.parametrize("strategy, kwargs, match", [
+    ("no_load_balance", dict(max_rounds=-1), "max_rounds"),
+    ("no_load_balance", dict(max_rounds=1.5), "max_rounds"),
+    ("no_load_balance", dict(tolerance=-0.1), "tolerance"),
+    ("no_load_balance", dict(window_size=(-2, 0)), "window"),
+    ("no_load_balance", dict(window_size=(4, 1)), "window"),
+    ("ring", {}, "strategy"),
 ])
-def test_bad_arguments_raise(kwargs, match):
+def test_bad_arguments_raise(strategy, kwargs, match):
   cu = np.array([0, 10, 30, 64])
-  kw = dict(strategy="no_load_balance") | kwargs
   with pytest.raises(ValueError, match=match):
-    jax_cp.balance_document_order(cu, cu, 4, **kw)
+    balance_document_order(cu, cu, CPLayout(cp_size=4, strategy=strategy),
+                           **kwargs)
 
 
 def test_numpy_scalars_are_accepted():
   cu = np.array([0, 10, 30, 64])
-  want = jax_cp.balance_document_order(cu, cu, 4, "no_load_balance")
-  got = jax_cp.balance_document_order(
-      cu, cu, np.int64(4), "no_load_balance", max_rounds=np.int32(64),
-      tolerance=np.int64(0))
+  want = balance_document_order(cu, cu, _nlb(4))
+  got = balance_document_order(cu, cu, _nlb(np.int64(4)),
+                               max_rounds=np.int32(64),
+                               tolerance=np.int64(0))
   assert sorted(got) == [0, 1, 2]
-  assert max(jax_cp.estimate_cp_imbalance(
-      *jax_cp.permute_documents(got, cu, cu), 4,
-      "no_load_balance").pairs_per_rank) <= max(
-      jax_cp.estimate_cp_imbalance(*jax_cp.permute_documents(want, cu, cu),
-                                   4, "no_load_balance").pairs_per_rank)
+  busiest = lambda order: max(estimate_cp_imbalance(
+      *permute_documents(order, cu, cu), _nlb(4)).pairs_per_rank)
+  assert busiest(got) <= busiest(want)
 
 
 def test_bad_metadata_and_orders_raise():
   cu = np.array([0, 10, 30, 64])
   with pytest.raises(ValueError, match="cp_size|divisible"):
-    jax_cp.balance_document_order(cu, cu, 5, "no_load_balance")
+    balance_document_order(cu, cu, _nlb(5))
   with pytest.raises(ValueError, match="concrete"):
-    jax.jit(lambda c: jax_cp.balance_document_order(
-        c, c, 2, "no_load_balance"))(jnp.asarray(cu))
+    jax.jit(lambda c: balance_document_order(c, c, _nlb(2)))(
+        jnp.asarray(cu))
   with pytest.raises(ValueError, match="permutation"):
-    jax_cp.permute_documents(np.array([0, 0, 1]), cu, cu)
+    permute_documents(np.array([0, 0, 1]), cu, cu)
   with pytest.raises(ValueError, match="shape"):
-    jax_cp.permute_documents(np.array([0, 1]), cu, cu)
+    permute_documents(np.array([0, 1]), cu, cu)
   with pytest.raises(ValueError, match="tokens on axis"):
-    jax_cp.permute_documents(np.array([2, 0, 1]), cu, cu, np.zeros(63))
+    permute_documents(np.array([2, 0, 1]), cu, cu, np.zeros(63))
   with pytest.raises(ValueError, match="batch"):
-    jax_cp.permute_documents(np.array([[2, 0, 1]]), cu[None], cu[None],
-                             np.zeros((2, 64)), seq_dim=1)
+    permute_documents(np.array([[2, 0, 1]]), cu[None], cu[None],
+                      np.zeros((2, 64)), seq_dim=1)
 
 
 def test_recommend_strategy_on_reordered_rows():
@@ -295,13 +297,11 @@ def test_recommend_strategy_on_reordered_rows():
   lens[-1] += (-lens.sum()) % 2
   cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
   kw = dict(window_size=(255, 0), num_heads_q=32, num_heads_kv=8)
-  given = jax_cp.recommend_strategy(cu, cu, 2, **kw)
-  rec = jax_cp.recommend_strategy(cu, cu, 2, reorder_documents=True, **kw)
-  order = jax_cp.balance_document_order(cu, cu, 2, "no_load_balance",
-                                        window_size=(255, 0))
-  cu2, cuP2 = jax_cp.permute_documents(order, cu, cu)
-  want = jax_cp.estimate_cp_imbalance(cu2, cuP2, 2, "no_load_balance",
-                                      **kw)
+  given = recommend_strategy(cu, cu, 2, **kw)
+  rec = recommend_strategy(cu, cu, 2, reorder_documents=True, **kw)
+  order = balance_document_order(cu, cu, _nlb(2), window_size=(255, 0))
+  cu2, cuP2 = permute_documents(order, cu, cu)
+  want = estimate_cp_imbalance(cu2, cuP2, _nlb(2), **kw)
   got = rec.estimates["no_load_balance"]
   assert got.pairs_per_rank == want.pairs_per_rank
   assert got.imbalance < given.estimates["no_load_balance"].imbalance

@@ -1,4 +1,4 @@
-"""The subset reference (jax_cp.attention.exactness) against plain masked
+"""The subset reference (benchmarks/exactness.py) against plain masked
 attention and jax.grad on whole rows (tests/reference.py), and check_call
 on the xla backend, including a backend that is wrong only on the last
 document's keys (the kind of error the reference exists to catch)."""
@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_cp.attention import exactness, registry
+from benchmarks import exactness
+from jax_cp.attention import registry
 from jax_cp.attention.backend import Segments
 from tests import reference
 

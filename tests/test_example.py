@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import jax_cp
 from examples.packed_lm import config, data, main, model
+from jax_cp import CPLayout
+from jax_cp.data import balance_rows
+from jax_cp.planning import estimate_cp_imbalance
 from tests._devices import requires_devices
 
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
@@ -150,15 +152,16 @@ def test_balanced_doc_order_is_the_library_balancing_of_the_packed_rows():
   it = iter(data.shard_pipeline(config.Config(**cfg), 4, 4))
   rows = next(it)
   it.close()
-  want = jax_cp.balance_rows(packed, 4, "no_load_balance")
+  layout = CPLayout(cp_size=4, strategy="no_load_balance")
+  want = balance_rows(packed, layout)
   for k in ("tokens", "labels", "cu_seqlens", "cu_seqlens_padded"):
     np.testing.assert_array_equal(getattr(rows, k), getattr(want, k))
   assert not np.array_equal(rows.tokens, packed.tokens)
   # And it balances: no row's busiest rank has more (query, key) pairs.
   for r in range(4):
-    work = [max(jax_cp.estimate_cp_imbalance(
-        x.cu_seqlens[r], x.cu_seqlens_padded[r], 4,
-        "no_load_balance").pairs_per_rank) for x in (packed, rows)]
+    work = [max(estimate_cp_imbalance(
+        x.cu_seqlens[r], x.cu_seqlens_padded[r], layout).pairs_per_rank)
+            for x in (packed, rows)]
     assert work[1] <= work[0], r
 
 

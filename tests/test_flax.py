@@ -14,15 +14,17 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cp
-from jax_cp import CPLayout, context_parallel
+from jax_cp import CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
+from jax_cp.cp import api as cp_api
 from jax_cp.flax import (
   DotProductAttention,
   MultiHeadAttention,
   TransformerLayer,
-  strategy_from_code,
 )
-from jax_cp.modules.common import default_position_ids
+from jax_cp.modules import inputs
+from jax_cp.modules.inputs import default_position_ids
+from jax_cp.modules.settings import strategy_from_code
 from tests import reference as ref
 from tests._devices import devices
 
@@ -71,7 +73,7 @@ def data():
   x = rng.standard_normal((B, T, E)).astype(np.float32)
   w = rng.standard_normal((B, T, E)).astype(np.float32)
   w *= _valid_mask()[..., None]        # padding tokens do not count
-  return dict(x=x, w=w, pos=np.asarray(jax_cp.get_position_ids(CU_P)))
+  return dict(x=x, w=w, pos=np.asarray(jax_cp.data.get_position_ids(CU_P)))
 
 
 @pytest.fixture(scope="module")
@@ -114,15 +116,20 @@ def _mesh(axis_types):
 
 
 def _reordered(a, strategy):
-  return np.asarray(jax_cp.reorder_for_cp(a, CU_P, CP, strategy, seq_dim=1))
+  return np.asarray(jax_cp.data.reorder_for_cp(
+      a, CU_P, CPLayout(cp_size=CP, strategy=strategy), seq_dim=1))
 
 
 # ------------------------------------------------------------ propagation
 
 
-def _spy(name):
-  fn = getattr(context_parallel, name)
-  return mock.patch.object(context_parallel, name, wraps=fn)
+def _spy(module, name):
+  return mock.patch.object(module, name, wraps=getattr(module, name))
+
+
+def _spy_attention():
+  """The modules' call of jax_cp.cp_attention."""
+  return _spy(inputs, "cp_attention")
 
 
 def _trace(model, mesh, *args):
@@ -139,7 +146,7 @@ def test_outer_layout_reaches_cp_attention(data, strategy):
   if strategy is not None:
     kwargs["strategy"] = strategy
   layout = _layout(**kwargs)
-  with _spy("cp_attention") as spy:
+  with _spy_attention() as spy:
     _trace(Stack(dict(LAYER, layout=layout)), mesh, data["x"], CU, CU_P,
            data["pos"])
   assert spy.call_count == 2                    # one per layer
@@ -150,13 +157,16 @@ def test_outer_layout_reaches_cp_attention(data, strategy):
   assert layout.strategy is want
 
 
-def test_local_view_and_no_cp_use_cp_attention_local(data):
+def test_no_cp_attends_whole_rows_without_a_mesh(data):
+  """Without CP the layer's attention runs the per-rank attention on the
+  whole rows directly: no mesh, no shard_map."""
   layer = TransformerLayer(**LAYER, layout=NO_CP)
-  with _spy("cp_attention_local") as spy, _spy("cp_attention") as glob:
+  with _spy(cp_api, "run_local") as local, _spy_attention() as spy:
     jax.eval_shape(lambda: layer.init(jax.random.key(0), data["x"], CU,
                                       CU_P, data["pos"]))
-  assert glob.call_count == 0
   assert spy.call_args.kwargs["layout"] is NO_CP
+  assert local.call_count == 1
+  assert local.call_args.args[0].cp_size == 1
 
 
 def test_children_receive_the_layout():
@@ -165,22 +175,22 @@ def test_children_receive_the_layout():
                    batch_axis="data")
   mha = MultiHeadAttention(num_heads=2, layout=layout)
   x = jnp.zeros((B, T, E))
-  with _spy("cp_attention") as spy:
+  with _spy_attention() as spy:
     jax.eval_shape(lambda: mha.init(jax.random.key(0), x, CU, CU_P))
   assert spy.call_args.kwargs["layout"] is layout
   assert layout.mesh is mesh and layout.cp_size == CP
 
 
-def test_gqa_alias_and_head_shapes():
+def test_gqa_head_shapes():
   x = jnp.zeros((B, T, E))
-  for kwargs in (dict(num_kv_heads=1), dict(num_gqa_groups=1)):
-    mha = MultiHeadAttention(num_heads=2, head_dim=8, layout=NO_CP, **kwargs)
-    shapes = jax.eval_shape(
-        lambda m=mha: m.init(jax.random.key(0), x, CU, CU_P))["params"]
-    assert shapes["query"]["kernel"].shape == (E, 2, 8)
-    assert shapes["key"]["kernel"].shape == (E, 1, 8)
-  with pytest.raises(ValueError, match="num_gqa_groups"):
-    MultiHeadAttention(num_heads=2, num_kv_heads=2, num_gqa_groups=1)
+  mha = MultiHeadAttention(num_heads=2, num_kv_heads=1, head_dim=8,
+                           layout=NO_CP)
+  shapes = jax.eval_shape(
+      lambda: mha.init(jax.random.key(0), x, CU, CU_P))["params"]
+  assert shapes["query"]["kernel"].shape == (E, 2, 8)
+  assert shapes["key"]["kernel"].shape == (E, 1, 8)
+  with pytest.raises(ValueError, match="num_kv_heads=3"):
+    MultiHeadAttention(num_heads=2, num_kv_heads=3)
 
 
 def test_no_cp_attention_matches_reference():
@@ -334,8 +344,8 @@ def test_module_rejects_a_batch_of_another_layout(data):
   other, raises before any kernel."""
   mesh = _mesh("explicit")
   made = _layout(mesh=mesh, batch_axis="data")
-  batch = jax_cp.make_global_batch(dict(x=data["x"]), CU_P, made,
-                                   cu_seqlens=CU)
+  batch = jax_cp.data.make_global_batch(dict(x=data["x"]), CU_P, made,
+                                        cu_seqlens=CU)
   other = TransformerLayer(**LAYER, layout=made.replace(
       strategy="no_load_balance"))
   with jax.set_mesh(mesh), pytest.raises(ValueError,
@@ -356,7 +366,7 @@ def test_context_mesh_global_view(data):
   layer = TransformerLayer(**LAYER, layout=layout)
   x = jax.device_put(_reordered(data["x"], S.DUAL_CHUNK_SWAP),
                      NamedSharding(mesh, P("data", "cp", None)))
-  with _spy("cp_attention") as spy, jax.set_mesh(mesh):
+  with _spy_attention() as spy, jax.set_mesh(mesh):
     out = jax.eval_shape(lambda x: layer.init_with_output(
         jax.random.key(0), x, CU, CU_P)[0], x)
   assert out.shape == (B, T, E)

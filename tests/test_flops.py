@@ -1,14 +1,13 @@
-"""jax_cp.flops, the one FLOP count: causal pairs against a mask counted
-element by element, the MFU convention (attention backward 2x forward, 6
-FLOPs per matmul parameter per token), the hardware count with the
-backward's recompute, and the cost model and benchmarks using it."""
+"""jax_cp.planning's FLOP count, the one count: causal pairs against a mask
+counted element by element, the MFU convention (attention backward 2x
+forward, 6 FLOPs per matmul parameter per token), the hardware count with
+the backward's recompute, and the cost model using it."""
 
 import numpy as np
 import pytest
 
-import jax_cp
-from benchmarks import workload
-from jax_cp import flops
+from jax_cp import CPLayout, planning
+from jax_cp.planning import cost_model, flops
 
 
 def _mask_pairs(cu, left=None) -> int:
@@ -55,39 +54,37 @@ def test_attention_flops_conventions():
 
 def test_model_flops_of_a_step():
   cu = np.array([[0, 3, 10, 10]])         # documents of 3 and 7 tokens
-  got = jax_cp.model_flops(cu, tokens=16, matmul_params=100, num_layers=2,
-                           num_heads=4, head_dim=8)
+  got = planning.model_flops(cu, tokens=16, matmul_params=100, num_layers=2,
+                             num_heads=4, head_dim=8)
   pairs = 3 * 4 // 2 + 7 * 8 // 2
   assert got == 6 * 100 * 16 + 2 * 12 * pairs * 4 * 8
-  hw = jax_cp.model_flops(cu, tokens=16, matmul_params=100, num_layers=2,
-                          num_heads=4, head_dim=8, recompute=True)
+  hw = planning.model_flops(cu, tokens=16, matmul_params=100, num_layers=2,
+                            num_heads=4, head_dim=8, recompute=True)
   assert hw == 6 * 100 * 16 + 2 * 14 * pairs * 4 * 8
-  windowed = jax_cp.model_flops(cu, tokens=16, matmul_params=0, num_layers=1,
-                                num_heads=1, head_dim=1, window_size=(1, 0))
+  windowed = planning.model_flops(cu, tokens=16, matmul_params=0, num_layers=1,
+                                  num_heads=1, head_dim=1, window_size=(1, 0))
   assert windowed == 12 * _mask_pairs(cu, 1)
   with pytest.raises(ValueError, match="tokens must be an int >= 0"):
-    jax_cp.model_flops(cu, tokens=-1, matmul_params=1, num_layers=1,
-                       num_heads=1, head_dim=1)
+    planning.model_flops(cu, tokens=-1, matmul_params=1, num_layers=1,
+                         num_heads=1, head_dim=1)
 
 
-def test_cost_model_and_benchmarks_count_with_it():
+def test_cost_model_counts_with_it():
   cu = np.array([0, 100, 356, 512])
-  cuP = cu.copy()
-  est = jax_cp.estimate_cp_imbalance(cu, cuP, 1, "no_load_balance",
-                                     num_heads_q=8, head_dim=64)
+  est = planning.estimate_cp_imbalance(
+      cu, cu.copy(), CPLayout(cp_size=1, strategy="no_load_balance"),
+      num_heads_q=8, head_dim=64)
   pairs = _mask_pairs(cu)
   assert est.total_flops == 4 * pairs * 8 * 64
-  row = workload.Row("one_doc", 512, "unpadded", cu, cuP, None)
-  fwd = workload.flops(row, 8, 64, "fwd")
-  assert fwd == est.total_flops
-  assert workload.flops(row, 8, 64, "fwd_bwd") == 3.5 * fwd
-  assert jax_cp.cost_model.FWD_BWD_FLOP_FACTOR == 3.5
+  assert est.total_flops == flops.attention_flops(
+      pairs, num_heads=8, head_dim=64, backward=False)
+  assert cost_model.FWD_BWD_FLOP_FACTOR == 3.5
 
 
 def test_attention_flops_do_not_wrap_at_int64():
   """Per-rank pairs as a numpy int64 array at 16M tokens and 128 heads of
   128: the FLOPs exceed int64 and stay exact Python ints."""
-  from jax_cp.flops import attention_flops
+  from jax_cp.planning.flops import attention_flops
   t = 16 * 2**20
   pairs = np.array([t * (t + 1) // 2, t], np.int64)
   got = attention_flops(pairs, num_heads=128, head_dim=128, backward=False)

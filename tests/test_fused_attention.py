@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jax_cp
-from jax_cp.attention import registry
+from jax_cp.attention import MASK_TYPES, registry
 from tests.reference import rel_err
 
 D = 8
@@ -59,7 +59,7 @@ def random_segments(rng, tq, tkv, n, kv_longer):
   return [np.asarray(x, np.int32) for x in (ql, kl, qo, ko)]
 
 
-@pytest.mark.parametrize("mask", registry.MASK_TYPES)
+@pytest.mark.parametrize("mask", MASK_TYPES)
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)],
                          ids=["mha", "gqa", "mqa"])
 def test_fused_attention_forward_backward(mask, heads, record_error):

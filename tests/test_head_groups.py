@@ -172,13 +172,17 @@ def test_cp_attention_with_head_groups(monkeypatch, case):
   from jax_cp.attention import registry
   from tests import test_inplace_planner as planner
 
+  def in_two_groups(strict):
+    return dataclasses.replace(
+        strict, backward=lambda *a, dq_into=None, **kw:
+        backward_in_head_groups(strict.backward, 2, *a, dq_into=dq_into,
+                                **kw))
+
   monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
   log = []
-  strict = make_backend(planner.NAME, log)
-  backend = dataclasses.replace(
-      strict, backward=lambda *a, dq_into=None, **kw: backward_in_head_groups(
-          strict.backward, 2, *a, dq_into=dq_into, **kw))
-  registry.register_backend(backend)
+  for name, split in ((planner.NAME, False), (planner.SPLIT_NAME, True)):
+    registry.register_backend(in_two_groups(make_backend(
+        name, log, split_bottom_right_backward=split)))
   (strategy, cp, batch, max_seqlen, window, split), = [
       c[1:] for c in planner.CASES if c[0] == case]
   planner.check_case(log, 10 * cp + batch, cp, strategy, batch, max_seqlen,

@@ -1,69 +1,149 @@
-"""The package's import structure: no module reaches for another module's
-underscore names, and the host-side modules import one way only
-(``cost_model`` -> ``document_order`` -> ``host_metadata``,
-``pair_counts``)."""
+"""The import structure: packages that show the architecture.
+
+* Every import between jax_cp's packages runs downward in the layering of
+  docs/internals.md (checkpoint names < attention < cp < planning < data <
+  modules < flax, nnx < the top-level package), imports inside functions
+  included, and the Linen and NNX packages do not import each other.
+* No module of jax_cp, and none of benchmarks/, imports in a circle.
+* No module reaches for another module's underscore names.
+"""
+
+from __future__ import annotations
 
 import ast
 import pathlib
 
 import pytest
 
-import jax_cp
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-ROOT = pathlib.Path(jax_cp.__file__).parent
+#: The layer of each package (docs/internals.md, Packages).
+LAYERS = {
+    "jax_cp.checkpoint_names": 0,
+    "jax_cp.attention": 1,
+    "jax_cp.cp": 2,
+    "jax_cp.planning": 3,
+    "jax_cp.data": 4,
+    "jax_cp.modules": 5,
+    "jax_cp.flax": 6,
+    "jax_cp.nnx": 6,
+    "jax_cp": 7,
+}
 
 
-def _module_name(path: pathlib.Path) -> str:
-  return ".".join(("jax_cp",) + path.relative_to(ROOT).with_suffix("").parts)
+def _modules(top: str) -> dict[str, pathlib.Path]:
+  base = ROOT / top
+  out = {}
+  for path in sorted(base.rglob("*.py")):
+    parts = (top,) + path.relative_to(base).with_suffix("").parts
+    if parts[-1] == "__init__":
+      parts = parts[:-1]
+    out[".".join(parts)] = path
+  return out
 
 
-MODULES = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+LIBRARY = _modules("jax_cp")
+BENCHMARKS = _modules("benchmarks")
 
 
-def _imports(path: pathlib.Path):
-  """``(imported jax_cp modules, names the module takes from them)``: the
-  names as ``module.name``, from ``from m import name`` and from attribute
-  reads ``alias.name`` of an imported module."""
+def _edges(name: str, path: pathlib.Path, known: dict) -> tuple[set, set]:
+  """``(modules imported, names taken from them)`` by the module ``name``:
+  an ``import a.b`` or ``from a import b`` of a known module is an edge to
+  it, ``from a import x`` of a name an edge to ``a``; imports anywhere in
+  the file, relative ones resolved."""
   tree = ast.parse(path.read_text())
-  modules, names, aliases = set(), set(), {}
+  package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+  modules, names = set(), set()
   for node in ast.walk(tree):
     if isinstance(node, ast.Import):
+      modules |= {a.name for a in node.names if a.name in known}
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        up = package.split(".")[:len(package.split(".")) - node.level + 1]
+        base = ".".join(up + ([base] if base else []))
       for a in node.names:
-        if a.name in MODULES:
-          modules.add(a.name)
-          aliases[a.asname or a.name] = a.name
-    elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
-        "jax_cp"):
-      for a in node.names:
-        full = f"{node.module}.{a.name}"
-        if full in MODULES:
+        full = f"{base}.{a.name}"
+        if full in known:
           modules.add(full)
-          aliases[a.asname or a.name] = full
-        else:
-          modules.add(node.module)
+        elif base in known:
+          modules.add(base)
           names.add(full)
-  for node in ast.walk(tree):
-    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-        and node.value.id in aliases):
-      names.add(f"{aliases[node.value.id]}.{node.attr}")
+  modules.discard(name)
   return modules, names
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
+def _graph(known: dict) -> dict[str, set]:
+  return {n: _edges(n, p, known)[0] for n, p in known.items()}
+
+
+def _package(module: str) -> str:
+  for depth in (3, 2, 1):
+    head = ".".join(module.split(".")[:depth])
+    if head in LAYERS and (depth == 1 or head != "jax_cp"):
+      return head
+  raise AssertionError(module)
+
+
+def _cycle(graph: dict[str, set]) -> list[str] | None:
+  """A circle of imports, or None."""
+  state, stack = {}, []
+
+  def visit(n):
+    state[n] = "open"
+    stack.append(n)
+    for m in sorted(graph.get(n, ())):
+      if state.get(m) == "open":
+        return stack[stack.index(m):] + [m]
+      if m not in state and (found := visit(m)):
+        return found
+    state[n] = "done"
+    stack.pop()
+    return None
+
+  for n in sorted(graph):
+    if n not in state and (found := visit(n)):
+      return found
+  return None
+
+
+def _upward(graph: dict[str, set]) -> list[tuple[str, str]]:
+  bad = []
+  for a, targets in graph.items():
+    for b in targets:
+      pa, pb = _package(a), _package(b)
+      if pa != pb and (LAYERS[pa] <= LAYERS[pb]):
+        bad.append((a, b))
+  return sorted(bad)
+
+
+def test_every_package_has_a_layer():
+  assert {_package(m) for m in LIBRARY} == set(LAYERS)
+
+
+def test_no_import_runs_upward_or_sideways():
+  assert not _upward(_graph(LIBRARY))
+
+
+@pytest.mark.parametrize("known", [LIBRARY, BENCHMARKS],
+                         ids=["jax_cp", "benchmarks"])
+def test_no_import_circle(known):
+  assert _cycle(_graph(known)) is None, _cycle(_graph(known))
+
+
+def test_the_checks_catch_what_they_are_for():
+  assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+  assert _cycle({"a": {"b"}, "b": set()}) is None
+  assert _upward({"jax_cp.cp.vjp": {"jax_cp.modules.remat"}}) == [
+      ("jax_cp.cp.vjp", "jax_cp.modules.remat")]
+  assert _upward({"jax_cp.flax.attention": {"jax_cp.nnx.convert"}})
+  assert not _upward({"jax_cp.modules.inputs": {"jax_cp.cp.api"}})
+
+
+@pytest.mark.parametrize("module", sorted(LIBRARY))
 def test_no_module_takes_another_modules_private_names(module):
-  _, names = _imports(MODULES[module])
+  _, names = _edges(module, LIBRARY[module], LIBRARY)
   private = sorted(n for n in names
                    if n.rsplit(".", 1)[1].startswith("_")
-                   and not n.rsplit(".", 1)[1].startswith("__")
-                   and n.rsplit(".", 1)[0] != module)
+                   and not n.rsplit(".", 1)[1].startswith("__"))
   assert not private, private
-
-
-@pytest.mark.parametrize("module, never", [
-    ("jax_cp.document_order", {"jax_cp.cost_model"}),
-    ("jax_cp.host_metadata", {"jax_cp.cost_model", "jax_cp.document_order"}),
-    ("jax_cp.pair_counts", {"jax_cp.cost_model", "jax_cp.document_order"}),
-])
-def test_host_modules_import_one_way(module, never):
-  modules, _ = _imports(MODULES[module])
-  assert not modules & never, modules & never

@@ -1,8 +1,9 @@
 """The CP planner's in-place branch (``supports_in_place``: forward calls
 writing ``into`` the first call's out/lse, backward calls writing
 ``dq_into``) on CPU, through the strict test backend of
-tests/inplace_backend.py, against the float32 reference on the
-unpartitioned rows (tests/reference.py)."""
+tests/inplace_backend.py (with and without the split of bottom-right
+backward blocks), against the float32 reference on the unpartitioned
+rows (tests/reference.py)."""
 
 import functools
 
@@ -12,16 +13,21 @@ import numpy as np
 import pytest
 
 import jax_cp
+from jax_cp import CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
 from jax_cp.attention import registry
 from jax_cp.attention.backend import Segments
 from jax_cp.attention.xla import BACKEND as XLA
+from jax_cp.cp.config import make_config
+from jax_cp.data import reorder_for_cp, restore_from_cp
 from tests import reference as ref
 from tests._devices import devices
 from tests.inplace_backend import make_backend
 from tests.test_sliding_window import STRADDLE_CU, STRADDLE_CU_P
 
 NAME = "inplace_test"
+# The same backend, splitting bottom-right backward blocks (as cudnn).
+SPLIT_NAME = "inplace_test_split"
 T, D, HQ, HKV = 64, 8, 4, 2     # GQA
 TOL = 1e-4                      # float32
 DCS, NLB = S.DUAL_CHUNK_SWAP, S.NO_LOAD_BALANCE
@@ -29,14 +35,17 @@ DCS, NLB = S.DUAL_CHUNK_SWAP, S.NO_LOAD_BALANCE
 
 @pytest.fixture
 def inplace(monkeypatch):
-  """Registers the strict in-place backend as ``NAME`` for one test (the
-  registry's table is restored afterwards); yields its call log."""
+  """Registers the strict in-place backend as ``NAME``, and as
+  ``SPLIT_NAME`` with the split of bottom-right backward blocks, for one
+  test (the registry's table is restored afterwards); yields their call
+  log."""
   monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
   log = []
-  backend = make_backend(NAME, log)
-  registry.register_backend(backend)
-  assert registry.resolve_backend(NAME) is backend
-  assert backend.supports_in_place
+  for name, split in ((NAME, False), (SPLIT_NAME, True)):
+    backend = make_backend(name, log, split_bottom_right_backward=split)
+    registry.register_backend(backend)
+    assert registry.resolve_backend(name) is backend
+    assert backend.supports_in_place
   yield log
 
 
@@ -136,17 +145,19 @@ def layout(seed, cp, strategy, batch, max_seqlen):
   return cu, cuP, rng, max_seqlen
 
 
-def run_cp(q, k, v, w, cu, cuP, *, cp, strategy, traced=False, **kw):
+def run_cp(q, k, v, w, cu, cuP, *, cp, strategy, traced=False,
+           max_seqlen=None, split=False, **kw):
   mesh = jax.make_mesh((cp,), ("cp",), devices=devices(cp),
                        axis_types=(jax.sharding.AxisType.Auto,))
-  re = lambda x: jax_cp.reorder_for_cp(x, cuP, cp, strategy, seq_dim=1)
-  back = lambda x: jax_cp.restore_from_cp(x, cuP, cp, strategy, seq_dim=1)
-  attn = functools.partial(jax_cp.cp_attention, mesh=mesh, cp_axis="cp",
-                           load_balancing_strategy=strategy, backend=NAME,
-                           **kw)
+  layout = CPLayout(mesh=mesh, cp_axis="cp", strategy=strategy,
+                    backend=SPLIT_NAME if split else NAME,
+                    max_seqlen=max_seqlen)
+  re = lambda x: reorder_for_cp(x, cuP, layout, seq_dim=1)
+  back = lambda x: restore_from_cp(x, cuP, layout, seq_dim=1)
+  attn = functools.partial(jax_cp.cp_attention, layout=layout, **kw)
 
   def loss(q, k, v, w, cu, cuP):
-    out = attn(q, k, v, cu, cuP)
+    out = attn(q, k, v, (cu, cuP))
     return jnp.sum(out * w), out
 
   args = (re(q), re(k), re(v), re(w))
@@ -170,8 +181,9 @@ def check_close(got, want, valid, what):
 
 def check_case(log, seed, cp, strategy, batch, max_seqlen=None, window=-1,
                split=False, traced=False, rows=None, hq=HQ):
-  """cp_attention on the in-place backend against the reference; ``rows``
-  (cu, cuP): given rows instead of random ones."""
+  """cp_attention on the in-place backend (``split``: the one splitting
+  bottom-right backward blocks) against the reference; ``rows`` (cu,
+  cuP): given rows instead of random ones."""
   if rows is None:
     cu, cuP, rng, max_seqlen = layout(seed, cp, strategy, batch, max_seqlen)
   else:
@@ -180,7 +192,7 @@ def check_case(log, seed, cp, strategy, batch, max_seqlen=None, window=-1,
   q, k, v = (jnp.asarray(rng.standard_normal((batch, T, h, D)), jnp.float32)
              for h in (hq, HKV, HKV))
   w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
-  kw = dict(split_causal_backward=split, max_seqlen=max_seqlen)
+  kw = dict(split=split, max_seqlen=max_seqlen)
   if window >= 0:
     kw["window_size"] = (window, 0)
   out, grads = run_cp(q, k, v, w, cu, cuP, cp=cp, strategy=strategy,
@@ -210,9 +222,13 @@ def check_case(log, seed, cp, strategy, batch, max_seqlen=None, window=-1,
   elif cp > 1 and strategy is DCS:
     # Both steps run as one forward call (one per branch of the max_seqlen
     # guard), so none writes into another's; in the backward a later call
-    # writes into the first's dq.
+    # writes into the first's dq. The backward's bottom-right blocks run
+    # as rectangles and triangles on the backend that splits them, whole
+    # on the other.
     assert not any(c["kind"] == "forward" and c["into"] for c in log), log
     assert any(c["kind"] == "backward" and c["into"] for c in log), log
+    backward = {c["mask"] for c in log if c["kind"] == "backward"}
+    assert ("causal_bottom_right" in backward) != split, log
   return log
 
 
@@ -289,12 +305,12 @@ def test_traced_metadata_with_gathered_kv_kept(inplace, strategy):
   cfgs = []
 
   def config(cu, cuP):    # traced metadata
-    cfgs.append(jax_cp.cp_config.make_config(
-        (1, T, 4 * HKV, D), (1, T, HKV, D), (1, T, HKV, D), jnp.float32,
-        cu, cuP, cp_size=2, cp_axis="cp", load_balancing_strategy=strategy,
-        cp_comm_type="all_gather", attn_mask_type="causal",
-        softmax_scale=None, backend=NAME, max_seqlen=40, window_size=None,
-        split_causal_backward=None, total_tokens=T))
+    sds = lambda h: jax.ShapeDtypeStruct((1, T, h, D), jnp.float32)
+    cfgs.append(make_config(
+        CPLayout(strategy=strategy, backend=NAME, max_seqlen=40),
+        sds(4 * HKV), sds(HKV), sds(HKV), cu, cuP, cp_size=2,
+        total_tokens=T, attn_mask_type="causal", softmax_scale=None,
+        window_size=None, trusted=False))
     return cu
 
   jax.eval_shape(config, *[jax.ShapeDtypeStruct((1, 3), jnp.int32)] * 2)

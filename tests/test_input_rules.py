@@ -8,6 +8,13 @@ import numpy as np
 import pytest
 
 import jax_cp
+from jax_cp import CPLayout
+from jax_cp.data import (
+  longest_padded_document,
+  make_global_batch,
+  reorder_for_cp,
+  restore_from_cp,
+)
 from tests import reference
 from tests._devices import devices
 
@@ -49,7 +56,8 @@ def test_cp_attention_rejects_dtype(dtype):
   cu = np.array([0, 6, 14], np.int32)
   cuP = np.array([0, 8, 16], np.int32)
   with pytest.raises(ValueError, match="dtype"):
-    jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh, backend="xla")
+    jax_cp.cp_attention(q, k, v, (cu, cuP),
+                        layout=CPLayout(mesh=mesh, backend="xla"))
 
 
 @pytest.mark.parametrize("args, match", [
@@ -115,20 +123,18 @@ def test_make_global_batch_checks_cu_seqlens():
   cuP = np.array([[0, 32, 64], [0, 16, 64]], np.int32)
   rng = np.random.default_rng(0)
   ids = rng.integers(0, 256, (2, 64)).astype(np.int32)
+  layout = CPLayout(mesh=mesh, batch_axis="data")
   good = np.array([[0, 30, 60], [0, 16, 50]], np.int32)
-  batch, _ = jax_cp.make_global_batch(ids, cuP, mesh, batch_axis="data",
-                                      cu_seqlens=good)
+  batch = make_global_batch(ids, cuP, layout, cu_seqlens=good)
   np.testing.assert_array_equal(
-      np.asarray(jax_cp.restore_from_cp(batch, cuP[0], 4, seq_dim=1))[0],
-      ids[0])
+      np.asarray(restore_from_cp(batch.tensors, cuP[0], layout,
+                                 seq_dim=1))[0], ids[0])
   bad = np.array([[0, 30, 60], [0, 20, 50]], np.int32)   # 20 > 16
   with pytest.raises(ValueError, match=r"document 0 \(row 1\) has valid "
                      r"length 20 above its padded length 16"):
-    jax_cp.make_global_batch(ids, cuP, mesh, batch_axis="data",
-                             cu_seqlens=bad)
+    make_global_batch(ids, cuP, layout, cu_seqlens=bad)
   with pytest.raises(ValueError, match="same shape"):
-    jax_cp.make_global_batch(ids, cuP, mesh, batch_axis="data",
-                             cu_seqlens=good[:, :2])
+    make_global_batch(ids, cuP, layout, cu_seqlens=good[:, :2])
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4, 8])
@@ -151,20 +157,20 @@ def test_rows_of_tiny_documents(cp, strategy, docs):
     lens[0] = 1
   cuP = np.concatenate([[0], np.cumsum(plens)]).astype(np.int32)
   cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-  bound = jax_cp.longest_padded_document(cuP)
+  bound = longest_padded_document(cuP)
   assert bound == (1 if strategy == "no_load_balance" else 2 * cp)
   q = jnp.asarray(rng.standard_normal((t, HQ, D)), jnp.float32)
   k = jnp.asarray(rng.standard_normal((t, HKV, D)), jnp.float32)
   v = jnp.asarray(rng.standard_normal((t, HKV, D)), jnp.float32)
   mesh = jax.make_mesh((cp,), ("cp",), devices=devices(cp),
                        axis_types=(jax.sharding.AxisType.Auto,))
+  layout = CPLayout(mesh=mesh, backend="xla", strategy=strategy,
+                    max_seqlen=bound)
 
   def f(q, k, v):
-    q, k, v = (jax_cp.reorder_for_cp(x, cuP, cp, strategy) for x in (q, k, v))
-    out = jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh, backend="xla",
-                              load_balancing_strategy=strategy,
-                              max_seqlen=bound)
-    return jax_cp.restore_from_cp(out, cuP, cp, strategy)
+    q, k, v = (reorder_for_cp(x, cuP, layout) for x in (q, k, v))
+    out = jax_cp.cp_attention(q, k, v, (cu, cuP), layout=layout)
+    return restore_from_cp(out, cuP, layout)
 
   def want_out(q, k, v):
     return reference.attention(q, k, v, cu, cuP)

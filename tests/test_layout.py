@@ -1,7 +1,7 @@
 """jax_cp.CPLayout and CPBatch: built and validated once, frozen and
 hashable; every layout function takes it; one layout object partitions and
-attends consistently (checked against the reference); a mismatch attempt
-through the public API raises."""
+attends consistently, in the global and the local view (checked against
+the reference); a mismatch attempt through the public API raises."""
 
 import functools
 
@@ -15,6 +15,16 @@ from jax.sharding import PartitionSpec as P
 import jax_cp
 from jax_cp import CPBatch, CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
+from jax_cp.data import (
+  get_batch_on_this_cp_rank,
+  get_partition_indices,
+  get_position_ids,
+  make_global_batch,
+  make_global_metadata,
+  reorder_for_cp,
+  restore_from_cp,
+)
+from jax_cp.planning import estimate_cp_imbalance
 from tests import reference as ref
 from tests._devices import devices
 
@@ -63,7 +73,6 @@ def test_layout_is_normalised_frozen_and_hashable(mesh):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(strategy="ring"), "strategy='ring'"),
-    (dict(comm_type="p2p"), "comm_type='p2p'"),
     (dict(view="sideways"), "view='sideways'"),
     (dict(max_seqlen=0), "max_seqlen"),
     (dict(cp_size=0), "cp_size"),
@@ -90,71 +99,48 @@ def test_settings_checked_against_the_mesh(mesh):
 
 @pytest.mark.parametrize("strategy", list(S))
 def test_data_functions_take_the_layout(strategy):
+  """A rank's tokens are those of its partition indices; the ranks' chunks
+  side by side are the reordered row, which restores to the row."""
   layout = CPLayout(cp_size=CP, strategy=strategy)
   x = np.arange(B * T).reshape(B, T)
+  chunks = []
   for r in range(CP):
-    (by_layout,) = jax_cp.get_batch_on_this_cp_rank(
-        CU_P, x, cp_rank=r, layout=layout, seq_dim=1)
-    (by_keywords,) = jax_cp.get_batch_on_this_cp_rank(
-        CU_P, x, cp_rank=r, cp_size=CP, load_balancing_strategy=strategy,
-        seq_dim=1)
-    np.testing.assert_array_equal(by_layout, by_keywords)
-    np.testing.assert_array_equal(
-        jax_cp.get_partition_indices(CU_P, layout, r),
-        jax_cp.get_partition_indices(CU_P, CP, r, strategy))
-  xr = jax_cp.reorder_for_cp(x, CU_P, layout, seq_dim=1)
-  np.testing.assert_array_equal(
-      xr, jax_cp.reorder_for_cp(x, CU_P, CP, strategy, seq_dim=1))
-  np.testing.assert_array_equal(
-      jax_cp.restore_from_cp(xr, CU_P, layout, seq_dim=1), x)
+    (chunk,) = get_batch_on_this_cp_rank(CU_P, x, cp_rank=r, layout=layout,
+                                         seq_dim=1)
+    idx = get_partition_indices(CU_P, layout, r)
+    np.testing.assert_array_equal(chunk, np.take_along_axis(x, idx, axis=1))
+    chunks.append(chunk)
+  xr = reorder_for_cp(x, CU_P, layout, seq_dim=1)
+  np.testing.assert_array_equal(xr, np.concatenate(chunks, axis=1))
+  np.testing.assert_array_equal(restore_from_cp(xr, CU_P, layout, seq_dim=1),
+                                x)
 
   # Positions in the layout: the physical ones, reordered (global view) or
   # sliced for a rank (local view).
-  pos = jax_cp.get_position_ids(CU_P)
+  pos = get_position_ids(CU_P)
   np.testing.assert_array_equal(
-      jax_cp.get_position_ids(CU_P, layout=layout),
-      jax_cp.reorder_for_cp(pos, CU_P, layout, seq_dim=1))
+      get_position_ids(CU_P, layout=layout),
+      reorder_for_cp(pos, CU_P, layout, seq_dim=1))
   local = layout.replace(view="local")
   np.testing.assert_array_equal(
-      jax_cp.get_position_ids(CU_P, layout=local, cp_rank=1),
-      jax_cp.get_batch_on_this_cp_rank(CU_P, pos, cp_rank=1, layout=layout,
-                                       seq_dim=1)[0])
+      get_position_ids(CU_P, layout=local, cp_rank=1),
+      get_batch_on_this_cp_rank(CU_P, pos, cp_rank=1, layout=layout,
+                                seq_dim=1)[0])
 
 
 def test_cost_model_and_metadata_take_the_layout(mesh):
+  """The cost model reads the cp size of a layout from its mesh (the same
+  estimate as with ``cp_size``); the metadata are placed on its batch
+  axis."""
   layout = CPLayout(mesh=mesh, strategy="no_load_balance", batch_axis="data",
                     max_seqlen=40)
-  by_layout = jax_cp.estimate_cp_imbalance(CU, CU_P, layout)
-  by_keywords = jax_cp.estimate_cp_imbalance(CU, CU_P, CP, "no_load_balance",
-                                             max_seqlen=40)
-  assert by_layout == by_keywords
-  with pytest.raises(ValueError, match="got layout= and the layout"):
-    jax_cp.estimate_cp_imbalance(CU, CU_P, layout, "dual_chunk_swap")
-  cu = jax_cp.make_global_metadata(CU, layout)
+  on_mesh = estimate_cp_imbalance(CU, CU_P, layout)
+  by_size = estimate_cp_imbalance(CU, CU_P, CPLayout(
+      cp_size=CP, strategy="no_load_balance", max_seqlen=40))
+  assert on_mesh == by_size
+  cu = make_global_metadata(CU, layout)
   np.testing.assert_array_equal(cu, CU)
   assert cu.sharding.spec == P("data")
-
-
-def test_layout_and_keywords_are_exclusive(qkv):
-  layout = CPLayout(cp_size=CP)
-  with pytest.raises(ValueError, match="got layout= and the layout "
-                     r"settings \['load_balancing_strategy'\]"):
-    jax_cp.get_batch_on_this_cp_rank(CU_P, np.zeros((B, T)), cp_rank=0,
-                                     layout=layout, seq_dim=1,
-                                     load_balancing_strategy="dual_chunk_swap")
-  with pytest.raises(ValueError, match="got layout= and the layout"):
-    jax_cp.reorder_for_cp(np.zeros((B, T)), CU_P, layout, "no_load_balance",
-                          seq_dim=1)
-  q, k, v = qkv
-  with pytest.raises(ValueError, match="got layout= and the layout"):
-    jax_cp.cp_attention(q, k, v, CU, CU_P, layout=layout,
-                        load_balancing_strategy="no_load_balance")
-  with pytest.raises(ValueError, match="unknown layout settings"):
-    jax_cp.cp_attention(q, k, v, CU, CU_P, strategi="no_load_balance")
-  with pytest.raises(ValueError, match="view='local' goes to "
-                     "cp_attention_local"):
-    jax_cp.cp_attention(q, k, v, CU, CU_P, layout=layout.replace(
-        view="local"))
 
 
 # ------------------------------------------------------------ one layout
@@ -167,28 +153,28 @@ def test_one_layout_partitions_and_attends(mesh, qkv, strategy):
   layout = CPLayout(mesh=mesh, strategy=strategy, batch_axis="data",
                     backend="xla")
   q, k, v = qkv
-  batch = jax_cp.make_global_batch(dict(q=q, k=k, v=v), CU_P, layout,
-                                   cu_seqlens=CU)
+  batch = make_global_batch(dict(q=q, k=k, v=v), CU_P, layout, cu_seqlens=CU)
   assert batch.layout is layout
   with jax.set_mesh(mesh):
     out = jax.jit(lambda b: jax_cp.cp_attention(
         b.tensors["q"], b.tensors["k"], b.tensors["v"], b))(batch)
-  got = jax_cp.restore_from_cp(np.asarray(out), CU_P, layout, seq_dim=1)
+  got = restore_from_cp(np.asarray(out), CU_P, layout, seq_dim=1)
   want = ref.batched_attention(q, k, v, CU, CU_P)
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("strategy", list(S))
 def test_one_layout_local_view(mesh, qkv, strategy):
-  """Local view: get_batch_on_this_cp_rank and cp_attention_local with the
-  same layout (the rank read from the shard_map) give the reference."""
+  """Local view: get_batch_on_this_cp_rank and cp_attention with the same
+  layout of view "local" (the rank read from the shard_map) give the
+  reference."""
   layout = CPLayout(strategy=strategy, view="local", backend="xla")
   q, k, v = qkv
 
   def body(q, k, v, cu, cuP):
-    ql, kl, vl = jax_cp.get_batch_on_this_cp_rank(
-        cuP, q, k, v, layout=layout, seq_dim=1)
-    return jax_cp.cp_attention_local(ql, kl, vl, cu, cuP, layout=layout)
+    ql, kl, vl = get_batch_on_this_cp_rank(cuP, q, k, v, layout=layout,
+                                           seq_dim=1)
+    return jax_cp.cp_attention(ql, kl, vl, (cu, cuP), layout=layout)
 
   spec = P("data")
   args = [jax.device_put(a, NamedSharding(mesh, spec))
@@ -197,8 +183,8 @@ def test_one_layout_local_view(mesh, qkv, strategy):
       body, mesh=mesh, in_specs=(spec,) * 5, out_specs=P("data", "cp"),
       check_vma=False))(*args)
   # The ranks' chunks side by side: the rows in the layout's order.
-  got = jax_cp.restore_from_cp(np.asarray(out), CU_P,
-                               layout.replace(cp_size=CP), seq_dim=1)
+  got = restore_from_cp(np.asarray(out), CU_P, layout.replace(cp_size=CP),
+                        seq_dim=1)
   want = ref.batched_attention(q, k, v, CU, CU_P)
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
@@ -211,8 +197,7 @@ def test_attention_rejects_a_batch_of_another_layout(mesh, qkv):
   NO_LOAD_BALANCE, through every public entry point that sees the batch."""
   made = CPLayout(mesh=mesh, batch_axis="data", backend="xla")
   q, k, v = qkv
-  batch = jax_cp.make_global_batch(dict(q=q, k=k, v=v), CU_P, made,
-                                   cu_seqlens=CU)
+  batch = make_global_batch(dict(q=q, k=k, v=v), CU_P, made, cu_seqlens=CU)
   other = made.replace(strategy="no_load_balance")
   t = batch.tensors
   with jax.set_mesh(mesh), pytest.raises(
@@ -223,7 +208,7 @@ def test_attention_rejects_a_batch_of_another_layout(mesh, qkv):
   local = CPLayout(strategy="no_load_balance", view="local", backend="xla")
 
   def body(q, k, v, b):
-    return jax_cp.cp_attention_local(q, k, v, b, layout=local)
+    return jax_cp.cp_attention(q, k, v, b, layout=local)
 
   spec = P("data", "cp")
   with pytest.raises(ValueError, match="another CPLayout"):
@@ -240,11 +225,11 @@ def test_attention_rejects_a_batch_of_another_layout(mesh, qkv):
   made.replace(backend="auto", max_seqlen=64).check_matches(made, "the batch")
 
 
-def test_batch_unpacks_and_is_a_pytree(mesh):
+def test_batch_is_a_pytree(mesh):
   layout = CPLayout(mesh=mesh, batch_axis="data")
-  batch = jax_cp.make_global_batch(np.zeros((B, T), np.int32), CU_P, layout)
-  tokens, cuP = batch
-  assert tokens.shape == (B, T) and cuP.shape == CU_P.shape
+  batch = make_global_batch(np.zeros((B, T), np.int32), CU_P, layout)
+  assert batch.tensors.shape == (B, T)
+  assert batch.cu_seqlens_padded.shape == CU_P.shape
   assert batch.cu_seqlens is None
   leaves, treedef = jax.tree.flatten(batch)
   assert len(leaves) == 2
@@ -284,3 +269,19 @@ def test_shard_tokens_pins_the_token_axis(mesh):
     assert plain.shard_tokens(x) is x
   with pytest.raises(ValueError, match="needs a mesh"):
     ctx.shard_tokens(x)
+
+
+def test_shard_tokens_token_axis_of_heads_arrays():
+  """``[B, T, H, D]``: the token axis is axis 1 (the heads are left to
+  XLA); an unbatched ``[T, H, D]`` takes ``seq_dim=0``; an axis that is
+  not one raises."""
+  mesh = jax.make_mesh((DP, CP), ("data", "cp"), devices=devices(DP * CP),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  layout = CPLayout(mesh=mesh, cp_axis="cp", batch_axis="data")
+  x = jnp.zeros((2, 16, 4, 8), jnp.float32)
+  y = jax.jit(layout.shard_tokens)(x)
+  assert y.sharding.spec[:2] == ("data", "cp")
+  row = jax.jit(lambda x: layout.shard_tokens(x, seq_dim=0))(x[0])
+  assert row.sharding.spec[:1] == ("cp",)
+  with pytest.raises(ValueError, match="seq_dim=3 is not an axis"):
+    layout.shard_tokens(x[0], seq_dim=3)

@@ -1,7 +1,7 @@
-"""A violated ``max_seqlen`` with traced metadata: the step falls back to the
-unbounded program (right results and gradients), or, with
-``max_seqlen_violation="error"``, fails through ``checkify``; and the
-bounded program keeps its K/V all-gather only inside the fallback branch."""
+"""A violated ``max_seqlen`` with raw traced metadata: the step falls back
+to the unbounded program (right results and gradients), and the bounded
+program keeps its K/V all-gather only inside the fallback branch; a batch
+checked on the host runs the bounded program alone."""
 
 import dataclasses
 import re
@@ -10,13 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental import checkify
 
 import jax_cp
+from jax_cp import CPBatch, CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
-from jax_cp import seqlen_guard
-from jax_cp.cp_config import make_config
-from jax_cp.cp_vjp import cp_attention_vjp
+from jax_cp.cp import guard
+from jax_cp.cp.config import make_config
+from jax_cp.cp.vjp import cp_attention_vjp
+from jax_cp.data import longest_padded_document, reorder_for_cp, restore_from_cp
 from tests import reference as ref
 from tests._devices import cp_mesh
 
@@ -54,18 +55,17 @@ def reference(q, k, v, w, cu, cuP):
   return out, grads
 
 
-def step(strategy, cp, bound, mode="fallback", window=None):
+def step(strategy, cp, bound, window=None):
   """jit(value and grads) of CP attention, metadata as (traced) arguments;
   inputs and outputs in physical order."""
-  mesh = cp_mesh(cp)
+  layout = CPLayout(mesh=cp_mesh(cp), strategy=strategy, backend="xla",
+                    max_seqlen=bound)
 
   def f(q, k, v, w, cu, cuP):
-    re = lambda x: jax_cp.reorder_for_cp(x, cuP, cp, strategy, seq_dim=1)
-    out = jax_cp.cp_attention(re(q), re(k), re(v), cu, cuP, mesh=mesh,
-                              load_balancing_strategy=strategy,
-                              backend="xla", max_seqlen=bound,
-                              max_seqlen_violation=mode, window_size=window)
-    return jax_cp.restore_from_cp(out, cuP, cp, strategy, seq_dim=1), out
+    re = lambda x: reorder_for_cp(x, cuP, layout, seq_dim=1)
+    out = jax_cp.cp_attention(re(q), re(k), re(v), (cu, cuP), layout=layout,
+                              window_size=window)
+    return restore_from_cp(out, cuP, layout, seq_dim=1), out
 
   def loss(q, k, v, w, cu, cuP):
     out, _ = f(q, k, v, w, cu, cuP)
@@ -74,18 +74,23 @@ def step(strategy, cp, bound, mode="fallback", window=None):
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
 
 
-def traced_config(strategy, cp, bound, mode="fallback"):
-  """The CPConfig of a call whose metadata is traced."""
+def shapes(hq=4, hkv=2):
+  """q, k, v of the tests as ``jax.ShapeDtypeStruct``."""
+  sds = lambda h: jax.ShapeDtypeStruct((1, T, h, D), jnp.float32)
+  return sds(hq), sds(hkv), sds(hkv)
+
+
+def traced_config(strategy, cp, bound, trusted=False):
+  """The CPConfig of a call whose metadata is traced (``trusted``: a batch
+  checked on the host)."""
   got = []
 
   def build(cuP):
     got.append(make_config(
-        (1, T, 4, D), (1, T, 2, D), (1, T, 2, D), jnp.float32, cuP, cuP,
-        cp_size=cp, cp_axis="cp", load_balancing_strategy=strategy,
-        cp_comm_type="all_gather", attn_mask_type="causal",
-        softmax_scale=None, backend="xla", max_seqlen=bound,
-        window_size=None, split_causal_backward=None, total_tokens=T,
-        max_seqlen_violation=mode))
+        CPLayout(strategy=strategy, backend="xla", max_seqlen=bound),
+        *shapes(), cuP, cuP, cp_size=cp, total_tokens=T,
+        attn_mask_type="causal", softmax_scale=None, window_size=None,
+        trusted=trusted))
     return cuP
 
   jax.eval_shape(build, jax.ShapeDtypeStruct((1, 10), jnp.int32))
@@ -118,17 +123,16 @@ def test_fallback_gives_reference_results_and_gradients(strategy, cp, bound,
 
 
 def test_fallback_in_a_callers_shard_map_with_type_checks():
-  """cp_attention_local inside the caller's shard_map (check_vma on, the
+  """The local view inside the caller's shard_map (check_vma on, the
   default): both branches of the guard have the same varying types, also
   where the bounded forward keeps its halo (bound 8 at cp=2)."""
   q, k, v, w = qkv(4)
   x_spec = jax.sharding.PartitionSpec(None, "cp")
   m_spec = jax.sharding.PartitionSpec()
+  layout = CPLayout(strategy=NLB, backend="xla", max_seqlen=8, view="local")
 
   def body(q, k, v, cu, cuP):
-    return jax_cp.cp_attention_local(q, k, v, cu, cuP,
-                                     load_balancing_strategy=NLB,
-                                     backend="xla", max_seqlen=8)
+    return jax_cp.cp_attention(q, k, v, (cu, cuP), layout=layout)
 
   attn = jax.shard_map(body, mesh=cp_mesh(2),
                        in_specs=(x_spec,) * 3 + (m_spec,) * 2,
@@ -150,12 +154,10 @@ def test_without_the_guard_the_violating_batch_is_wrong():
   q, k, v, _ = qkv(0)
 
   def body(q, k, v, cu, cuP):
-    cfg = make_config(q.shape, k.shape, v.shape, q.dtype, cu, cuP,
-                      cp_size=2, cp_axis="cp", load_balancing_strategy=NLB,
-                      cp_comm_type="all_gather", attn_mask_type="causal",
-                      softmax_scale=None, backend="xla", max_seqlen=8,
-                      window_size=None, split_causal_backward=None,
-                      total_tokens=T)
+    cfg = make_config(CPLayout(strategy=NLB, backend="xla", max_seqlen=8),
+                      q, k, v, cu, cuP, cp_size=2, total_tokens=T,
+                      attn_mask_type="causal", softmax_scale=None,
+                      window_size=None, trusted=False)
     assert cfg.bound_check == "fallback" and cfg.unbounded is not None
     cfg = dataclasses.replace(cfg, bound_check=None, unbounded=None)
     return cp_attention_vjp(q, k, v, cu, cuP, cfg)
@@ -196,16 +198,16 @@ def test_fallback_with_a_sliding_window(left):
 def test_a_backend_sized_by_its_bounds_always_falls_back(strategy, cp,
                                                          bound):
   """With a backend whose kernels are sized by the bounds (cudnn), every
-  bounded config has the fallback; error mode never needs it."""
+  bounded config has the fallback; a batch checked on the host never
+  needs it."""
   cfg = traced_config(strategy, cp, bound)
   unbounded = traced_config(strategy, cp, None)
   assert unbounded.bound_check is None and unbounded.max_seqlen == T
   sized = lambda c: dataclasses.replace(c, backend=dataclasses.replace(
       c.backend, exact_past_bounds=False))
-  assert not seqlen_guard.bounded_program_is_exact(sized(cfg),
-                                                   sized(unbounded))
-  assert traced_config(strategy, cp, bound, "error").bound_check == "error"
-  assert traced_config(strategy, cp, bound, "error").unbounded is None
+  assert not guard.bounded_program_is_exact(sized(cfg), sized(unbounded))
+  trusted = traced_config(strategy, cp, bound, trusted=True)
+  assert trusted.bound_check != "fallback" and trusted.unbounded is None
 
 
 def test_concrete_metadata_is_checked_by_value_not_in_graph():
@@ -213,79 +215,8 @@ def test_concrete_metadata_is_checked_by_value_not_in_graph():
   cu, cuP = BEYOND
   with pytest.raises(ValueError, match="max_seqlen=8 is smaller than the "
                      "longest padded document \\(40 tokens\\)"):
-    jax_cp.cp_attention(q, k, v, cu, cuP, mesh=cp_mesh(2),
-                        load_balancing_strategy=NLB, backend="xla",
-                        max_seqlen=8)
-  with pytest.raises(ValueError, match="max_seqlen_violation='ignore' is not "
-                     "one of \\['fallback', 'error', 'checked_on_host'\\]"):
-    jax_cp.cp_attention(q, k, v, cu, cuP, mesh=cp_mesh(2),
-                        load_balancing_strategy=NLB, backend="xla",
-                        max_seqlen=40, max_seqlen_violation="ignore")
-
-
-def test_error_mode_fails_through_checkify():
-  q, k, v, w = qkv(2)
-  run = checkify.checkify(step(NLB, 2, 16, mode="error"))
-  err, (grads, out) = run(q, k, v, w, *map(jnp.asarray, BEYOND))
-  with pytest.raises(checkify.JaxRuntimeError,
-                     match="a padded document of 40 tokens is longer than "
-                     "max_seqlen=16 \\(max_seqlen_violation='error'\\)"):
-    err.throw()
-  err, (grads, out) = run(q, k, v, w, *map(jnp.asarray, WITHIN))
-  err.throw()   # within the bound: no error, and the bounded results
-  want_out, want_grads = reference(q, k, v, w, *WITHIN)
-  np.testing.assert_allclose(out, want_out, atol=2e-5, rtol=2e-5)
-  np.testing.assert_allclose(grads[1], want_grads[1], atol=5e-5, rtol=5e-5)
-  # Staged without checkify, the check cannot run: tracing says so.
-  with pytest.raises(ValueError, match="checkify"):
-    step(NLB, 2, 16, mode="error")(q, k, v, w, *map(jnp.asarray, WITHIN))
-
-
-def test_error_mode_in_the_local_view():
-  """The check inside the caller's shard_map (cp_attention_local)."""
-  q, k, v, _ = qkv(6)
-  x_spec = jax.sharding.PartitionSpec(None, "cp")
-  m_spec = jax.sharding.PartitionSpec()
-  local = jax.shard_map(
-      lambda q, k, v, cu, cuP: jax_cp.cp_attention_local(
-          q, k, v, cu, cuP, load_balancing_strategy=NLB, backend="xla",
-          max_seqlen=16, max_seqlen_violation="error"),
-      mesh=cp_mesh(2), in_specs=(x_spec,) * 3 + (m_spec,) * 2,
-      out_specs=x_spec)
-  run = checkify.checkify(jax.jit(local))
-  err, _ = run(q, k, v, *map(jnp.asarray, BEYOND))
-  assert "a padded document of 40 tokens is longer than max_seqlen=16" in \
-      err.get()
-  err, out = run(q, k, v, *map(jnp.asarray, WITHIN))
-  assert err.get() is None
-  np.testing.assert_allclose(out, ref.batched_attention(q, k, v, *WITHIN),
-                             atol=2e-5, rtol=2e-5)
-
-
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "JAX's checkify cannot carry an error into a later shard_map (select "
-    "cases must have the same shapes); README, max_seqlen"))
-def test_error_mode_across_layers_is_limited_by_checkify():
-  """Two global-view layers in a row: the first layer's error would have to
-  travel through the second's shard_map. When JAX's checkify can, this
-  passes and the README's note on it should go."""
-  q, k, v, _ = qkv(5)
-  mesh = cp_mesh(2)
-  kw = dict(load_balancing_strategy=NLB, backend="xla", max_seqlen=16,
-            max_seqlen_violation="error")
-
-  def two_layers(q, k, v, cu, cuP):
-    h = jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh, **kw)
-    return jax_cp.cp_attention(h, k, v, cu, cuP, mesh=mesh, **kw)
-
-  run = checkify.checkify(jax.jit(two_layers))
-  err, _ = run(q, k, v, *map(jnp.asarray, BEYOND))
-  assert "a padded document of 40 tokens" in err.get()
-  err, out = run(q, k, v, *map(jnp.asarray, WITHIN))
-  assert err.get() is None
-  h = ref.batched_attention(q, k, v, *WITHIN)
-  np.testing.assert_allclose(out, ref.batched_attention(h, k, v, *WITHIN),
-                             atol=2e-5, rtol=2e-5)
+    jax_cp.cp_attention(q, k, v, (cu, cuP), layout=CPLayout(
+        mesh=cp_mesh(2), strategy=NLB, backend="xla", max_seqlen=8))
 
 
 # --------------------------------------------------------------- lowering
@@ -384,12 +315,12 @@ def test_cuda_lowering_gathers_only_inside_the_fallback_branch():
   except ModuleNotFoundError:
     pytest.skip("jax_cp's cuDNN extension is not built")
   cp, tl, w = 2, 2048, 1600
-  mesh = cp_mesh(cp, "cpu")     # only lowered: CPU devices on a GPU too
+  # Only lowered: CPU devices on a GPU too.
+  layout = CPLayout(mesh=cp_mesh(cp, "cpu"), strategy=NLB, backend="cudnn",
+                    max_seqlen=w)
 
   def loss(q, k, v, dout, cu, cuP):
-    out = jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh,
-                              load_balancing_strategy=NLB, backend="cudnn",
-                              max_seqlen=w)
+    out = jax_cp.cp_attention(q, k, v, (cu, cuP), layout=layout)
     return jnp.sum(out.astype(jnp.float32) * dout)
 
   sds = lambda h, dt=jnp.bfloat16: jax.ShapeDtypeStruct((cp * tl, h, 64), dt)
@@ -403,31 +334,35 @@ def test_cuda_lowering_gathers_only_inside_the_fallback_branch():
 
 def test_predicate():
   cuP = jnp.asarray([[0, 8, 40, 48, 64], [0, 16, 32, 48, 64]], jnp.int32)
-  assert int(seqlen_guard.longest_padded(cuP)) == 32
-  assert bool(seqlen_guard.exceeds_bound(cuP, 31))
-  assert not bool(seqlen_guard.exceeds_bound(cuP, 32))
+  assert int(guard.longest_padded(cuP)) == 32
+  assert bool(guard.exceeds_bound(cuP, 31))
+  assert not bool(guard.exceeds_bound(cuP, 32))
 
 
-def test_checked_on_host_has_no_guard():
-  """``"checked_on_host"``: the caller vouches for the bound, so the step
-  carries no check and no conditional (only the NaN poison of a broken
-  promise), and a batch within the bound gives the reference results."""
-  layout = jax_cp.CPLayout(max_seqlen=12,
-                           max_seqlen_violation="checked_on_host")
-  assert layout.max_seqlen_violation == "checked_on_host"
-  with pytest.raises(ValueError, match="max_seqlen_violation='unchecked'"):
-    jax_cp.CPLayout(max_seqlen=12, max_seqlen_violation="unchecked")
-  cfg = traced_config(NLB, 4, 12, "checked_on_host")
+def test_host_checked_batch_has_no_guard():
+  """A batch checked on the host vouches for the bound, so the step carries
+  no check and no conditional (only the NaN poison of a broken promise),
+  and a batch within the bound gives the reference results."""
+  cfg = traced_config(NLB, 4, 12, trusted=True)
   assert cfg.bound_check == "trusted" and cfg.unbounded is None
   assert cfg.exchange.kind == "halo"
   q, k, v, w = qkv(5)
   cu, cuP = WITHIN
-  assert jax_cp.longest_padded_document(cuP) <= 12     # the host check
-  fn = step(NLB, 4, 12, "checked_on_host")
-  text = fn.lower(q, k, v, w, *map(jnp.asarray, WITHIN)).compiler_ir(
-      "hlo").as_hlo_text()
+  layout = CPLayout(mesh=cp_mesh(4), strategy=NLB, backend="xla",
+                    max_seqlen=12)
+  batch = CPBatch(None, jnp.asarray(cuP), jnp.asarray(cu),
+                  layout=layout).check_on_host()
+  assert longest_padded_document(cuP) <= 12     # the host check
+
+  def loss(q, k, v, w, batch):
+    out = jax_cp.cp_attention(q, k, v, batch)
+    return jnp.sum(out * w), out
+
+  fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+  text = fn.lower(q, k, v, w, batch).compiler_ir("hlo").as_hlo_text()
   assert " conditional(" not in text and "all-gather" not in text
-  grads, out = fn(q, k, v, w, *map(jnp.asarray, WITHIN))
+  # NO_LOAD_BALANCE keeps the physical order: no reorder needed.
+  grads, out = fn(q, k, v, w, batch)
   want, want_grads = reference(q, k, v, w, cu, cuP)
   np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
   for g, gw in zip(grads, want_grads):

@@ -4,9 +4,9 @@ jax_cp with one conversion call.
 
 The example's NNX model takes a CP step (cp=4, both strategies) on the
 converted batch; its loss and gradients equal those of the same documents
-packed by :func:`jax_cp.pack_documents`, and those of the model without CP
-on the MaxText rows as they are (no padding needed there, so no token
-moves). ``jax_cp.cp_attention_fn`` in Flax's own attention, fed the
+packed by :func:`jax_cp.data.pack_documents`, and those of the model
+without CP on the MaxText rows as they are (no padding needed there, so no
+token moves). ``jax_cp.cp_attention_fn`` in Flax's own attention, fed the
 converted metadata, gives on every token what Flax's default attention
 gives with the mask written in the segment-id convention."""
 
@@ -18,6 +18,7 @@ from flax import nnx
 
 import jax_cp
 from examples.packed_lm import config, model, train
+from jax_cp import CPLayout, data
 from tests._devices import devices, requires_devices
 
 B, T, CP = 2, 64, 4
@@ -61,7 +62,7 @@ def _maxtext_batch(docs):
 
 def _convert(batch, pad_multiple):
   """The one conversion call."""
-  return jax_cp.rows_from_segment_ids(
+  return data.rows_from_segment_ids(
       batch["inputs_segmentation"], batch["inputs"], batch["targets"],
       positions=batch["inputs_position"],
       loss_mask=batch["targets_segmentation"] != 0,
@@ -70,8 +71,8 @@ def _convert(batch, pad_multiple):
 
 def _loss_and_grads(cfg, layout, rows, mesh):
   lm = model.PackedLM(cfg, layout, rngs=nnx.Rngs(0))
-  batch = jax_cp.make_global_batch(rows.tensors, rows.cu_seqlens_padded,
-                                   layout, cu_seqlens=rows.cu_seqlens)
+  batch = data.make_global_batch(rows.tensors, rows.cu_seqlens_padded,
+                                 layout, cu_seqlens=rows.cu_seqlens)
   step = nnx.jit(nnx.value_and_grad(train.loss_fn))
   if mesh is None:
     loss, grads = step(lm, batch)
@@ -89,13 +90,13 @@ def test_maxtext_batch_trains_like_packed_documents(strategy):
   mesh = jax.make_mesh((1, CP), (model.DATA, model.CP), devices=devices(CP),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
   layout = model.make_layout(cfg, mesh, T)
-  multiple = jax_cp.pad_multiple_for(strategy, CP)
+  multiple = data.pad_multiple_for(layout)
   docs = _documents(3, multiple)
   batch = _maxtext_batch(docs)
 
-  rows = _convert(batch, layout)
-  packed = jax_cp.pack_documents([d for row in docs for d in row], T, B,
-                                 multiple, max_docs=16)
+  rows = _convert(batch, multiple)
+  packed = data.pack_documents([d for row in docs for d in row], T, B,
+                               multiple, max_docs=16)
   for k in ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens",
             "cu_seqlens_padded"):
     np.testing.assert_array_equal(getattr(rows, k), getattr(packed, k), k)
@@ -125,14 +126,14 @@ def test_maxtext_batch_trains_like_packed_documents(strategy):
 def test_cp_attention_fn_on_segment_id_metadata(strategy):
   e, h = 16, 2
   mesh = jax.make_mesh((2, CP), ("data", "cp"), devices=devices(2 * CP))
-  layout = jax_cp.CPLayout(mesh=mesh, strategy=strategy, batch_axis="data",
-                           backend="xla")
+  layout = CPLayout(mesh=mesh, strategy=strategy, batch_axis="data",
+                    backend="xla")
   batch = _maxtext_batch(_documents(11, 8))
   seg, pos = batch["inputs_segmentation"], batch["inputs_position"]
-  rows = _convert(batch, layout)
+  rows = _convert(batch, data.pad_multiple_for(layout))
   x = np.random.default_rng(0).standard_normal((B, T, e)).astype(np.float32)
   # The caller's activations, placed like their tokens in the packed rows.
-  index = jax_cp.segment_index(seg, rows.cu_seqlens, rows.cu_seqlens_padded)
+  index = data.segment_index(seg, rows.cu_seqlens, rows.cu_seqlens_padded)
   x_rows = np.zeros_like(x)
   for r in range(B):
     v = index[r] >= 0
@@ -141,13 +142,13 @@ def test_cp_attention_fn_on_segment_id_metadata(strategy):
   mha = nnx.MultiHeadAttention(h, e, qkv_features=e, use_bias=False,
                                decode=False, rngs=nnx.Rngs(0),
                                attention_fn=jax_cp.cp_attention_fn(layout))
-  cp_batch = jax_cp.make_global_batch(dict(x=x_rows), rows.cu_seqlens_padded,
-                                      layout, cu_seqlens=rows.cu_seqlens)
+  cp_batch = data.make_global_batch(dict(x=x_rows), rows.cu_seqlens_padded,
+                                    layout, cu_seqlens=rows.cu_seqlens)
   with jax.set_mesh(mesh):
     out = nnx.jit(lambda m, b: m(b.tensors["x"], mask=b))(mha, cp_batch)
-  got = jax_cp.to_segment_layout(
-      jax_cp.restore_from_cp(np.asarray(out), rows.cu_seqlens_padded,
-                             layout, seq_dim=1), seg, rows)
+  got = data.to_segment_layout(
+      data.restore_from_cp(np.asarray(out), rows.cu_seqlens_padded,
+                           layout, seq_dim=1), seg, rows)
 
   dense = nnx.MultiHeadAttention(h, e, qkv_features=e, use_bias=False,
                                  decode=False, rngs=nnx.Rngs(1))

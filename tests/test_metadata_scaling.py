@@ -1,8 +1,8 @@
-"""The windowed DUAL_CHUNK_SWAP metadata (jax_cp.metadata.window_compaction)
-finds each row's document and segment by binary search: the same numbers
-as the broadcast comparison it replaces (kept here as the reference) on
-random rows, and no intermediate that grows as tokens x documents (the
-jaxpr's shapes and the compiled temp bytes)."""
+"""The windowed DUAL_CHUNK_SWAP metadata
+(jax_cp.cp.metadata.window_compaction) finds each row's document and
+segment by binary search: the same numbers as a broadcast comparison (the
+reference here) on random rows, and no intermediate that grows as tokens
+x documents (the jaxpr's shapes and the compiled temp bytes)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.extend import core as jax_core
 
-from jax_cp import metadata
+from jax_cp.cp import metadata
 
 
 def _count_le_reference(sorted_rows, i):

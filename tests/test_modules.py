@@ -1,7 +1,8 @@
 """jax_cp.modules: one runtime under the Linen and NNX modules. The two
-packages export the same names and agree on attributes; `import jax_cp`
-imports no Flax and jax_cp.nnx nothing from jax_cp.flax; both record the
-strategy they ran as `cp_strategy_code`."""
+packages export the same modules (NNX also the parameter converters) and
+agree on attributes; `import jax_cp` imports no Flax and jax_cp.nnx
+nothing from jax_cp.flax; both record the strategy they ran as
+`cp_strategy_code`."""
 
 import ast
 import pathlib
@@ -18,7 +19,7 @@ from jax_cp import CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
 from jax_cp import flax as cp_linen
 from jax_cp import nnx as cp_nnx
-from jax_cp.modules import common, rotary
+from jax_cp.modules import settings
 from jax_cp.nnx import convert
 from tests._devices import devices
 
@@ -28,19 +29,14 @@ CU_P = np.array([[0, 16, 48, 64]], np.int32)
 CU = np.array([[0, 13, 40, 50]], np.int32)
 
 
-def test_linen_and_nnx_export_the_same_names():
-  assert sorted(cp_linen.__all__) == sorted(cp_nnx.__all__)
+def test_linen_and_nnx_export_the_same_modules():
+  converters = ["linen_params", "load_linen_params"]
+  assert sorted(cp_nnx.__all__) == sorted([*cp_linen.__all__, *converters])
   for name in cp_linen.__all__:
     assert getattr(cp_linen, name) is not None, name
     assert getattr(cp_nnx, name) is not None, name
-  # The shared runtime and the converters are one object in both.
-  for name, obj in (("apply_rotary", rotary.apply_rotary),
-                    ("STRATEGY_CODES", common.STRATEGY_CODES),
-                    ("strategy_from_code", common.strategy_from_code),
-                    ("linen_params", convert.linen_params),
-                    ("load_linen_params", convert.load_linen_params)):
-    assert getattr(cp_linen, name) is obj, name
-    assert getattr(cp_nnx, name) is obj, name
+  for name in converters:
+    assert getattr(cp_nnx, name) is getattr(convert, name), name
   with pytest.raises(AttributeError, match="no attribute 'kv_heads'"):
     cp_linen.kv_heads  # noqa: B018
 
@@ -62,8 +58,7 @@ def test_import_jax_cp_imports_no_flax():
 
 
 @pytest.mark.parametrize("kwargs, want", [
-    ({}, 4), (dict(num_kv_heads=2), 2), (dict(num_gqa_groups=1), 1),
-    (dict(num_kv_heads=2, num_gqa_groups=2), 2)])
+    ({}, 4), (dict(num_kv_heads=2), 2), (dict(num_kv_heads=1), 1)])
 def test_num_kv_heads_is_resolved_alike(kwargs, want):
   linen = cp_linen.MultiHeadAttention(num_heads=4, **kwargs)
   nnx_mha = cp_nnx.MultiHeadAttention(4, 16, rngs=nnx.Rngs(0), **kwargs)
@@ -91,10 +86,10 @@ def test_both_record_the_strategy_code(strategy):
     run = nnx.capture(lambda m, q, k, v: m(q, k, v, CU, CU_P),
                       nnx.Intermediate)
     _, inter = nnx.jit(run)(dpa, q, k, v)
-  want = common.STRATEGY_CODES[strategy]
+  want = settings.STRATEGY_CODES[strategy]
   assert [int(c) for c in jax.tree.leaves(state)] == [want]
   assert [int(c) for c in jax.tree.leaves(inter)] == [want]
-  assert common.strategy_from_code(jax.tree.leaves(inter)[0]) is strategy
+  assert settings.strategy_from_code(jax.tree.leaves(inter)[0]) is strategy
   # Outside nnx.capture nothing is recorded: the state stays empty.
   with jax.set_mesh(mesh):
     dpa(q, k, v, CU, CU_P)

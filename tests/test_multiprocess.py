@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_cp
 from examples import launch_local, multihost
+from jax_cp import CPLayout, data
 from jax_cp import CPLoadBalancingStrategy as S
 from tests import reference as ref
 from tests._devices import devices, requires_devices
@@ -52,8 +53,8 @@ def _rows(seed, cp, strategy, batch):
   return cu, cuP, ids, x
 
 
-def _mesh(data, cp, axis_type):
-  devs = np.array(devices(data * cp)).reshape(data, cp)
+def _mesh(dp, cp, axis_type):
+  devs = np.array(devices(dp * cp)).reshape(dp, cp)
   return jax.sharding.Mesh(devs, ("data", "cp"), axis_types=(axis_type,) * 2)
 
 
@@ -63,37 +64,35 @@ def _mesh(data, cp, axis_type):
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto],
                          ids=["explicit", "auto"])
 @pytest.mark.parametrize("strategy", list(S), ids=lambda s: s.value)
-@pytest.mark.parametrize("data,cp", [(2, 4), (1, 8), (4, 2)])
-def test_single_process_equals_reorder_and_device_put(data, cp, strategy,
+@pytest.mark.parametrize("dp,cp", [(2, 4), (1, 8), (4, 2)])
+def test_single_process_equals_reorder_and_device_put(dp, cp, strategy,
                                                       axis_type):
-  cu, cuP, ids, x = _rows(data * 10 + cp, cp, strategy, batch=4)
-  mesh = _mesh(data, cp, axis_type)
-  rows = jax_cp.process_batch_rows(mesh, 4, "data")
+  cu, cuP, ids, x = _rows(dp * 10 + cp, cp, strategy, batch=4)
+  mesh = _mesh(dp, cp, axis_type)
+  layout = CPLayout(mesh=mesh, batch_axis="data", strategy=strategy)
+  rows = data.process_batch_rows(layout, 4)
   np.testing.assert_array_equal(rows, np.arange(4))
-  batch, meta = jax_cp.make_global_batch(
-      {"ids": ids, "x": x}, cuP, mesh, batch_axis="data",
-      load_balancing_strategy=strategy, global_batch_size=4)
+  batch = data.make_global_batch({"ids": ids, "x": x}, cuP, layout,
+                                 global_batch_size=4)
+  meta = batch.cu_seqlens_padded
   for name, arr, spec in (("ids", ids, P("data", "cp")),
                           ("x", x, P("data", "cp", None, None))):
-    want = jax.device_put(
-        jax_cp.reorder_for_cp(arr, cuP, cp, strategy, seq_dim=1),
-        NamedSharding(mesh, spec))
-    got = batch[name]
+    want = jax.device_put(data.reorder_for_cp(arr, cuP, layout, seq_dim=1),
+                          NamedSharding(mesh, spec))
+    got = batch.tensors[name]
     assert got.sharding.is_equivalent_to(want.sharding, arr.ndim), name
     assert got.dtype == arr.dtype
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     for s in got.addressable_shards:   # device r holds exactly its tokens
       r = s.index[1].start // (T // cp)
       b = s.index[0]
-      np.testing.assert_array_equal(np.asarray(s.data), jax_cp.
-                                    get_batch_on_this_cp_rank(
-                                        cuP[b], arr[b], cp_size=cp,
-                                        cp_rank=r, seq_dim=1,
-                                        load_balancing_strategy=strategy)[0])
+      np.testing.assert_array_equal(
+          np.asarray(s.data), data.get_batch_on_this_cp_rank(
+              cuP[b], arr[b], layout=layout, cp_rank=r, seq_dim=1)[0])
   assert meta.dtype == jnp.int32
   assert meta.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
   np.testing.assert_array_equal(np.asarray(meta), cuP)
-  cu_g = jax_cp.make_global_metadata(cu, mesh, batch_axis="data")
+  cu_g = data.make_global_metadata(cu, layout)
   np.testing.assert_array_equal(np.asarray(cu_g), cu)
 
 
@@ -102,13 +101,15 @@ def test_single_process_feeds_cp_attention():
   cp, strategy = 4, S.NO_LOAD_BALANCE
   cu, cuP, _, x = _rows(7, cp, strategy, batch=2)
   mesh = _mesh(2, cp, AxisType.Explicit)
-  (q,), cuP_g = jax_cp.make_global_batch((x,), cuP, mesh, batch_axis="data",
-                                         load_balancing_strategy=strategy)
-  cu_g = jax_cp.make_global_metadata(cu, mesh, batch_axis="data")
+  # The attention's layout takes the context mesh; loading needs the mesh.
+  layout = CPLayout(batch_axis="data", strategy=strategy, backend="xla")
+  loading = layout.replace(mesh=mesh)
+  batch = data.make_global_batch((x,), cuP, loading)
+  (q,), cuP_g = batch.tensors, batch.cu_seqlens_padded
+  cu_g = data.make_global_metadata(cu, loading)
   with jax.set_mesh(mesh):
     out = jax.jit(lambda q, cu, cuP: jax_cp.cp_attention(
-        q, q, q, cu, cuP, batch_axis="data", backend="xla",
-        load_balancing_strategy=strategy))(q, cu_g, cuP_g)
+        q, q, q, (cu, cuP), layout=layout))(q, cu_g, cuP_g)
   want = ref.batched_attention(x, x, x, cu, cuP)
   valid = np.stack([ref.valid_token_mask(cu[i], cuP[i]) for i in range(2)])
   got = np.asarray(out)     # NO_LOAD_BALANCE: the layout is physical order
@@ -119,9 +120,11 @@ def test_unbatched_rows_and_single_array():
   cu, cuP, ids, _ = _rows(3, 4, S.DUAL_CHUNK_SWAP, batch=1)
   mesh = jax.make_mesh((4,), ("cp",), devices=devices(4),
                        axis_types=(AxisType.Auto,))
-  got, meta = jax_cp.make_global_batch(ids[0], cuP[0], mesh, seq_dim=0)
+  layout = CPLayout(mesh=mesh)
+  batch = data.make_global_batch(ids[0], cuP[0], layout, seq_dim=0)
+  got, meta = batch.tensors, batch.cu_seqlens_padded
   np.testing.assert_array_equal(
-      np.asarray(got), jax_cp.reorder_for_cp(ids[0], cuP[0], 4))
+      np.asarray(got), data.reorder_for_cp(ids[0], cuP[0], layout))
   assert got.sharding.is_equivalent_to(NamedSharding(mesh, P("cp")), 1)
   np.testing.assert_array_equal(np.asarray(meta), cuP[0])
 
@@ -129,39 +132,42 @@ def test_unbatched_rows_and_single_array():
 def test_process_batch_rows_with_two_batch_axes():
   devs = np.array(devices(8)).reshape(2, 2, 2)
   mesh = jax.sharding.Mesh(devs, ("a", "b", "cp"))
-  np.testing.assert_array_equal(
-      jax_cp.process_batch_rows(mesh, 8, ("a", "b")), np.arange(8))
+  layout = CPLayout(mesh=mesh, batch_axis=("a", "b"))
+  np.testing.assert_array_equal(data.process_batch_rows(layout, 8),
+                                np.arange(8))
   with pytest.raises(ValueError, match="multiple of the number of batch"):
-    jax_cp.process_batch_rows(mesh, 6, ("a", "b"))
+    data.process_batch_rows(layout, 6)
   with pytest.raises(ValueError, match="not an axis of the mesh"):
-    jax_cp.process_batch_rows(mesh, 8, "data")
+    data.process_batch_rows(layout.replace(batch_axis="data"), 8)
 
 
 def test_make_global_batch_validation():
   cu, cuP, ids, x = _rows(5, 4, S.DUAL_CHUNK_SWAP, batch=2)
   mesh = _mesh(2, 4, AxisType.Auto)
-  mk = lambda *a, **kw: jax_cp.make_global_batch(
-      *a, **{"batch_axis": "data", **kw})
+  layout = CPLayout(mesh=mesh, batch_axis="data")
+  mk = lambda rows, cuP, **kw: data.make_global_batch(rows, cuP, layout,
+                                                      **kw)
   with pytest.raises(ValueError, match="passed 2 rows.*must pass 4 rows"):
-    mk({"ids": ids}, cuP, mesh, global_batch_size=4)
+    mk({"ids": ids}, cuP, global_batch_size=4)
   with pytest.raises(ValueError, match="3 rows but cu_seqlens_padded has 2"):
-    mk({"ids": np.concatenate([ids, ids[:1]])}, cuP, mesh)
+    mk({"ids": np.concatenate([ids, ids[:1]])}, cuP)
   with pytest.raises(ValueError, match="must equal the token count"):
-    mk({"ids": ids[:, :T - 8]}, cuP, mesh)
+    mk({"ids": ids[:, :T - 8]}, cuP)
   with pytest.raises(ValueError, match="different token counts"):
-    mk({"ids": ids, "x": x[:, :T - 8]}, cuP, mesh)
+    mk({"ids": ids, "x": x[:, :T - 8]}, cuP)
   with pytest.raises(ValueError, match="divisible by 2\\*cp_size=8"):
-    mk((ids,), np.array([[0, 4, T]] * 2), mesh)
+    mk((ids,), np.array([[0, 4, T]] * 2))
   with pytest.raises(ValueError, match="cp_axis='seq' is not an axis"):
-    mk((ids,), cuP, mesh, cp_axis="seq")
+    layout.replace(cp_axis="seq")
   with pytest.raises(ValueError, match="cannot also be a batch axis"):
-    mk((ids,), cuP, mesh, batch_axis=("data", "cp"))
+    data.make_global_batch((ids,), cuP,
+                           layout.replace(batch_axis=("data", "cp")))
   with pytest.raises(ValueError, match="max_seqlen=2 is smaller"):
-    mk((ids,), cuP, mesh, max_seqlen=2)
+    data.make_global_batch((ids,), cuP, layout.replace(max_seqlen=2))
   with pytest.raises(ValueError, match="seq_dim must be >= 1"):
-    mk((ids,), cuP, mesh, seq_dim=0)
+    mk((ids,), cuP, seq_dim=0)
   with pytest.raises(ValueError, match="holds no arrays"):
-    mk({}, cuP, mesh)
+    mk({}, cuP)
 
 
 @requires_devices(8)

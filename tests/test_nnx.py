@@ -89,7 +89,7 @@ def data():
   x = rng.standard_normal((B, T, E)).astype(np.float32)
   w = rng.standard_normal((B, T, E)).astype(np.float32) * _valid_mask()[
       ..., None]
-  return dict(x=x, w=w, pos=np.asarray(jax_cp.get_position_ids(CU_P)))
+  return dict(x=x, w=w, pos=np.asarray(jax_cp.data.get_position_ids(CU_P)))
 
 
 def _loss(model, x, w, cu, cuP, pos):
@@ -190,7 +190,7 @@ def test_layout_is_static_configuration():
 def _global_view_loss_and_grads(model, layout, mesh, data):
   """Loss and gradients (a pure dict) of ``model`` on ``data`` laid out by
   ``layout`` (``make_global_batch``), under ``nnx.jit`` on ``mesh``."""
-  batch = jax_cp.make_global_batch(
+  batch = jax_cp.data.make_global_batch(
       dict(x=data["x"], w=data["w"], pos=data["pos"]), CU_P, layout,
       cu_seqlens=CU)
   t = batch.tensors
@@ -231,7 +231,8 @@ def test_local_view_in_shard_map_matches_no_cp(data, baseline):
   step = jax.jit(jax.shard_map(body, mesh=mesh,
                                in_specs=(P(), feat, feat, meta, meta),
                                out_specs=(P(), P()), check_vma=False))
-  reorder = lambda a: jax_cp.reorder_for_cp(a, CU_P, CP, strategy, seq_dim=1)
+  reorder = lambda a: jax_cp.data.reorder_for_cp(
+      a, CU_P, CPLayout(cp_size=CP, strategy=strategy), seq_dim=1)
   put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
   with jax.set_mesh(mesh):
     value, grads = step(state, put(reorder(data["x"]), feat),

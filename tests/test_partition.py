@@ -8,12 +8,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax_cp
+from jax_cp import CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
-from jax_cp import metadata
+from jax_cp.cp import metadata
+from jax_cp.data import (
+  get_batch_on_this_cp_rank,
+  get_partition_indices,
+  get_position_ids,
+  reorder_for_cp,
+  restore_from_cp,
+)
 from tests.reference import random_layout
 
 KINDS = ("one_long", "many_short", "mixed")
+
+
+def _layout(cp, strategy=S.DUAL_CHUNK_SWAP):
+  return CPLayout(cp_size=cp, strategy=strategy)
 
 
 def brute_indices(cuP, cp, r, strategy):
@@ -31,11 +42,11 @@ def brute_indices(cuP, cp, r, strategy):
 
 def test_published_cases():
   np.testing.assert_array_equal(
-      jax_cp.get_partition_indices(np.array([0, 8, 16]), 2, 0),
+      get_partition_indices(np.array([0, 8, 16]), _layout(2), 0),
       [0, 1, 6, 7, 8, 9, 14, 15])
   np.testing.assert_array_equal(
-      jax_cp.get_partition_indices(np.array([0, 12]), 4, 2,
-                                   S.NO_LOAD_BALANCE), [6, 7, 8])
+      get_partition_indices(np.array([0, 12]),
+                            _layout(4, S.NO_LOAD_BALANCE), 2), [6, 7, 8])
   m = metadata.no_load_balance_step(jnp.array([0, 6, 10]),
                                     jnp.array([0, 8, 12]), 2, 1, 12)
   # The same metadata in cumulative form.
@@ -55,8 +66,8 @@ def test_strategy_enum():
   f = jax.jit(lambda x, s: x + (1 if s is S.NO_LOAD_BALANCE else 2),
               static_argnums=1)
   assert int(f(0, S.NO_LOAD_BALANCE)) == 1 and int(f(0, S.DUAL_CHUNK_SWAP)) == 2
-  with pytest.raises(ValueError, match="load_balancing_strategy"):
-    jax_cp.get_partition_indices(np.array([0, 8]), 2, 0, "ring")
+  with pytest.raises(ValueError, match="strategy='ring'"):
+    _layout(2, "ring")
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
@@ -69,8 +80,8 @@ def test_partition_properties(cp, strategy, kind):
     _, cuP = random_layout(rng, total, cp, kind,
                            dual_chunk=strategy == S.DUAL_CHUNK_SWAP,
                            max_docs=None if trial == 0 else 64)
-    parts = [jax_cp.get_partition_indices(cuP, cp, r, strategy)
-             for r in range(cp)]
+    layout = _layout(cp, strategy)
+    parts = [get_partition_indices(cuP, layout, r) for r in range(cp)]
     for r, p in enumerate(parts):
       assert p.dtype == np.int32 and p.shape == (total // cp,)
       np.testing.assert_array_equal(p, brute_indices(cuP, cp, r, strategy))
@@ -78,21 +89,20 @@ def test_partition_properties(cp, strategy, kind):
     np.testing.assert_array_equal(np.sort(np.concatenate(parts)),
                                   np.arange(total))
     # The jnp path, traced rank and traced metadata, gives the same.
-    f = jax.jit(lambda c, r: jax_cp.get_partition_indices(
-        c, cp, r, strategy, total_tokens=total))  # noqa: B023  (called in this iteration)
+    f = jax.jit(lambda c, r, layout=layout, total=total:
+                get_partition_indices(c, layout, r, total_tokens=total))
     for r in range(cp):
       np.testing.assert_array_equal(f(jnp.asarray(cuP), jnp.int32(r)),
                                     parts[r])
     # Reorder / restore: inverses; contiguous split = partition indices.
     x = rng.standard_normal((total, 3)).astype(np.float32)
-    xr = jax_cp.reorder_for_cp(x, cuP, cp, strategy)
+    xr = reorder_for_cp(x, cuP, layout)
     for r in range(cp):
       chunk = xr[r * total // cp:(r + 1) * total // cp]
       np.testing.assert_array_equal(chunk, x[parts[r]])
-    np.testing.assert_array_equal(
-        jax_cp.restore_from_cp(xr, cuP, cp, strategy), x)
-    xj = jax.jit(lambda a: jax_cp.restore_from_cp(
-        jax_cp.reorder_for_cp(a, cuP, cp, strategy), cuP, cp, strategy))(x)  # noqa: B023  (called in this iteration)
+    np.testing.assert_array_equal(restore_from_cp(xr, cuP, layout), x)
+    xj = jax.jit(lambda a, cuP=cuP, layout=layout: restore_from_cp(
+        reorder_for_cp(a, cuP, layout), cuP, layout))(x)
     np.testing.assert_array_equal(xj, x)
 
 
@@ -102,26 +112,25 @@ def test_get_batch_on_this_cp_rank_and_position_ids():
   cu, cuP = random_layout(rng, 96, cp, "mixed", max_docs=12)
   tokens = rng.integers(0, 256, size=96)
   labels = np.roll(tokens, -1)
-  pos = jax_cp.get_position_ids(cuP)
+  pos = get_position_ids(cuP)
   for b in range(12):
     np.testing.assert_array_equal(pos[cuP[b]:cuP[b + 1]],
                                   np.arange(cuP[b + 1] - cuP[b]))
   for strategy in S:
+    layout = _layout(cp, strategy)
     for r in range(cp):
-      got = jax_cp.get_batch_on_this_cp_rank(
-          cuP, tokens, labels, pos, cp_size=cp, cp_rank=r,
-          load_balancing_strategy=strategy)
-      idx = jax_cp.get_partition_indices(cuP, cp, r, strategy)
+      got = get_batch_on_this_cp_rank(cuP, tokens, labels, pos,
+                                      layout=layout, cp_rank=r)
+      idx = get_partition_indices(cuP, layout, r)
       for g, full in zip(got, (tokens, labels, pos)):
         np.testing.assert_array_equal(g, full[idx])
       # The jnp path with a traced rank.
-      got_j = jax.jit(lambda t, r_: jax_cp.get_batch_on_this_cp_rank(
-          jnp.asarray(cuP), t, cp_size=cp, cp_rank=r_,
-          load_balancing_strategy=strategy))(jnp.asarray(tokens),  # noqa: B023  (called in this iteration)
-                                             jnp.int32(r))
+      got_j = jax.jit(lambda t, r_, layout=layout: get_batch_on_this_cp_rank(
+          jnp.asarray(cuP), t, layout=layout, cp_rank=r_))(
+              jnp.asarray(tokens), jnp.int32(r))
       np.testing.assert_array_equal(got_j[0], tokens[idx])
   np.testing.assert_array_equal(
-      jax.jit(lambda c: jax_cp.get_position_ids(c, total_tokens=96))(
+      jax.jit(lambda c: get_position_ids(c, total_tokens=96))(
           jnp.asarray(cuP)), pos)
 
 
@@ -133,23 +142,23 @@ def test_batched_metadata_rows():
   cuP = np.stack(rows)
   x = rng.standard_normal((3, 64, 2)).astype(np.float32)
   for strategy, r in itertools.product(S, range(cp)):
-    (got,) = jax_cp.get_batch_on_this_cp_rank(
-        cuP, x, cp_size=cp, cp_rank=r, load_balancing_strategy=strategy,
-        seq_dim=1)
+    layout = _layout(cp, strategy)
+    (got,) = get_batch_on_this_cp_rank(cuP, x, layout=layout, cp_rank=r,
+                                       seq_dim=1)
     for i in range(3):
-      idx = jax_cp.get_partition_indices(cuP[i], cp, r, strategy)
+      idx = get_partition_indices(cuP[i], layout, r)
       np.testing.assert_array_equal(got[i], x[i, idx])
-    xr = jax_cp.reorder_for_cp(x, cuP, cp, strategy, seq_dim=1)
+    xr = reorder_for_cp(x, cuP, layout, seq_dim=1)
     np.testing.assert_array_equal(
-        jax_cp.restore_from_cp(xr, cuP, cp, strategy, seq_dim=1), x)
+        restore_from_cp(xr, cuP, layout, seq_dim=1), x)
 
 
 def test_cp_size_one_is_identity_for_any_lengths():
   """At cp=1 nothing is chunked, so odd padded lengths are fine."""
   cuP = np.array([0, 5, 12], np.int32)
   for strategy in S:
+    layout = _layout(1, strategy)
     np.testing.assert_array_equal(
-        jax_cp.get_partition_indices(cuP, 1, 0, strategy), np.arange(12))
+        get_partition_indices(cuP, layout, 0), np.arange(12))
     x = np.arange(12)
-    np.testing.assert_array_equal(jax_cp.reorder_for_cp(x, cuP, 1, strategy),
-                                  x)
+    np.testing.assert_array_equal(reorder_for_cp(x, cuP, layout), x)

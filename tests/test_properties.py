@@ -27,7 +27,9 @@ import numpy as np
 import pytest
 
 import jax_cp
+from jax_cp import CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
+from jax_cp.data import reorder_for_cp, restore_from_cp
 from tests import reference as ref
 from tests._devices import devices
 
@@ -200,11 +202,11 @@ def api(q, k, v, cu, cuP, *, cp, strategy, max_seqlen, seq):
   ``seq`` is the token axis of the user's layout."""
   mesh = jax.make_mesh((cp,), ("cp",), devices=devices(cp),
                        axis_types=(jax.sharding.AxisType.Auto,))
-  re = lambda x: jax_cp.reorder_for_cp(x, cuP, cp, strategy, seq_dim=seq)
-  out = jax_cp.cp_attention(re(q), re(k), re(v), cu, cuP, mesh=mesh,
-                            load_balancing_strategy=strategy, backend="xla",
-                            max_seqlen=max_seqlen)
-  return jax_cp.restore_from_cp(out, cuP, cp, strategy, seq_dim=seq)
+  layout = CPLayout(mesh=mesh, strategy=strategy, backend="xla",
+                    max_seqlen=max_seqlen)
+  re = lambda x: reorder_for_cp(x, cuP, layout, seq_dim=seq)
+  out = jax_cp.cp_attention(re(q), re(k), re(v), (cu, cuP), layout=layout)
+  return restore_from_cp(out, cuP, layout, seq_dim=seq)
 
 
 @functools.cache

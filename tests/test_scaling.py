@@ -1,141 +1,21 @@
-"""Scaling out: the weak-scaling report (benchmarks/scaling_report.py), the
-local multi-process launcher (examples/launch_local.py), the N-process vs
-1-process comparison (tests/gpu/compare_multiprocess.py) on synthetic
-reports and, marked slow, on CPU processes; the NVLink topology parser of
-tests/gpu/test_dp_cp_cudnn.py."""
+"""Scaling out: the local multi-process launcher (examples/launch_local.py),
+the N-process vs 1-process comparison (tests/gpu/compare_multiprocess.py)
+on synthetic reports and, marked slow, on CPU processes; the NVLink
+topology parser of tests/gpu/test_dp_cp_cudnn.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import math
 import pathlib
-import shlex
 import sys
 
 import pytest
 
-from benchmarks import results, scaling_report
 from examples import launch_local
 from tests.gpu import compare_multiprocess as cmp
 from tests.gpu.test_dp_cp_cudnn import nvlink_matrix
-
-# ------------------------------------------------------- scaling report
-
-
-def _weak(row="dcs_one_doc", cp=1, tflops=400.0, n=65536, model="example",
-          ms=None):
-  return dict(kind="weak", row=row, model=model, dtype="bfloat16", batch=1,
-              remat="none", tokens_per_gpu=n, cp=cp, seq_len=cp * n,
-              documents=1, layers=4, d_model=1024, heads=16, kv_heads=4,
-              ms=ms if ms is not None else 100.0 * cp, tflops_per_gpu=tflops,
-              mfu=tflops / 989.0)
-
-
-def test_efficiency_is_tflops_per_gpu_over_cp1_of_the_same_series():
-  recs = [_weak(cp=4, tflops=380.0), _weak(cp=1, tflops=400.0),
-          _weak(cp=2, tflops=300.0, n=32768),          # no cp=1 at 32k
-          _weak(row="nlb_short", cp=4, tflops=100.0),
-          _weak(row="nlb_short", cp=1, tflops=200.0)]
-  got = {(r["row"], r["tokens_per_gpu"], r["cp"]): r["efficiency"]
-         for r in scaling_report.with_efficiency(recs)}
-  assert got[("dcs_one_doc", 65536, 1)] == 1.0
-  assert got[("dcs_one_doc", 65536, 4)] == pytest.approx(0.95)
-  assert got[("nlb_short", 65536, 4)] == pytest.approx(0.5)
-  assert got[("dcs_one_doc", 32768, 2)] is None
-
-
-def test_strategy_ratio_against_prediction():
-  recs = [_weak(cp=c, ms=10.0 * c) for c in (1, 2, 8)] + [
-      _weak(row="nlb_one_doc", cp=c, ms=10.0 * c * r)
-      for c, r in ((1, 1.0), (2, 1.4), (8, 1.8))]
-  got = scaling_report.strategy_ratios(recs)
-  assert [(x["cp"], round(x["measured"], 6), x["predicted"]) for x in got] \
-      == [(2, 1.4, 1.5), (8, 1.8, 15 / 8)]
-
-
-def test_targets_verdicts():
-  targets = {"scaling": {"tokens_per_gpu": 65536, "rows": ["dcs_one_doc"],
-                         "min_efficiency": {"8": 0.90, "4": 0.93}}}
-  recs = [_weak(cp=1), _weak(cp=4, tflops=376.0), _weak(cp=8, tflops=356.0)]
-  rows = scaling_report.target_rows(recs, targets)
-  assert [(t.split("cp=")[1][0], m, v) for t, m, v in rows] == [
-      ("4", "94.0 %", "✅ met"), ("8", "89.0 %", "❌ missed")]
-  rows = scaling_report.target_rows(recs[:2], targets)
-  assert rows[1][2] == "— not measured"
-
-
-def test_write_merges_files_newest_first_and_draws(tmp_path):
-  env = {"date": "2026-12-01T08:00:00+00:00", "device_kind": "NVIDIA H200"}
-  old = [_weak(cp=1), _weak(cp=2, tflops=100.0)]
-  new = [_weak(cp=2, tflops=390.0), _weak(row="nlb_one_doc", cp=2)]
-  results.write_result(results.result_path(str(tmp_path), "scaling", env),
-                       {"env": env, "records": old})
-  env2 = dict(env, date="2026-12-01T09:00:00+00:00")
-  results.write_result(results.result_path(str(tmp_path), "scaling", env2),
-                       {"env": env2, "records": new})
-  path = scaling_report.write(str(tmp_path / "scaling_*.json"),
-                              str(tmp_path))
-  text = pathlib.Path(path).read_text()
-  assert "| DCS, one document | 64k | 2 | 131,072 | 1 | 200.00 | 390.0 |" \
-      in text and "97.5 %" in text          # the newer cp=2 wins
-  assert "| example | 64k | 2 | 1.000 | 1.500 |" in text
-  assert "NVIDIA H200" in text and "### Targets" in text
-  drawn = (tmp_path / scaling_report.PLOT).exists()
-  assert drawn == (importlib.util.find_spec("matplotlib") is not None)
-  assert drawn == ("![TFLOP/s per GPU against cp](scaling.png)" in text)
-
-
-def test_failed_programs_listed_until_measured(tmp_path):
-  env = {"date": "2026-12-01T08:00:00+00:00", "device_kind": "NVIDIA H200"}
-  err = dict(kind="weak_error", row="dcs_one_doc", model="big",
-             tokens_per_gpu=65536, cp=8, error="RESOURCE_EXHAUSTED: 90 GiB")
-  results.write_result(results.result_path(str(tmp_path), "scaling", env),
-                       {"env": env, "records": [_weak(cp=1), err]})
-  path = scaling_report.write(str(tmp_path / "scaling_*.json"),
-                              str(tmp_path))
-  assert "* big, DCS, one document, 64k/GPU, cp=8: `RESOURCE_EXHAUSTED" in \
-      pathlib.Path(path).read_text()
-  env2 = dict(env, date="2026-12-01T09:00:00+00:00")
-  results.write_result(results.result_path(str(tmp_path), "scaling", env2),
-                       {"env": env2, "records": [_weak(cp=8, model="big")]})
-  path = scaling_report.write(str(tmp_path / "scaling_*.json"),
-                              str(tmp_path))
-  assert "RESOURCE_EXHAUSTED" not in pathlib.Path(path).read_text()
-
-
-def _readme_commands(module: str) -> list[list[str]]:
-  """The flags of every ``python -m <module>`` command in the "Scaling
-  out" section of benchmarks/README.md (continuations joined)."""
-  text = (pathlib.Path(__file__).resolve().parents[1] / "benchmarks" /
-          "README.md").read_text()
-  section = text.split("## Scaling out")[1].split("\n## ")[0]
-  lines = section.replace("\\\n", " ").splitlines()
-  words = [shlex.split(line.split("#")[0]) for line in lines
-           if line.startswith("python -m ")]
-  return [w[3:] for w in words if w[:3] == ["python", "-m", module]]
-
-
-def test_readme_scaling_commands_parse():
-  """Every command of the section uses flags the scripts have."""
-  from benchmarks import bench_step  # pylint: disable=import-outside-toplevel
-  weak = _readme_commands("benchmarks.bench_step")
-  assert len(weak) >= 5
-  for argv in weak:
-    args = bench_step.resolve(bench_step.build_parser().parse_args(argv))
-    assert args.weak and args.budget_s, argv
-  assert {bench_step.resolve(bench_step.build_parser().parse_args(a))
-          .model_name for a in weak} == {"example", "big"}
-  compare = _readme_commands("tests.gpu.compare_multiprocess")
-  assert sorted(a[1] for a in compare) == ["2", "4", "8"]
-  assert _readme_commands("benchmarks.scaling_report") == [[]]
-  # pylint: disable-next=import-outside-toplevel
-  from examples.packed_lm import config
-  jobs = [config.parse_args(a) for a in _readme_commands(
-      "examples.packed_lm")]
-  assert [(c.dp, c.cp, c.batch) for c in jobs] == [(1, 4, 1), (2, 4, 2)]
-
 
 # --------------------------------------------------------------- launcher
 

@@ -1,13 +1,14 @@
-"""jax_cp.segment_ids: rows in the segment-id convention (MaxText, grain)
-to PackedRows and back.
+"""jax_cp.data's segment-id converters: rows in the segment-id convention
+(MaxText, grain) to PackedRows and back, per-token features both ways, and
+the metadata of aligned rows on the device.
 
-References: :func:`jax_cp.pack_documents` on the same documents (rows that
-fill exactly), the documents themselves, and the attention mask written in
-the segment-id convention (same id, non-zero, causal by position), which
-shares nothing with the cumulative-length metadata."""
+References: :func:`jax_cp.data.pack_documents` on the same documents (rows
+that fill exactly), the documents themselves, metadata written out by
+hand, plain attention on the unpartitioned row (tests/reference.py), and
+the attention mask written in the segment-id convention (same id,
+non-zero, causal by position), which shares nothing with the
+cumulative-length metadata."""
 
-import pathlib
-import re
 
 import grain
 import jax
@@ -17,7 +18,9 @@ import pytest
 from grain import experimental as grain_exp
 
 import jax_cp
+from jax_cp import CPLayout, data
 from tests import reference as ref
+from tests._devices import devices
 
 T = 64
 
@@ -72,10 +75,10 @@ def test_maxtext_rows_equal_pack_documents_of_the_same_documents(multiple):
   rng = np.random.default_rng(multiple)
   docs = _docs_filling(rng, 3, T, multiple)
   seg, tok, pos = _segment_rows(docs, T)          # trailing padding only
-  want = jax_cp.pack_documents([d for row in docs for d in row], T, 3,
-                               multiple, max_docs=16)
-  got = jax_cp.rows_from_segment_ids(seg, tok, positions=pos,
-                                     pad_multiple=multiple, max_docs=16)
+  want = data.pack_documents([d for row in docs for d in row], T, 3,
+                             multiple, max_docs=16)
+  got = data.rows_from_segment_ids(seg, tok, positions=pos,
+                                   pad_multiple=multiple, max_docs=16)
   _assert_rows_equal(got, want)
   # MaxText's targets and targets_segmentation move with their tokens.
   targets, tseg = np.zeros_like(tok), np.zeros_like(seg)
@@ -84,7 +87,7 @@ def test_maxtext_rows_equal_pack_documents_of_the_same_documents(multiple):
     for i, d in enumerate(row):
       targets[r, c:c + d.size - 1], tseg[r, c:c + d.size - 1] = d[1:], i + 1
       c += d.size
-  got = jax_cp.rows_from_segment_ids(
+  got = data.rows_from_segment_ids(
       seg, tok, targets, positions=pos, loss_mask=tseg != 0,
       pad_multiple=multiple, max_docs=16)
   _assert_rows_equal(got, want)
@@ -102,11 +105,11 @@ def test_random_rows_keep_the_segment_id_attention_mask(padding, multiple):
            for _ in range(int(rng.integers(0, 5)))] for _ in range(b)]
   seg, tok, pos = _segment_rows(docs, T, multiple if padding == "between"
                                 else 1)
-  rows = jax_cp.rows_from_segment_ids(seg, tok, positions=pos,
-                                      pad_multiple=multiple, padding=padding)
+  rows = data.rows_from_segment_ids(seg, tok, positions=pos,
+                                    pad_multiple=multiple, padding=padding)
   plens = np.diff(rows.cu_seqlens_padded, axis=1)
   assert not (plens % multiple).any()
-  index = jax_cp.segment_index(seg, rows.cu_seqlens, rows.cu_seqlens_padded)
+  index = data.segment_index(seg, rows.cu_seqlens, rows.cu_seqlens_padded)
   for r in range(b):
     valid = seg[r] != 0
     np.testing.assert_array_equal(index[r] >= 0, valid)
@@ -127,8 +130,8 @@ def test_aligned_rows_keep_every_token_in_place():
   docs = [[rng.integers(1, 256, int(n)).astype(np.int32)
            for n in rng.integers(1, 14, 4)] for _ in range(3)]
   seg, tok, pos = _segment_rows(docs, T, 8)       # gaps: grain's alignment
-  rows = jax_cp.rows_from_segment_ids(seg, tok, positions=pos,
-                                      pad_multiple=8, padding="between")
+  rows = data.rows_from_segment_ids(seg, tok, positions=pos,
+                                    pad_multiple=8, padding="between")
   np.testing.assert_array_equal(rows.tokens, tok)   # padding tokens are 0
   for r in range(3):
     starts = np.flatnonzero(np.diff(seg[r], prepend=0) > 0)
@@ -142,14 +145,15 @@ def test_aligned_rows_keep_every_token_in_place():
   assert (rows.cu_seqlens_padded[:, 5:] == T).all()
   with pytest.raises(ValueError, match=r"row 0, position \d+: segment id 2 "
                      "after padding started"):
-    jax_cp.rows_from_segment_ids(seg, tok, pad_multiple=8)   # trailing
+    data.rows_from_segment_ids(seg, tok, pad_multiple=8)   # trailing
 
 
 def test_grain_first_fit_packing_with_the_layouts_alignment():
   """grain's FirstFitPackIterDataset aligned to pad_multiple_for: the
   rows convert without moving a token, and hold grain's documents."""
   cp = 4
-  multiple = jax_cp.pad_multiple_for("dual_chunk_swap", cp)
+  layout = CPLayout(cp_size=cp, strategy="dual_chunk_swap")
+  multiple = data.pad_multiple_for(layout)
   rng = np.random.default_rng(0)
   docs = [rng.integers(1, 256, int(n)).astype(np.int32)
           for n in rng.integers(1, 30, 40)]
@@ -159,9 +163,8 @@ def test_grain_first_fit_packing_with_the_layouts_alignment():
       pack_alignment_struct={"tokens": multiple}, shuffle_bins=False)
   batch = next(iter(ds.batch(4)))
   seg, tok = batch["tokens_segment_ids"], batch["tokens"]
-  layout = jax_cp.CPLayout(cp_size=cp, strategy="dual_chunk_swap")
-  rows = jax_cp.rows_from_segment_ids(
-      seg, tok, positions=batch["tokens_positions"], pad_multiple=layout,
+  rows = data.rows_from_segment_ids(
+      seg, tok, positions=batch["tokens_positions"], pad_multiple=multiple,
       padding="between")
   np.testing.assert_array_equal(rows.tokens, tok)
   got = [rows.tokens[r, a:a + n] for r in range(4) for a, n in zip(
@@ -169,7 +172,7 @@ def test_grain_first_fit_packing_with_the_layouts_alignment():
   assert sorted(map(bytes, got)) == sorted(
       map(bytes, docs[:len(got)])), "not grain's first documents"
   # The on-device variant reads the same metadata from the segment ids.
-  cu, cu_p = jax.jit(jax_cp.cu_seqlens_from_segment_ids,
+  cu, cu_p = jax.jit(data.cu_seqlens_from_segment_ids,
                      static_argnums=(1, 2))(
       jnp.asarray(seg), rows.cu_seqlens.shape[1] - 1, multiple)
   np.testing.assert_array_equal(cu, rows.cu_seqlens)
@@ -183,18 +186,79 @@ def test_on_device_metadata_equals_the_host_converters(multiple):
            for n in rng.integers(1, 12, int(k))]
           for k in (0, 1, 3, 5)]                   # an empty row too
   seg, tok, _ = _segment_rows(docs, T, multiple)
-  rows = jax_cp.rows_from_segment_ids(seg, tok, pad_multiple=multiple,
-                                      padding="between", max_docs=6)
-  cu, cu_p = jax.jit(jax_cp.cu_seqlens_from_segment_ids,
+  rows = data.rows_from_segment_ids(seg, tok, pad_multiple=multiple,
+                                    padding="between", max_docs=6)
+  cu, cu_p = jax.jit(data.cu_seqlens_from_segment_ids,
                      static_argnums=(1, 2))(seg, 6, multiple)
   assert cu.dtype == cu_p.dtype == jnp.int32
   np.testing.assert_array_equal(cu, rows.cu_seqlens)
   np.testing.assert_array_equal(cu_p, rows.cu_seqlens_padded)
-  one, one_p = jax_cp.cu_seqlens_from_segment_ids(seg[2], 6, multiple)
+  one, one_p = data.cu_seqlens_from_segment_ids(seg[2], 6, multiple)
   np.testing.assert_array_equal(one_p, rows.cu_seqlens_padded[2])
   np.testing.assert_array_equal(one, rows.cu_seqlens[2])
   with pytest.raises(ValueError, match="must hold integers"):
-    jax_cp.cu_seqlens_from_segment_ids(seg.astype(np.float32), 6, multiple)
+    data.cu_seqlens_from_segment_ids(seg.astype(np.float32), 6, multiple)
+
+
+def _leading_padding_rows():
+  """Two rows of 8 tokens, documents aligned to 2: row 1 starts with
+  padding; (segment_ids, cu_seqlens, cu_seqlens_padded) with the metadata
+  written out: row 1's first slot is the padding, empty."""
+  seg = np.array([[1, 1, 1, 0, 2, 2, 2, 0],
+                  [0, 0, 1, 1, 2, 2, 2, 0]], np.int32)
+  cu = np.array([[0, 3, 6, 6, 6], [0, 0, 2, 5, 5]], np.int32)
+  cu_p = np.array([[0, 4, 8, 8, 8], [0, 2, 4, 8, 8]], np.int32)
+  return seg, cu, cu_p
+
+
+def test_on_device_metadata_of_a_row_that_starts_with_padding():
+  """The metadata start at 0, the leading padding an empty slot, concrete
+  and traced; attention on them, without CP and with NO_LOAD_BALANCE at
+  cp=2, equals the reference on the metadata written out."""
+  seg, want_cu, want_cu_p = _leading_padding_rows()
+  cu, cu_p = data.cu_seqlens_from_segment_ids(seg, 4, 2)
+  np.testing.assert_array_equal(cu, want_cu)
+  np.testing.assert_array_equal(cu_p, want_cu_p)
+  rng = np.random.default_rng(8)
+  q, k, v = (jnp.asarray(rng.standard_normal((2, 8, h, 4)), jnp.float32)
+             for h in (2, 1, 1))
+  want = ref.batched_attention(q, k, v, want_cu, want_cu_p)
+  assert float(jnp.abs(want[1, 2:7]).min()) > 0   # the documents attend
+
+  def attend(layout):
+    def f(seg, q, k, v):
+      meta = data.cu_seqlens_from_segment_ids(seg, 4, 2)
+      return jax_cp.cp_attention(q, k, v, meta, layout=layout)
+    return f
+
+  no_cp = CPLayout(cp_axis=None, backend="xla")
+  np.testing.assert_allclose(attend(no_cp)(seg, q, k, v), want, atol=1e-5)
+  mesh = jax.make_mesh((2,), ("cp",), devices=devices(2, "cpu"),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  nlb = CPLayout(mesh=mesh, strategy="no_load_balance", backend="xla")
+  with jax.set_mesh(mesh):
+    got = jax.jit(attend(nlb))(jnp.asarray(seg), q, k, v)
+    traced = jax.jit(lambda s: data.cu_seqlens_from_segment_ids(s, 4, 2))(
+        jnp.asarray(seg))
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  np.testing.assert_array_equal(traced[0], want_cu)
+  np.testing.assert_array_equal(traced[1], want_cu_p)
+
+
+@pytest.mark.parametrize("row, max_docs, match", [
+    ([1, 1, 2, 2, 1, 1, 0, 0], 4, r"row 1: segment id 1 starts again at "
+     r"position 4"),
+    ([1, 1, 1, 2, 2, 0, 0, 0], 4, r"row 1: a document starts at position "
+     r"3, not a multiple of pad_multiple=2"),
+    ([0, 0, 1, 1, 2, 2, 2, 0], 2, r"row 1 needs 3 slots .*more than "
+     r"max_docs=2"),
+])
+def test_on_device_metadata_check_concrete_ids(row, max_docs, match):
+  seg = np.array([[1, 1, 0, 0, 0, 0, 0, 0], row], np.int32)
+  with pytest.raises(ValueError, match=match):
+    data.cu_seqlens_from_segment_ids(seg, max_docs, 2)
+  with pytest.raises(ValueError, match=match):
+    data.cu_seqlens_from_segment_ids(jnp.asarray(seg), max_docs, 2)
 
 
 # ------------------------------------------------------ overflow, inverse
@@ -208,24 +272,46 @@ def test_a_row_that_no_longer_fits_raises_or_is_truncated():
   seg, tok, pos = _segment_rows([short, row], T)
   with pytest.raises(ValueError, match=r"row 1 does not fit in seq_len=64 "
                      r"tokens.*multiple of 16.*need 80 tokens, 16 more"):
-    jax_cp.rows_from_segment_ids(seg, tok, pad_multiple=16)
-  rows = jax_cp.rows_from_segment_ids(seg, tok, pad_multiple=16,
-                                      overflow="truncate")
+    data.rows_from_segment_ids(seg, tok, pad_multiple=16)
+  rows = data.rows_from_segment_ids(seg, tok, pad_multiple=16,
+                                    overflow="truncate")
   np.testing.assert_array_equal(rows.cu_seqlens_padded[1, :5],
                                 [0, 16, 32, 48, 64])
   np.testing.assert_array_equal(rows.cu_seqlens[1, :5], [0, 13, 26, 39, 52])
   np.testing.assert_array_equal(rows.tokens[1, 48:61], row[3])
-  # The cut document keeps the targets it had: the last kept token's label
-  # is its next token.
+  # The last document kept ends inside the row: no target on its last
+  # token.
   assert rows.loss_mask[1, 48:61].sum() == 12
   # The inverse: the dropped document's tokens get the fill value.
-  back = jax_cp.to_segment_layout(rows.tokens, seg, rows, fill=-1)
+  back = data.to_segment_layout(rows.tokens, seg, rows, fill=-1)
   np.testing.assert_array_equal(back[1, :52], tok[1, :52])
   assert (back[1, 52:] == -1).all()
   # A longer row fits them all.
-  rows = jax_cp.rows_from_segment_ids(seg, tok, pad_multiple=16,
-                                      seq_len=96)
+  rows = data.rows_from_segment_ids(seg, tok, pad_multiple=16,
+                                    seq_len=96)
   assert rows.tokens.shape == (2, 96) and rows.cu_seqlens[1, 5] == 63
+
+
+def test_a_truncated_document_keeps_the_target_of_its_last_token():
+  """Documents of 13, 13, 13 and 20 tokens padded to 16 need 80 tokens:
+  the last is cut at the row's end, and its last kept token's label is
+  its next token in the document, a target (mask 1); a document that ends
+  inside the row has none on its last token."""
+  rng = np.random.default_rng(9)
+  row = [rng.integers(1, 256, n).astype(np.int32) for n in (13, 13, 13, 20)]
+  seg, tok, _ = _segment_rows([row], T)
+  rows = data.rows_from_segment_ids(seg, tok, pad_multiple=16,
+                                    overflow="truncate")
+  np.testing.assert_array_equal(rows.cu_seqlens_padded[0, :5],
+                                [0, 16, 32, 48, 64])
+  np.testing.assert_array_equal(rows.cu_seqlens[0, :5], [0, 13, 26, 39, 55])
+  np.testing.assert_array_equal(rows.tokens[0, 48:64], row[3][:16])
+  np.testing.assert_array_equal(rows.labels[0, 48:64], row[3][1:17])
+  np.testing.assert_array_equal(rows.loss_mask[0, 48:64], np.ones(16))
+  for start in (0, 16, 32):                       # whole documents
+    np.testing.assert_array_equal(rows.loss_mask[0, start:start + 16],
+                                  [1] * 12 + [0] * 4)
+    assert rows.labels[0, start + 12] == 0
 
 
 def test_outputs_go_back_to_the_segment_id_layout():
@@ -236,28 +322,60 @@ def test_outputs_go_back_to_the_segment_id_layout():
   docs = [[rng.integers(1, 256, int(n)).astype(np.int32)
            for n in rng.integers(1, 15, 4)] for _ in range(2)]
   seg, tok, pos = _segment_rows(docs, T)
-  rows = jax_cp.rows_from_segment_ids(seg, tok, pad_multiple=8,
-                                      overflow="truncate")
+  rows = data.rows_from_segment_ids(seg, tok, pad_multiple=8,
+                                    overflow="truncate")
   x = rng.standard_normal((2, T, 3)).astype(np.float32)
   feats = np.zeros((2, T, 3), np.float32)   # values at the packed positions
-  idx = jax_cp.segment_index(seg, rows.cu_seqlens, rows.cu_seqlens_padded)
+  idx = data.segment_index(seg, rows.cu_seqlens, rows.cu_seqlens_padded)
   for r in range(2):
     v = idx[r] >= 0
     feats[r, idx[r, v]] = x[r, v]
-  got = jax_cp.to_segment_layout(feats, seg, rows, fill=np.nan)
+  got = data.to_segment_layout(feats, seg, rows, fill=np.nan)
   v = idx >= 0
   np.testing.assert_array_equal(got[v], x[v])
   assert np.isnan(got[~v]).all() and (v == (seg != 0)).all()
-  got_j = jax.jit(lambda f: jax_cp.to_segment_layout(
+  got_j = jax.jit(lambda f: data.to_segment_layout(
       f, seg, (rows.cu_seqlens, rows.cu_seqlens_padded)))(feats)
   np.testing.assert_array_equal(np.asarray(got_j)[v], x[v])
   assert (np.asarray(got_j)[~v] == 0).all()
   # From a CP layout: restore_from_cp, then back.
-  cp_feats = jax_cp.reorder_for_cp(feats, rows.cu_seqlens_padded, 4,
-                                   seq_dim=1)
-  back = jax_cp.to_segment_layout(jax_cp.restore_from_cp(
-      cp_feats, rows.cu_seqlens_padded, 4, seq_dim=1), seg, rows)
+  layout = CPLayout(cp_size=4)
+  cp_feats = data.reorder_for_cp(feats, rows.cu_seqlens_padded, layout,
+                                 seq_dim=1)
+  back = data.to_segment_layout(data.restore_from_cp(
+      cp_feats, rows.cu_seqlens_padded, layout, seq_dim=1), seg, rows)
   np.testing.assert_array_equal(back[v], x[v])
+
+
+@pytest.mark.parametrize("padding, multiple", [("trailing", 8),
+                                               ("between", 4)])
+@pytest.mark.parametrize("xp", [np, jnp], ids=["numpy", "jnp"])
+def test_features_go_into_the_packed_rows(padding, multiple, xp):
+  """A per-token float feature ``[B, T, 2]`` of the segment-id batch lands
+  where rows_from_segment_ids puts its token (rows re-laid with trailing
+  padding, or kept with padding between documents), ``fill`` on the
+  packed rows' padding, and to_segment_layout takes it back."""
+  rng = np.random.default_rng(multiple)
+  docs = [[rng.integers(1, 256, int(n)).astype(np.int32)
+           for n in rng.integers(1, 13, 4)] for _ in range(3)]
+  seg, tok, _ = _segment_rows(docs, T, multiple if padding == "between"
+                              else 1)
+  rows = data.rows_from_segment_ids(seg, tok, pad_multiple=multiple,
+                                    padding=padding)
+  kept = np.array_equal(rows.tokens, tok)
+  assert kept == (padding == "between")
+  feat = rng.standard_normal(seg.shape + (2,)).astype(np.float32)
+  feat[..., 0] = tok                     # channel 0: the token itself
+  got = data.from_segment_layout(xp.asarray(feat), seg, rows, fill=np.nan)
+  assert type(got) is type(xp.asarray(feat)) and got.shape == (3, T, 2)
+  got = np.asarray(got)
+  for r in range(3):
+    valid = ref.valid_token_mask(rows.cu_seqlens[r],
+                                 rows.cu_seqlens_padded[r])
+    np.testing.assert_array_equal(got[r, valid, 0], rows.tokens[r, valid])
+    assert np.isnan(got[r, ~valid]).all()
+  back = np.asarray(data.to_segment_layout(xp.asarray(got), seg, rows))
+  np.testing.assert_array_equal(back[seg != 0], feat[seg != 0])
 
 
 # ------------------------------------------------------------ bad input
@@ -296,43 +414,35 @@ def test_bad_rows_name_the_row_and_position(edit, kwargs, match):
   seg, tok, pos = _good()
   edit(seg, tok, pos)
   with pytest.raises(ValueError, match=match):
-    jax_cp.rows_from_segment_ids(seg, tok, positions=pos, **kwargs)
+    data.rows_from_segment_ids(seg, tok, positions=pos, **kwargs)
 
 
 def test_bad_arrays_are_refused():
   seg, tok, pos = _good()
   with pytest.raises(ValueError, match=r"segment_ids must hold integers, "
                      "got dtype float32"):
-    jax_cp.rows_from_segment_ids(seg.astype(np.float32), tok)
+    data.rows_from_segment_ids(seg.astype(np.float32), tok)
   with pytest.raises(ValueError, match=r"labels has shape \(2, 31\), "
                      r"segment_ids \(2, 32\)"):
-    jax_cp.rows_from_segment_ids(seg, tok, tok[:, 1:])
+    data.rows_from_segment_ids(seg, tok, tok[:, 1:])
   with pytest.raises(ValueError, match=r"segment_ids must be \[B, T\]"):
-    jax_cp.rows_from_segment_ids(seg[0], tok[0])
+    data.rows_from_segment_ids(seg[0], tok[0])
   seg[1, 3] = -2
   with pytest.raises(ValueError, match=r"segment_ids\[1, 3\] = -2 is "
                      "negative"):
-    jax_cp.rows_from_segment_ids(seg, tok)
+    data.rows_from_segment_ids(seg, tok)
 
 
 def test_pad_multiple_of_a_layout():
-  dcs = jax_cp.CPLayout(cp_size=4, strategy="dual_chunk_swap")
-  nlb = jax_cp.CPLayout(cp_size=4, strategy="no_load_balance")
+  dcs = CPLayout(cp_size=4, strategy="dual_chunk_swap")
+  nlb = CPLayout(cp_size=4, strategy="no_load_balance")
   seg, tok, _ = _good()
-  rows = jax_cp.rows_from_segment_ids(seg, tok, pad_multiple=dcs)
+  rows = data.rows_from_segment_ids(seg, tok,
+                                    pad_multiple=data.pad_multiple_for(dcs))
   assert not (np.diff(rows.cu_seqlens_padded, axis=1) % 8).any()
-  rows = jax_cp.rows_from_segment_ids(seg, tok, pad_multiple=nlb)
+  rows = data.rows_from_segment_ids(seg, tok,
+                                    pad_multiple=data.pad_multiple_for(nlb))
   np.testing.assert_array_equal(rows.tokens, tok)       # no padding needed
-
-
-def test_readme_segment_id_example_runs():
-  readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-  block = next(b for b in re.findall(r"```python\n(.*?)```",
-                                     readme.read_text(), flags=re.S)
-               if "rows_from_segment_ids(" in b)
-  ns = {}
-  exec(compile(block, "README.md:bringing-your-data", "exec"), ns)  # noqa: S102
-  np.testing.assert_array_equal(ns["rows"].cu_seqlens_padded[:, :4],
-                                [[0, 4, 12, 16], [0, 12, 16, 16]])
-  np.testing.assert_array_equal(ns["cu"], [[0, 3, 7, 8, 8]])
-  np.testing.assert_array_equal(ns["cu_padded"], [[0, 4, 8, 12, 12]])
+  with pytest.raises(ValueError, match="pad_multiple must be a positive "
+                     "int, got CPLayout"):
+    data.rows_from_segment_ids(seg, tok, pad_multiple=dcs)

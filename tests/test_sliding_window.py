@@ -12,9 +12,14 @@ import numpy as np
 import pytest
 
 import jax_cp
+from jax_cp import CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
+from jax_cp.attention.validation import check_window_size
+from jax_cp.cp.exchange import choose_exchange
+from jax_cp.data import get_position_ids, reorder_for_cp, restore_from_cp
+from jax_cp.planning import estimate_cp_imbalance, recommend_strategy
 from tests import reference as ref
-from tests._devices import devices, requires_devices
+from tests._devices import devices
 
 T = 64           # tokens per row: cp=8 -> 8 local tokens
 D = 8
@@ -47,15 +52,17 @@ def reference(q, k, v, cu, cuP, w, left):
   return out, grads
 
 
-def run_cp(q, k, v, cu, cuP, w, *, cp, strategy, left, **kw):
+def run_cp(q, k, v, cu, cuP, w, *, cp, strategy, left, max_seqlen=None,
+           backend="xla"):
   mesh = jax.sharding.Mesh(np.array(devices(cp)), ("cp",))
-  re = lambda x: jax_cp.reorder_for_cp(x, cuP, cp, strategy, seq_dim=1)
-  back = lambda x: jax_cp.restore_from_cp(x, cuP, cp, strategy, seq_dim=1)
+  layout = CPLayout(mesh=mesh, cp_axis="cp", strategy=strategy,
+                    backend=backend, max_seqlen=max_seqlen)
+  re = lambda x: reorder_for_cp(x, cuP, layout, seq_dim=1)
+  back = lambda x: restore_from_cp(x, cuP, layout, seq_dim=1)
 
   def loss(q, k, v, w):
-    out = jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh, cp_axis="cp",
-                              load_balancing_strategy=strategy,
-                              backend="xla", window_size=(left, 0), **kw)
+    out = jax_cp.cp_attention(q, k, v, (cu, cuP), layout=layout,
+                              window_size=(left, 0))
     return jnp.sum(out * w), out
 
   (_, out), grads = jax.jit(jax.value_and_grad(
@@ -148,7 +155,7 @@ STRADDLE_CASES = [(2, 3), (2, 12), (2, 40), (4, 5), (4, 20), (4, 40)]
 def test_no_load_balance_straddle_with_window(cp, left):
   """NO_LOAD_BALANCE's straddle call with a window: in both directions a
   local call plus a halo call (reversed when not every row sees the whole
-  halo), merged by log-sum-exp in the forward (jax_cp/call_plan.py,
+  halo), merged by log-sum-exp in the forward (jax_cp/cp/call_plan.py,
   _split_straddle)."""
   check_straddle(cp, left, seed=cp + left)
 
@@ -185,7 +192,7 @@ def test_window_grid(cp, strategy, left):
   check_cp(cp, strategy, left, seed=cp + left)
 
 
-def test_cp_attention_local_with_window():
+def test_cp_attention_local_view_with_window():
   """The local view inside a caller's shard_map, one row [T, H, D]."""
   cp, left = 4, 6
   cu, cuP, rng = rows(5, cp, S.NO_LOAD_BALANCE)
@@ -193,10 +200,11 @@ def test_cp_attention_local_with_window():
   q, k, v = (x[0] for x in qkv(rng))
   mesh = jax.sharding.Mesh(np.array(devices(cp)), ("cp",))
   spec = jax.sharding.PartitionSpec("cp")
-  local = functools.partial(
-      jax_cp.cp_attention_local, cp_axis="cp", backend="xla",
-      load_balancing_strategy=S.NO_LOAD_BALANCE, window_size=(left, 0))
-  f = jax.shard_map(lambda q, k, v: local(q, k, v, cu, cuP), mesh=mesh,
+  layout = CPLayout(cp_axis="cp", strategy=S.NO_LOAD_BALANCE, backend="xla",
+                    view="local")
+  local = functools.partial(jax_cp.cp_attention, layout=layout,
+                            window_size=(left, 0))
+  f = jax.shard_map(lambda q, k, v: local(q, k, v, (cu, cuP)), mesh=mesh,
                     in_specs=(spec,) * 3, out_specs=spec)
   got = jax.jit(f)(q, k, v)
   want = ref.attention(q, k, v, cu, cuP, window=left)
@@ -210,11 +218,12 @@ def _lowered_text(cp, left, max_seqlen=None):
   cu, cuP, rng = rows(0, cp, S.NO_LOAD_BALANCE)
   q, k, v = qkv(rng)
   mesh = jax.sharding.Mesh(np.array(devices(cp)), ("cp",))
+  layout = CPLayout(mesh=mesh, strategy=S.NO_LOAD_BALANCE, backend="xla",
+                    max_seqlen=max_seqlen)
 
   def loss(q, k, v):
-    out = jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh, backend="xla",
-                              load_balancing_strategy=S.NO_LOAD_BALANCE,
-                              window_size=(left, 0), max_seqlen=max_seqlen)
+    out = jax_cp.cp_attention(q, k, v, (cu, cuP), layout=layout,
+                              window_size=(left, 0))
     return jnp.sum(out)
 
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).as_text()
@@ -240,7 +249,6 @@ def test_window_zero_exchanges_nothing():
 
 
 def test_choose_exchange_bounds_halo_by_window():
-  from jax_cp.kv_exchange import choose_exchange
   ex = choose_exchange(True, "cp", 4, 64, 64, window_left=5)
   assert (ex.kind, ex.halo_tokens) == ("halo", 5)
   ex = choose_exchange(True, "cp", 4, 64, 4, window_left=5)
@@ -308,7 +316,8 @@ def _brute_pairs(cu, cuP, cp, left, strategy):
   """Per-rank windowed pairs from the reference mask and the layout."""
   m = ref.doc_mask(cu, cuP, True, left)
   idx = np.arange(len(m))
-  perm = np.asarray(jax_cp.reorder_for_cp(idx, cuP, cp, strategy))
+  perm = np.asarray(reorder_for_cp(idx, cuP, CPLayout(cp_size=cp,
+                                                      strategy=strategy)))
   per_token = m.sum(axis=1)[perm]
   return per_token.reshape(cp, -1).sum(axis=1)
 
@@ -319,8 +328,9 @@ def test_cost_model_counts_window_pairs(strategy, left):
   cp = 4
   cu, cuP, _ = rows(7, cp, strategy)
   cu, cuP = cu[0], cuP[0]
-  est = jax_cp.estimate_cp_imbalance(cu, cuP, cp, strategy,
-                                     window_size=(left, 0))
+  est = estimate_cp_imbalance(cu, cuP, CPLayout(cp_size=cp,
+                                                strategy=strategy),
+                              window_size=(left, 0))
   np.testing.assert_array_equal(est.pairs_per_rank,
                                 _brute_pairs(cu, cuP, cp, left, strategy))
   if strategy is S.NO_LOAD_BALANCE and left >= 0:
@@ -331,13 +341,14 @@ def test_cost_model_counts_window_pairs(strategy, left):
 
 def test_recommend_strategy_prefers_no_load_balance_with_window():
   cu = np.array([0, 65536])
-  rec = jax_cp.recommend_strategy(cu, cu, 2, num_heads_q=32, num_heads_kv=8,
-                                  window_size=(4095, 0))
+  rec = recommend_strategy(cu, cu, 2, num_heads_q=32, num_heads_kv=8,
+                           window_size=(4095, 0))
   nlb = rec.estimates["no_load_balance"]
   assert rec.strategy is S.NO_LOAD_BALANCE
   assert nlb.imbalance < 1.04
   assert nlb.halo_bytes == 4095 * 8 * 128 * 2 * 2
-  plain = jax_cp.estimate_cp_imbalance(cu, cu, 2, S.NO_LOAD_BALANCE)
+  plain = estimate_cp_imbalance(cu, cu, CPLayout(cp_size=2,
+                                                 strategy=S.NO_LOAD_BALANCE))
   assert plain.imbalance > 1.4
 
 
@@ -356,11 +367,16 @@ BAD_WINDOWS = [((-2, 0), "causal", ">= 0"),
 def test_bad_window_raises_in_cp_attention(window, mask, rule):
   cu, cuP, rng = rows(0, 2, S.DUAL_CHUNK_SWAP)
   q, k, v = qkv(rng)
-  mesh = jax.sharding.Mesh(np.array(devices(2)), ("cp",))
+  layout = CPLayout(mesh=jax.sharding.Mesh(np.array(devices(2)), ("cp",)),
+                    backend="xla")
   with pytest.raises(ValueError, match="window_size") as e:
-    jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh, backend="xla",
+    jax_cp.cp_attention(q, k, v, (cu, cuP), layout=layout,
                         attn_mask_type=mask, window_size=window)
   assert rule in str(e.value)
+
+
+# The fused_attention masks of the CP masks above.
+FUSED_MASKS = {"causal": "causal_bottom_right", "no_mask": "no_mask"}
 
 
 @pytest.mark.parametrize("window,mask,rule", BAD_WINDOWS)
@@ -369,13 +385,13 @@ def test_bad_window_raises_in_fused_attention(window, mask, rule):
   lens, offs = np.array([T]), np.array([0])
   with pytest.raises(ValueError, match="window_size") as e:
     jax_cp.fused_attention(q, k, v, lens, lens, offs, offs, backend="xla",
-                           attn_mask_type=mask, window_size=window)
+                           attn_mask_type=FUSED_MASKS[mask],
+                           window_size=window)
   assert rule in str(e.value)
 
 
 def test_unbounded_windows_are_plain_attention():
   """(-1, 0) is plain causal and (-1, -1) no bound at all, with any mask."""
-  from jax_cp.checks import check_window_size
   assert check_window_size(None, "causal") == -1
   assert check_window_size((-1, 0), "causal") == -1
   assert check_window_size((-1, -1), "no_mask") == -1
@@ -396,11 +412,11 @@ def test_flax_layers_alternate_local_and_global():
   cp = 4
   cu, cuP, rng = rows(11, cp, S.NO_LOAD_BALANCE)
   x = jnp.asarray(rng.standard_normal((2, T, 16)), jnp.float32)
-  pos = jax_cp.get_position_ids(cuP, total_tokens=T)
+  pos = get_position_ids(cuP, total_tokens=T)
 
   class Model(nn.Module):
     windows: tuple
-    layout: jax_cp.CPLayout
+    layout: CPLayout
 
     @nn.compact
     def __call__(self, x, pos):
@@ -412,18 +428,16 @@ def test_flax_layers_alternate_local_and_global():
       return x
 
   windows = ((5, 0), None)
-  no_cp = jax_cp.CPLayout(cp_axis=None, backend="xla")
+  no_cp = CPLayout(cp_axis=None, backend="xla")
   plain = Model(windows, no_cp)
   params = plain.init(jax.random.key(0), x, pos)
   want = plain.apply(params, x, pos)
   mesh = jax.sharding.Mesh(np.array(devices(cp)), ("cp",))
-  model = Model(windows, jax_cp.CPLayout(mesh=mesh,
-                                         strategy="no_load_balance",
-                                         backend="xla"))
-  re = lambda a: jax_cp.reorder_for_cp(a, cuP, cp, S.NO_LOAD_BALANCE,
-                                       seq_dim=1)
+  layout = CPLayout(mesh=mesh, strategy="no_load_balance", backend="xla")
+  model = Model(windows, layout)
+  re = lambda a: reorder_for_cp(a, cuP, layout, seq_dim=1)
   got = jax.jit(model.apply)(params, re(x), re(pos))
-  got = jax_cp.restore_from_cp(got, cuP, cp, S.NO_LOAD_BALANCE, seq_dim=1)
+  got = restore_from_cp(got, cuP, layout, seq_dim=1)
   valid = np.stack([ref.valid_token_mask(a, b) for a, b in zip(cu, cuP)])
   np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid],
                              rtol=1e-4, atol=1e-4)
@@ -438,8 +452,7 @@ def test_flax_dot_product_attention_window_matches_reference():
   cu, cuP, rng = rows(12, 1, S.NO_LOAD_BALANCE)
   q, k, v = qkv(rng)
   mod = DotProductAttention(window_size=(3, 0),
-                            layout=jax_cp.CPLayout(cp_axis=None,
-                                                   backend="xla"))
+                            layout=CPLayout(cp_axis=None, backend="xla"))
   got = mod.apply({}, q, k, v, cu, cuP)
   want = ref.batched_attention(q, k, v, cu, cuP, window=3)
   valid = np.stack([ref.valid_token_mask(a, b) for a, b in zip(cu, cuP)])
@@ -450,56 +463,3 @@ def test_flax_dot_product_attention_window_matches_reference():
     from jax_cp.flax import TransformerLayer
     TransformerLayer(num_heads=2, window_size=(-3, 0))
 
-
-# ------------------------------------------------------------------ benchmarks
-
-
-@requires_devices(2)
-def test_benchmarks_take_a_window(tmp_path):
-  """bench_fused --window and speedup_ab --window run (xla, tiny sizes)."""
-  import json
-
-  from benchmarks import bench_fused, speedup_ab
-
-  small = ["--backend", "xla", "--tokens", "256", "--hq", "2", "--hkv", "1",
-           "--head-dim", "8", "--dists", "one_doc", "--reps", "1",
-           "--window", "15"]
-  recs = bench_fused.main(small + ["--out", str(tmp_path)])
-  ours = [r for r in recs if r["variant"] == "ours"]
-  assert len(ours) == 2 and all(r["ms"] > 0 for r in ours)
-  # 256 queries, each seeing min(j+1, 16) keys.
-  assert bench_fused.window_pairs(np.array([256]), 15) == 136 + 240 * 16
-  # jax_dense needs cuDNN: on CPU the paired record holds the error.
-  assert any(r["variant"] == "paired_vs_jax_dense" for r in recs)
-  path = speedup_ab.main(small[:-4] + ["--dtype", "float32", "--cp", "2",
-                                       "--passes", "fwd_bwd", "--reps", "1",
-                                       "--window", "15",
-                                       "--strategy", "no_load_balance",
-                                       "--out", str(tmp_path)])
-  with open(path) as f:
-    rec, = json.load(f)["records"]
-  assert rec["window"] == 15 and rec["ms_other"] > 0
-
-
-@pytest.mark.slow
-@requires_devices(2)
-def test_bench_cp_takes_a_window(tmp_path):
-  """bench_cp --window: windowed programs, windowed FLOPs, the halo named
-  in the record (xla, tiny sizes)."""
-  import json
-
-  from benchmarks import bench_cp
-
-  path = bench_cp.main([
-      "--backend", "xla", "--tokens", "256", "--hq", "2", "--hkv", "1",
-      "--head-dim", "8", "--dtype", "float32", "--cp", "1", "2",
-      "--strategies", "no_load_balance", "--dists", "one_doc",
-      "--passes", "fwd_bwd", "--reps", "1", "--warmup", "1",
-      "--compile-workers", "1", "--no-references", "--window", "15",
-      "--out", str(tmp_path)])
-  with open(path) as f:
-    records = json.load(f)["records"]
-  cp2 = [r for r in records if r["kind"] == "cp_attention" and r["cp"] == 2]
-  assert cp2 and cp2[0]["window"] == 15
-  assert cp2[0]["exchange"] == "halo (15 tokens)"
-  assert cp2[0]["flops"] == 4.0 * 2 * 8 * (136 + 240 * 16) * 3.5

@@ -11,11 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_cp import call_plan
-from jax_cp.attention.registry import Segments, resolve_backend
-from jax_cp.cp_config import CPConfig
-from jax_cp.kv_exchange import choose_exchange
-from jax_cp.strategy import CPLoadBalancingStrategy as S
+from jax_cp.attention.backend import Segments
+from jax_cp.attention.registry import resolve_backend
+from jax_cp.cp import call_plan
+from jax_cp.cp.config import CPConfig
+from jax_cp.cp.exchange import choose_exchange
+from jax_cp.cp.strategy import CPLoadBalancingStrategy as S
 from tests._lowering import lower_for_cuda
 
 T = 64
@@ -24,7 +25,7 @@ T = 64
 def cp1_config(w, causal=True):
   return CPConfig(strategy=S.DUAL_CHUNK_SWAP, cp_axis=None, cp_size=1,
                   causal=causal, scale=0.1, backend=resolve_backend("xla"),
-                  total_tokens=T, max_seqlen=w, split_causal_backward=False,
+                  total_tokens=T, max_seqlen=w,
                   exchange=choose_exchange(False, None, 1, T, w),
                   window_left=-1)
 
@@ -38,10 +39,10 @@ def one_doc_rows(lens):
 @pytest.mark.parametrize("causal", [True, False])
 def test_cp1_one_document_per_row_is_tiled(causal):
   cu, cuP = one_doc_rows([64, 40, 3])
-  (fwd,) = call_plan.forward_calls(cp1_config(T, causal), cu, cuP, 0)
-  (bwd,) = call_plan.backward_calls(cp1_config(T, causal), cu, cuP, 0)
-  seg = call_plan.segments(fwd, T, T)
-  assert seg.tiled == causal and call_plan.segments(bwd, T, T).tiled == causal
+  (fwd,) = call_plan.forward_plan(cp1_config(T, causal), cu, cuP, 0)
+  (bwd,) = call_plan.backward_plan(cp1_config(T, causal), cu, cuP, 0)
+  seg = fwd.segments
+  assert seg.tiled == causal and bwd.segments.tiled == causal
   if causal:
     # Row order kept: segment i is row i (no heaviest-first sort).
     np.testing.assert_array_equal(seg.q_lens, [64, 40, 3])
@@ -52,11 +53,11 @@ def test_cp1_one_document_per_row_is_tiled(causal):
 def test_not_tiled_with_two_documents_or_a_tighter_bound():
   cu = np.array([[0, 10, 30]], np.int32)
   cuP = np.array([[0, 32, 64]], np.int32)
-  (call,) = call_plan.forward_calls(cp1_config(T), cu, cuP, 0)
-  assert not call_plan.segments(call, T, T).tiled
+  (call,) = call_plan.forward_plan(cp1_config(T), cu, cuP, 0)
+  assert not call.segments.tiled
   cu1, cuP1 = one_doc_rows([40])
-  (call,) = call_plan.forward_calls(cp1_config(48), cu1, cuP1, 0)
-  assert not call_plan.segments(call, T, T).tiled
+  (call,) = call_plan.forward_plan(cp1_config(48), cu1, cuP1, 0)
+  assert not call.segments.tiled
 
 
 try:
@@ -87,7 +88,8 @@ def test_fused_attention_one_document_rows_lower_tiled():
 
   def loss(q, k, v):
     o = jax_cp.fused_attention(q, k, v, lens, lens, offs, offs,
-                               attn_mask_type="causal", backend="cudnn")
+                               attn_mask_type="causal_bottom_right",
+                               backend="cudnn")
     return jnp.sum(o.astype(jnp.float32))
   text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
   assert tiled_attrs(text) == ["1", "1"]

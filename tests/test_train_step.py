@@ -1,10 +1,7 @@
 """The example's training step: its collectives at dp=2 x cp=4 (compiled
-HLO), the FSDP shardings, the mesh shape, the prefetching loop, and a smoke
-run of benchmarks/bench_step.py."""
+HLO), the FSDP shardings, the mesh shape and the prefetching loop."""
 
 import collections
-import json
-import pathlib
 import re
 
 import jax
@@ -12,7 +9,6 @@ import numpy as np
 import pytest
 
 import jax_cp
-from benchmarks import bench_step
 from examples.packed_lm import config, data, main, model, train
 from tests._devices import devices, requires_devices
 
@@ -45,8 +41,8 @@ def _compiled_step(mode: str, dp: int = 2, cp: int = CP_SIZE):
   cfg = config.Config(**MODEL, param_sharding=mode, steps=10, warmup=2)
   mesh = main.make_mesh(dp, cp, "cpu")
   rows = data.load_rows(cfg, dp, cp)
-  local = jax_cp.process_batch_rows(mesh, dp, model.DATA)
   layout = model.make_layout(cfg, mesh, rows.max_seqlen)
+  local = jax_cp.data.process_batch_rows(layout, dp)
   batch = data.place_batch(rows, layout, local)
   with jax.set_mesh(mesh):
     graphdef, state, shardings = train.init_state(
@@ -178,108 +174,3 @@ def test_replicated_parameters_train_like_fsdp():
   a = main.main(TINY + ["--param-sharding", "replicated"])
   b = main.main(TINY + ["--param-sharding", "fsdp"])
   np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-4)
-
-
-@requires_devices(2)
-def test_bench_step_smoke(tmp_path):
-  result = bench_step.main([
-      "--device", "cpu", "--cp", "1", "2", "--strategies", "dual_chunk_swap",
-      "--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
-      "--dtype", "float32", "--seq-len", "64", "--max-doc-len", "32",
-      "--backend", "xla", "--reps", "1", "--block-ms", "1",
-      "--out", str(tmp_path)])
-  data = json.loads(pathlib.Path(result["path"]).read_text())
-  pairs = [r for r in data["records"] if r.get("kind") != "config"]
-  assert [(r["a"], r["b"]) for r in pairs] == [("cp=1", "cp=2"),
-                                               ("nocp", "cp=1")]
-  for r in pairs:
-    assert r["ms_a"] != 0 and r["ms_b"] != 0 and len(r["ratios"]) == 1
-  config = [r for r in data["records"] if r.get("kind") == "config"][0]
-  assert config["model_flops"] > 0 and config["documents"]
-  table = bench_step.step_table(data)
-  assert "| dual_chunk_swap | cp=1 |" in table and "| nocp |" in table
-
-
-@requires_devices(2)
-def test_bench_step_doc_orders(tmp_path):
-  """NO_LOAD_BALANCE with --doc-order balanced packed: one pair per order,
-  labelled in the records and the table; DUAL_CHUNK_SWAP runs once."""
-  result = bench_step.main([
-      "--device", "cpu", "--cp", "1", "2", "--strategies", "dual_chunk_swap",
-      "no_load_balance", "--doc-order", "balanced", "packed", "--no-nocp",
-      "--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
-      "--dtype", "float32", "--seq-len", "128", "--max-doc-len", "24",
-      "--backend", "xla", "--reps", "1", "--block-ms", "1",
-      "--out", str(tmp_path)])
-  pairs = [r for r in result["records"] if r.get("kind") != "config"]
-  assert [(r["strategy"], r["doc_order"]) for r in pairs] == [
-      ("dual_chunk_swap", "packed"), ("no_load_balance", "balanced"),
-      ("no_load_balance", "packed")]
-  table = bench_step.step_table(result)
-  assert "| no_load_balance (balanced) | cp=1 |" in table
-  assert "| no_load_balance (packed) | cp=1 |" in table
-  assert "| dual_chunk_swap | cp=1 |" in table
-
-
-def test_bench_step_model_presets():
-  parse = lambda *a: bench_step.resolve(bench_step.build_parser().parse_args(
-      list(a)))
-  big = parse("--model", "big", "--weak", "4096")
-  assert (big.layers, big.d_model, big.heads, big.kv_heads) == (16, 2048,
-                                                                 32, 8)
-  assert big.model_name == "big" and big.max_doc_len == 1024
-  assert big.cp is None                    # --weak: every power of 2
-  plain = parse()
-  assert plain.model_name == "example" and plain.cp == [1, 2]
-  assert plain.max_doc_len == 16384
-  assert parse("--layers", "2").model_name == "L2-d1024"
-
-
-@requires_devices(2)
-def test_bench_step_weak_scaling(tmp_path):
-  """--weak 96: T = 96 at cp=1 and 192 at cp=2; DUAL_CHUNK_SWAP on one
-  document of the whole row, NO_LOAD_BALANCE on documents cut at
-  --max-doc-len; model FLOPs of the row's documents; SCALING.md written."""
-  result = bench_step.main([
-      "--device", "cpu", "--weak", "96", "--cp", "1", "2", "64", "--rows",
-      "dcs_one_doc", "nlb_short", "--layers", "1", "--d-model", "32",
-      "--heads", "2", "--kv-heads", "1", "--dtype", "float32",
-      "--max-doc-len", "20", "--backend", "xla", "--block-ms", "1",
-      "--out", str(tmp_path)])
-  saved = json.loads(pathlib.Path(result["path"]).read_text())
-  recs = saved["records"]
-  assert [(r["row"], r["cp"], r["seq_len"]) for r in recs] == [
-      ("dcs_one_doc", 1, 96), ("dcs_one_doc", 2, 192),
-      ("nlb_short", 1, 96), ("nlb_short", 2, 192)]
-  matmul = recs[0]["matmul_params"]
-  for r in recs:
-    one_doc = r["row"] == "dcs_one_doc"
-    assert r["strategy"] == ("dual_chunk_swap" if one_doc
-                             else "no_load_balance")
-    assert r["doc_order"] == ("packed" if one_doc else "balanced")
-    assert (r["documents"] == 1) == one_doc and r["max_seqlen"] <= (
-        r["seq_len"] if one_doc else 20)
-    # One document of T tokens: T (T + 1) / 2 causal pairs per layer.
-    if one_doc:
-      t = r["seq_len"]
-      want = 6 * matmul * t + 12 * (t * (t + 1) // 2) * 2 * 16
-      assert r["model_flops"] == want
-    assert r["tflops_per_gpu"] == pytest.approx(
-        r["model_flops"] / (r["ms"] / 1e3) / r["cp"] / 1e12)
-    assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / 989.0)
-  text = (tmp_path / "SCALING.md").read_text()   # cp=64 is skipped
-  assert "| DCS, one document | 96 | 2 | 192 | 1 |" in text
-  assert "| NLB (balanced), docs ≤ 20 | 96 | 1 | 96 |" in text
-
-
-@requires_devices(2)
-def test_bench_step_weak_budget_stops_after_the_first(tmp_path, capsys):
-  result = bench_step.main([
-      "--device", "cpu", "--weak", "32", "--cp", "1", "2", "--rows",
-      "nlb_short", "--layers", "1", "--d-model", "16", "--heads", "2",
-      "--kv-heads", "1", "--dtype", "float32", "--max-doc-len", "8",
-      "--backend", "xla", "--block-ms", "1", "--budget-s", "1e-9",
-      "--out", str(tmp_path)])
-  assert [r["cp"] for r in result["records"]] == [1]
-  assert "--budget-s 1e-09: 1 of 2 programs not measured" in (
-      capsys.readouterr().out)

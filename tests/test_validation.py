@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 import jax_cp
+from jax_cp import CPBatch, CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
+from jax_cp.data import get_batch_on_this_cp_rank, get_partition_indices
 from tests._devices import devices
 
 CP = 2
@@ -29,19 +31,28 @@ def qkv(t=T, hq=4, hkv=2, d=8, dtype=jnp.float32, tkv=None, dk=None):
   return q, k, v
 
 
-def call(q, k, v, cu=CU, cuP=CUP, **kw):
-  kw.setdefault("mesh", mesh())
-  kw.setdefault("backend", "xla")
-  kw.setdefault("load_balancing_strategy", S.NO_LOAD_BALANCE)
-  return jax_cp.cp_attention(q, k, v, cu, cuP, **kw)
+def nlb(**changes):
+  """The tests' layout (NO_LOAD_BALANCE on the xla backend over a cp mesh
+  of CP devices), with ``changes``."""
+  fields = dict(mesh=mesh(), backend="xla", strategy=S.NO_LOAD_BALANCE)
+  return CPLayout(**{**fields, **changes})
+
+
+def nlb_size(cp):
+  """A NO_LOAD_BALANCE layout of ``cp`` ranks, for the data functions."""
+  return CPLayout(cp_size=cp, strategy=S.NO_LOAD_BALANCE)
+
+
+def call(q, k, v, cu=CU, cuP=CUP, *, layout=None, **kw):
+  """cp_attention on ``layout`` (default :func:`nlb`)."""
+  return jax_cp.cp_attention(q, k, v, (cu, cuP), layout=layout or nlb(),
+                             **kw)
 
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(attn_mask_type="no_mask"), "needs causal attention"),
     (dict(window_size=(4, 2)), "window_size"),
     (dict(window_size=(-3, 0)), "window_size"),
-    (dict(cp_comm_type="p2p"), "cp_comm_type"),
-    (dict(cp_comm_type="a2a"), "cp_comm_type"),
     (dict(attn_mask_type="padding_causal_bottom_right"), "attn_mask_type"),
 ])
 def test_no_load_balance_config_rules(kwargs, match):
@@ -63,12 +74,12 @@ def test_dual_chunk_divisibility_concrete():
   # cp=4: padded lengths 8, 4, 4 must be multiples of 8.
   with pytest.raises(ValueError, match=r"divisible by 2\*cp_size=8.*document 1"
                      r" \(row 0\) has padded length 4"):
-    call(*qkv(), mesh=mesh(4), load_balancing_strategy=S.DUAL_CHUNK_SWAP)
+    call(*qkv(), layout=nlb(mesh=mesh(4), strategy=S.DUAL_CHUNK_SWAP))
   with pytest.raises(ValueError, match="2\\*cp_size=8"):
-    jax_cp.get_partition_indices(CUP, 4, 0)
+    get_partition_indices(CUP, CPLayout(cp_size=4), 0)
   with pytest.raises(ValueError, match="2\\*cp_size=8"):
-    jax_cp.get_batch_on_this_cp_rank(CUP, np.arange(T), cp_size=4,
-                                     cp_rank=0)
+    get_batch_on_this_cp_rank(CUP, np.arange(T), layout=CPLayout(cp_size=4),
+                              cp_rank=0)
 
 
 def test_tokens_not_divisible_by_cp():
@@ -76,7 +87,7 @@ def test_tokens_not_divisible_by_cp():
   with pytest.raises(ValueError, match="divisible by cp_size=2"):
     call(*qkv(t=15), cu=np.array([0, 15]), cuP=cuP)
   with pytest.raises(ValueError, match="divisible by cp_size=4"):
-    jax_cp.get_partition_indices(np.array([0, 18]), 4, 0, S.NO_LOAD_BALANCE)
+    get_partition_indices(np.array([0, 18]), nlb_size(4), 0)
 
 
 def test_non_monotonic_cu_seqlens_padded():
@@ -84,9 +95,9 @@ def test_non_monotonic_cu_seqlens_padded():
   with pytest.raises(ValueError, match="non-decreasing"):
     call(*qkv(), cu=np.array([0, 4, 6, 10]), cuP=cuP)
   with pytest.raises(ValueError, match="non-decreasing"):
-    jax_cp.get_partition_indices(cuP, 2, 0, S.NO_LOAD_BALANCE)
+    get_partition_indices(cuP, nlb_size(2), 0)
   with pytest.raises(ValueError, match="must start at 0"):
-    jax_cp.get_partition_indices(np.array([2, 16]), 2, 0, S.NO_LOAD_BALANCE)
+    get_partition_indices(np.array([2, 16]), nlb_size(2), 0)
 
 
 def test_valid_length_above_padded():
@@ -100,9 +111,8 @@ def test_token_count_must_match_metadata():
                      "equal the token count T=32"):
     call(*qkv(t=32))
   with pytest.raises(ValueError, match="tensors\\[0\\] has 20 tokens"):
-    jax_cp.get_batch_on_this_cp_rank(CUP, np.arange(20), cp_size=2,
-                                     cp_rank=0,
-                                     load_balancing_strategy=S.NO_LOAD_BALANCE)
+    get_batch_on_this_cp_rank(CUP, np.arange(20), layout=nlb_size(2),
+                              cp_rank=0)
 
 
 def test_heads_rules():
@@ -117,27 +127,27 @@ def test_heads_rules():
 def test_mesh_without_axis():
   with pytest.raises(ValueError, match="cp_axis='seq' is not an axis of the "
                      "mesh"):
-    call(*qkv(), cp_axis="seq")
+    call(*qkv(), layout=nlb(cp_axis="seq"))
   with pytest.raises(ValueError, match="batch_axis='data'"):
     q, k, v = qkv()
     call(q[None], k[None], v[None], cu=CU[None], cuP=CUP[None],
-         batch_axis="data")
+         layout=nlb(batch_axis="data"))
   with pytest.raises(ValueError, match="needs a mesh"):
-    jax_cp.cp_attention(*qkv(), CU, CUP, backend="xla",
-                        load_balancing_strategy=S.NO_LOAD_BALANCE)
+    call(*qkv(), layout=nlb(mesh=None))
 
 
 def test_unknown_strategy_and_backend():
-  with pytest.raises(ValueError, match="load_balancing_strategy='ring'"):
-    call(*qkv(), load_balancing_strategy="ring")
+  with pytest.raises(ValueError, match="strategy='ring' is not a "
+                     "CPLoadBalancingStrategy"):
+    call(*qkv(), layout=nlb(strategy="ring"))
   with pytest.raises(ValueError, match="backend='triton' is not available"):
-    call(*qkv(), backend="triton")
+    call(*qkv(), layout=nlb(backend="triton"))
 
 
 def test_max_seqlen_below_longest_document():
   with pytest.raises(ValueError, match="max_seqlen=6 is smaller than the "
                      "longest padded document \\(8 tokens\\)"):
-    call(*qkv(), max_seqlen=6)
+    call(*qkv(), layout=nlb(max_seqlen=6))
 
 
 def test_traced_metadata_still_checks_shapes_and_config():
@@ -150,6 +160,48 @@ def test_traced_metadata_still_checks_shapes_and_config():
   g = jax.jit(lambda cu, cuP: call(q, k, v, cu, cuP))
   with pytest.raises(ValueError, match="cu_seqlens must be \\[N\\+1\\]"):
     g(CU[None], CUP[None])
+
+
+def test_metadata_needs_a_layout_or_a_batch():
+  """Raw metadata arrays carry no layout: cp_attention without one raises,
+  naming it; metadata that are neither a CPBatch nor the pair of arrays
+  raise, naming what they are; so does a pair with a missing array."""
+  q, k, v = qkv()
+  with pytest.raises(ValueError, match="cp_attention needs a layout: pass "
+                     "layout=jax_cp.CPLayout"):
+    jax_cp.cp_attention(q, k, v, (CU, CUP))
+  for metadata, name in ((CU, "ndarray"), ((CU, CUP, CUP), "tuple"),
+                         ({"cu": CU}, "dict")):
+    with pytest.raises(ValueError, match="metadata must be a "
+                       "jax_cp.CPBatch or the pair \\(cu_seqlens, "
+                       f"cu_seqlens_padded\\), got {name}"):
+      jax_cp.cp_attention(q, k, v, metadata, layout=nlb())
+  with pytest.raises(ValueError, match="needs both cu_seqlens and "
+                     "cu_seqlens_padded"):
+    jax_cp.cp_attention(q, k, v, (CU, None), layout=nlb())
+  with pytest.raises(ValueError, match="layout must be a jax_cp.CPLayout"):
+    jax_cp.cp_attention(q, k, v, (CU, CUP), layout="no_load_balance")
+
+
+@pytest.mark.parametrize("field", ["strategy", "cp_axis", "cp_size"])
+def test_batch_with_another_token_placement_raises(field):
+  """A CPBatch given with a layout that places its tokens elsewhere
+  (another strategy, cp axis or cp size) raises, naming the field; a
+  layout that differs in what does not move tokens (here the bound) is
+  accepted."""
+  q, k, v = qkv()
+  batch = CPBatch(None, CUP, CU, layout=nlb())
+  other = {
+      "strategy": lambda: nlb(strategy=S.DUAL_CHUNK_SWAP),
+      "cp_axis": lambda: nlb(mesh=jax.make_mesh(
+          (CP,), ("tokens",), devices=devices(CP)), cp_axis="tokens"),
+      "cp_size": lambda: nlb(mesh=mesh(4)),
+  }[field]()
+  with pytest.raises(ValueError, match="laid out with another CPLayout "
+                     f"\\({field}: "):
+    jax_cp.cp_attention(q, k, v, batch, layout=other)
+  out = jax_cp.cp_attention(q, k, v, batch, layout=nlb(max_seqlen=8))
+  assert out.shape == q.shape
 
 
 def test_fused_attention_rules():

@@ -3,8 +3,9 @@
 The layout's view decides where it runs: the global view places q, k, v
 in the sharding the ``shard_map`` expects and opens it on the layout's (or
 the context) mesh; the local view runs on this rank's chunk inside the
-caller's ``shard_map``; without CP (``cp_axis=None``) the row is attended
-whole. Either way the arguments are validated and one
+caller's ``shard_map``. Without CP (``cp_axis=None``) every row is
+attended whole, on each device's rows where there is a mesh. Either way
+the arguments are validated and one
 :class:`~jax_cp.cp.config.CPConfig` built (:func:`~jax_cp.cp.config.
 make_config`) before any tracing of the per-rank work, which lives in
 :mod:`jax_cp.cp.vjp` (the ``custom_vjp``), planned by
@@ -68,7 +69,7 @@ def cp_attention(q, k, v, metadata, *, layout: CPLayout | None = None,
       make_config, layout, q, k, v, cu_seqlens, cu_seqlens_padded,
       attn_mask_type=attn_mask_type, softmax_scale=softmax_scale,
       window_size=window_size, trusted=trusted)
-  if layout.cp_axis is None or layout.is_local:
+  if not layout.runs_in_own_shard_map():
     cp = layout.resolve_cp_size()
     cfg = config(cp_size=cp, total_tokens=q.shape[-3] * cp)
     return run_local(cfg, q, k, v, cu_seqlens, cu_seqlens_padded)

@@ -188,6 +188,22 @@ class CPLayout:
           " (or use view='local' inside your own shard_map)")
     return mesh
 
+  def mesh_if_any(self) -> MeshLike | None:
+    """``mesh``, or the context mesh, or None where there is neither."""
+    if self.mesh is not None:
+      return self.mesh
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh is None or mesh.empty else mesh
+
+  def runs_in_own_shard_map(self) -> bool:
+    """Whether attention opens its own ``shard_map``: in the global view,
+    with CP, or without CP where a mesh shards the rows (their batch or
+    head axes); not in the local view, nor without CP and without a
+    mesh."""
+    if self.is_local:
+      return False
+    return self.cp_axis is not None or self.mesh_if_any() is not None
+
   def resolve_cp_size(self) -> int:
     """The cp size where the layout is used, checking the axis exists there.
 
@@ -200,6 +216,11 @@ class CPLayout:
         (global view), or its size disagrees with ``cp_size``.
     """
     if self.cp_axis is None:
+      mesh = self.mesh_if_any()
+      if mesh is not None:
+        for ax in self.batch_axes:
+          validation.check_mesh_axis(mesh, ax, "batch_axis")
+        validation.check_mesh_axis(mesh, self.head_axis, "head_axis")
       return 1
     if self.is_local:
       try:

@@ -257,7 +257,7 @@ def rows_from_segment_ids(segment_ids, tokens, labels=None, *,
     padding: ``"trailing"``: padding only ends a row (MaxText); ``"between"``:
       padding may follow any document (grain with
       ``pack_alignment_struct``).
-    overflow: what a re-laid row that no longer fits in ``seq_len`` does:
+    overflow: what a re-laid row that does not fit in ``seq_len`` does:
       ``"raise"`` a ``ValueError`` naming the row and the shortfall, or
       ``"truncate"``: the first document that does not fit is cut where the
       row ends and the documents after it are dropped.

@@ -92,9 +92,11 @@ class DotProductAttention(nn.Module):
       ``[.., T, Hq, D]`` in the layout of ``query``; 0 on padding tokens.
     """
     layout = inputs.module_layout(self.layout)
-    cu_seqlens, cu_seqlens_padded = inputs.metadata(
-        layout, cu_seqlens, cu_seqlens_padded, "DotProductAttention's batch")
-    inputs.check_tokens(layout, query.shape[-3], cu_seqlens_padded, "query")
+    # The caller's metadata go on to attention as given: a batch keeps its
+    # host check.
+    _, cuP = inputs.metadata(layout, cu_seqlens, cu_seqlens_padded,
+                             "DotProductAttention's batch")
+    inputs.check_tokens(layout, query.shape[-3], cuP, "query")
     self.sow("intermediates", "cp_strategy_code",
              jnp.int32(settings.STRATEGY_CODES[layout.strategy]))
     if self.dtype is not None:

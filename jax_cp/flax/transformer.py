@@ -80,8 +80,8 @@ class MlpBlock(nn.Module):
     cp = layout.resolve_cp_size()
     if self.chunk_size >= x.shape[-2] // token_chunks.token_groups(layout, cp):
       return apply(layers, x, layout.shard_tokens)
-    if self.is_initializing():
-      apply(layers, x[..., :1, :], lambda v: v)    # creates the parameters
+    if self.is_initializing():    # creates the parameters on one token
+      apply(layers, jnp.zeros((1, x.shape[-1]), x.dtype), lambda v: v)
     unbound = {k: m.unbind() for k, m in layers.items()}
     fn = lambda xc, pin: apply(
         {k: functools.partial(m.apply, v) for k, (m, v) in unbound.items()},
@@ -234,8 +234,8 @@ class TransformerLayer(nn.Module):
         mlp_dim)
     if chunk is None:
       return h + mlp(norm(h))
-    if self.is_initializing():
-      mlp(norm(h[..., :1, :]), pin=lambda v: v)    # creates the parameters
+    if self.is_initializing():    # creates the parameters on one token
+      mlp(norm(jnp.zeros((1, h.shape[-1]), h.dtype)), pin=lambda v: v)
     (norm_u, norm_v), (mlp_u, mlp_v) = norm.unbind(), mlp.unbind()
 
     def position_wise(hc, pin):

@@ -37,6 +37,7 @@ from jax_cp.cp import guard, metadata, validation
 from jax_cp.cp.layout import CPLayout
 from jax_cp.modules.inputs import metadata as module_metadata
 from jax_cp.modules.remat import add_cotangents
+from jax_cp.modules.token_chunks import zeros_like_tokens
 
 
 class Window(NamedTuple):
@@ -249,12 +250,13 @@ def map_row_chunks(make_fn: Callable, x, position_ids, cu_seqlens,
           consts[kind], xw)
       dc, dxw = vjp(part(dx, q_start, queries))
       dxw = dxw.astype(jnp.float32)
-      if halo:
-        dxw = dxw.at[:, w_size - halo:].add(carry)
+      if halo:    # an update of the tokens' sharding (Explicit axes)
+        dxw = jax.lax.dynamic_update_slice_in_dim(
+            dxw, dxw[:, w_size - halo:] + carry, w_size - halo, axis=1)
       dx = put(dx, dxw[:, w_size - queries:], q_start)
       return dc, dx, dxw[:, :halo]
 
-    carry = jnp.zeros((batch, halo) + x.shape[2:], jnp.float32)
+    carry = zeros_like_tokens(x, (batch, halo) + x.shape[2:], jnp.float32)
     dx = dy
     dcs = {}
     if rest:
@@ -336,7 +338,7 @@ def attend_window(layout: CPLayout, query, key, value, window, *,
   def call(q, k, v, *segments):
     return chunk_attention.chunk_attention(q, k, v, segments, spec)
 
-  if layout.cp_axis is None or layout.is_local:
+  if not layout.runs_in_own_shard_map():
     return call(query, key, value, *window.segments)
   mesh = layout.context_mesh()
   x_spec, m_spec = cp_api.specs(4, layout)

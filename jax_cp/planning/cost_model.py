@@ -310,18 +310,26 @@ def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded, layout: CPLayout,
       valid_tokens=int(lens.sum()), max_seqlen=w, window_left=left)
 
 
-def pad_cu_seqlens(cu_seqlens, multiple: int) -> np.ndarray:
-  """Cumulative padded lengths with every document padded up to a multiple
-  of ``multiple`` (e.g. ``2*cp`` for DUAL_CHUNK_SWAP). The row grows."""
+def pad_cu_seqlens(cu_seqlens, multiple: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+  """``(cu_seqlens, cu_seqlens_padded)`` with every document padded up to
+  a multiple of ``multiple`` (e.g. ``2*cp`` for DUAL_CHUNK_SWAP). The rows
+  grow; every row ends at the longest one's length, with one more slot
+  (valid length 0) holding what a shorter row lacks, so the slots have
+  ``N + 2`` entries."""
   multiple = _check_positive_int(multiple, "multiple")
   cu = as_int_rows(cu_seqlens, "cu_seqlens")
   lens = np.diff(cu, axis=-1)
   if (lens < 0).any():
     raise ValueError("cu_seqlens must be non-decreasing")
   plens = -(-lens // multiple) * multiple
-  out = np.concatenate([np.zeros((cu.shape[0], 1), np.int64),
-                        np.cumsum(plens, axis=-1)], axis=-1)
-  return out.reshape(np.shape(cu_seqlens))
+  ends = np.cumsum(plens, axis=-1)
+  total = ends[:, -1:].max(initial=0)
+  zero = np.zeros((cu.shape[0], 1), np.int64)
+  cu_p = np.concatenate([zero, ends, np.full_like(zero, total)], axis=-1)
+  cu = np.concatenate([cu, cu[:, -1:]], axis=-1)
+  shape = np.shape(cu_seqlens)[:-1] + (cu.shape[-1],)
+  return cu.reshape(shape), cu_p.reshape(shape)
 
 
 def _dcs_window_plan_calls(window_left: int, max_seqlen: int
@@ -382,8 +390,10 @@ def recommend_strategy(cu_seqlens, cu_seqlens_padded, cp_size: int, *,
       length divides by ``2*cp``, else each document re-padded to a multiple
       of ``2*cp`` (:func:`pad_cu_seqlens`; the row grows, which the estimate
       then includes).
-    peak_flops: sustained causal-attention FLOP/s per GPU (H200: 600e12).
-    bandwidth: exchange bus bandwidth, B/s (H200 NVLink all-gather: 150e9).
+    peak_flops: sustained causal-attention FLOP/s per GPU (default
+      :data:`H200_ATTENTION_FLOPS`).
+    bandwidth: exchange bus bandwidth, B/s (default
+      :data:`H200_ALLGATHER_BUS_BANDWIDTH`).
     call_overhead_s: fixed cost per kernel call (20e-6).
     include_backward: model a training step (forward + backward).
     bounded_exchange: whether NO_LOAD_BALANCE exchanges only the halo.
@@ -409,16 +419,18 @@ def recommend_strategy(cu_seqlens, cu_seqlens_padded, cp_size: int, *,
   nlb = estimate_cp_imbalance(cu_nlb, cuP_nlb, nlb_layout, **kw)
   note = " (no_load_balance on the reordered rows)" if reorder_documents \
       else ""
+  cu_dcs = cu_seqlens
   if cu_seqlens_padded_dcs is None:
     plens = np.diff(as_int_rows(cu_seqlens_padded, "cu_seqlens_padded"),
                     axis=-1)
     if (plens % (2 * cp_size)).any():
-      cu_seqlens_padded_dcs = pad_cu_seqlens(cu_seqlens, 2 * cp_size)
+      cu_dcs, cu_seqlens_padded_dcs = pad_cu_seqlens(cu_seqlens,
+                                                     2 * cp_size)
       note += (f" (DUAL_CHUNK_SWAP estimated on documents re-padded to a "
                f"multiple of {2 * cp_size})")
     else:
       cu_seqlens_padded_dcs = cu_seqlens_padded
-  dcs = estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded_dcs,
+  dcs = estimate_cp_imbalance(cu_dcs, cu_seqlens_padded_dcs,
                               CPLayout(cp_size=cp_size, strategy=_DCS), **kw)
   model = dict(peak_flops=peak_flops, bandwidth=bandwidth,
                call_overhead_s=call_overhead_s,

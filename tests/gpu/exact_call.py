@@ -10,11 +10,11 @@ else the test workers sharing the GPU hold.
 A case is a dict:
 
 * ``kind``: ``"call"`` (one ``cudnn`` backend forward and backward,
-  :func:`jax_cp.attention.exactness.check_call`) or ``"cp"``
+  :func:`benchmarks.exactness.check_call`) or ``"cp"``
   (``jax_cp.cp_attention`` at cp=1 on a one-device mesh, its ``jax.vjp``
-  against :func:`~jax_cp.attention.exactness.subset_reference`);
+  against :func:`benchmarks.exactness.subset_reference`);
 * ``layout``, ``tokens``, ``hq``, ``hkv``, ``d``, ``dtype``, ``cp`` as in
-  :class:`benchmarks.probe_limits.Case` (layouts ``one_doc``, ``mixed``,
+  :class:`benchmarks.exactness.Case` (layouts ``one_doc``, ``mixed``,
   ``short``, ``cp``);
 * ``offset_bits`` (optional, ``"call"`` only): force 32- or 64-bit ragged
   offsets instead of the backend's choice (the mutation check);
@@ -31,15 +31,15 @@ import numpy as np
 
 
 def _segments(case):
-  from benchmarks.probe_limits import Case, segments_for
+  from benchmarks.exactness import Case, segments_for
   c = Case(case["layout"], case["tokens"], case["hq"], case["hkv"],
            case["d"], case.get("dtype", "bfloat16"), case.get("cp", 8))
   return c, segments_for(c, case.get("seed", 0))
 
 
 def run_call(case) -> dict[str, float]:
-  """One cudnn call's check (benchmarks.probe_limits.run_case)."""
-  from benchmarks.probe_limits import run_case
+  """One cudnn call's check (benchmarks.exactness.run_case)."""
+  from benchmarks.exactness import run_case
   c, _ = _segments(case)
   r = run_case(c, case.get("offset_bits"), case.get("rows", 128),
                case.get("seed", 0))
@@ -54,7 +54,7 @@ def run_cp(case) -> dict[str, float]:
   import jax.numpy as jnp
 
   import jax_cp
-  from jax_cp.attention import exactness
+  from benchmarks import exactness
   from jax_cp.attention.backend import Segments
 
   c, (lens, _, starts, _, max_len, _, t, _, _) = _segments(case)
@@ -78,16 +78,16 @@ def run_cp(case) -> dict[str, float]:
   rows = exactness.pick_rows(cuP[:-1], lens, tp, case.get("rows", 128))
   rng = np.random.default_rng(1)
   do_rows = jnp.asarray(rng.standard_normal((rows.size, c.hq, c.d)), dt)
-  kw = dict(mesh=mesh, cp_axis="cp", load_balancing_strategy=strategy,
-            max_seqlen=int(np.max(padded)), backend="cudnn")
-  if window >= 0:
-    kw["window_size"] = (window, 0)
+  layout = jax_cp.CPLayout(mesh=mesh, cp_axis="cp", strategy=strategy,
+                           max_seqlen=int(np.max(padded)), backend="cudnn")
+  kw = {} if window < 0 else dict(window_size=(window, 0))
 
   @jax.jit
   def run(q, k, v, do_rows):
     def f(q, k, v):
-      return jax_cp.cp_attention(q, k, v, jnp.asarray(cu[None]),
-                                 jnp.asarray(cuP[None]), **kw)
+      return jax_cp.cp_attention(
+          q, k, v, (jnp.asarray(cu[None]), jnp.asarray(cuP[None])),
+          layout=layout, **kw)
     out, vjp = jax.vjp(f, q, k, v)
     dout = jnp.zeros_like(out).at[0, rows].set(do_rows)
     dq, dk, dv = vjp(dout)

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 import jax_cp
+from jax_cp import CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
+from jax_cp.data import longest_padded_document, reorder_for_cp, restore_from_cp
 from tests import reference as ref
 from tests._devices import devices
 
@@ -40,16 +42,17 @@ def test_cp_attention_cudnn_matches_reference(cp, strategy, kind,
   w = jnp.asarray(rng.standard_normal((1, T, HQ, D)), jnp.float32)
   mesh = jax.make_mesh((cp,), ("cp",), devices=gpus,
                        axis_types=(jax.sharding.AxisType.Auto,))
-  longest = jax_cp.longest_padded_document(cuP)
-  attn = functools.partial(jax_cp.cp_attention, mesh=mesh, backend="cudnn",
-                           load_balancing_strategy=strategy,
-                           max_seqlen=longest)
-  re = lambda x: jax_cp.reorder_for_cp(x, cuP, cp, strategy, seq_dim=1)
-  back = lambda x: np.asarray(jax_cp.restore_from_cp(
-      jax.device_get(x), cuP, cp, strategy, seq_dim=1), np.float32)
-  out = jax.jit(lambda q, k, v: attn(q, k, v, cu, cuP))(re(q), re(k), re(v))
+  layout = CPLayout(mesh=mesh, backend="cudnn", strategy=strategy,
+                    max_seqlen=longest_padded_document(cuP))
+  attn = functools.partial(jax_cp.cp_attention, layout=layout)
+  re = lambda x: reorder_for_cp(x, cuP, layout, seq_dim=1)
+  back = lambda x: np.asarray(restore_from_cp(
+      jax.device_get(x), cuP, layout, seq_dim=1), np.float32)
+  out = jax.jit(lambda q, k, v: attn(q, k, v, (cu, cuP)))(re(q), re(k),
+                                                          re(v))
   grads = jax.jit(jax.grad(lambda q, k, v, w: jnp.sum(
-      attn(q, k, v, cu, cuP).astype(jnp.float32) * w), argnums=(0, 1, 2)))(
+      attn(q, k, v, (cu, cuP)).astype(jnp.float32) * w),
+      argnums=(0, 1, 2)))(
           re(q), re(k), re(v), re(w))
   with jax.default_device(gpus[0]):
     f = lambda q, k, v: ref.batched_attention(q, k, v, cu, cuP)

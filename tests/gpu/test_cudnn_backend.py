@@ -19,7 +19,8 @@ from tests.gpu._requires import cudnn_backend_or_skip
 cudnn_backend = cudnn_backend_or_skip()
 
 import jax_cp
-from jax_cp.attention.registry import Segments, resolve_backend
+from jax_cp.attention.backend import Segments
+from jax_cp.attention.registry import resolve_backend
 
 CUDNN = resolve_backend("cudnn")
 XLA = resolve_backend("xla")
@@ -231,8 +232,9 @@ def test_fused_attention_grad_matches_xla(record_error):
 
   def loss(backend, q, k, v):
     out = jax_cp.fused_attention(q, k, v, lens, lens, offs, offs,
-                                 attn_mask_type="causal", backend=backend,
-                                 max_seqlen_q=300, max_seqlen_kv=300)
+                                 attn_mask_type="causal_bottom_right",
+                                 backend=backend, max_seqlen_q=300,
+                                 max_seqlen_kv=300)
     w = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
     return jnp.sum(out.astype(jnp.float32) * w)
 

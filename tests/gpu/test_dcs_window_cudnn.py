@@ -19,6 +19,7 @@ cudnn_backend_or_skip()
 
 import jax_cp
 from jax_cp import CPLoadBalancingStrategy as S
+from jax_cp.data import reorder_for_cp, restore_from_cp
 from tests import reference as ref
 from tests._devices import devices
 
@@ -50,14 +51,14 @@ def test_windowed_dual_chunk_swap_matches_reference(left):
       strategy=DCS, backend="cudnn")
 
   def loss(q, k, v, w):
-    out = jax_cp.cp_attention(q, k, v, cu, cuP, layout=layout,
+    out = jax_cp.cp_attention(q, k, v, (cu, cuP), layout=layout,
                               window_size=(left, 0))
     return jnp.sum(out.astype(jnp.float32) * w), out
 
-  re = lambda x: jax_cp.reorder_for_cp(x, cuP, CP, DCS, seq_dim=1)
+  re = lambda x: reorder_for_cp(x, cuP, layout, seq_dim=1)
   (_, out), grads = jax.jit(jax.value_and_grad(
       loss, argnums=(0, 1, 2), has_aux=True))(re(q), re(k), re(v), re(w))
-  got = [jax_cp.restore_from_cp(jax.device_get(x), cuP, CP, DCS, seq_dim=1)
+  got = [restore_from_cp(jax.device_get(x), cuP, layout, seq_dim=1)
          for x in (out, *grads)]
   with jax.default_device(gpus[0]):
     f = functools.partial(ref.batched_attention, cu=cu, cuP=cuP,

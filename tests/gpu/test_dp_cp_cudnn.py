@@ -28,7 +28,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cp
+from jax_cp import CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
+from jax_cp.data import reorder_for_cp, restore_from_cp
 from tests import reference as ref
 from tests._devices import requires_devices
 
@@ -109,19 +111,20 @@ def check_dp_cp_attention(mesh, strategy, window, backend: str, tol: float,
   v = jnp.asarray(rng.standard_normal((dp, t, HKV, D)), dtype)
   w = jnp.asarray(rng.standard_normal((dp, t, HQ, D)), jnp.float32)
   spec = NamedSharding(mesh, P("data", "cp"))
-  re_ = lambda x: jax.device_put(
-      jax_cp.reorder_for_cp(x, cuP, cp, strategy, seq_dim=1), spec)
-  back = lambda x: np.asarray(jax_cp.restore_from_cp(
-      jax.device_get(x), cuP, cp, strategy, seq_dim=1), np.float32)
+  layout = CPLayout(mesh=mesh, batch_axis="data", backend=backend,
+                    strategy=strategy,
+                    max_seqlen=int(np.diff(cuP, axis=-1).max()))
+  re_ = lambda x: jax.device_put(reorder_for_cp(x, cuP, layout, seq_dim=1),
+                                 spec)
+  back = lambda x: np.asarray(restore_from_cp(
+      jax.device_get(x), cuP, layout, seq_dim=1), np.float32)
   attn = functools.partial(
-      jax_cp.cp_attention, mesh=mesh, batch_axis="data", backend=backend,
-      load_balancing_strategy=strategy, max_seqlen=int(
-          np.diff(cuP, axis=-1).max()),
+      jax_cp.cp_attention, layout=layout,
       window_size=None if window is None else (window, 0))
   loss = lambda q, k, v, w: jnp.sum(
-      attn(q, k, v, cu, cuP).astype(jnp.float32) * w)
+      attn(q, k, v, (cu, cuP)).astype(jnp.float32) * w)
   args = [re_(x) for x in (q, k, v)]
-  out = jax.jit(lambda q, k, v: attn(q, k, v, cu, cuP))(*args)
+  out = jax.jit(lambda q, k, v: attn(q, k, v, (cu, cuP)))(*args)
   grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args, re_(w))
   # Device (i, j) of the mesh holds row i's j-th chunk of T / cp tokens.
   for shard in out.addressable_shards:

@@ -7,7 +7,7 @@ holds a file lock: the calls need tens of GB, and a process of their own
 gives them back to the device when it ends, whatever the other test workers
 sharing the GPU hold. The references are exact float32 results for an
 output cotangent on 128 random query rows
-(:mod:`jax_cp.attention.exactness`), so each check covers out, lse, dq
+(benchmarks/exactness.py), so each check covers out, lse, dq
 (its rows and zero elsewhere), dk and dv over the whole row.
 
 The size tests run each backward as one cuDNN call (the head-group split

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 import jax_cp
+from jax_cp import CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
+from jax_cp.data import reorder_for_cp, restore_from_cp
 from tests import reference as ref
 from tests._devices import devices
 
@@ -42,13 +44,13 @@ def test_fallback_on_cudnn_matches_reference(cp, strategy, record_error):
   q, k, v, w = mk(HQ), mk(HKV), mk(HKV), mk(HQ, jnp.float32)
   mesh = jax.make_mesh((cp,), ("cp",), devices=gpus,
                        axis_types=(jax.sharding.AxisType.Auto,))
+  layout = CPLayout(mesh=mesh, backend="cudnn", max_seqlen=BOUND,
+                    strategy=strategy)
 
   def loss(q, k, v, cu, cuP):
-    re = lambda x: jax_cp.reorder_for_cp(x, cuP, cp, strategy, seq_dim=1)
-    out = jax_cp.cp_attention(re(q), re(k), re(v), cu, cuP, mesh=mesh,
-                              backend="cudnn", max_seqlen=BOUND,
-                              load_balancing_strategy=strategy)
-    out = jax_cp.restore_from_cp(out, cuP, cp, strategy, seq_dim=1)
+    re = lambda x: reorder_for_cp(x, cuP, layout, seq_dim=1)
+    out = jax_cp.cp_attention(re(q), re(k), re(v), (cu, cuP), layout=layout)
+    out = restore_from_cp(out, cuP, layout, seq_dim=1)
     return jnp.sum(out.astype(jnp.float32) * w), out
 
   step = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))

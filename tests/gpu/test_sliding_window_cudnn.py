@@ -17,7 +17,9 @@ from tests.gpu._requires import cudnn_backend_or_skip
 cudnn_backend_or_skip()
 
 import jax_cp
+from jax_cp import CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
+from jax_cp.data import reorder_for_cp, restore_from_cp
 from tests import reference as ref
 from tests._devices import devices
 
@@ -116,15 +118,15 @@ def test_cp_attention_cudnn_window_matches_reference(cp, strategy, left):
   w = jnp.asarray(rng.standard_normal((1, t, HQ, D)), jnp.float32)
   mesh = jax.make_mesh((cp,), ("cp",), devices=gpus,
                        axis_types=(jax.sharding.AxisType.Auto,))
-  attn = functools.partial(jax_cp.cp_attention, mesh=mesh, backend="cudnn",
-                           load_balancing_strategy=strategy,
+  layout = CPLayout(mesh=mesh, backend="cudnn", strategy=strategy)
+  attn = functools.partial(jax_cp.cp_attention, layout=layout,
                            window_size=(left, 0))
-  re = lambda x: jax_cp.reorder_for_cp(x, cuP, cp, strategy, seq_dim=1)
-  back = lambda x: jax_cp.restore_from_cp(jax.device_get(x), cuP, cp,
-                                          strategy, seq_dim=1)
+  re = lambda x: reorder_for_cp(x, cuP, layout, seq_dim=1)
+  back = lambda x: restore_from_cp(jax.device_get(x), cuP, layout, seq_dim=1)
   loss = lambda q, k, v, w: jnp.sum(
-      attn(q, k, v, cu, cuP).astype(jnp.float32) * w)
-  out = jax.jit(lambda q, k, v: attn(q, k, v, cu, cuP))(re(q), re(k), re(v))
+      attn(q, k, v, (cu, cuP)).astype(jnp.float32) * w)
+  out = jax.jit(lambda q, k, v: attn(q, k, v, (cu, cuP)))(re(q), re(k),
+                                                          re(v))
   grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(re(q), re(k), re(v),
                                                       re(w))
   with jax.default_device(gpus[0]):

@@ -50,7 +50,7 @@ def _fused(concrete: bool, window):
   offsets are host arrays (a tiled call), else traced (the ragged call)."""
   def attn(q, k, v, lens, offs):
     return jax_cp.fused_attention(
-        q, k, v, lens, lens, offs, offs, attn_mask_type="causal",
+        q, k, v, lens, lens, offs, offs, attn_mask_type="causal_bottom_right",
         backend="cudnn", window_size=window)
 
   def loss(q, k, v, w, lens, offs):
@@ -72,7 +72,7 @@ def test_tiled_fused_attention_matches_reference_and_ragged(d, window):
   offs = np.zeros((b, 1), np.int32)
   lens2 = lens[:, None]
   text = jax.jit(lambda q, k, v: jax_cp.fused_attention(
-      q, k, v, lens2, lens2, offs, offs, attn_mask_type="causal",
+      q, k, v, lens2, lens2, offs, offs, attn_mask_type="causal_bottom_right",
       backend="cudnn", window_size=window)).lower(q, k, v).as_text()
   assert "tiled = 1" in text
   (_, tiled_g), (_, ragged_g) = (
@@ -80,8 +80,8 @@ def test_tiled_fused_attention_matches_reference_and_ragged(d, window):
       _fused(False, window)(q, k, v, w, jnp.asarray(lens2),
                             jnp.asarray(offs)))
   out = jax_cp.fused_attention(q, k, v, lens2, lens2, offs, offs,
-                               attn_mask_type="causal", backend="cudnn",
-                               window_size=window)
+                               attn_mask_type="causal_bottom_right",
+                               backend="cudnn", window_size=window)
   left = -1 if window is None else window[0]
   ref_fn = lambda q, k, v: reference.batched_attention(q, k, v, cu, cuP,
                                                        window=left)
@@ -99,8 +99,8 @@ def test_tiled_fused_attention_matches_reference_and_ragged(d, window):
 
 
 def test_cp1_layer_call_is_tiled_and_matches_reference():
-  """cp_attention_local at cp=1 with one document slot per row (traced
-  metadata inside jit) runs the tiled call."""
+  """cp_attention without CP (cp_axis=None) with one document slot per
+  row (traced metadata inside jit) runs the tiled call."""
   b, t, hq, hkv, d = 2, 256, 4, 4, 64
   lens = np.array([256, 99], np.int32)
   cu, cuP = _rows(lens, t)
@@ -108,7 +108,7 @@ def test_cp1_layer_call_is_tiled_and_matches_reference():
   layout = jax_cp.CPLayout(cp_axis=None, backend="cudnn")
 
   def loss(q, k, v, w, cu, cuP):
-    o = jax_cp.cp_attention_local(q, k, v, cu, cuP, layout=layout)
+    o = jax_cp.cp_attention(q, k, v, (cu, cuP), layout=layout)
     return jnp.sum(o.astype(jnp.float32) * w), o
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
   text = step.lower(q, k, v, w, cu, cuP).as_text()

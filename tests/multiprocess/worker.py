@@ -2,8 +2,8 @@
 collectives), started by tests/test_multiprocess.py.
 
 Every process generates the same seeded packed batch, but hands
-:func:`jax_cp.make_global_batch` only its own rows
-(:func:`jax_cp.process_batch_rows`). It then runs ``cp_attention`` forward
+:func:`jax_cp.data.make_global_batch` only its own rows
+(:func:`jax_cp.data.process_batch_rows`). It then runs ``cp_attention`` forward
 and gradients under ``jit`` on a mesh spanning both processes and compares
 each shard it holds with plain masked attention on the unpartitioned rows
 (tests/reference.py), computed locally and put in ``reorder_for_cp`` layout.
@@ -51,6 +51,7 @@ from jax.sharding import AxisType  # noqa: E402
 
 import jax_cp  # noqa: E402
 from examples import multihost  # noqa: E402
+from jax_cp import CPLayout, data  # noqa: E402
 from jax_cp import CPLoadBalancingStrategy as S  # noqa: E402
 from tests import reference as ref  # noqa: E402
 
@@ -139,8 +140,9 @@ def reference(full, cu, cuP, cp, strategy):
   per_row = [masked_attention_np(*(full[n][i] for n in "qkvw"),
                                  ref.doc_mask(cu[i], cuP[i]))
              for i in range(B)]
-  return {name: jax_cp.reorder_for_cp(np.stack([r[j] for r in per_row]),
-                                      cuP, cp, strategy, seq_dim=1)
+  layout = CPLayout(cp_size=cp, strategy=strategy)
+  return {name: data.reorder_for_cp(np.stack([r[j] for r in per_row]),
+                                    cuP, layout, seq_dim=1)
           for j, name in enumerate(("out", "dq", "dk", "dv"))}
 
 
@@ -155,27 +157,27 @@ def shard_error(arr, want) -> float:
   return (num / max(den, 1e-30)) ** 0.5
 
 
-def load(mesh, strategy, full, cu, cuP, expect_rows):
+def load(layout, full, cu, cuP, expect_rows):
   """Hands make_global_batch only this process's rows and checks that every
   shard it holds is the reorder_for_cp slice of the full batch."""
-  cp, batch_size = mesh.shape["cp"], cu.shape[0]
-  rows = jax_cp.process_batch_rows(mesh, batch_size, "data")
+  batch_size = cu.shape[0]
+  rows = data.process_batch_rows(layout, batch_size)
   assert rows.tolist() == list(expect_rows), (rows, expect_rows)
   local = {name: x[rows] for name, x in full.items()}
   assert all(x.shape[0] == len(rows) for x in local.values())
-  batch, cuP_g = jax_cp.make_global_batch(
-      local, cuP[rows], mesh, cp_axis="cp", batch_axis="data",
-      load_balancing_strategy=strategy, global_batch_size=batch_size,
-      cu_seqlens=cu[rows])
-  cu_g = jax_cp.make_global_metadata(cu[rows], mesh, batch_axis="data",
-                                     global_batch_size=batch_size)
+  batch = data.make_global_batch(local, cuP[rows], layout,
+                                 global_batch_size=batch_size,
+                                 cu_seqlens=cu[rows])
+  cu_g = data.make_global_metadata(cu[rows], layout,
+                                   global_batch_size=batch_size)
   errors = {}
   for name in full:
-    want = jax_cp.reorder_for_cp(full[name], cuP, cp, strategy, seq_dim=1)
-    errors[f"load_{name}"] = shard_error(batch[name], want)
-  errors["load_cuP"] = shard_error(cuP_g, cuP.astype(np.float64))
+    want = data.reorder_for_cp(full[name], cuP, layout, seq_dim=1)
+    errors[f"load_{name}"] = shard_error(batch.tensors[name], want)
+  errors["load_cuP"] = shard_error(batch.cu_seqlens_padded,
+                                   cuP.astype(np.float64))
   errors["load_cu"] = shard_error(cu_g, cu.astype(np.float64))
-  return batch, cu_g, cuP_g, rows, errors
+  return batch.tensors, cu_g, batch.cu_seqlens_padded, rows, errors
 
 
 def run_case(mesh, strategy, die_before_collective=False):
@@ -184,16 +186,15 @@ def run_case(mesh, strategy, die_before_collective=False):
   per = B // n_data
   expect = range(B) if n_data == 1 else range(ARGS.process_id * per,
                                              (ARGS.process_id + 1) * per)
-  batch, cu_g, cuP_g, rows, errors = load(mesh, strategy, full, cu, cuP,
-                                          expect)
+  layout = CPLayout(mesh=mesh, batch_axis="data", strategy=strategy,
+                    backend="xla")
+  batch, cu_g, cuP_g, rows, errors = load(layout, full, cu, cuP, expect)
   if die_before_collective and ARGS.process_id == ARGS.dying_process:
     log(f"dying (os._exit({DIE_STATUS})) before the first collective")
     os._exit(DIE_STATUS)
 
   def loss(q, k, v, w, cu, cuP):
-    out = jax_cp.cp_attention(q, k, v, cu, cuP, mesh=mesh, cp_axis="cp",
-                              batch_axis="data", backend="xla",
-                              load_balancing_strategy=strategy)
+    out = jax_cp.cp_attention(q, k, v, (cu, cuP), layout=layout)
     return jnp.sum(out * w), out
 
   # The metadata are global arrays too: arguments, never closed over.
@@ -238,7 +239,8 @@ def load_only_cases():
     mesh = jax.sharding.Mesh(np.array(grid, dtype=object), ("data", "cp"))
     for strategy in S:
       full, cu, cuP = make_data(strategy, mesh.shape["cp"], batch=4)
-      *_, rows, errors = load(mesh, strategy, full, cu, cuP, expect)
+      layout = CPLayout(mesh=mesh, batch_axis="data", strategy=strategy)
+      *_, rows, errors = load(layout, full, cu, cuP, expect)
       out[f"{name}/{strategy.value}"] = {"rows": rows.tolist(),
                                          "errors": errors}
   return out
