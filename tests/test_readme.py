@@ -132,3 +132,30 @@ def test_the_commands_are_those_ci_and_the_gpu_docs_run():
                                             "CHANGELOG.md"])
 def test_the_readme_points_at_files_that_exist(path):
   assert (ROOT / path).exists(), path
+
+
+def _performance_rows():
+  section = README.split("## Performance")[1].split("\n## ")[0]
+  return [[c.strip() for c in line.strip("|").split("|")]
+          for line in section.splitlines()
+          if line.startswith("| ") and not line.startswith("| measurement")]
+
+
+def test_performance_rows_are_rows_of_the_results_tables():
+  """Each number of the README's performance table is stated once: a row
+  of a results table with the same date, commit and result."""
+  rows = _performance_rows()
+  assert 1 <= len(rows) <= 8
+  tables = {p.name: p.read_text() for p in
+            (ROOT / "benchmarks" / "results").glob("*.md")}
+  for measurement, result, date, commit, command in rows:
+    commit = commit.strip("`*")
+    values = re.findall(r"\d+\.\d+|\d+k", result)
+    assert values and re.fullmatch(r"\d{4}-\d\d-\d\d", date), measurement
+    if command != "the same":
+      assert command.startswith("`python -m benchmarks."), measurement
+    for value in values:
+      hits = [line for text in tables.values() for line in text.splitlines()
+              if line.startswith("|") and date in line and commit in line
+              and re.search(rf"\b{re.escape(value)}\b", line)]
+      assert hits, (measurement, value, date, commit)
