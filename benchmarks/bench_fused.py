@@ -12,13 +12,18 @@ longest document) is timed in alternation with each reference (A,
   row only (``--jax-nn-implementation`` picks another implementation);
 * ``jax_packed``: JAX's packed cuDNN call
   (``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`` with
-  ``q_offsets``/``kv_offsets`` and ``MaskType.PADDING_CAUSAL``).
+  ``q_offsets``/``kv_offsets`` and ``MaskType.PADDING_CAUSAL``);
+* ``constant_metadata``: the primitive itself with the row's metadata as
+  constants of the program (a ratio of 1: metadata as jit arguments cost
+  nothing).
 
 Both sides get the row's metadata (lengths, offsets) as arguments of the
-jitted program. ``--window LEFT`` runs every program with the causal
-sliding window ``(LEFT, 0)``. The ratio is the reference's time over the
-primitive's (> 1: the primitive is faster); TFLOP/s count the causal
-pairs (within the window) with the backward's recompute
+jitted program, as a training step does; the primitive is called as its
+docstring advises, a row of one document with ``q_offsets=None``.
+``--window LEFT`` runs every program with the causal sliding window
+``(LEFT, 0)``. The ratio is the reference's time over the primitive's
+(> 1: the primitive is faster); TFLOP/s count the causal pairs (within
+the window) with the backward's recompute
 (:func:`benchmarks.workload.attention_flops`). ``--profile`` adds the
 device time per kernel of one call of the primitive and of ``jax_nn`` on
 the one-document row (:mod:`benchmarks.profiling`).
@@ -39,7 +44,7 @@ from jax._src.cudnn import fused_attention_stablehlo as fas
 import jax_cp
 from benchmarks import profiling, results, timing, workload
 
-REFERENCES = ("jax_nn", "jax_packed")
+REFERENCES = ("jax_nn", "jax_packed", "constant_metadata")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,18 +79,24 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
-def attention_fns(args, tokens: int, head_dim: int, longest: int
-                  ) -> dict[str, Callable]:
+def attention_fns(args, tokens: int, head_dim: int, lens_np: np.ndarray,
+                  offs_np: np.ndarray) -> dict[str, Callable]:
   """``(q, k, v, lens, offs) -> out`` of the primitive and the
   references (``lens``, ``offs``: int32 ``[N]`` document lengths and
-  first tokens)."""
+  first tokens; ``lens_np``, ``offs_np``: the same on the host)."""
   window = workload.window_size(args.window)
+  longest = int(lens_np.max())
 
   def ours(q, k, v, lens, offs):
+    offs = offs if np.shape(offs)[-1] > 1 else None
     return jax_cp.fused_attention(
         q, k, v, lens, lens, offs, offs, attn_mask_type="causal_top_left",
         backend=args.backend, max_seqlen_q=longest, max_seqlen_kv=longest,
         window_size=window)
+
+  def constant_metadata(q, k, v, lens, offs):
+    del lens, offs
+    return ours(q, k, v, lens_np, offs_np)
 
   def jax_nn(q, k, v, lens, offs):
     del lens, offs
@@ -100,7 +111,8 @@ def attention_fns(args, tokens: int, head_dim: int, longest: int
         q_offsets=ends[None], kv_offsets=ends[None],
         scale=1.0 / np.sqrt(head_dim), mask_type=fas.MaskType.PADDING_CAUSAL,
         sliding_window_length=None if window is None else window[0] + 1)[0]
-  return {"ours": ours, "jax_nn": jax_nn, "jax_packed": jax_packed}
+  return {"ours": ours, "jax_nn": jax_nn, "jax_packed": jax_packed,
+          "constant_metadata": constant_metadata}
 
 
 def kernel_profile(fn: Callable, arg_sets, name: str) -> dict | None:
@@ -125,8 +137,10 @@ def main(argv: Sequence[str] | None = None) -> str:
   for (d, t), hkv, dist in ((dt, h, x) for dt in zip(args.head_dim, tokens)
                             for h in args.hkv for x in args.dists):
     cu, cuP = workload.pack_row(dist, t, 1, args.seed)
-    lens, offs = (jnp.asarray(x, jnp.int32) for x in (np.diff(cu), cuP[:-1]))
-    fns = attention_fns(args, t, d, int(np.diff(cu).max()))
+    lens_np, offs_np = (np.asarray(x, np.int32) for x in (np.diff(cu),
+                                                          cuP[:-1]))
+    lens, offs = jnp.asarray(lens_np), jnp.asarray(offs_np)
+    fns = attention_fns(args, t, d, lens_np, offs_np)
     shapes = [(t, args.hq, d), (t, hkv, d), (t, hkv, d), (t, args.hq, d)]
     sets = [tuple(workload.random_inputs(shapes, dtype, args.seed + i))
             + (lens, offs) for i in range(2)]

@@ -182,7 +182,10 @@ TABLES: dict[str, tuple[str, str, list[Column]]] = {
         "`benchmarks/bench_fused.py`: `jax_cp.fused_attention` (B) paired "
         "with a reference (A) on one GPU: `jax.nn.dot_product_attention("
         "implementation=\"cudnn\")` on one document (*jax.nn*), or JAX's "
-        "packed cuDNN call with segment offsets (*JAX packed*). Ratio: "
+        "packed cuDNN call with segment offsets (*JAX packed*), or "
+        "the primitive with the metadata as constants of the program "
+        "(*constant_metadata*; every other program takes them as jit "
+        "arguments). Ratio: "
         "A's time over B's (> 1: the primitive is faster), median of the "
         "paired reps (IQR). TFLOP/s: causal pairs counted, the backward's "
         "recompute included.", [

@@ -214,7 +214,7 @@ def test_tables_from_synthetic_files(tmp_path):
   assert third[col("documents")] == f"128–1k docs ({recs_new[1]['docs']})"
 
 
-KEPT = {"fused": 16, "cp": 14, "step": 3, "memory": 17}
+KEPT = {"fused": 32, "cp": 14, "step": 3, "memory": 17}
 
 
 @pytest.mark.parametrize("benchmark", sorted(KEPT))
@@ -328,8 +328,12 @@ def test_bench_fused_on_cpu(tmp_path):
   packed = [r for r in recs if r["reference"] == "jax_packed"]
   if jax.default_backend() == "cpu":
     assert len(packed) == 2 and all("error" in r for r in packed)
+  const = [r for r in recs if r["reference"] == "constant_metadata"]
+  assert [r["pass"] for r in const] == ["fwd", "fwd_bwd"]
+  assert all(r["ratio"] > 0 and "error" not in r for r in const)
   rows = _table_rows(tmp_path, "fused")
-  assert [r[6] for r in rows] == ["jax_nn", "jax_packed"] * 2
+  assert [r[6] for r in rows] == ["jax_nn", "jax_packed",
+                                  "constant_metadata"] * 2
   assert rows[0][9] == (f"**{nn[0]['ratio']:.3f}** ({nn[0]['ratio_q1']:.3f}"
                         f"–{nn[0]['ratio_q3']:.3f})")
 

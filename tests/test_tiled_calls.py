@@ -161,3 +161,20 @@ def test_tiled_segments_need_top_left_and_whole_rows():
                    32, 32, tiled=True)
   with pytest.raises(ValueError, match="S \\* max_seqlen"):
     cudnn_backend.forward(q, k, v, short, mask="causal_top_left", scale=0.1)
+
+
+@needs_ext
+def test_traced_lengths_with_offsets_none_lower_tiled():
+  """One document per row, lengths as jit arguments, ``q_offsets=None``:
+  the forward and backward run the dense (tiled) graph."""
+  import jax_cp
+  q, k, v = qkv()
+  lens = jnp.asarray([[64], [20]], jnp.int32)
+
+  def loss(q, k, v, lens):
+    o = jax_cp.fused_attention(q, k, v, lens, lens,
+                               attn_mask_type="causal_bottom_right",
+                               backend="cudnn")
+    return jnp.sum(o.astype(jnp.float32))
+  text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, k, v, lens)
+  assert tiled_attrs(text) == ["1", "1"]

@@ -13,13 +13,16 @@ from jax_cp.attention.backend import row_segments
 from jax_cp.attention.registry import resolve_backend
 
 
-def _rows_see_keys(q_lens, kv_lens, mask: str) -> bool:
-  """True when concrete metadata shows every covered row sees a key."""
+def _rows_see_keys(q_lens, kv_lens, mask: str, window_left: int) -> bool:
+  """True when concrete metadata shows every covered row sees a key (a
+  top-left row ``j`` sees keys ``[j - window_left, j]`` of ``[0, kv)``)."""
   ql, kl = validation.concrete(q_lens), validation.concrete(kv_lens)
   if ql is None or kl is None:
     return False
   if mask == "causal_bottom_right":
     return bool(np.all((ql == 0) | (kl >= ql)))
+  if mask == "causal_top_left" and window_left >= 0:
+    return bool(np.all((ql == 0) | ((kl > 0) & (ql <= kl + window_left))))
   return bool(np.all((ql == 0) | (kl > 0)))
 
 
@@ -44,6 +47,16 @@ def _tiled_mask(q_lens, kv_lens, q_offs, kv_offs, mask: str, tq: int,
   if mask == "causal_bottom_right":
     return "causal_top_left" if np.array_equal(ql, kl) else None
   return mask if np.all(ql <= kl) else None
+
+
+def _packed_offsets(lens):
+  """Offsets of segments that lie back to back from their row's start: 0
+  (static) for one segment per row, else the exclusive cumulative sum of
+  the lengths."""
+  if np.shape(lens)[-1] == 1:
+    return np.zeros(np.shape(lens), np.int32)
+  lens = jax.numpy.asarray(lens, jax.numpy.int32)
+  return jax.numpy.cumsum(lens, axis=-1) - lens
 
 
 def window_kwargs(window_left: int) -> dict:
@@ -77,7 +90,8 @@ def _attention_bwd(backend, mask, scale, window_left, res, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets, kv_offsets, *,
+def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets=None,
+                    kv_offsets=None, *,
                     attn_mask_type: str = "causal_bottom_right",
                     softmax_scale: float | None = None,
                     backend: str = "auto",
@@ -95,7 +109,11 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets, kv_offsets, *,
     k, v: ``[Tkv, Hkv, D]`` or ``[B, Tkv, Hkv, D]``; ``Hq % Hkv == 0``.
     q_seqlens, kv_seqlens: int ``[N]`` (``[B, N]``) actual lengths.
     q_offsets, kv_offsets: int ``[N]`` (``[B, N]``) first token of each
-      segment within its row (for THD documents: ``cu_seqlens_padded[:-1]``).
+      segment within its row (for THD documents: ``cu_seqlens_padded[:-1]``),
+      or None: the segments lie back to back from the row's start. With
+      one segment per row (``N == 1``) None states the offset 0 statically,
+      so traced lengths of a row holding one document from its start still
+      run cuDNN's dense graph (docs/internals.md, Tiled calls).
     attn_mask_type: ``"causal_bottom_right"`` (the last Q row of a segment
       sees its last KV row), ``"causal_top_left"`` (Q row ``j`` sees KV
       rows ``<= j``), or ``"no_mask"``.
@@ -120,6 +138,11 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets, kv_offsets, *,
     The output in q's shape and dtype; rows no segment covers are 0.
     Softmax runs in float32 whatever the input dtype.
   """
+  if q_offsets is None:
+    q_offsets = _packed_offsets(q_seqlens)
+  if kv_offsets is None:
+    kv_offsets = (q_offsets if kv_seqlens is q_seqlens
+                  else _packed_offsets(kv_seqlens))
   validation.check_qkv_shapes(q.shape, k.shape, v.shape, allow_cross=True)
   validation.check_qkv_dtypes(q.dtype, k.dtype, v.dtype)
   mask = validation.check_mask_type(attn_mask_type)
@@ -149,7 +172,8 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets, kv_offsets, *,
     mask = tiled_mask
   seg = row_segments(q_seqlens, kv_seqlens, q_offsets, kv_offsets, tq, tkv,
                      max_q, max_kv,
-                     rows_see_keys=_rows_see_keys(q_seqlens, kv_seqlens, mask),
+                     rows_see_keys=_rows_see_keys(q_seqlens, kv_seqlens, mask,
+                                                  window_left),
                      tiled=tiled_mask is not None, clamp=True)
   resolved = resolve_backend(
       backend, dtype=q.dtype,

@@ -349,8 +349,11 @@ def _token_starts(token_offsets, tokens: int):
   return jnp.concatenate([starts, jnp.full((1,), tokens, jnp.int32)])
 
 
-def _rows_with_keys(q_lens, kv_lens, q_offsets, tq: int, mask: str):
-  """bool [Tq]: the row is inside a segment and sees at least one key.
+def _rows_with_keys(q_lens, kv_lens, q_offsets, tq: int, mask: str,
+                    window_left: int = -1):
+  """bool [Tq]: the row is inside a segment and sees at least one key
+  (top-left with a window: row ``j`` sees keys ``[j - window_left, j]``
+  of ``[0, kv_len)``; bottom-right: its diagonal key, if any).
 
   A difference array marks each segment's Q range with its index + 1 (ranges
   do not overlap), so no sorting of the segments is needed.
@@ -366,9 +369,11 @@ def _rows_with_keys(q_lens, kv_lens, q_offsets, tq: int, mask: str):
   seg = jnp.maximum(seg_plus_one - 1, 0)
   kv_len = kv_lens[seg]
   sees = kv_len > 0
+  row = jnp.arange(tq, dtype=jnp.int32) - q_offsets[seg]
   if mask == "causal_bottom_right":
-    row = jnp.arange(tq, dtype=jnp.int32) - q_offsets[seg]
     sees = sees & (row >= q_lens[seg] - kv_len)
+  elif mask == "causal_top_left" and window_left >= 0:
+    sees = sees & (row <= kv_len - 1 + window_left)
   return covered & sees
 
 
@@ -472,7 +477,8 @@ def forward(q, k, v, seg: Segments, *, mask: str, scale: float,
     # mask.
     return out, stats
   q_lens, kv_lens = _lengths(seg, max_q, max_kv)
-  live = _rows_with_keys(q_lens, kv_lens, seg.q_offsets, tq, mask)
+  live = _rows_with_keys(q_lens, kv_lens, seg.q_offsets, tq, mask,
+                         window_left)
   out = jnp.where(live[:, None, None], out, jnp.zeros((), out.dtype))
   lse = jnp.where(live[:, None], stats, -jnp.inf)
   return out, lse
@@ -547,7 +553,8 @@ def _backward_call(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
                                                           **attrs)
   if not (seg.rows_see_keys or tiled):
     q_lens, kv_lens = _lengths(seg, max_q, max_kv)
-    live = _rows_with_keys(q_lens, kv_lens, seg.q_offsets, tq, mask)
+    live = _rows_with_keys(q_lens, kv_lens, seg.q_offsets, tq, mask,
+                         window_left)
     dq = jnp.where(live[:, None, None], dq, jnp.zeros((), dq.dtype))
   return dq, dk, dv
 

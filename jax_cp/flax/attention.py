@@ -102,10 +102,10 @@ class DotProductAttention(nn.Module):
     if self.dtype is not None:
       query, key, value = (x.astype(self.dtype) for x in (query, key, value))
     return inputs.attend(layout, query, key, value, cu_seqlens,
-                           cu_seqlens_padded,
-                           attn_mask_type=self.attn_mask_type,
-                           window_size=self.window_size,
-                           softmax_scale=self.softmax_scale)
+                         cu_seqlens_padded,
+                         attn_mask_type=self.attn_mask_type,
+                         window_size=self.window_size,
+                         softmax_scale=self.softmax_scale)
 
 
 class MultiHeadAttention(nn.Module):
