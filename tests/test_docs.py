@@ -122,3 +122,31 @@ def test_the_rules_catch_what_they_are_for():
   assert _MEASURED.search("1.09× the step") and _MEASURED.search("12 GB")
   assert not _SOURCE.search("took 3.68 ms")
   assert _SOURCE.search("(benchmarks/results/cp.md)")
+
+
+def _public():
+  import jax_cp
+  import jax_cp.flax
+  import jax_cp.nnx
+  for mod in (jax_cp, jax_cp.nnx, jax_cp.flax, jax_cp.data, jax_cp.planning):
+    for name in mod.__all__:
+      obj = getattr(mod, name)
+      if callable(obj) or isinstance(obj, type):
+        yield f"{mod.__name__}.{name}", obj
+
+
+@pytest.mark.parametrize("name, obj", list(_public()), ids=lambda x: x
+                         if isinstance(x, str) else "")
+def test_every_public_name_points_at_its_docs_page(name, obj):
+  """The top-level names and the modules' classes point at the docs page
+  that explains them (data and planning helpers: their package's
+  docstring does, docs/data.md)."""
+  import inspect
+  doc = inspect.getdoc(obj) or ""
+  if name.startswith(("jax_cp.data.", "jax_cp.planning.")):
+    import jax_cp
+    pkg = jax_cp.data if name.startswith("jax_cp.data.") else jax_cp.planning
+    doc = inspect.getdoc(pkg)
+  pages = re.findall(r"docs/(\w+)\.md", doc)
+  assert pages, name
+  assert all((ROOT / "docs" / f"{p}.md").exists() for p in pages), name

@@ -35,6 +35,8 @@ def cp_attention(q, k, v, metadata, *, layout: CPLayout | None = None,
   """Causal (or unmasked) attention within the documents of packed rows,
   context parallel.
 
+  See docs/concepts.md.
+
   Args:
     q: ``[B, T, Hq, D]`` or ``[T, Hq, D]``: in the global view the whole
       rows in :func:`jax_cp.data.reorder_for_cp` layout, token axis sharded

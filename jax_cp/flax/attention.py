@@ -44,6 +44,8 @@ Initializer = Callable[..., jax.Array]
 class DotProductAttention(nn.Module):
   """Causal dot-product attention over packed documents, context parallel.
 
+  See docs/concepts.md.
+
   No parameters. Queries ``[B, T, Hq, D]`` (or ``[T, Hq, D]``), keys and
   values ``[.., T, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA/MQA); returns the
   attention output shaped like the queries. Records the strategy it used as
@@ -111,6 +113,8 @@ class DotProductAttention(nn.Module):
 class MultiHeadAttention(nn.Module):
   """Self-attention with Q/K/V/out projections, GQA and rotary embeddings,
   over packed documents, context parallel.
+
+  See docs/concepts.md.
 
   ``x [B, T, E] -> [B, T, out_features or E]`` (also ``[T, E]``). Rotary
   position embeddings use ``position_ids`` (per-document positions in the

@@ -22,6 +22,8 @@ class MlpBlock(nn.Module):
   """Position-wise feed-forward block ``E -> mlp_dim -> E``; with a
   ``"swiglu"``/``"geglu"`` activation the hidden layer is gated.
 
+  See docs/long_rows.md.
+
   Attributes:
     mlp_dim: hidden features.
     activation: ``"gelu"``, ``"relu"``, ``"silu"``, ``"swiglu"`` or

@@ -25,6 +25,8 @@ def cp_attention_fn(layout: CPLayout | None = None, *,
                     softmax_scale: float | None = None) -> Callable:
   """An ``attention_fn`` for Flax's multi-head attention modules.
 
+  See docs/concepts.md.
+
   Args:
     layout: the :class:`jax_cp.CPLayout` of the tokens. ``None``: the
       layout of the batch given as ``mask``.

@@ -53,6 +53,8 @@ def chunked_cross_entropy(logits_fn: Callable, x, labels, *, vocab: int,
   """Per-token softmax cross entropy, float32 ``[.., T]``, of the logits
   ``logits_fn(x)`` against integer ``labels [.., T]``, chunk by chunk.
 
+  See docs/long_rows.md.
+
   The chunks of each rank's tokens (in the global view with CP, ``c``
   tokens of every rank at a time: no token moves between ranks) run in
   :func:`jax_cp.modules.token_chunks.map_token_chunks`' loop, so at most one

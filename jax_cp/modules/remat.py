@@ -48,6 +48,8 @@ PRESETS: dict[str, Callable | None] = {
 def remat_policy(remat: str | Callable) -> Callable | None:
   """The ``jax.checkpoint`` policy of a ``remat`` setting.
 
+  See docs/long_rows.md.
+
   Args:
     remat: a preset name or a ``jax.checkpoint`` policy (returned as is):
 

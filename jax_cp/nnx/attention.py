@@ -37,6 +37,8 @@ default_bias_init = nnx.initializers.zeros_init()
 class DotProductAttention(nnx.Module):
   """Causal dot-product attention over packed documents, context parallel.
 
+  See docs/concepts.md.
+
   No parameters. Queries ``[B, T, Hq, D]`` (or ``[T, Hq, D]``), keys and
   values ``[.., T, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA/MQA); returns the
   attention output shaped like the queries. Records the strategy it used as
@@ -106,6 +108,8 @@ class DotProductAttention(nnx.Module):
 class MultiHeadAttention(nnx.Module):
   """Self-attention with Q/K/V/out projections, GQA and rotary embeddings,
   over packed documents, context parallel.
+
+  See docs/concepts.md.
 
   ``x [B, T, in_features] -> [B, T, out_features or in_features]`` (also
   ``[T, E]``). Parameters ``query``/``key``/``value`` (kernels ``[E, H,

@@ -23,7 +23,10 @@ def _flat(tree: Mapping[str, Any]) -> dict[tuple[str, ...], Any]:
 def linen_params(model: nnx.Module) -> dict[str, Any]:
   """The parameters of an NNX ``model`` as Linen variables,
   ``{"params": {...}}``, for ``linen_module.apply``. The arrays are shared,
-  not copied."""
+  not copied.
+
+  See docs/concepts.md.
+  """
   state = nnx.state(model, nnx.Param)
   return {"params": nnx.to_pure_dict(state)}
 
@@ -32,6 +35,8 @@ def load_linen_params(model: nnx.Module, variables: Mapping[str, Any]
                       ) -> nnx.Module:
   """Copies Linen parameters into an NNX ``model`` in place (and returns
   it).
+
+  See docs/concepts.md.
 
   Args:
     model: an NNX module of :mod:`jax_cp.nnx` built with the configuration

@@ -26,6 +26,8 @@ class MlpBlock(nnx.Module):
   """Position-wise feed-forward block ``E -> mlp_dim -> E``; with a
   ``"swiglu"``/``"geglu"`` activation the hidden layer is gated.
 
+  See docs/long_rows.md.
+
   Parameters ``up``, ``down`` (and ``gate`` when gated), as in
   :class:`jax_cp.flax.MlpBlock`.
 
@@ -93,6 +95,8 @@ class MlpBlock(nnx.Module):
 
 class TransformerLayer(nnx.Module):
   """Pre-norm decoder layer: ``x + attn(norm(x))``, then ``h + mlp(norm(h))``.
+
+  See docs/long_rows.md.
 
   Causal self-attention over packed documents with rotary embeddings and
   GQA; context parallel through ``layout``, which the layer passes
