@@ -6,24 +6,22 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax_cp.attention import validation
-from jax_cp.attention.backend import row_segments
+from jax_cp.attention.backend import keyed_rows, row_segments
 from jax_cp.attention.registry import resolve_backend
 
 
 def _rows_see_keys(q_lens, kv_lens, mask: str, window_left: int) -> bool:
-  """True when concrete metadata shows every covered row sees a key (a
-  top-left row ``j`` sees keys ``[j - window_left, j]`` of ``[0, kv)``)."""
+  """True when concrete metadata shows every covered row sees a key
+  (:func:`~jax_cp.attention.backend.keyed_rows`)."""
   ql, kl = validation.concrete(q_lens), validation.concrete(kv_lens)
   if ql is None or kl is None:
     return False
-  if mask == "causal_bottom_right":
-    return bool(np.all((ql == 0) | (kl >= ql)))
-  if mask == "causal_top_left" and window_left >= 0:
-    return bool(np.all((ql == 0) | ((kl > 0) & (ql <= kl + window_left))))
-  return bool(np.all((ql == 0) | (kl > 0)))
+  first, end = keyed_rows(ql, kl, mask, window_left, xp=np)
+  return bool(np.all((first == 0) & (end == ql)))
 
 
 def _tiled_mask(q_lens, kv_lens, q_offs, kv_offs, mask: str, tq: int,
@@ -55,8 +53,8 @@ def _packed_offsets(lens):
   the lengths."""
   if np.shape(lens)[-1] == 1:
     return np.zeros(np.shape(lens), np.int32)
-  lens = jax.numpy.asarray(lens, jax.numpy.int32)
-  return jax.numpy.cumsum(lens, axis=-1) - lens
+  lens = jnp.asarray(lens, jnp.int32)
+  return jnp.cumsum(lens, axis=-1) - lens
 
 
 def window_kwargs(window_left: int) -> dict:

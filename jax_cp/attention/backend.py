@@ -175,6 +175,22 @@ def row_segments(q_lens, kv_lens, q_offsets, kv_offsets, q_tokens: int,
                   tiled=tiled)
 
 
+def keyed_rows(q_lens, kv_lens, mask: str, window_left: int = -1, xp=jnp):
+  """Per segment, the Q rows ``[first, end)`` (counted from the segment's
+  first row) that see at least one key; the others see none and get out 0,
+  lse ``-inf``. A bottom-right row ``j`` sees its diagonal key ``j + kv_len
+  - q_len`` when that is ``>= 0``, window or not; a top-left row ``j`` sees
+  keys ``[j - window_left, j]`` of ``[0, kv_len)``; an unmasked row sees
+  every key. ``xp``: ``jnp``, or ``np`` for concrete metadata."""
+  q, kv = q_lens, kv_lens
+  if mask == "causal_bottom_right":
+    return xp.clip(q - kv, 0, q), q
+  end = xp.where(kv > 0, q, 0)
+  if mask == "causal_top_left" and window_left >= 0:
+    end = xp.minimum(end, kv + window_left)
+  return xp.zeros_like(q), end
+
+
 Pair = tuple[jax.Array, jax.Array]
 Triple = tuple[jax.Array, jax.Array, jax.Array]
 

@@ -60,7 +60,12 @@ import numpy as np
 
 import jax_cp._jax_cp_cuda as _jax_cp_cuda  # ModuleNotFoundError when absent
 from jax_cp.attention import cudnn_workspace, head_groups
-from jax_cp.attention.backend import MASK_TYPES, Backend, Segments
+from jax_cp.attention.backend import (
+    MASK_TYPES,
+    Backend,
+    Segments,
+    keyed_rows,
+)
 from jax_cp.attention.merge import (
   NO_WEIGHT_LSE,
   check_merge_rows,
@@ -352,8 +357,7 @@ def _token_starts(token_offsets, tokens: int):
 def _rows_with_keys(q_lens, kv_lens, q_offsets, tq: int, mask: str,
                     window_left: int = -1):
   """bool [Tq]: the row is inside a segment and sees at least one key
-  (top-left with a window: row ``j`` sees keys ``[j - window_left, j]``
-  of ``[0, kv_len)``; bottom-right: its diagonal key, if any).
+  (:func:`~jax_cp.attention.backend.keyed_rows`).
 
   A difference array marks each segment's Q range with its index + 1 (ranges
   do not overlap), so no sorting of the segments is needed.
@@ -367,14 +371,9 @@ def _rows_with_keys(q_lens, kv_lens, q_offsets, tq: int, mask: str,
   seg_plus_one = jnp.cumsum(delta[:tq])
   covered = seg_plus_one > 0
   seg = jnp.maximum(seg_plus_one - 1, 0)
-  kv_len = kv_lens[seg]
-  sees = kv_len > 0
+  first, end = keyed_rows(q_lens, kv_lens, mask, window_left)
   row = jnp.arange(tq, dtype=jnp.int32) - q_offsets[seg]
-  if mask == "causal_bottom_right":
-    sees = sees & (row >= q_lens[seg] - kv_len)
-  elif mask == "causal_top_left" and window_left >= 0:
-    sees = sees & (row <= kv_len - 1 + window_left)
-  return covered & sees
+  return covered & (row >= first[seg]) & (row < end[seg])
 
 
 def _segment_meta(seg: Segments, q_shape, k_shape, max_q: int, max_kv: int):
