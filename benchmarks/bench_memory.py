@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--strategy", default="no_load_balance",
                  choices=workload.STRATEGIES)
   p.add_argument("--seq-lens", type=tokens, nargs="*", default=[])
+  p.add_argument("--comm-type", default="all_gather",
+                 choices=("all_gather", "ring"),
+                 help="how K/V travel between CP ranks")
   p.add_argument("--cp", type=int, nargs="+", default=[1])
   p.add_argument("--remat", nargs="+", default=["none"], choices=REMAT)
   p.add_argument("--mlp-chunk-size", default="auto",
@@ -159,8 +162,9 @@ def build_step(args, seq_len: int, cp: int, layer: dict) -> Step:
   from examples.packed_lm import model as lm  # pylint: disable=import-outside-toplevel
   cfg = config.Config(
       device=args.device, dtype=args.dtype, seq_len=seq_len, batch=1, dp=1,
-      cp=cp, strategy=args.strategy, backend=args.backend,
-      max_doc_len=args.max_doc_len, doc_order="packed", seed=args.seed,
+      cp=cp, strategy=args.strategy, comm_type=args.comm_type,
+      backend=args.backend, max_doc_len=args.max_doc_len, doc_order="packed",
+      seed=args.seed,
       **model_sizes(args), **layer)
   rows = data.load_rows(cfg, 1, cp)
   mesh = lm_main.make_mesh(1, cp, args.device)
@@ -247,17 +251,33 @@ def resolved_backend(cfg) -> str:
     return cfg.backend
 
 
+def main_call_tokens(cfg, cp: int, max_seqlen: int) -> tuple[int, int]:
+  """``(queries, keys)`` of the step's main attention call: a layer
+  chunk's; at cp = 1, or with the ring exchange, a rank's chunk against
+  itself; with an all-gather, a rank's chunk against the whole row (a
+  NO_LOAD_BALANCE halo: its local call, a chunk against itself)."""
+  from jax_cp.cp.exchange import choose_exchange  # pylint: disable=import-outside-toplevel
+  plan = layer_plan(cfg, max_seqlen)
+  if plan is not None:
+    return plan.chunk, plan.chunk
+  tl = cfg.seq_len // cp
+  kind = choose_exchange(cfg.strategy == "no_load_balance", "cp", cp,
+                         cfg.seq_len, max_seqlen,
+                         comm_type=cfg.comm_type).kind
+  return tl, cfg.seq_len if kind == "all_gather" else tl
+
+
 def attention_scratch(cfg, cp: int, rows) -> tuple[int, int]:
-  """The cuDNN backward workspace of the step's main call (a rank's
-  tokens, or a layer chunk's) and the head-group sub-calls it runs as."""
+  """The cuDNN backward workspace of the step's main call
+  (:func:`main_call_tokens`) and the head-group sub-calls it runs as."""
   from jax_cp.attention import cudnn_workspace as ws  # pylint: disable=import-outside-toplevel
-  plan = layer_plan(cfg, rows.max_seqlen)
-  t = cfg.seq_len // cp if plan is None else plan.chunk
+  tq, tkv = main_call_tokens(cfg, cp, rows.max_seqlen)
   hd = cfg.d_model // cfg.heads
   kw = dict(segments=rows.cu_seqlens.shape[-1] - 1,
-            max_seqlen_q=min(rows.max_seqlen, t))
-  groups = ws.backward_head_groups(t, t, cfg.heads, cfg.kv_heads, hd, **kw)
-  return ws.backward_workspace_bytes(t, t, cfg.heads // groups,
+            max_seqlen_q=min(rows.max_seqlen, tq))
+  groups = ws.backward_head_groups(tq, tkv, cfg.heads, cfg.kv_heads, hd,
+                                   **kw)
+  return ws.backward_workspace_bytes(tq, tkv, cfg.heads // groups,
                                      cfg.kv_heads // groups, hd, **kw), groups
 
 
@@ -290,7 +310,8 @@ def measure(args, seq_len: int, cp: int, remat: str, *, timed: bool = True
   import jax  # pylint: disable=import-outside-toplevel
   layer = settings(args, remat=remat)
   rec = dict(kind="run", model=model_name(args), seq_len=seq_len, cp=cp,
-             strategy=args.strategy, backend=args.backend, **layer)
+             strategy=args.strategy, comm_type=args.comm_type,
+             backend=args.backend, **layer)
   step = None
   try:
     step = build_step(args, seq_len, cp, layer)

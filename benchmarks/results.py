@@ -167,6 +167,13 @@ def _memory_seq(r: dict) -> str:
   return fmt_tokens(t) if t else "-"
 
 
+def _memory_cp(r: dict) -> str:
+  """How a memory row splits its row: ``-`` at cp = 1."""
+  if r.get("cp", 1) == 1 or r.get("kind") != "run":
+    return "-"
+  return f"{r.get('strategy', '?')} / {r.get('comm_type', 'all_gather')}"
+
+
 def _exact(r: dict) -> str:
   if r.get("exact"):
     return f"{max(r['exact'].values()):.1e}"
@@ -253,6 +260,7 @@ TABLES: dict[str, tuple[str, str, list[Column]]] = {
             ("model", lambda r: r["model"]),
             ("layers", lambda r: r.get("layers", "-")),
             ("T", _memory_seq), ("cp", lambda r: r.get("cp", 1)),
+            ("strategy / exchange", _memory_cp),
             ("remat", lambda r: r.get("remat", "-")),
             ("MLP chunk", lambda r: r.get("mlp_chunk_size", "-")),
             ("layer chunk", lambda r: r.get("layer_chunk_size", "-")),

@@ -1,9 +1,9 @@
 """jax_cp.nnx: the NNX modules compute what the Linen ones compute on the
 same parameters (forward and gradients, float32, to 1e-6); with CP (cp=4,
-both strategies, global view under nnx.jit and local view in shard_map) they
-give the loss and gradients of the same model without CP; the layout is
-static configuration; parameters convert to and from Linen and survive an
-orbax checkpoint."""
+both strategies, both K/V exchanges, global view under nnx.jit and local
+view in shard_map) they give the loss and gradients of the same model
+without CP; the layout is static configuration; parameters convert to and
+from Linen and survive an orbax checkpoint."""
 
 import flax.linen as nn
 import jax
@@ -200,11 +200,12 @@ def _global_view_loss_and_grads(model, layout, mesh, data):
   return float(value), nnx.to_pure_dict(grads)
 
 
+@pytest.mark.parametrize("comm_type", ["all_gather", "ring"])
 @pytest.mark.parametrize("strategy", list(S))
-def test_global_view_matches_no_cp(data, baseline, strategy):
+def test_global_view_matches_no_cp(data, baseline, strategy, comm_type):
   mesh = jax.make_mesh((DP, CP), ("data", "cp"), devices=devices(DP * CP))
   layout = CPLayout(mesh=mesh, strategy=strategy, batch_axis="data",
-                    backend="xla")
+                    backend="xla", comm_type=comm_type)
   model = NnxStack(layout, nnx.Rngs(0))
   nnx.update(model, nnx.state(baseline[0], nnx.Param))
   value, grads = _global_view_loss_and_grads(model, layout, mesh, data)

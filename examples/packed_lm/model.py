@@ -20,7 +20,8 @@ def make_layout(cfg: Config, mesh=None,
   CP. ``max_seqlen`` is checked on the host when a batch is built
   (``jax_cp.data.make_global_batch``), so the steps trust it."""
   cp = (dict(cp_axis=None) if mesh is None else
-        dict(mesh=mesh, cp_axis=CP, batch_axis=DATA, strategy=cfg.strategy))
+        dict(mesh=mesh, cp_axis=CP, batch_axis=DATA, strategy=cfg.strategy,
+             comm_type=cfg.comm_type))
   return jax_cp.CPLayout(backend=cfg.backend, max_seqlen=max_seqlen, **cp)
 
 

@@ -175,6 +175,12 @@ def row_segments(q_lens, kv_lens, q_offsets, kv_offsets, q_tokens: int,
                   tiled=tiled)
 
 
+def packed(x):
+  """``[B, T, ...]`` -> ``[B*T, ...]``: batched rows as the backends'
+  packed buffer."""
+  return x.reshape((-1,) + x.shape[2:])
+
+
 def keyed_rows(q_lens, kv_lens, mask: str, window_left: int = -1, xp=jnp):
   """Per segment, the Q rows ``[first, end)`` (counted from the segment's
   first row) that see at least one key; the others see none and get out 0,

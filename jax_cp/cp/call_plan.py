@@ -17,6 +17,9 @@ three kinds, with its segments ready for the backend, so the executor
   over compact buffers of the rows and keys they need
   (:func:`jax_cp.cp.metadata.window_compaction`), merged by log-sum-exp.
 
+The ring exchange has a plan of its own, one :class:`RowsCall` per step
+(:func:`ring_plan`), which :mod:`jax_cp.cp.ring` runs.
+
 docs/internals.md, Call plans, describes the plans this module builds.
 
 Names at the function boundaries: ``cu_seqlens``/``cu_seqlens_padded`` are
@@ -423,3 +426,29 @@ def backward_plan(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
   if triangles:
     calls.append(_rows_call(cfg, merge_blocks(triangles), into=False))
   return ([] if halo is None else [halo]) + calls
+
+
+def ring_plan(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank, step: int
+              ) -> RowsCall:
+  """The call of ring step ``step`` (:func:`metadata.ring_step`): this
+  rank's Q rows against the K/V chunk it holds then (the local chunk at
+  step 0), the same call in the forward and the backward. Bounds: with
+  ``W`` the bound, a DUAL_CHUNK_SWAP document puts at most ``2c`` rows of
+  either side in the call (``c = ceil(W / 2cp)``); NO_LOAD_BALANCE's
+  local call at most ``min(W, Tl)``, a later step's straddling document
+  at most ``min(W - 1, Tl)``."""
+  # A window keeps the halo exchange (exchange.choose_exchange).
+  assert cfg.exchange.kind == "ring" and cfg.window_left < 0, cfg
+  w, tl = cfg.max_seqlen, cfg.local_tokens
+  meta, mask = metadata.ring_step(
+      cu_seqlens, cu_seqlens_padded, cfg.cp_size, rank, step,
+      dual_chunk=cfg.strategy is not _NLB, causal=cfg.causal,
+      total_tokens=cfg.total_tokens)
+  if cfg.strategy is not _NLB:
+    bound = 2 * max(_ceil_div(w, 2 * cfg.cp_size), 1)
+  else:
+    bound = min(w, tl) if step == 0 else max(min(w - 1, tl), 1)
+  seg = row_segments(meta.q_lens, meta.kv_lens, meta.q_offsets,
+                     meta.kv_offsets, tl, tl, bound, bound,
+                     rows_see_keys=True, heaviest_first=True)
+  return RowsCall(seg, mask, -1, exchanged=step > 0)

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+
 from jax_cp.attention.backend import AttentionBackend
 from jax_cp.attention.registry import resolve_backend
 from jax_cp.attention.validation import (
@@ -82,6 +85,13 @@ class CPConfig:
     """Tl = T / cp, the tokens of one rank's chunk."""
     return self.total_tokens // self.cp_size
 
+  def rank(self):
+    """This rank's int32 index on the cp axis (0 without CP); inside the
+    ``shard_map``."""
+    if self.cp_size == 1:
+      return jnp.int32(0)
+    return jax.lax.axis_index(self.cp_axis).astype(jnp.int32)
+
   @property
   def split_bottom_right_backward(self) -> bool:
     """Bottom-right blocks run their backward as a rectangle and a
@@ -112,6 +122,8 @@ def make_config(layout: CPLayout, q, k, v, cu_seqlens, cu_seqlens_padded,
   validation.check_attention_config(strategy, attn_mask_type, window_size,
                                     dtype)
   window_left = check_window_size(window_size, attn_mask_type)
+  validation.check_comm_type(layout.comm_type, strategy, window_left,
+                             cp_size, total_tokens)
   validation.check_cu_seqlens_rank(q_shape, cu_seqlens=cu_seqlens,
                                    cu_seqlens_padded=cu_seqlens_padded)
   validation.check_divisible_tokens(total_tokens, cp_size)
@@ -131,7 +143,8 @@ def make_config(layout: CPLayout, q, k, v, cu_seqlens, cu_seqlens_padded,
     if strategy is _DCS and left >= w - 1:
       left = -1    # no document is longer than the window: plain causal
     exchange = choose_exchange(strategy is _NLB, layout.cp_axis, cp_size,
-                               total_tokens, w, window_left=left)
+                               total_tokens, w, window_left=left,
+                               comm_type=layout.comm_type)
     keep = (exchange.kind == "all_gather" and
             2 * cp_size * k_shape[-2] <= q_shape[-2])
     return CPConfig(strategy=strategy, cp_axis=layout.cp_axis,

@@ -12,6 +12,14 @@
   kept from the forward for the backward (:attr:`KVExchange.keeps_halo`).
   Gradients of the halo go back with the reverse permutes and are merged
   into the owners' rows in place (the backend's ``merge_rows``).
+* ``ring`` (``CPLayout(comm_type="ring")``; docs/long_rows.md, Ring
+  exchange): K|V chunks travel around the ring of ranks, one ``ppermute``
+  hop per step, rank ``r`` holding at step ``s`` the chunk of rank ``(r -
+  s) mod cp``; :mod:`jax_cp.cp.ring` attends each. DUAL_CHUNK_SWAP runs
+  all ``cp`` steps; NO_LOAD_BALANCE with a bound W only ``1 + ceil((W-1)
+  / Tl)`` (no query reaches further back). The backward sends a float32
+  dK|dV accumulator along with each chunk and returns it to the chunk's
+  owner with one last permute. Every buffer is one chunk.
 * ``none``: one rank (cp=1), the local chunk is the row; or NO_LOAD_BALANCE
   with a halo of 0 tokens (window ``(0, 0)``): the local chunk is all any
   query sees.
@@ -36,13 +44,15 @@ class KVExchange:
   """Static description of the exchange (hashable).
 
   Attributes:
-    kind: ``"none"``, ``"all_gather"`` or ``"halo"``.
+    kind: ``"none"``, ``"all_gather"``, ``"halo"`` or ``"ring"``.
     cp_axis: mesh axis name.
     cp_size: its size.
     total_tokens: T, tokens per row.
     restore_dual_chunk: all-gathered buffer is in DUAL_CHUNK_SWAP layout and
       must be put back into sequence order.
     halo_tokens: tokens received from predecessors (``kind == "halo"``).
+    ring_steps: the ring's steps, the local one included (``kind ==
+      "ring"``).
   """
 
   kind: str
@@ -51,6 +61,7 @@ class KVExchange:
   total_tokens: int
   restore_dual_chunk: bool = False
   halo_tokens: int = 0
+  ring_steps: int = 0
 
   @property
   def local_tokens(self) -> int:
@@ -81,6 +92,25 @@ class KVExchange:
 
   def _permute(self, x, perm):
     return jax.lax.ppermute(x, self.cp_axis, perm)
+
+  def _shift(self, x, hops: int):
+    """``x`` of rank ``i`` to rank ``(i + hops) mod cp``."""
+    cp = self.cp_size
+    return self._permute(x, [(i, (i + hops) % cp) for i in range(cp)])
+
+  # -------------------------------------------------------------------- ring
+
+  def ring_next(self, x):
+    """One ring step: rank ``i``'s buffer to rank ``i + 1`` (mod cp)."""
+    assert self.kind == "ring", self.kind
+    return self._shift(x, 1)
+
+  def ring_home(self, x):
+    """After the last step, the buffer rank ``r`` holds (the chunk of rank
+    ``r - ring_steps + 1``, and its gradient) back to that rank."""
+    assert self.kind == "ring", self.kind
+    hops = (1 - self.ring_steps) % self.cp_size
+    return x if hops == 0 else self._shift(x, hops)
 
   # ----------------------------------------------------------------- forward
 
@@ -170,8 +200,16 @@ class KVExchange:
 
 def choose_exchange(strategy_is_nlb: bool, cp_axis, cp_size: int,
                     total_tokens: int, max_seqlen: int | None,
-                    window_left: int = -1) -> KVExchange:
+                    window_left: int = -1,
+                    comm_type: str = "all_gather") -> KVExchange:
   """The cheapest correct exchange for the layout, chosen statically.
+
+  ``comm_type="ring"`` replaces the all-gather by the ring, and a halo of
+  more than one chunk by the ring's steps that reach as far (a halo of
+  one chunk or less is a single hop, which the ring cannot beat). With a
+  sliding window NO_LOAD_BALANCE keeps the halo (the window bounds it;
+  :func:`jax_cp.cp.validation.check_comm_type` rejects a window that
+  reaches the whole row).
 
   NO_LOAD_BALANCE with a bound W moves ``W-1`` tokens per rank through
   ``ceil((W-1)/Tl)`` hops instead of ``(cp-1)*Tl``; when that reaches rank 0
@@ -192,14 +230,21 @@ def choose_exchange(strategy_is_nlb: bool, cp_axis, cp_size: int,
   if cp_size == 1:
     return KVExchange("none", cp_axis, 1, total_tokens)
   tl = total_tokens // cp_size
+  ring = comm_type == "ring"
+  steps = cp_size
   if strategy_is_nlb and max_seqlen is not None:
     halo = max(int(max_seqlen) - 1, 0)
     if window_left >= 0:
       halo = min(halo, window_left)
     if halo == 0:       # no query looks before its own token's chunk
       return KVExchange("none", cp_axis, cp_size, total_tokens)
-    if halo < (cp_size - 1) * tl:
+    if halo < (cp_size - 1) * tl and (
+        not ring or halo <= tl or window_left >= 0):
       return KVExchange("halo", cp_axis, cp_size, total_tokens,
                         halo_tokens=halo)
+    steps = min(cp_size, 1 + -(-halo // tl))
+  if ring:
+    return KVExchange("ring", cp_axis, cp_size, total_tokens,
+                      ring_steps=steps)
   return KVExchange("all_gather", cp_axis, cp_size, total_tokens,
                     restore_dual_chunk=not strategy_is_nlb)

@@ -4,9 +4,10 @@ carry it (docs/concepts.md).
 :class:`CPLayout` holds every setting that decides where the tokens of a
 packed row live and how attention exchanges them: the cp mesh axis (and the
 mesh), the cp size, the load-balancing strategy, the ``max_seqlen`` bound,
-the attention backend, the batch and head mesh axes, and the view
+the attention backend, the batch and head mesh axes, the view
 (``"global"``: whole rows under ``jit`` with a mesh; ``"local"``: this
-rank's chunk inside a ``shard_map``). It is validated once, when built, is
+rank's chunk inside a ``shard_map``) and how K/V travel between ranks
+(``comm_type``). It is validated once, when built, is
 frozen and hashable (a static argument of ``jax.jit`` and static module
 configuration), and every function that produces or consumes the layout
 takes it: the data functions of :mod:`jax_cp.data`,
@@ -37,6 +38,8 @@ from jax_cp.cp.strategy import (
 
 MeshLike = jax.sharding.Mesh | jax.sharding.AbstractMesh
 VIEWS = ("global", "local")
+#: Values of :attr:`CPLayout.comm_type`.
+COMM_TYPES = ("all_gather", "ring")
 
 # The fields that decide which tokens a rank holds: two layouts that agree
 # on them partition a row identically.
@@ -106,6 +109,15 @@ class CPLayout:
       attention opens its own ``shard_map``. ``"local"``: arrays hold this
       rank's chunk (:func:`jax_cp.data.get_batch_on_this_cp_rank`) inside the
       caller's ``shard_map``.
+    comm_type: how K/V travel between the ranks of ``cp_axis``:
+      ``"all_gather"`` (default) gathers every rank's K/V once per step
+      (NO_LOAD_BALANCE with a ``max_seqlen`` bound or a window only the
+      halo before each chunk); ``"ring"`` passes them around the ring in
+      ``cp`` steps of one chunk each, merging each step's attention by
+      log-sum-exp, so no buffer of a rank grows with the whole row
+      (docs/long_rows.md, Ring exchange). The ring takes no window under
+      DUAL_CHUNK_SWAP, nor one of ``(cp-1) * T/cp`` or more tokens under
+      NO_LOAD_BALANCE (``ValueError``).
   """
 
   cp_axis: str | None = "cp"
@@ -117,6 +129,7 @@ class CPLayout:
   batch_axis: str | tuple[str, ...] | None = None
   head_axis: str | None = None
   view: str = "global"
+  comm_type: str = "all_gather"
 
   def __post_init__(self):
     set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -127,6 +140,9 @@ class CPLayout:
     if not isinstance(self.backend, str):
       raise ValueError(f"backend must be a string, got {self.backend!r}")
     set_("max_seqlen", _optional_bound(self.max_seqlen, "max_seqlen"))
+    if self.comm_type not in COMM_TYPES:
+      raise ValueError(f"comm_type={self.comm_type!r} is not one of "
+                       f"{list(COMM_TYPES)}")
     if self.view not in VIEWS:
       raise ValueError(f"view={self.view!r} is not one of {list(VIEWS)}")
     batch = _axes(self.batch_axis, "batch_axis")

@@ -318,3 +318,76 @@ def no_load_balance_split(cu_seqlens, cu_seqlens_padded, cp_size: int, rank,
                           jnp.where(has, kv_len - cut, 0),
                           jnp.maximum(kv_off, 0))
   return local, straddle
+
+
+def ring_step(cu_seqlens, cu_seqlens_padded, cp_size: int, rank, step: int,
+              *, dual_chunk: bool, causal: bool, total_tokens: int
+              ) -> tuple[StepMetadata, str]:
+  """Step ``step`` of the ring exchange on rank ``r``: this rank's Q
+  chunk against the K/V chunk of rank ``src = (r - step) mod cp``, the
+  one it holds then (docs/long_rows.md, Ring exchange). Offsets index
+  the local Q rows and the held chunk's rows; returns the metadata and
+  its mask, with ``q_len = kv_len = 0`` for a document that sees none of
+  the chunk.
+
+  DUAL_CHUNK_SWAP (document chunks of ``c = L_padded / 2cp`` tokens; this
+  rank holds chunks ``r`` and ``2cp-1-r`` of each, ``qa`` and ``qb``
+  valid rows, source ``src`` holds ``ka`` and ``kb``):
+
+  * step 0: the local rows against themselves, top-left causal (the two
+    chunks' positions rise with the local row);
+  * ``src < r``: every row against chunk ``src`` (before both), unmasked;
+  * ``src > r``: chunk ``2cp-1-r``'s rows against both of ``src``'s
+    chunks (both before it), unmasked;
+  * without a mask every step is all rows against all keys.
+
+  NO_LOAD_BALANCE (causal): step 0 is the chunk's local call (each
+  document's rows against its own rows in the chunk, top-left); a later
+  step serves only the document that straddles into the chunk from
+  before it (``[B, 1]``), its rows against its keys in chunk ``src = r -
+  step`` (none when that wraps past rank 0), unmasked.
+  """
+  lens, plens, starts = _lengths(cu_seqlens, cu_seqlens_padded)
+  rank = jnp.asarray(rank, jnp.int32)
+  if dual_chunk:
+    cp = cp_size
+    c = plens // (2 * cp)
+    local = starts // cp
+    src = rank if step == 0 else (rank - step) % cp
+    held = lambda k: jnp.clip(lens - k * c, 0, c)
+    qa, qb = held(rank), held(2 * cp - 1 - rank)
+    ka, kb = held(src), held(2 * cp - 1 - src)
+    if not causal:
+      meta, mask = StepMetadata(qa + qb, local, ka + kb, local), "no_mask"
+    elif step == 0:
+      meta = StepMetadata(qa + qb, local, qa + qb, local)
+      mask = "causal_top_left"
+    else:
+      earlier = src < rank
+      meta = StepMetadata(jnp.where(earlier, qa + qb, qb),
+                          jnp.where(earlier, local, local + c),
+                          jnp.where(earlier, ka, ka + kb), local)
+      mask = "no_mask"
+  else:
+    tl = total_tokens // cp_size
+    lo = rank * tl
+    chunk = contiguous_chunk(cu_seqlens, cu_seqlens_padded, lo, tl)
+    if step == 0:
+      return StepMetadata(chunk.q_lens, chunk.q_offsets, chunk.q_lens,
+                          chunk.q_offsets), "causal_top_left"
+    crossing = (starts < lo) & (chunk.q_lens > 0)
+    has = crossing.any(axis=-1, keepdims=True)
+    idx = jnp.argmax(crossing, axis=-1)[..., None]
+    pick = lambda x: jnp.where(has, jnp.take_along_axis(x, idx, axis=-1), 0)
+    q, start, n = pick(chunk.q_lens), pick(starts), pick(lens)
+    src_lo = (rank - step) * tl
+    first = jnp.maximum(start, src_lo)
+    kv = jnp.where(has & (rank >= step),
+                   jnp.maximum(jnp.minimum(start + n, src_lo + tl) - first,
+                               0), 0)
+    meta = StepMetadata(q, jnp.zeros_like(q), kv, first - src_lo)
+    mask = "no_mask"
+  q_lens = jnp.where(meta.kv_lens > 0, meta.q_lens, 0)
+  kv_lens = jnp.where(q_lens > 0, meta.kv_lens, 0)
+  return StepMetadata(q_lens, meta.q_offsets, kv_lens,
+                      jnp.where(kv_lens > 0, meta.kv_offsets, 0)), mask

@@ -152,6 +152,30 @@ def check_attention_config(strategy: CPLoadBalancingStrategy,
                      f"supported by CP attention")
 
 
+def check_comm_type(comm_type: str, strategy: CPLoadBalancingStrategy,
+                    window_left: int, cp_size: int, total_tokens: int
+                    ) -> None:
+  """The ring exchange (``comm_type="ring"``) with a sliding window: none
+  under DUAL_CHUNK_SWAP, whose windowed plan reads per-document key ranges
+  across chunks; under NO_LOAD_BALANCE a window shorter than ``(cp-1) *
+  T/cp`` tokens, which the halo exchange moves (a longer one reaches the
+  whole row: the all-gather)."""
+  if comm_type != "ring" or window_left < 0 or cp_size == 1:
+    return
+  if strategy is CPLoadBalancingStrategy.DUAL_CHUNK_SWAP:
+    raise ValueError(
+        "comm_type='ring' takes no window_size under strategy="
+        "dual_chunk_swap; with a sliding window use strategy="
+        "no_load_balance, whose halo exchange moves only the window's keys")
+  reach = (cp_size - 1) * (total_tokens // cp_size)
+  if window_left >= reach:
+    raise ValueError(
+        f"comm_type='ring' with window_size=({window_left}, 0) under "
+        f"strategy=no_load_balance needs a left window below (cp-1) * T/cp "
+        f"= {reach} tokens (a window that reaches the whole row exchanges "
+        "all of it: use comm_type='all_gather')")
+
+
 def check_mesh_axis(mesh: Any, axis: str | None, argname: str) -> None:
   if axis is None:
     return

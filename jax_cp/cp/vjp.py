@@ -19,6 +19,9 @@ With traced metadata and a ``max_seqlen`` bound, forward and backward each
 run under :func:`jax_cp.cp.guard.run`: a step whose padded documents break
 the bound takes the unbounded program (:attr:`CPConfig.unbounded`).
 
+The ring exchange (:attr:`KVExchange.kind` ``"ring"``) runs its own
+steps both ways (:mod:`jax_cp.cp.ring`) and keeps nothing exchanged.
+
 Inputs are batched: q ``[B, Tl, Hq, D]``, k/v ``[B, Tl, Hkv, D]``, row
 metadata ``[B, N+1]`` int32.
 """
@@ -33,22 +36,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_cp.attention import straddle
 from jax_cp.attention.api import window_kwargs
+from jax_cp.attention.backend import packed
 from jax_cp.attention.merge import GradSum, add, merge_softmax
 from jax_cp.checkpoint_names import CONTEXT
-from jax_cp.cp import call_plan, guard
+from jax_cp.cp import call_plan, guard, ring
 from jax_cp.cp.call_plan import CompactCalls, HaloCall, RowsCall
 from jax_cp.cp.config import CPConfig
-
-
-def _flat(x):
-  """``[B, T, ...]`` -> ``[B*T, ...]``: the backend's packed layout."""
-  return x.reshape((-1,) + x.shape[2:])
-
-
-def _rank(cfg: CPConfig):
-  if cfg.cp_size == 1:
-    return jnp.int32(0)
-  return jax.lax.axis_index(cfg.cp_axis).astype(jnp.int32)
 
 
 class _KV:
@@ -84,7 +77,7 @@ class _KV:
     there)."""
     if self.halo is not None:
       return self.exchanged()
-    lo = _rank(self.cfg) * self.k.shape[1]
+    lo = self.cfg.rank() * self.k.shape[1]
     pad = lambda x: jnp.pad(x, [(0, 0), (rows, 0), (0, 0), (0, 0)])
     return tuple(jax.lax.dynamic_slice_in_dim(pad(x), lo, rows, axis=1)
                  for x in self.gathered)
@@ -100,7 +93,7 @@ class _KV:
     zeros."""
     if self.halo is not None:
       return g
-    lo = _rank(self.cfg) * self.k.shape[1]
+    lo = self.cfg.rank() * self.k.shape[1]
     t = self.gathered[0].shape[1]
     zeros = jnp.zeros((g.shape[0], t + rows) + g.shape[2:], g.dtype)
     return jax.lax.dynamic_update_slice_in_dim(zeros, g, lo, axis=1)[:, rows:]
@@ -128,18 +121,21 @@ def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
   exchange: the received K|V halo when the exchange keeps it, the
   all-gathered ``(k, v)`` with :attr:`CPConfig.keep_gathered_kv`, else
   None."""
+  if cfg.exchange.kind == "ring":
+    out, lse = ring.forward(cfg, q, k, v, cu_seqlens, cu_seqlens_padded)
+    return out.astype(q.dtype), lse, None
   backend = cfg.backend
   kv = _KV.exchange(cfg, k, v, cu_seqlens_padded)
   out = lse = None
   for call in call_plan.forward_plan(cfg, cu_seqlens, cu_seqlens_padded,
-                                     _rank(cfg)):
+                                     cfg.rank()):
     if isinstance(call, RowsCall):
       kc, vc = kv.of(call)
       extra = window_kwargs(call.window_left)
       if call.into:
         # The earlier calls' outputs hold 0 / -inf on this call's rows.
-        extra.update(into=(_flat(out), _flat(lse)))
-      o, l = backend.forward(_flat(q), _flat(kc), _flat(vc), call.segments,
+        extra.update(into=(packed(out), packed(lse)))
+      o, l = backend.forward(packed(q), packed(kc), packed(vc), call.segments,
                              mask=call.mask, scale=cfg.scale, **extra)
       o, l = o.reshape(q.shape), l.reshape(q.shape[:3])
       if out is None or call.into:
@@ -176,7 +172,7 @@ def _compact_forward(cfg: CPConfig, call: CompactCalls, q, kv: _KV, out,
   kc, vc = _compact_kv(rows, kv)
   parts = []
   for seg, mask in call.calls:
-    o, l = cfg.backend.forward(_flat(qc), _flat(kc), _flat(vc), seg,
+    o, l = cfg.backend.forward(packed(qc), packed(kc), packed(vc), seg,
                                mask=mask, scale=cfg.scale)
     parts.append((o.reshape(qc.shape), l.reshape(qc.shape[:3])))
   o, l = merge_softmax(*parts[0], parts[1:])
@@ -241,6 +237,9 @@ def _vjp_backward(cfg: CPConfig, residuals, dout):
 def _backward(cfg: CPConfig, residuals, dout):
   """(dq, dk, dv) of this rank's chunk."""
   q, k, v, cu_seqlens, cu_seqlens_padded, out, lse, saved = residuals
+  if cfg.exchange.kind == "ring":
+    return ring.backward(cfg, q, k, v, cu_seqlens, cu_seqlens_padded, out,
+                         lse, dout.astype(out.dtype))
   backend = cfg.backend
   if isinstance(saved, tuple):
     kv = _KV(cfg, k, v, gathered=saved)       # all-gathered in the forward
@@ -254,15 +253,15 @@ def _backward(cfg: CPConfig, residuals, dout):
   dout = dout.astype(out.dtype)
   dq, dk, dv, dkx, dvx = GradSum(), GradSum(), GradSum(), GradSum(), GradSum()
   for call in call_plan.backward_plan(cfg, cu_seqlens, cu_seqlens_padded,
-                                      _rank(cfg)):
+                                      cfg.rank()):
     if isinstance(call, RowsCall):
       kc, vc = kv.of(call)
       extra = window_kwargs(call.window_left)
       if call.into:
-        extra.update(dq_into=_flat(dq.full))
+        extra.update(dq_into=packed(dq.full))
       dq_i, dk_i, dv_i = backend.backward(
-          _flat(q), _flat(kc), _flat(vc), _flat(out),
-          lse.reshape(-1, q.shape[2]), _flat(dout), call.segments,
+          packed(q), packed(kc), packed(vc), packed(out),
+          lse.reshape(-1, q.shape[2]), packed(dout), call.segments,
           mask=call.mask, scale=cfg.scale, **extra)
       dq_i = dq_i.reshape(q.shape)
       if call.into:
@@ -308,8 +307,8 @@ def _compact_backward(cfg: CPConfig, call: CompactCalls, q, out, lse, dout,
   dqc, dkc, dvc = GradSum(), GradSum(), GradSum()
   for seg, mask in call.calls:
     dq_i, dk_i, dv_i = cfg.backend.backward(
-        _flat(qc), _flat(kc), _flat(vc), _flat(oc),
-        lc.reshape(-1, q.shape[2]), _flat(dc), seg, mask=mask,
+        packed(qc), packed(kc), packed(vc), packed(oc),
+        lc.reshape(-1, q.shape[2]), packed(dc), seg, mask=mask,
         scale=cfg.scale)
     dqc.add(dq_i.reshape(qc.shape), None)
     dkc.add(dk_i.reshape(kc.shape), None)

@@ -1,0 +1,92 @@
+"""The ring exchange's forward and backward on one rank (inside the
+``shard_map`` and the ``custom_vjp`` of :mod:`jax_cp.cp.vjp`;
+docs/long_rows.md, Ring exchange).
+
+Forward: the rank's K|V chunk travels around the ring
+(:meth:`~jax_cp.cp.exchange.KVExchange.ring_next`); at each step the
+rank attends its Q rows to the chunk it holds (:func:`jax_cp.cp.
+call_plan.ring_plan`) and merges the result into a float32 running
+output by log-sum-exp. The next chunk is requested before the step's
+call, so the hop can overlap it; a barrier closes each step, so one
+step's results are live at a time.
+
+Backward: the chunks travel again, each with a float32 dK|dV accumulator
+that every rank adds its step's contribution to; after the last step one
+permute brings each accumulator home (:meth:`~jax_cp.cp.exchange.
+KVExchange.ring_home`). dQ is summed locally in float32 over the steps;
+every call gets the forward's whole ``out`` and ``lse``, so its
+contributions are exact parts of the gradient.
+
+Every buffer is one chunk (``[B, T/cp, ...]``): nothing grows with the
+row.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_cp.attention.backend import packed
+from jax_cp.attention.merge import merge_softmax
+from jax_cp.cp import call_plan
+from jax_cp.cp.config import CPConfig
+
+
+def _split(kv, heads: int):
+  return packed(kv[:, :, :heads]), packed(kv[:, :, heads:])
+
+
+def forward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded):
+  """``(out, lse)`` of this rank's Q rows over the whole row: ``out``
+  float32 ``[B, Tl, Hq, D]``, ``lse`` ``[B, Tl, Hq]``."""
+  ex, heads = cfg.exchange, k.shape[2]
+  rank = cfg.rank()
+  kv = jnp.concatenate([k, v], axis=2)
+  out = lse = None
+  for step in range(ex.ring_steps):
+    nxt = ex.ring_next(kv) if step + 1 < ex.ring_steps else None
+    call = call_plan.ring_plan(cfg, cu_seqlens, cu_seqlens_padded, rank,
+                               step)
+    kc, vc = _split(kv, heads)
+    o, l = cfg.backend.forward(packed(q), kc, vc, call.segments,
+                               mask=call.mask, scale=cfg.scale)
+    o = o.reshape(q.shape).astype(jnp.float32)
+    l = l.reshape(q.shape[:3])
+    out, lse = (o, l) if out is None else merge_softmax(out, lse, [(o, l)])
+    # One step at a time: the merge before the next step's call, so one
+    # step's output is live at once (XLA would otherwise keep every step's
+    # and merge them at the end).
+    out, lse, kv = jax.lax.optimization_barrier((out, lse, nxt))
+  return out, lse
+
+
+def backward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded, out,
+             lse, dout):
+  """``(dq, dk, dv)`` of this rank's chunk, in q's and k's dtypes."""
+  ex, heads = cfg.exchange, k.shape[2]
+  rank = cfg.rank()
+  # The barrier keeps XLA from merging these hops with the forward's
+  # (which would keep every chunk alive from forward to backward).
+  k, v = jax.lax.optimization_barrier((k, v))
+  kv = jnp.concatenate([k, v], axis=2)
+  dq = dkv = None
+  for step in range(ex.ring_steps):
+    nxt = ex.ring_next(kv) if step + 1 < ex.ring_steps else None
+    call = call_plan.ring_plan(cfg, cu_seqlens, cu_seqlens_padded, rank,
+                               step)
+    kc, vc = _split(kv, heads)
+    dq_i, dk_i, dv_i = cfg.backend.backward(
+        packed(q), kc, vc, packed(out), lse.reshape(-1, q.shape[2]),
+        packed(dout), call.segments, mask=call.mask, scale=cfg.scale)
+    dq_i = dq_i.reshape(q.shape).astype(jnp.float32)
+    dkv_i = jnp.concatenate([dk_i.reshape(k.shape), dv_i.reshape(v.shape)],
+                            axis=2).astype(jnp.float32)
+    # The accumulator of the chunk now held comes from the predecessor
+    # while the call runs.
+    dq = dq_i if dq is None else dq + dq_i
+    dkv = dkv_i if dkv is None else ex.ring_next(dkv) + dkv_i
+    # One step at a time (as in the forward).
+    dq, dkv, kv = jax.lax.optimization_barrier((dq, dkv, nxt))
+  dkv = ex.ring_home(dkv)
+  return (dq.astype(q.dtype), dkv[:, :, :heads].astype(k.dtype),
+          dkv[:, :, heads:].astype(v.dtype))
