@@ -56,11 +56,11 @@ def test_cpu_runs_and_the_generic_ab(tmp_path):
     assert max(r["exact"].values()) < 1e-4 and set(r["exact_calls"]) == {
         "row"}
   rows = _rows(tmp_path)
-  assert rows[0][7] == "A/B: remat=none / remat=full"
-  assert rows[0][16].startswith(f"**{ab['ratio']:.3f}**")
-  assert [(r[0], r[2], r[3], r[7]) for r in rows[1:]] == [
+  assert rows[0][8] == "A/B: remat=none / remat=full"
+  assert rows[0][17].startswith(f"**{ab['ratio']:.3f}**")
+  assert [(r[0], r[2], r[3], r[8]) for r in rows[1:]] == [
       ("example*", "256", "1", "ok"), ("example*", "256", "2", "ok")]
-  assert rows[1][15] == f"{max(runs[0]['exact'].values()):.1e}"
+  assert rows[1][16] == f"{max(runs[0]['exact'].values()):.1e}"
 
 
 def test_layer_chunk_run_checks_the_chunk_calls(tmp_path):
@@ -75,7 +75,7 @@ def test_layer_chunk_run_checks_the_chunk_calls(tmp_path):
   from jax_cp.attention import cudnn_workspace
   assert run["attention_scratch_bytes"] == \
       cudnn_workspace.backward_workspace_bytes(100, 100, 2, 1, 16)
-  assert _rows(tmp_path)[0][6] == "100"
+  assert _rows(tmp_path)[0][7] == "100"
 
 
 def test_exact_calls_follow_the_documents():
