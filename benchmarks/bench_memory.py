@@ -26,6 +26,8 @@ status ``inexact`` above ``EXACT_TOL``).
   ``--ab-b`` (``KEY=VALUE`` of remat, mlp_chunk_size, layer_chunk_size),
   timed in alternation; the ratio is A's time over B's.
 * ``--breakdown``: where XLA's bytes go (:mod:`benchmarks.buffer_breakdown`).
+* ``--schedule``: the collectives of the compiled step and what runs
+  beside them (:mod:`benchmarks.schedule`).
 * ``--compile-only``: the memory analysis alone, no step run (status
   ``compiled``); with ``--target h200`` compiled for ``--cp`` compile-only
   devices of that GPU on a machine without one
@@ -45,7 +47,14 @@ import os
 import time
 from collections.abc import Sequence
 
-from benchmarks import deviceless, hlo_flops, results, timing, workload
+from benchmarks import (
+  deviceless,
+  hlo_flops,
+  results,
+  schedule,
+  timing,
+  workload,
+)
 from examples.packed_lm.config import REMAT
 
 #: Largest relative error of any output of the exactness check (bfloat16
@@ -100,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--ab-b", nargs="+", default=["remat=save_context"])
   p.add_argument("--ab-reps", type=int, default=5)
   p.add_argument("--breakdown", action="store_true")
+  p.add_argument("--schedule", action="store_true",
+                 help="record what XLA scheduled beside each collective "
+                 "(benchmarks.schedule)")
   p.add_argument("--target", default=None, choices=deviceless.targets())
   p.add_argument("--memory-limit", type=float, default=None,
                  help="GB: a step planning more (temp + arguments + "
@@ -322,6 +334,8 @@ def measure(args, seq_len: int, cp: int, remat: str, *, timed: bool = True
         max_seqlen=step.rows.max_seqlen, compile_s=step.compile_s,
         attention_scratch_bytes=scratch, attention_scratch_groups=groups,
         **compiled_facts(step.fn))
+    if args.schedule:
+      rec["schedule"] = schedule.summarize(step.fn.as_text())
     if step.breakdown is not None:
       rec["breakdown"] = step.breakdown
     planned = planned_bytes(rec) or 0

@@ -20,6 +20,10 @@ loop re-runs a chunk's forward in the backward counts what that adds.
 
 API: ``dot_flops(hlo_text) -> DotFlops(flops, loops_without_trip_count)``;
 a loop whose trip count XLA did not record is counted once and reported.
+``computation_flops(hlo_text)`` gives the same count for every computation
+(what one call of it runs), and ``computations(hlo_text)`` the instruction
+lines of each, in the printed (for a scheduled module: the schedule's)
+order.
 """
 
 from __future__ import annotations
@@ -69,18 +73,36 @@ def _product(dims: list[int]) -> int:
   return out
 
 
-def dot_flops(hlo_text: str) -> DotFlops:
-  """Matmul FLOPs of the optimized HLO module ``hlo_text``
-  (``compiled.as_text()``); see the module docstring."""
+def computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+  """``({computation: its instruction lines}, entry name)`` of an HLO
+  module's text."""
   comps: dict[str, list[str]] = {}
-  shapes: dict[str, dict[str, str]] = {}
   entry = cur = None
   for line in hlo_text.splitlines():
     m = _HEADER.match(line)
     if m:
       cur = m.group(2)
-      comps[cur], shapes[cur] = [], dict(_PARAM.findall(m.group(3)))
+      comps[cur] = [line]
       entry = cur if m.group(1) else entry
+      continue
+    if cur is not None:
+      comps[cur].append(line)
+  if entry is None:
+    raise ValueError("hlo_text has no ENTRY computation")
+  return {k: v[1:] for k, v in comps.items()}, entry
+
+
+def computation_flops(hlo_text: str) -> dict[str, DotFlops]:
+  """Matmul FLOPs of one call of each computation of ``hlo_text``, its
+  callees included (see the module docstring)."""
+  comps: dict[str, list[str]] = {}
+  shapes: dict[str, dict[str, str]] = {}
+  cur = None
+  for line in hlo_text.splitlines():
+    m = _HEADER.match(line)
+    if m:
+      cur = m.group(2)
+      comps[cur], shapes[cur] = [], dict(_PARAM.findall(m.group(3)))
       continue
     if cur is None:
       continue
@@ -88,8 +110,6 @@ def dot_flops(hlo_text: str) -> DotFlops:
     d = _DEF.match(line)
     if d:
       shapes[cur][d.group(1)] = d.group(2)
-  if entry is None:
-    raise ValueError("hlo_text has no ENTRY computation")
 
   own: dict[str, int] = {}
   # Per computation: (callee, times) and groups of branches (the larger).
@@ -134,4 +154,11 @@ def dot_flops(hlo_text: str) -> DotFlops:
       flops, unknown = flops + f, unknown + u
     return flops, unknown
 
-  return DotFlops(*total(entry))
+  return {name: DotFlops(*total(name)) for name in comps}
+
+
+def dot_flops(hlo_text: str) -> DotFlops:
+  """Matmul FLOPs of the optimized HLO module ``hlo_text``
+  (``compiled.as_text()``); see the module docstring."""
+  _, entry = computations(hlo_text)
+  return computation_flops(hlo_text)[entry]
