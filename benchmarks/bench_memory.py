@@ -47,14 +47,8 @@ import os
 import time
 from collections.abc import Sequence
 
-from benchmarks import (
-  deviceless,
-  hlo_flops,
-  results,
-  schedule,
-  timing,
-  workload,
-)
+from benchmarks import deviceless, hlo_flops, results, timing, workload
+from benchmarks.schedule import summarize as schedule_summary
 from examples.packed_lm.config import REMAT
 
 #: Largest relative error of any output of the exactness check (bfloat16
@@ -335,7 +329,7 @@ def measure(args, seq_len: int, cp: int, remat: str, *, timed: bool = True
         attention_scratch_bytes=scratch, attention_scratch_groups=groups,
         **compiled_facts(step.fn))
     if args.schedule:
-      rec["schedule"] = schedule.summarize(step.fn.as_text())
+      rec["schedule"] = schedule_summary(step.fn.as_text())
     if step.breakdown is not None:
       rec["breakdown"] = step.breakdown
     planned = planned_bytes(rec) or 0

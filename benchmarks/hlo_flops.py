@@ -21,9 +21,9 @@ loop re-runs a chunk's forward in the backward counts what that adds.
 API: ``dot_flops(hlo_text) -> DotFlops(flops, loops_without_trip_count)``;
 a loop whose trip count XLA did not record is counted once and reported.
 ``computation_flops(hlo_text)`` gives the same count for every computation
-(what one call of it runs), and ``computations(hlo_text)`` the instruction
-lines of each, in the printed (for a scheduled module: the schedule's)
-order.
+(what one call of it runs), and ``computations(hlo_text)`` the lines of
+each (its header first, then its instructions in the printed order: for a
+scheduled module, the schedule's).
 """
 
 from __future__ import annotations
@@ -81,36 +81,22 @@ def computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
   for line in hlo_text.splitlines():
     m = _HEADER.match(line)
     if m:
-      cur = m.group(2)
+      cur, entry = m.group(2), m.group(2) if m.group(1) else entry
       comps[cur] = [line]
-      entry = cur if m.group(1) else entry
-      continue
-    if cur is not None:
+    elif cur is not None:
       comps[cur].append(line)
   if entry is None:
     raise ValueError("hlo_text has no ENTRY computation")
-  return {k: v[1:] for k, v in comps.items()}, entry
+  return comps, entry
 
 
 def computation_flops(hlo_text: str) -> dict[str, DotFlops]:
   """Matmul FLOPs of one call of each computation of ``hlo_text``, its
   callees included (see the module docstring)."""
-  comps: dict[str, list[str]] = {}
-  shapes: dict[str, dict[str, str]] = {}
-  cur = None
-  for line in hlo_text.splitlines():
-    m = _HEADER.match(line)
-    if m:
-      cur = m.group(2)
-      comps[cur], shapes[cur] = [], dict(_PARAM.findall(m.group(3)))
-      continue
-    if cur is None:
-      continue
-    comps[cur].append(line)
-    d = _DEF.match(line)
-    if d:
-      shapes[cur][d.group(1)] = d.group(2)
-
+  comps, _ = computations(hlo_text)
+  shapes = {name: dict(_PARAM.findall(_HEADER.match(lines[0]).group(3)))
+            | {d.group(1): d.group(2) for d in map(_DEF.match, lines) if d}
+            for name, lines in comps.items()}
   own: dict[str, int] = {}
   # Per computation: (callee, times) and groups of branches (the larger).
   calls: dict[str, list[tuple[str, int | None]]] = {}

@@ -255,7 +255,10 @@ TABLES: dict[str, tuple[str, str, list[Column]]] = {
         "*exact*: the largest relative error of that call's out, lse, dq, "
         "dk, dv against the subset reference (`benchmarks/exactness.py`; "
         "status *inexact* above 5e-3); status *compiled*: planned, not "
-        "run; a device named *(plan)*: compiled for that GPU without one. "
+        "run; a device named *(plan)*: compiled for that GPU without one; "
+        "*unhidden*: bytes of the collectives XLA scheduled beside no "
+        "matmul and no CP attention work (`--schedule`, "
+        "`benchmarks/schedule.py`; a loop body's once). "
         "A/B rows: A's step time over B's, paired.", [
             ("model", lambda r: r["model"]),
             ("layers", lambda r: r.get("layers", "-")),
@@ -270,6 +273,8 @@ TABLES: dict[str, tuple[str, str, list[Column]]] = {
             ("out GB", lambda r: _gb(r.get("output_bytes"))),
             ("peak GB", lambda r: _gb(r.get("peak_bytes_in_use"))),
             ("scratch GB", lambda r: _gb(r.get("attention_scratch_bytes"))),
+            ("unhidden GB", lambda r: _gb((r.get("schedule") or {}).get(
+                "unhidden_bytes"))),
             ("ms/step", lambda r: (f"{r['ms_a']:.1f} / {r['ms_b']:.1f}"
                                    if r.get("kind") == "ab" else
                                    _num(r.get("ms_per_step"), ".1f"))),

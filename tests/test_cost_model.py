@@ -281,3 +281,48 @@ def test_imbalance_at_32m_tokens_and_128_heads_does_not_wrap():
                                      for p in est.pairs_per_rank)
   pairs = np.asarray(est.pairs_per_rank, np.float64)
   assert est.imbalance == pytest.approx(pairs.max() / pairs.mean())
+
+
+def test_model_predicts_the_measured_cp_speedups():
+  """The all-gather model against the kept H200 runs of bench_cp
+  (DUAL_CHUNK_SWAP, one document, forward + backward): the predicted
+  speed-up of cp = N over cp = 1 within 3 % of the measured one."""
+  from benchmarks import results
+  rows = [r for _, r in results.load("cp")
+          if r.get("dist") == "one_doc" and r.get("pass") == "fwd_bwd"
+          and r["strategy"] == "dual_chunk_swap"]
+  assert sorted(r["cp"] for r in rows) == [2, 4]
+  for r in rows:
+    cu = np.array([0, r["tokens"]])
+    heads = dict(num_heads_q=r["hq"], num_heads_kv=r["hkv"],
+                 head_dim=r["head_dim"])
+    t = {cp: planning.estimate_cp_imbalance(cu, cu, CPLayout(
+        cp_size=cp, strategy="dual_chunk_swap"), **heads).predicted_time_s(
+            include_backward=True) for cp in (1, r["cp"])}
+    predicted = t[1] / t[r["cp"]]
+    assert abs(predicted / r["ratio"] - 1) < 0.03, (r["cp"], predicted,
+                                                    r["ratio"])
+
+
+def test_ring_charges_only_what_compute_does_not_hide():
+  cp, t = 8, 1 << 16
+  cu = np.array([0, t])
+  est = planning.estimate_cp_imbalance(cu, cu, CPLayout(cp_size=cp,
+                                               strategy="dual_chunk_swap"),
+                              num_heads_q=32, num_heads_kv=8, head_dim=128)
+  compute = est.max_rank_flops * 3.5 / 600e12
+  chunk = est.allgather_bytes / (cp - 1)
+  # Fast links: every hop hidden but the home hop of the accumulator.
+  fast = est.predicted_time_s(include_backward=True, comm_type="ring",
+                              bandwidth=1e15, call_overhead_s=0)
+  assert fast == pytest.approx(compute + 2 * chunk / 1e15, rel=1e-9)
+  # Slow links: every hop exposed past its step.
+  bw = 1e6
+  step = est.max_rank_flops / 600e12 / cp
+  want = (compute + (cp - 1) * (chunk / bw - step)
+          + (cp - 1) * (3 * chunk / bw - 2.5 * step) + 2 * chunk / bw)
+  slow = est.predicted_time_s(include_backward=True, comm_type="ring",
+                              bandwidth=bw, call_overhead_s=0)
+  assert slow == pytest.approx(want, rel=1e-9)
+  with pytest.raises(ValueError, match="comm_type"):
+    est.predicted_time_s(comm_type="p2p")

@@ -99,6 +99,7 @@ class CPCostEstimate:
     max_seqlen: the bound ``W`` used for the halo (clamped to ``T``), or
       ``None``.
     window_left: the left bound of the causal sliding window (-1: none).
+    kv_dtype_bytes: bytes per K/V element.
   """
 
   strategy: CPLoadBalancingStrategy
@@ -116,6 +117,7 @@ class CPCostEstimate:
   valid_tokens: int
   max_seqlen: int | None
   window_left: int = -1
+  kv_dtype_bytes: int = 2
 
   @property
   def total_flops(self) -> int:
@@ -141,36 +143,80 @@ class CPCostEstimate:
                        bandwidth: float = H200_ALLGATHER_BUS_BANDWIDTH,
                        call_overhead_s: float = CALL_OVERHEAD_S,
                        include_backward: bool = False,
-                       bounded_exchange: bool = True) -> float:
+                       bounded_exchange: bool = True,
+                       comm_type: str = "all_gather") -> float:
     """Predicted step time of the busiest rank, in seconds.
 
-    ``max_rank_flops / peak_flops + exchange_bytes / bandwidth + calls *
-    call_overhead_s``, with nothing overlapped. With ``include_backward``,
-    FLOPs are multiplied by :data:`FWD_BWD_FLOP_FACTOR` (3.5), bytes by
+    All-gather: ``max_rank_flops / peak_flops + exchange_bytes / bandwidth
+    + calls * call_overhead_s``, with nothing overlapped. With
+    ``include_backward``, FLOPs are multiplied by
+    :data:`FWD_BWD_FLOP_FACTOR` (3.5), bytes by
     :data:`FWD_BWD_BYTES_FACTOR` (3: gather, re-gather, reduce-scatter) and
-    calls by 2. The model ignores kernel efficiency on short documents, the
-    DUAL_CHUNK_SWAP reorder gather and any overlap of exchange and compute.
+    calls by 2.
+
+    Ring (:meth:`ring_exposed_s`): the same compute, one call per step, and
+    of each hop only what its step's compute does not hide.
+
+    The model ignores kernel efficiency on short documents, the
+    DUAL_CHUNK_SWAP reorder gather and the ring's merges.
 
     Args:
       peak_flops: sustained causal-attention FLOP/s of one GPU.
-      bandwidth: bus bandwidth of the exchange, B/s.
+      bandwidth: bus bandwidth of the exchange, B/s (the ring's hops are
+        charged at it too).
       call_overhead_s: fixed cost per attention kernel call.
       include_backward: model forward + backward instead of the forward.
       bounded_exchange: charge the bounded halo (NO_LOAD_BALANCE with a
         ``max_seqlen``) instead of the full all-gather.
+      comm_type: ``"all_gather"`` or ``"ring"`` (``CPLayout.comm_type``).
     """
     for name, x in (("peak_flops", peak_flops), ("bandwidth", bandwidth)):
       if not np.isfinite(x) or x <= 0:
         raise ValueError(f"{name} must be a positive finite number, got {x!r}")
     if not np.isfinite(call_overhead_s) or call_overhead_s < 0:
       raise ValueError(f"call_overhead_s must be >= 0, got {call_overhead_s!r}")
-    nbytes = self.exchange_bytes if bounded_exchange else self.allgather_bytes
-    flops, calls = float(self.max_rank_flops), self.calls_per_rank
+    if comm_type not in ("all_gather", "ring"):
+      raise ValueError(f"comm_type must be 'all_gather' or 'ring', got "
+                       f"{comm_type!r}")
+    flops = float(self.max_rank_flops)
     if include_backward:
       flops *= FWD_BWD_FLOP_FACTOR
+    compute = flops / peak_flops
+    if comm_type == "ring" and self.cp_size > 1:
+      steps = self.cp_size
+      calls = steps * (2 if include_backward else 1)
+      return (compute + self.ring_exposed_s(peak_flops, bandwidth,
+                                            include_backward)
+              + calls * call_overhead_s)
+    nbytes = self.exchange_bytes if bounded_exchange else self.allgather_bytes
+    calls = self.calls_per_rank
+    if include_backward:
       nbytes *= FWD_BWD_BYTES_FACTOR
       calls *= 2
-    return flops / peak_flops + nbytes / bandwidth + calls * call_overhead_s
+    return compute + nbytes / bandwidth + calls * call_overhead_s
+
+  def ring_exposed_s(self, peak_flops: float, bandwidth: float,
+                     include_backward: bool) -> float:
+    """The ring's exchange time that compute does not hide, in seconds.
+
+    ``cp`` steps, each a ``1/cp`` share of the busiest rank's compute; a
+    forward hop moves one chunk of K|V (``allgather_bytes / (cp - 1)``),
+    a backward hop that and its float32 dK|dV accumulator, and one last
+    hop brings the accumulator home. Each of the ``cp - 1`` hops of a
+    direction overlaps one step: ``max(0, hop - step)`` is exposed; the
+    home hop is exposed whole."""
+    cp = self.cp_size
+    if cp == 1:
+      return 0.0
+    chunk = self.allgather_bytes / (cp - 1)
+    step = self.max_rank_flops / peak_flops / cp
+    exposed = (cp - 1) * max(0.0, chunk / bandwidth - step)
+    if include_backward:
+      acc = chunk * 4 / self.kv_dtype_bytes
+      step_bwd = step * RECOMPUTE_BACKWARD_FACTOR
+      exposed += (cp - 1) * max(0.0, (chunk + acc) / bandwidth - step_bwd)
+      exposed += acc / bandwidth
+    return exposed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,7 +353,8 @@ def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded, layout: CPLayout,
       allgather_bytes=int(allgather),
       halo_bytes_per_rank=halo_per_rank, halo_bytes=halo,
       longest_padded_doc=longest, total_tokens=total, num_rows=rows,
-      valid_tokens=int(lens.sum()), max_seqlen=w, window_left=left)
+      valid_tokens=int(lens.sum()), max_seqlen=w, window_left=left,
+      kv_dtype_bytes=nbytes)
 
 
 def pad_cu_seqlens(cu_seqlens, multiple: int
