@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--comm-type", default="all_gather",
                  choices=("all_gather", "ring"),
                  help="how K/V travel between CP ranks")
+  p.add_argument("--scan-layers", action="store_true",
+                 help="the model's layers as a scan (one layer's schedule)")
   p.add_argument("--cp", type=int, nargs="+", default=[1])
   p.add_argument("--remat", nargs="+", default=["none"], choices=REMAT)
   p.add_argument("--mlp-chunk-size", default="auto",
@@ -169,7 +171,8 @@ def build_step(args, seq_len: int, cp: int, layer: dict) -> Step:
   cfg = config.Config(
       device=args.device, dtype=args.dtype, seq_len=seq_len, batch=1, dp=1,
       cp=cp, strategy=args.strategy, comm_type=args.comm_type,
-      backend=args.backend, max_doc_len=args.max_doc_len, doc_order="packed",
+      scan_layers=args.scan_layers, backend=args.backend,
+      max_doc_len=args.max_doc_len, doc_order="packed",
       seed=args.seed,
       **model_sizes(args), **layer)
   rows = data.load_rows(cfg, 1, cp)
@@ -317,7 +320,7 @@ def measure(args, seq_len: int, cp: int, remat: str, *, timed: bool = True
   layer = settings(args, remat=remat)
   rec = dict(kind="run", model=model_name(args), seq_len=seq_len, cp=cp,
              strategy=args.strategy, comm_type=args.comm_type,
-             backend=args.backend, **layer)
+             scan_layers=args.scan_layers, backend=args.backend, **layer)
   step = None
   try:
     step = build_step(args, seq_len, cp, layer)

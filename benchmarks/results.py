@@ -261,7 +261,8 @@ TABLES: dict[str, tuple[str, str, list[Column]]] = {
         "`benchmarks/schedule.py`; a loop body's once). "
         "A/B rows: A's step time over B's, paired.", [
             ("model", lambda r: r["model"]),
-            ("layers", lambda r: r.get("layers", "-")),
+            ("layers", lambda r: f"{r.get('layers', '-')}"
+             + (" (scan)" if r.get("scan_layers") else "")),
             ("T", _memory_seq), ("cp", lambda r: r.get("cp", 1)),
             ("strategy / exchange", _memory_cp),
             ("remat", lambda r: r.get("remat", "-")),

@@ -263,3 +263,51 @@ def test_ring_keeps_a_short_halo_and_skips_nothing_at_cp1():
                          comm_type="ring").kind == "none"
   ex = choose_exchange(False, "cp", 4, T, 16, comm_type="ring")
   assert (ex.kind, ex.ring_steps) == ("ring", 4)
+
+
+def ranks_on_one_device(q, k, v, w, cu, cuP, *, cp, strategy, backend,
+                        max_seqlen=None, **kw):
+  """Output and gradients of ``sum(out * w)`` for one row ``[T, H, D]``
+  with the ``cp`` ranks of the ring run as a ``jax.vmap`` over the chunks
+  on one device (``ppermute`` and ``axis_index`` batch over the named
+  axis): the whole ring, its hops and its calls, where one GPU is all
+  there is (tests/gpu/test_ring_cudnn.py)."""
+  layout = CPLayout(cp_size=cp, strategy=strategy, view="local",
+                    comm_type="ring", backend=backend, max_seqlen=max_seqlen)
+  order = CPLayout(cp_size=cp, strategy=strategy)
+  t = q.shape[0]
+  chunks = lambda x: reorder_for_cp(x, cuP, order, seq_dim=0).reshape(
+      (cp, t // cp) + x.shape[1:])
+  back = lambda x: restore_from_cp(x.reshape((t,) + x.shape[2:]), cuP, order,
+                                   seq_dim=0)
+
+  def rank(q, k, v, w):
+    out = jax_cp.cp_attention(q, k, v, (cu, cuP), layout=layout, **kw)
+    return jnp.sum(out.astype(jnp.float32) * w), out
+
+  def total(q, k, v, w):
+    loss, out = jax.vmap(rank, axis_name="cp")(q, k, v, w)
+    return jnp.sum(loss), out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(
+      total, argnums=(0, 1, 2), has_aux=True))(
+          chunks(q), chunks(k), chunks(v), chunks(w))
+  return back(out), tuple(back(g) for g in grads)
+
+
+@pytest.mark.parametrize("strategy", list(S), ids=lambda s: s.value)
+def test_ranks_on_one_device_match_the_reference(strategy, record_error):
+  """The harness of the one-GPU ring test, on CPU with the xla backend."""
+  cp = 4
+  cu, cuP, rng = make_rows(21, cp, strategy, 1)
+  cu, cuP = cu[0], cuP[0]
+  q, k, v = (x[0] for x in make_qkv(rng, 1, 4, 2, jnp.float32))
+  w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  out, grads = ranks_on_one_device(q, k, v, w, cu, cuP, cp=cp,
+                                   strategy=strategy, backend="xla")
+  f = lambda q, k, v: ref.attention(q, k, v, cu, cuP)
+  want = jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1, 2))(q, k, v)
+  valid = ref.valid_token_mask(cu, cuP)
+  check_close(out, f(q, k, v), valid, jnp.float32, "out", record_error)
+  for name, a, b in zip(("dq", "dk", "dv"), grads, want):
+    check_close(a, b, valid, jnp.float32, name, record_error)

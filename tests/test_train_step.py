@@ -174,3 +174,48 @@ def test_replicated_parameters_train_like_fsdp():
   a = main.main(TINY + ["--param-sharding", "replicated"])
   b = main.main(TINY + ["--param-sharding", "fsdp"])
   np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-4)
+
+
+def test_scanned_layers_compute_the_unrolled_model():
+  """``scan_layers``: the same logits and gradients as the unrolled layers
+  given the same parameters (layer i = slice i of the stacked ones), on a
+  (data, cp) mesh; FSDP shards no stacked parameter over its layer axis."""
+  from flax import nnx
+  devices(2 * CP_SIZE)
+  mesh = main.make_mesh(2, CP_SIZE, "cpu")
+  cfg_scan = config.Config(**MODEL, scan_layers=True)
+  cfg = config.Config(**MODEL)
+  rows = data.load_rows(cfg, 2, CP_SIZE)
+  layout = model.make_layout(cfg, mesh, rows.max_seqlen)
+  batch = data.place_batch(rows, layout,
+                           jax_cp.data.process_batch_rows(layout, 2))
+  with jax.set_mesh(mesh):
+    scanned = model.PackedLM(cfg_scan, layout, rngs=nnx.Rngs(3))
+    unrolled = model.PackedLM(cfg, layout, rngs=nnx.Rngs(4))
+    stacked = nnx.state(scanned.layers, nnx.Param)
+    for i in range(LAYERS):
+      nnx.update(getattr(unrolled, f"layer_{i}"),
+                 jax.tree.map(lambda x, i=i: x[i], stacked))
+    for name in ("embed", "final_norm", "logits"):
+      nnx.update(getattr(unrolled, name),
+                 nnx.state(getattr(scanned, name), nnx.Param))
+    loss = lambda m: jax.numpy.mean(m(batch) ** 2)
+    a, ga = nnx.value_and_grad(loss)(scanned)
+    b, gb = nnx.value_and_grad(loss)(unrolled)
+  np.testing.assert_allclose(a, b, rtol=1e-5)
+  g_stacked = nnx.state(ga.layers, nnx.Param) if hasattr(ga, "layers") \
+      else ga["layers"]
+  for i in range(LAYERS):
+    got = jax.tree.leaves(jax.tree.map(lambda x, i=i: x[i], g_stacked))
+    want = jax.tree.leaves(gb[f"layer_{i}"])
+    assert len(got) == len(want)
+    for x, y in zip(got, want):
+      np.testing.assert_allclose(x, y, rtol=2e-4, atol=1e-6)
+  spec = train.param_spec((8, 48, 192), mesh, stacked=True)
+  assert spec == jax.sharding.PartitionSpec(None, ("data", "cp"), None)
+  with jax.set_mesh(mesh):
+    _, _, shardings = train.init_state(
+        cfg_scan, layout, train.make_optimizer(cfg_scan), mesh)
+  for path, s in jax.tree_util.tree_leaves_with_path(shardings[0]):
+    if "layers" in jax.tree_util.keystr(path) and s.spec:
+      assert s.spec[0] is None, (jax.tree_util.keystr(path), s.spec)

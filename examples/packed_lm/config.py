@@ -60,6 +60,8 @@ class Config:
   strategy: str = _flag("dual_chunk_swap", "CP load balancing",
                         ("dual_chunk_swap", "no_load_balance"))
   backend: str = _flag("auto", "attention backend", ("auto", "xla", "cudnn"))
+  scan_layers: bool = _flag(False, "run the layers as a scan over "
+                            "stacked parameters (XLA schedules one layer)")
   comm_type: str = _flag("all_gather", "how K/V travel between CP ranks "
                          "(CPLayout.comm_type)", ("all_gather", "ring"))
   max_seqlen: int | None = _flag(None, "bound on padded document "

@@ -5,23 +5,11 @@ so the step never holds the ``[B, T, 256]`` float32 logits of a row."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 import jax_cp
 from examples.packed_lm.model import VOCAB_SIZE, PackedLM
-
-
-def hidden_states(model: PackedLM, batch: jax_cp.CPBatch):
-  """``[B, T, d_model]``: what :meth:`PackedLM.__call__` computes before
-  its final norm and logits."""
-  pin, t = model.layout.shard_tokens, batch.tensors
-  one_hot = jax.nn.one_hot(t["tokens"], VOCAB_SIZE, dtype=model.dtype)
-  x = pin(one_hot @ model.embed.embedding[...].astype(model.dtype))
-  for i in range(model.num_layers):
-    x = pin(getattr(model, f"layer_{i}")(x, batch, None, t["position_ids"]))
-  return x
 
 
 def token_losses(model: PackedLM, batch: jax_cp.CPBatch,
@@ -36,5 +24,5 @@ def token_losses(model: PackedLM, batch: jax_cp.CPBatch,
     return logits(norm(x)).astype(jnp.float32)
 
   return jax_cp.chunked_cross_entropy(
-      head, hidden_states(model, batch), batch.tensors["labels"],
+      head, model.hidden_states(batch), batch.tensors["labels"],
       vocab=VOCAB_SIZE, chunk_size=chunk_size, layout=model.layout)

@@ -35,27 +35,45 @@ class PackedLM(nnx.Module):
     self.num_layers, self.layout, self.dtype = cfg.layers, layout, dtype
     self.embed = nnx.Embed(VOCAB_SIZE, cfg.d_model, rngs=rngs,
                            embedding_init=nnx.initializers.normal(1.0))
-    for i in range(cfg.layers):
-      setattr(self, f"layer_{i}", jax_cp.nnx.TransformerLayer(
-          cfg.heads, cfg.d_model, num_kv_heads=cfg.kv_heads, dtype=dtype,
-          layout=layout, remat=cfg.remat,
-          mlp_chunk_size=cfg.mlp_chunk_size,
-          layer_chunk_size=cfg.layer_chunk_size, rngs=rngs))
+    make = lambda rngs: jax_cp.nnx.TransformerLayer(
+        cfg.heads, cfg.d_model, num_kv_heads=cfg.kv_heads, dtype=dtype,
+        layout=layout, remat=cfg.remat, mlp_chunk_size=cfg.mlp_chunk_size,
+        layer_chunk_size=cfg.layer_chunk_size, rngs=rngs)
+    self.scan_layers = cfg.scan_layers
+    if cfg.scan_layers:
+      # One layer's parameters stacked on a leading axis of num_layers.
+      self.layers = nnx.split_rngs(splits=cfg.layers)(
+          nnx.vmap(make, in_axes=0, out_axes=0))(rngs)
+    else:
+      for i in range(cfg.layers):
+        setattr(self, f"layer_{i}", make(rngs))
     self.final_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
     self.logits = nnx.Linear(cfg.d_model, VOCAB_SIZE, dtype=dtype,
                              rngs=rngs)
 
-  def __call__(self, batch: jax_cp.CPBatch):
-    """float32 logits ``[B, T, 256]`` of the batch's ``tokens``."""
+  def hidden_states(self, batch: jax_cp.CPBatch):
+    """``[B, T, d_model]``: the layers' output, before the final norm."""
     pin, t = self.layout.shard_tokens, batch.tensors
     # A one-hot matmul: a gather's backward scatter-adds into 256 rows and
     # colliding adds serialise (29 % of a 32k-token H200 step); this is a GEMM.
     one_hot = jax.nn.one_hot(t["tokens"], VOCAB_SIZE, dtype=self.dtype)
     x = pin(one_hot @ self.embed.embedding[...].astype(self.dtype))
+    if self.scan_layers:
+      # A loop over the stacked layers: XLA schedules one layer's body.
+      def body(layer, x):
+        return pin(layer(x, batch, None, t["position_ids"]))
+      return nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(
+          self.layers, x)
     for i in range(self.num_layers):
       x = pin(getattr(self, f"layer_{i}")(x, batch, None,
                                           t["position_ids"]))
-    return pin(self.logits(self.final_norm(x)).astype(jnp.float32))
+    return x
+
+  def __call__(self, batch: jax_cp.CPBatch):
+    """float32 logits ``[B, T, 256]`` of the batch's ``tokens``."""
+    x = self.hidden_states(batch)
+    return self.layout.shard_tokens(
+        self.logits(self.final_norm(x)).astype(jnp.float32))
 
 
 def matmul_params(model: PackedLM) -> int:

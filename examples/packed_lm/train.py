@@ -48,14 +48,23 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
                      optax.adamw(schedule, b2=0.95, weight_decay=0.01))
 
 
-def param_spec(shape, mesh, mode: str = "fsdp") -> P:
+def _stacked(path) -> bool:
+  """A parameter (or its optimizer state) of the scanned layers: its
+  leading axis is the layer's."""
+  return any(getattr(k, "key", getattr(k, "name", None)) == "layers"
+             for k in path)
+
+
+def param_spec(shape, mesh, mode: str = "fsdp", stacked: bool = False) -> P:
   """FSDP: the first dimension the mesh size divides (NCCL gathers
-  contiguous shards) over ``(data, cp)``; else, or replicated: ``P()``."""
+  contiguous shards) over ``(data, cp)``, never a ``stacked`` parameter's
+  layer axis; else, or replicated: ``P()``."""
   if mode not in ("fsdp", "replicated"):
     raise ValueError(f"param sharding mode={mode!r} is not one of "
                      "['fsdp', 'replicated']")
   n = mesh.shape[DATA] * mesh.shape[CP]
-  dims = [i for i, d in enumerate(shape) if d % n == 0]
+  dims = [i for i, d in enumerate(shape) if d % n == 0 and not (
+      stacked and i == 0)]
   if mode == "replicated" or n == 1 or not dims:
     return P()
   return P(*[(DATA, CP) if i == dims[0] else None
@@ -71,8 +80,9 @@ def init_state(cfg: Config, layout: jax_cp.CPLayout, tx, mesh, *,
     model = PackedLM(cfg, layout, rngs=nnx.Rngs(cfg.seed))
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
   graphdef, shapes = nnx.split(nnx.eval_shape(create))
-  shardings = jax.tree.map(lambda x: NamedSharding(
-      mesh, param_spec(x.shape, mesh, cfg.param_sharding)), shapes)
+  shardings = jax.tree_util.tree_map_with_path(lambda path, x: NamedSharding(
+      mesh, param_spec(x.shape, mesh, cfg.param_sharding,
+                       stacked=_stacked(path))), shapes)
   if abstract:
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
         x.shape, x.dtype, sharding=s), shapes, shardings)
@@ -86,13 +96,14 @@ def make_train_step(graphdef, shardings, mesh, mode: str = "fsdp"
                     ) -> Callable:
   """The jitted ``(state, batch) -> (state, loss)``; each gradient takes
   its parameter's sharding (FSDP: reduce-scattered, not all-reduced)."""
-  pin = lambda g: jax.lax.with_sharding_constraint(
-      g, NamedSharding(mesh, param_spec(g.shape, mesh, mode)))
+  pin = lambda path, g: jax.lax.with_sharding_constraint(
+      g, NamedSharding(mesh, param_spec(g.shape, mesh, mode,
+                                        stacked=_stacked(path))))
 
   def step(state, batch):
     model, optimizer = nnx.merge(graphdef, state)
     loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-    optimizer.update(model, jax.tree.map(pin, grads))
+    optimizer.update(model, jax.tree_util.tree_map_with_path(pin, grads))
     return nnx.state((model, optimizer)), loss
 
   return jax.jit(step, donate_argnums=0,
