@@ -485,7 +485,8 @@ def longest_trainable(args, cp: int, remat: str, listed: list[dict],
     lo, hi = (mid, hi) if ok else (lo, mid)
   layer = settings(args, remat=remat)
   return dict(kind="search", model=model_name(args), cp=cp, **layer,
-              longest_seq_len=lo or None, first_failing_seq_len=hi,
+              strategy=args.strategy, comm_type=args.comm_type,
+              scan_layers=args.scan_layers, longest_seq_len=lo or None, first_failing_seq_len=hi,
               search_step=step, search_max=args.search_max,
               stopped_early=stopped,
               tries=[dict(seq_len=r["seq_len"], status=r["status"],

@@ -121,6 +121,14 @@ def load(benchmark: str, folder: str = RESULTS_DIR
     with open(path) as f:
       files.append(json.load(f))
   files.sort(key=lambda d: d["env"]["date"])
+  for d in files:       # searches written before they named their settings
+    runs = [r for r in d["records"] if r.get("kind") == "run"]
+    for r in d["records"]:
+      same = [x for x in runs if r.get("kind") == "search" and
+              (x.get("cp"), x.get("remat")) == (r.get("cp"), r.get("remat"))]
+      for key in ("strategy", "comm_type", "scan_layers", "layers"):
+        if same and key not in r and key in same[-1]:
+          r[key] = same[-1][key]
   return [(d["env"], r) for d in files for r in d["records"]]
 
 
@@ -154,8 +162,9 @@ def _pct(v) -> str:
 def _memory_status(r: dict) -> str:
   if r.get("kind") == "search":
     fail = r.get("first_failing_seq_len")
-    return ("longest that trains" + (f" (fails at {fmt_tokens(fail)})"
-                                     if fail else ""))
+    planned = any(t.get("status") == "compiled" for t in r.get("tries", []))
+    return (("longest planned" if planned else "longest that trains")
+            + (f" (fails at {fmt_tokens(fail)})" if fail else ""))
   if r.get("kind") == "ab":
     return f"A/B: {r['a']} / {r['b']}"
   return r.get("status", "?")
@@ -169,7 +178,7 @@ def _memory_seq(r: dict) -> str:
 
 def _memory_cp(r: dict) -> str:
   """How a memory row splits its row: ``-`` at cp = 1."""
-  if r.get("cp", 1) == 1 or r.get("kind") != "run":
+  if r.get("cp", 1) == 1 or r.get("kind") not in ("run", "search"):
     return "-"
   return f"{r.get('strategy', '?')} / {r.get('comm_type', 'all_gather')}"
 
@@ -177,7 +186,8 @@ def _memory_cp(r: dict) -> str:
 def _exact(r: dict) -> str:
   if r.get("exact"):
     return f"{max(r['exact'].values()):.1e}"
-  return "-" if r.get("kind") != "run" else "not checked"
+  return "-" if r.get("kind") != "run" or r.get("status") in (
+      "compiled", "oom") else "not checked"
 
 
 Column = tuple[str, Callable[[dict], Any]]
