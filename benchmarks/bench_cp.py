@@ -11,7 +11,8 @@ NO_LOAD_BALANCE only, whose work depends on the order), and
 ``--cp`` devices (B). The row's metadata are a :class:`jax_cp.CPBatch`
 checked on the host (``max_seqlen``: the longest padded document) and
 passed to the jitted step as an argument, as a training step gets them.
-``fwd`` is the forward, ``fwd_bwd`` ``jax.value_and_grad`` of ``sum(out *
+``--comm-type ring`` runs the cp=N side with the ring exchange. ``fwd`` is
+the forward, ``fwd_bwd`` ``jax.value_and_grad`` of ``sum(out *
 dout)`` in q, k, v. A and B are timed in alternation
 (:func:`benchmarks.timing.paired`); the speed-up is A's time over B's.
 
@@ -55,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--head-dim", type=int, default=128)
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--backend", default="cudnn")
+  p.add_argument("--comm-type", default="all_gather",
+                 choices=("all_gather", "ring"),
+                 help="how K/V travel between the cp=N ranks")
   p.add_argument("--window", type=int, default=None,
                  help="causal sliding window (LEFT, 0) in both programs")
   p.add_argument("--reps", type=int, default=15)
@@ -71,7 +75,7 @@ def program(cp: int, cu, cuP, args, strategy: str, pass_name: str):
   dout, batch)``."""
   mesh = workload.make_mesh(cp)
   layout = jax_cp.CPLayout(mesh=mesh, strategy=strategy,
-                           backend=args.backend,
+                           backend=args.backend, comm_type=args.comm_type,
                            max_seqlen=int(np.diff(cuP).max()))
   cuP_d, cu_d = workload.replicated(mesh, cuP, cu)
   batch = jax_cp.CPBatch(None, cuP_d, cu_d, layout=layout).check_on_host()
@@ -105,7 +109,8 @@ def main(argv: Sequence[str] | None = None) -> str:
       rec = dict(strategy=strategy, dist=dist, doc_order=order,
                  window=args.window, cp=args.cp, tokens=args.tokens,
                  hq=args.hq, hkv=args.hkv, head_dim=args.head_dim,
-                 dtype=args.dtype, backend=args.backend, docs=len(cu) - 1,
+                 dtype=args.dtype, backend=args.backend,
+                 comm_type=args.comm_type, docs=len(cu) - 1,
                  max_seqlen=int(np.diff(cuP).max()), reps=args.reps,
                  flops=workload.attention_flops(cu, args.hq, args.head_dim,
                                                 pass_name, args.window))

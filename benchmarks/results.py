@@ -225,7 +225,8 @@ TABLES: dict[str, tuple[str, str, list[Column]]] = {
         "Order: the documents as packed, or reordered by "
         "`balance_document_order` for the cp=N ranks. TFLOP/s per GPU at "
         "cp=N: causal pairs counted, the backward's recompute included.", [
-            ("strategy", lambda r: r["strategy"]),
+            ("strategy", lambda r: r["strategy"] + (
+                " / ring" if r.get("comm_type") == "ring" else "")),
             ("documents", _mix),
             ("order", lambda r: r.get("doc_order", "packed")),
             ("window", lambda r: r.get("window") or "-"),

@@ -366,6 +366,21 @@ def test_bench_cp_on_cpu(tmp_path):
 
 
 @requires_devices(2)
+def test_bench_cp_ring_on_cpu(tmp_path):
+  """``--comm-type ring``: the cp=N side runs the ring, recorded and named
+  in the table's strategy."""
+  path = bench_cp.main([
+      "--cp", "2", "--backend", "xla", "--tokens", "256", "--hq", "2",
+      "--hkv", "1", "--head-dim", "8", "--dtype", "float32", "--strategies",
+      "dual_chunk_swap", "--dists", "one_doc", "--passes", "fwd_bwd",
+      "--reps", "1", "--comm-type", "ring", "--out", str(tmp_path)])
+  (rec,) = _json(path, "cp", "bench_cp")["records"]
+  assert rec["comm_type"] == "ring" and rec["ratio"] > 0, rec
+  (row,) = _table_rows(tmp_path, "cp")
+  assert row[0] == "dual_chunk_swap / ring"
+
+
+@requires_devices(2)
 def test_bench_step_on_cpu(tmp_path):
   """The example's step at cp=1 against cp=2, and the CP model at cp=1
   against the model without CP: positive ratios, MFU from the model
