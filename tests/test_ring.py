@@ -63,6 +63,15 @@ def valid_of(cu, cuP):
                    for i in range(cu.shape[0])])
 
 
+def one_row(seed, cp, strategy):
+  """``(q, k, v, w, cu, cuP)`` of one random row ``[T, H, D]`` (float32,
+  4/2 heads) and its metadata."""
+  cu, cuP, rng = make_rows(seed, cp, strategy, 1)
+  q, k, v = (x[0] for x in make_qkv(rng, 1, 4, 2, jnp.float32))
+  w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  return q, k, v, w, cu[0], cuP[0]
+
+
 def check_equal_to_all_gather(ring, gather, tol):
   for name, a, b in zip(("out", "dq", "dk", "dv"),
                         (ring[0],) + ring[1], (gather[0],) + gather[1]):
@@ -178,10 +187,7 @@ def test_ring_window_under_no_load_balance_takes_the_halo(record_error):
 def test_ring_local_view(strategy, record_error):
   """Inside the caller's shard_map, on this rank's chunk."""
   cp = 4
-  cu, cuP, rng = make_rows(9, cp, strategy, 1)
-  cu, cuP = cu[0], cuP[0]
-  q, k, v = (x[0] for x in make_qkv(rng, 1, 4, 2, jnp.float32))
-  w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  q, k, v, w, cu, cuP = one_row(9, cp, strategy)
   mesh = jax.sharding.Mesh(np.array(devices(cp)), ("cp",))
   layout = CPLayout(cp_size=cp, strategy=strategy, view="local",
                     comm_type="ring", backend="xla")
@@ -299,10 +305,7 @@ def ranks_on_one_device(q, k, v, w, cu, cuP, *, cp, strategy, backend,
 def test_ranks_on_one_device_match_the_reference(strategy, record_error):
   """The harness of the one-GPU ring test, on CPU with the xla backend."""
   cp = 4
-  cu, cuP, rng = make_rows(21, cp, strategy, 1)
-  cu, cuP = cu[0], cuP[0]
-  q, k, v = (x[0] for x in make_qkv(rng, 1, 4, 2, jnp.float32))
-  w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  q, k, v, w, cu, cuP = one_row(21, cp, strategy)
   out, grads = ranks_on_one_device(q, k, v, w, cu, cuP, cp=cp,
                                    strategy=strategy, backend="xla")
   f = lambda q, k, v: ref.attention(q, k, v, cu, cuP)

@@ -32,8 +32,15 @@ from jax_cp.cp import call_plan
 from jax_cp.cp.config import CPConfig
 
 
-def _split(kv, heads: int):
-  return packed(kv[:, :, :heads]), packed(kv[:, :, heads:])
+def _step(cfg: CPConfig, kv, heads: int, cu_seqlens, cu_seqlens_padded,
+          rank, step: int):
+  """``(call, k, v, next)``: step ``step``'s call, the held chunk's K and
+  V packed for the backend, and the next chunk's hop (requested now, so
+  it overlaps the call; None after the last step)."""
+  ex = cfg.exchange
+  nxt = ex.ring_next(kv) if step + 1 < ex.ring_steps else None
+  call = call_plan.ring_plan(cfg, cu_seqlens, cu_seqlens_padded, rank, step)
+  return call, packed(kv[:, :, :heads]), packed(kv[:, :, heads:]), nxt
 
 
 def forward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded):
@@ -44,10 +51,8 @@ def forward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded):
   kv = jnp.concatenate([k, v], axis=2)
   out = lse = None
   for step in range(ex.ring_steps):
-    nxt = ex.ring_next(kv) if step + 1 < ex.ring_steps else None
-    call = call_plan.ring_plan(cfg, cu_seqlens, cu_seqlens_padded, rank,
-                               step)
-    kc, vc = _split(kv, heads)
+    call, kc, vc, nxt = _step(cfg, kv, heads, cu_seqlens,
+                              cu_seqlens_padded, rank, step)
     o, l = cfg.backend.forward(packed(q), kc, vc, call.segments,
                                mask=call.mask, scale=cfg.scale)
     o = o.reshape(q.shape).astype(jnp.float32)
@@ -71,10 +76,8 @@ def backward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded, out,
   kv = jnp.concatenate([k, v], axis=2)
   dq = dkv = None
   for step in range(ex.ring_steps):
-    nxt = ex.ring_next(kv) if step + 1 < ex.ring_steps else None
-    call = call_plan.ring_plan(cfg, cu_seqlens, cu_seqlens_padded, rank,
-                               step)
-    kc, vc = _split(kv, heads)
+    call, kc, vc, nxt = _step(cfg, kv, heads, cu_seqlens,
+                              cu_seqlens_padded, rank, step)
     dq_i, dk_i, dv_i = cfg.backend.backward(
         packed(q), kc, vc, packed(out), lse.reshape(-1, q.shape[2]),
         packed(dout), call.segments, mask=call.mask, scale=cfg.scale)
