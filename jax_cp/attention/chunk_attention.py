@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from jax_cp.attention import straddle
 from jax_cp.attention.api import window_kwargs
-from jax_cp.attention.backend import Segments, row_segments
+from jax_cp.attention.backend import Segments, packed, row_segments
 
 
 class Spec(NamedTuple):
@@ -89,16 +89,12 @@ def plan_calls(segments, queries: int, halo: int, max_q: int,
   return Calls(chunk, call)
 
 
-def _flat(x):
-  return x.reshape((-1,) + x.shape[2:])
-
-
 def _forward(q, k, v, segments, spec: Spec):
   b = spec.backend
   calls = plan_calls(segments, q.shape[1], spec.halo, spec.max_q,
                      spec.whole_halo)
   kc, vc = k[:, spec.halo:], v[:, spec.halo:]
-  out, lse = b.forward(_flat(q), _flat(kc), _flat(vc), calls.chunk,
+  out, lse = b.forward(packed(q), packed(kc), packed(vc), calls.chunk,
                        mask="causal_top_left", scale=spec.scale,
                        **window_kwargs(spec.window_left))
   out, lse = out.reshape(q.shape), lse.reshape(q.shape[:3])
@@ -126,8 +122,8 @@ def _chunk_attention_bwd(spec: Spec, res, dout):
   calls = plan_calls(segments, q.shape[1], spec.halo, spec.max_q,
                      spec.whole_halo)
   kc, vc = k[:, spec.halo:], v[:, spec.halo:]
-  dq, dk, dv = b.backward(_flat(q), _flat(kc), _flat(vc), _flat(out),
-                          lse.reshape(-1, q.shape[2]), _flat(dout),
+  dq, dk, dv = b.backward(packed(q), packed(kc), packed(vc), packed(out),
+                          lse.reshape(-1, q.shape[2]), packed(dout),
                           calls.chunk, mask="causal_top_left",
                           scale=spec.scale, **window_kwargs(spec.window_left))
   dq, dk, dv = dq.reshape(q.shape), dk.reshape(kc.shape), dv.reshape(vc.shape)

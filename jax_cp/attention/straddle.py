@@ -42,7 +42,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_cp.attention.backend import AttentionBackend, Segments, row_segments
+from jax_cp.attention.backend import (
+  AttentionBackend,
+  Segments,
+  packed,
+  row_segments,
+)
 from jax_cp.attention.merge import (
   NO_WEIGHT_LSE,
   merge_softmax_rows,
@@ -104,11 +109,6 @@ def halo_call(doc_rows, keys, key_offsets, *, rows: int, kv_tokens: int,
   return HaloCall(seg, int(rows), jnp.where(live, doc_rows, 0), reversed)
 
 
-def _flat(x):
-  """``[B, T, ...]`` -> ``[B*T, ...]``: a backend's packed layout."""
-  return x.reshape((-1,) + x.shape[2:])
-
-
 def query_side(call: HaloCall, x, fill=None):
   """The call's input from a query-side array ``x [B, Tq, ...]`` (q, out,
   lse, dO): its first ``call.rows`` rows; reversed, with zero rows past
@@ -139,7 +139,7 @@ def forward(backend: AttentionBackend, call: HaloCall, q, k, v, *,
   n = min(call.rows, q.shape[1])
   qh = query_side(call, q)
   kh, vh = _key_side(call, k, v)
-  out, lse = backend.forward(_flat(qh), _flat(kh), _flat(vh), call.segments,
+  out, lse = backend.forward(packed(qh), packed(kh), packed(vh), call.segments,
                              mask=call.mask, scale=scale)
   return (_chunk_order(call, out.reshape(qh.shape), n),
           _chunk_order(call, lse.reshape(qh.shape[:3]), n))
@@ -163,9 +163,9 @@ def backward(backend: AttentionBackend, call: HaloCall, q, k, v, out, lse,
   qh = query_side(call, q, 0)
   kh, vh = _key_side(call, k, v)
   dq, dk, dv = backend.backward(
-      _flat(qh), _flat(kh), _flat(vh), _flat(query_side(call, out, 0)),
+      packed(qh), packed(kh), packed(vh), packed(query_side(call, out, 0)),
       query_side(call, lse, NO_WEIGHT_LSE).reshape(-1, heads),
-      _flat(query_side(call, dout, 0)), call.segments, mask=call.mask,
+      packed(query_side(call, dout, 0)), call.segments, mask=call.mask,
       scale=scale)
   dk, dv = _key_side(call, dk.reshape(kh.shape), dv.reshape(vh.shape))
   return _chunk_order(call, dq.reshape(qh.shape), n), dk, dv
