@@ -17,6 +17,8 @@ enum class Coverage : int {
   kQueryRows = 0,         // [q_off, q_off + q_len)
   kSeenKeyRows = 1,       // the KV range, if the segment has a query
   kSeenKeyRowsTopLeft = 2,  // its first min(kv_len, q_len) rows, likewise
+  kKeyedQueryRows = 3,      // Q rows that see a key: no mask, top-left
+  kKeyedQueryRowsBottomRight = 4,  // Q rows that see a key: bottom-right
 };
 
 // A buffer of `rows` rows of `row_bytes` bytes (a multiple of 4), whose
@@ -35,6 +37,7 @@ struct CoveringSegments {
   const void* starts;
   int64_t segments;
   Coverage coverage;
+  int64_t window_left = -1;  // kKeyedQueryRows: the window, -1 for none
 };
 
 // Enqueues on `stream` (device `device`): every row in [row_begin, row_end)

@@ -16,14 +16,25 @@
 // the same rows are filled at once (out and stats), each with its own
 // 32-bit pattern and row length in 32-bit words.
 //
-// Segment s covers rows [start[s], start[s] + n) with
-//   mode 0 (Q rows):                      n = q_len[s]
+// Segment s (q = q_len[s], kv = kv_len[s]) covers rows
+// [start[s] + skip, start[s] + n) with skip = 0 except in mode 4:
+//   mode 0 (Q rows):                        n = q
 //   mode 1 (KV rows, no mask or
-//           bottom-right causal):         n = q_len[s] > 0 ? kv_len[s] : 0
-//   mode 2 (KV rows, top-left causal):    n = q_len[s] > 0 ?
-//                                             min(kv_len[s], q_len[s]) : 0
+//           bottom-right causal):           n = q > 0 ? kv : 0
+//   mode 2 (KV rows, top-left causal):      n = q > 0 ? min(kv, q) : 0
+//   mode 3 (Q rows that see a key, no mask
+//           or top-left causal):            n = kv > 0 ? q : 0, and with a
+//                                           window of `window_left` keys
+//                                           min(q, kv + window_left)
+//   mode 4 (Q rows that see a key,
+//           bottom-right causal):           n = q, skip = clamp(q - kv, 0, q)
 // Modes 1 and 2 count only KV rows some query sees: the backward surely
 // writes their dK/dV; rows no query sees may be skipped by the kernel.
+// Modes 3 and 4 count only Q rows that see at least one key: cuDNN writes
+// the others too (a softmax over no score), so the fill runs after it and
+// gives them 0 and -inf, as for rows outside every segment. A bottom-right
+// row j sees its diagonal key j + kv - q whenever that is >= 0, window or
+// not; a top-left row j sees keys [j - window_left, j] of [0, kv).
 #ifndef JAX_CP_CSRC_CLEAR_ROWS_KERNELS_CUH_
 #define JAX_CP_CSRC_CLEAR_ROWS_KERNELS_CUH_
 
@@ -32,18 +43,27 @@ extern "C" __global__ void jax_cp_clear_uncovered_rows(
     long long b_row_words, unsigned b_fill, long long first_row,
     long long rows,
     const int* q_lens, const int* kv_lens, const int* starts,
-    long long segments, int mode) {
+    long long segments, int mode, long long window_left) {
   constexpr int kTile = 128;
   __shared__ unsigned covered[kTile / 32];
   const long long t0 = first_row + static_cast<long long>(blockIdx.x) * kTile;
   if (threadIdx.x < kTile / 32) covered[threadIdx.x] = 0u;
   __syncthreads();
   for (long long s = threadIdx.x; s < segments; s += blockDim.x) {
-    const int q = q_lens[s];
-    long long n = mode == 0 ? q : (q > 0 ? kv_lens[s] : 0);
-    if (mode == 2 && q < n) n = q;
-    if (n <= 0) continue;
-    const long long start = starts[s];
+    const long long q = q_lens[s], kv = kv_lens[s];
+    long long n = q, skip = 0;
+    if (mode == 1 || mode == 2) {
+      n = q > 0 ? kv : 0;
+      if (mode == 2 && q < n) n = q;
+    } else if (mode == 3) {
+      n = kv > 0 ? q : 0;
+      if (window_left >= 0 && kv + window_left < n) n = kv + window_left;
+    } else if (mode == 4) {
+      skip = min(max(q - kv, 0LL), q);
+    }
+    if (n <= skip) continue;
+    const long long start = starts[s] + skip;
+    n -= skip;
     const long long lo = max(start, t0) - t0;
     const long long hi = min(start + n, t0 + kTile) - t0;
     if (lo >= hi) continue;

@@ -8,8 +8,10 @@
 // rows past a segment's length a huge log-sum-exp, so their probabilities,
 // and with them their share of dq, dk and dv, are exactly 0.
 //
-// Q rows outside every segment and KV rows no query sees get zero in dq,
-// dk and dv; only those rows are written (FillUncoveredRows). cuDNN writes
+// Q rows outside every segment or that see no key, and KV rows no query
+// sees, get zero in dq, dk and dv; only those rows are written
+// (FillUncoveredRows: dk/dv before the graph, dq after it, since cuDNN
+// writes the dq rows of every segment row). cuDNN writes
 // dK/dV per segment (no accumulation across segments), so segments' KV
 // ranges must not overlap.
 //
@@ -84,16 +86,6 @@ ffi::Error SdpaBackwardImpl(
                            ptrs);
     if (e.failure()) return e;
     const int64_t tq = key.tokens_q, tkv = key.tokens_kv;
-    if (!into && tq > 0) {
-      e = FillUncoveredRows(
-          libs, device, stream, 0, tq,
-          {dq->untyped_data(), static_cast<int64_t>(dq->size_bytes()) / tq,
-           0u},
-          {}, {seg.q_lens, seg.kv_lens, seg.q_start, key.segments,
-               Coverage::kQueryRows},
-          "dq");
-      if (e.failure()) return e;
-    }
     if (tkv > 0) {
       const int64_t row_bytes = static_cast<int64_t>(dk->size_bytes()) / tkv;
       e = FillUncoveredRows(
@@ -105,7 +97,15 @@ ffi::Error SdpaBackwardImpl(
           "dk/dv");
       if (e.failure()) return e;
     }
-    return RunSdpaGraph(call, key, stream, scratch, std::move(ptrs));
+    e = RunSdpaGraph(call, key, stream, scratch, std::move(ptrs));
+    if (e.success() && !into && tq > 0) {
+      e = FillUncoveredRows(
+          libs, device, stream, 0, tq,
+          {dq->untyped_data(), static_cast<int64_t>(dq->size_bytes()) / tq,
+           0u},
+          {}, KeyedQueryRows(seg, key), "dq");
+    }
+    return e;
   });
 }
 

@@ -162,6 +162,15 @@ SegmentPointers MetaPointers(const SegmentMeta& meta) {
   return {base, base + w, base + 2 * w, base + 3 * w};
 }
 
+CoveringSegments KeyedQueryRows(const SegmentPointers& seg,
+                                const SdpaGraphKey& key) {
+  const bool bottom_right = key.mask == SdpaMask::kCausalBottomRight;
+  return {seg.q_lens, seg.kv_lens, seg.q_start, key.segments,
+          bottom_right ? Coverage::kKeyedQueryRowsBottomRight
+                       : Coverage::kKeyedQueryRows,
+          key.window_left};
+}
+
 ffi::Error CheckSameAs(const char* call, const char* name,
                        const ffi::AnyBuffer& buf, const char* like_name,
                        const ffi::AnyBuffer& like) {

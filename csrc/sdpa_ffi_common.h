@@ -9,6 +9,7 @@
 #include <string>
 #include <utility>
 
+#include "clear_rows.h"
 #include "ffi_targets.h"
 #include "sdpa_graph.h"
 #include "xla/ffi/api/ffi.h"
@@ -42,6 +43,11 @@ struct SegmentPointers {
   void* kv_start;
 };
 SegmentPointers MetaPointers(const SegmentMeta& meta);
+
+// The Q rows of a call that see at least one key, for FillUncoveredRows:
+// every other row of out/stats (forward) or dq (backward) is filled.
+CoveringSegments KeyedQueryRows(const SegmentPointers& seg,
+                                const SdpaGraphKey& key);
 
 // The attributes of both custom calls.
 struct SdpaAttributes {

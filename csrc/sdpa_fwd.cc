@@ -9,11 +9,15 @@
 // tiled (int64 0/1), offset_bits (int64 32/64: the width of the element
 // offsets the handler builds for cuDNN, ragged_offsets.h).
 //
-// Rows outside every segment get 0 in out and -inf (the log-sum-exp of no
-// scores) in stats; only those rows are written (FillUncoveredRows). A tiled
-// call (attribute tiled = 1, SdpaGraphKey::tiled) has no padding mask, so
-// its graph writes every row; the fill then runs after it and overwrites
-// the rows past each segment's length.
+// Rows outside every segment, and rows of a segment that see no key (a
+// bottom-right segment with fewer keys than queries, one with no key, rows
+// past a top-left window's reach), get 0 in out and -inf (the log-sum-exp
+// of no scores) in stats; only those rows are written, by one small kernel
+// after the graph (FillUncoveredRows, Coverage::kKeyedQueryRows*), which
+// reads the segments on the device: traced metadata need no pass over out.
+// A tiled call (attribute tiled = 1, SdpaGraphKey::tiled) has no padding
+// mask, so its graph writes every row; the same fill overwrites the rows
+// past each segment's length.
 //
 // `jax_cp_cudnn_sdpa_fwd_into` takes two more operands after v, out_in and
 // stats_in, aliased to the results: nothing is cleared, the call writes the
@@ -91,16 +95,10 @@ ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
            static_cast<int64_t>(out->size_bytes()) / tq, 0u},
           {stats->untyped_data(),
            static_cast<int64_t>(stats->size_bytes()) / tq, kMinusInf},
-          {seg.q_lens, seg.kv_lens, seg.q_start, key.segments,
-           Coverage::kQueryRows},
-          "out/stats");
+          KeyedQueryRows(seg, key), "out/stats");
     };
-    if (!key.tiled) {
-      e = fill();
-      if (e.failure()) return e;
-    }
     e = RunSdpaGraph(call, key, stream, scratch, std::move(ptrs));
-    if (e.success() && key.tiled) e = fill();
+    if (e.success()) e = fill();
     return e;
   });
 }

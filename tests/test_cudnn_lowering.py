@@ -331,43 +331,6 @@ def test_segment_meta_rows():
                                      1).shape == (4, 8)
 
 
-@pytest.mark.parametrize("mask, window_left", [
-    *((m, -1) for m in sorted(MASK_CODES)), ("causal_top_left", 1),
-    ("causal_top_left", 0), ("causal_bottom_right", 1)])
-def test_rows_with_keys_matches_xla_reference(mask, window_left):
-  from jax_cp.attention.xla import segment_mask
-  # Gaps, an empty segment, a kv-only segment, kv < q (bottom-right rows
-  # without keys; top-left rows past a window's reach), and a length-1
-  # document.
-  seg = make_segments([5, 0, 6, 4, 1, 3], [9, 3, 2, 0, 1, 7],
-                      [1, 6, 8, 15, 20, 22], [0, 9, 12, 14, 14, 15], 8, 9)
-  tq, tkv = 26, 24
-  live = cudnn_backend._rows_with_keys(seg.q_lens, seg.kv_lens,
-                                       seg.q_offsets, tq, mask, window_left)
-  ok, _ = segment_mask(seg, tq, tkv, mask, window_left)
-  np.testing.assert_array_equal(live, np.asarray(ok).any(axis=1))
-
-
-def test_concrete_top_left_window_rows_past_its_reach_are_masked():
-  """Concrete top-left segments with more queries than keys plus the
-  window do not promise that every row sees a key, so the wrapper masks
-  those rows (a select over out); within the reach they do."""
-  import jax_cp
-  q = jnp.zeros((TQ, HQ, D), jnp.bfloat16)
-  k = jnp.zeros((TKV, HKV, D), jnp.bfloat16)
-
-  def selects(q_len, kv_len):
-    lens, kv = np.array([q_len], np.int32), np.array([kv_len], np.int32)
-    zero = np.zeros(1, np.int32)
-    text = lower_for_cuda(lambda q, k: jax_cp.fused_attention(
-        q, k, k, lens, kv, zero, zero, attn_mask_type="causal_top_left",
-        window_size=(3, 0), backend="cudnn", max_seqlen_q=16,
-        max_seqlen_kv=16), q, k)
-    return "stablehlo.select" in text
-  assert selects(12, 4)        # rows 7..11 see no key
-  assert not selects(7, 4)     # row 6 sees key 3
-
-
 def _cp_grad_calls(strategy, window=None, max_seqlen=None):
   """Custom-call names -> count in the gradient program of cp_attention at
   cp=2, lowered for CUDA on CPU devices (virtual ones, on a GPU machine

@@ -178,3 +178,29 @@ def test_traced_lengths_with_offsets_none_lower_tiled():
     return jnp.sum(o.astype(jnp.float32))
   text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, k, v, lens)
   assert tiled_attrs(text) == ["1", "1"]
+
+
+@needs_ext
+@pytest.mark.parametrize("mask", ["causal_bottom_right", "causal_top_left",
+                                  "no_mask"])
+def test_traced_metadata_add_no_pass_over_out_or_dq(mask):
+  """Two documents per row, lengths and offsets as jit arguments: rows
+  that see no key are the handler's to fill, so nothing around the custom
+  calls selects over a tensor of out's or dq's size."""
+  import jax_cp
+  q, k, v = qkv()
+  lens = jnp.asarray([[30, 34], [20, 0]], jnp.int32)
+  kv_lens = jnp.asarray([[20, 34], [20, 0]], jnp.int32)
+  offs = jnp.asarray([[0, 30], [0, 20]], jnp.int32)
+
+  def loss(q, k, v, lens, kv_lens, offs):
+    o = jax_cp.fused_attention(q, k, v, lens, kv_lens, offs, offs,
+                               attn_mask_type=mask, backend="cudnn")
+    return jnp.sum(o.astype(jnp.float32))
+  text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, k, v, lens,
+                        kv_lens, offs)
+  assert tiled_attrs(text) == ["0", "0"]
+  size = f"{2 * T}x4x64x"
+  selects = [line for line in text.splitlines()
+             if "stablehlo.select" in line and size in line]
+  assert not selects, selects[:2]

@@ -16,18 +16,15 @@ The wrapper is thin: it validates shapes and dtypes (``check_*`` functions,
 per-segment lengths and token offsets of the custom call (the handler
 builds cuDNN's ragged *element* offsets from them, 64-bit where a call's
 tensors reach :data:`INT32_OFFSET_ELEMENT_LIMIT` elements:
-:func:`ragged_offset_bits`), calls the custom call, and masks the rows
-cuDNN leaves undefined:
+:func:`ragged_offset_bits`) and calls the custom call. The handler
+gives the rows cuDNN leaves undefined their values, with a kernel that
+reads the segment list on the device (no pass over the whole buffer, so
+traced metadata cost what constants cost):
 
-* Q rows no segment covers (and KV rows no query sees, in dK/dV): the
-  handler fills only those rows, with 0 (``out``, ``dq``, ``dk``, ``dv``) and
-  ``-inf`` (``lse``), by a kernel that reads the segment list; no pass over
-  the whole buffer.
-* Q rows that see no key (``kv_len == 0``, or ``j < q_len - kv_len`` with the
-  bottom-right causal mask): ``out``/``dq`` are set to 0 and ``lse`` to
-  ``-inf`` here, whatever cuDNN wrote; a pass skipped when the segments
-  promise there are none (``Segments.rows_see_keys``).
-
+* Q rows no segment covers, and Q rows that see no key (``kv_len == 0``,
+  ``j < q_len - kv_len`` with the bottom-right causal mask, rows past a
+  top-left window's reach): 0 in ``out`` and ``dq``, ``-inf`` in ``lse``;
+* KV rows no query sees: 0 in ``dk`` and ``dv``.
 
 Tiled segments (``Segments.tiled``: one document per row of a batch, at
 cp=1) run cuDNN's dense graph, the one ``jax.nn.dot_product_attention``
@@ -60,12 +57,7 @@ import numpy as np
 
 import jax_cp._jax_cp_cuda as _jax_cp_cuda  # ModuleNotFoundError when absent
 from jax_cp.attention import cudnn_workspace, head_groups
-from jax_cp.attention.backend import (
-    MASK_TYPES,
-    Backend,
-    Segments,
-    keyed_rows,
-)
+from jax_cp.attention.backend import MASK_TYPES, Backend, Segments
 from jax_cp.attention.merge import (
   NO_WEIGHT_LSE,
   check_merge_rows,
@@ -354,28 +346,6 @@ def _token_starts(token_offsets, tokens: int):
   return jnp.concatenate([starts, jnp.full((1,), tokens, jnp.int32)])
 
 
-def _rows_with_keys(q_lens, kv_lens, q_offsets, tq: int, mask: str,
-                    window_left: int = -1):
-  """bool [Tq]: the row is inside a segment and sees at least one key
-  (:func:`~jax_cp.attention.backend.keyed_rows`).
-
-  A difference array marks each segment's Q range with its index + 1 (ranges
-  do not overlap), so no sorting of the segments is needed.
-  """
-  s = q_lens.shape[0]
-  ids = jnp.arange(1, s + 1, dtype=jnp.int32)
-  q_offsets = q_offsets.astype(jnp.int32)
-  start = jnp.clip(q_offsets, 0, tq)
-  end = jnp.clip(q_offsets + q_lens, 0, tq)
-  delta = jnp.zeros((tq + 1,), jnp.int32).at[start].add(ids).at[end].add(-ids)
-  seg_plus_one = jnp.cumsum(delta[:tq])
-  covered = seg_plus_one > 0
-  seg = jnp.maximum(seg_plus_one - 1, 0)
-  first, end = keyed_rows(q_lens, kv_lens, mask, window_left)
-  row = jnp.arange(tq, dtype=jnp.int32) - q_offsets[seg]
-  return covered & (row >= first[seg]) & (row < end[seg])
-
-
 def _segment_meta(seg: Segments, q_shape, k_shape, max_q: int, max_kv: int):
   """The packed int32 ``[4, W]`` metadata operand (see csrc/sdpa_ffi_common.h):
   q_lens, kv_lens (``[S]``) and the token offsets q_start, kv_start
@@ -467,20 +437,12 @@ def forward(q, k, v, seg: Segments, *, mask: str, scale: float,
     return jax.ffi.ffi_call(
         FWD_INTO_TARGET, result_types, input_output_aliases={3: 0, 4: 1},
         vmap_method="sequential")(q, k, v, into[0], into[1], meta, **attrs)
-  out, stats = jax.ffi.ffi_call(FWD_TARGET, result_types,
+  # The handler gives every row that sees no key (outside the segments, or
+  # before a bottom-right diagonal, or past a window) 0 and -inf, on the
+  # device: nothing is left to mask here, whatever the metadata.
+  return tuple(jax.ffi.ffi_call(FWD_TARGET, result_types,
                                 vmap_method="sequential")(q, k, v, meta,
-                                                          **attrs)
-  if seg.rows_see_keys or seg.tiled:
-    # The handler cleared out and filled stats with -inf; every covered row
-    # sees a key (tiled: q_len <= kv_len, top-left), so nothing is left to
-    # mask.
-    return out, stats
-  q_lens, kv_lens = _lengths(seg, max_q, max_kv)
-  live = _rows_with_keys(q_lens, kv_lens, seg.q_offsets, tq, mask,
-                         window_left)
-  out = jnp.where(live[:, None, None], out, jnp.zeros((), out.dtype))
-  lse = jnp.where(live[:, None], stats, -jnp.inf)
-  return out, lse
+                                                          **attrs))
 
 
 def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
@@ -525,7 +487,6 @@ def _backward_call(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
                    max_kv: int, tiled: bool, dq_into=None):
   """One ``jax_cp_cudnn_sdpa_bwd`` call on checked inputs (:func:`backward`
   checks them and picks the static bounds and the graph)."""
-  tq = q.shape[0]
   meta = _segment_meta(seg, q.shape, k.shape, max_q, max_kv)
   if tiled:
     stats = _tiled_stats(seg, lse)
@@ -547,15 +508,10 @@ def _backward_call(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
     return jax.ffi.ffi_call(
         BWD_INTO_TARGET, result_types, input_output_aliases={6: 0},
         vmap_method="sequential")(*inputs, dq_into, meta, **attrs)
-  dq, dk, dv = jax.ffi.ffi_call(BWD_TARGET, result_types,
+  # dq rows that see no key are 0 (the handler fills them after the graph).
+  return tuple(jax.ffi.ffi_call(BWD_TARGET, result_types,
                                 vmap_method="sequential")(*inputs, meta,
-                                                          **attrs)
-  if not (seg.rows_see_keys or tiled):
-    q_lens, kv_lens = _lengths(seg, max_q, max_kv)
-    live = _rows_with_keys(q_lens, kv_lens, seg.q_offsets, tq, mask,
-                         window_left)
-    dq = jnp.where(live[:, None, None], dq, jnp.zeros((), dq.dtype))
-  return dq, dk, dv
+                                                          **attrs))
 
 
 def merge_rows(dst, src, row_offset: int, op: str = "add"):

@@ -1,11 +1,12 @@
 """GPU test: rows that see no key, with the metadata as jit arguments
 (marker gpu).
 
-Rows of a segment with no key, rows before a bottom-right diagonal and
-rows past a top-left window's reach get 0 in ``out`` and ``dq`` and
-``-inf`` in ``lse``. Every mask, with and without a window, against the
-xla backend in float32 on the same traced metadata: the same ``-inf``
-rows, exact zeros there, and the values elsewhere. Also
+The cuDNN handler gives such rows (a segment with no key, the rows before
+a bottom-right diagonal, the rows past a top-left window's reach) 0 in
+``out`` and ``dq`` and ``-inf`` in ``lse`` on the device, from the segment
+list, with no pass over the outputs. Every mask, with and without a
+window, against the xla backend in float32 on the same traced metadata:
+the same ``-inf`` rows, exact zeros there, and the values elsewhere. Also
 ``q_offsets=None`` on rows of one document (the dense graph with traced
 lengths).
 """
