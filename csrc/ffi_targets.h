@@ -12,6 +12,7 @@
 // The handlers (defined at global scope in sdpa_fwd.cc, sdpa_bwd.cc and
 // row_merge.cc).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpCudnnSdpaForward);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpCudnnSdpaForwardOut);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpCudnnSdpaForwardInto);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpCudnnSdpaBackward);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxCpCudnnSdpaBackwardInto);
@@ -21,6 +22,7 @@ namespace jax_cp {
 
 // FFI target names (also the prefix of each handler's error messages).
 inline constexpr char kSdpaForwardTarget[] = "jax_cp_cudnn_sdpa_fwd";
+inline constexpr char kSdpaForwardOutTarget[] = "jax_cp_cudnn_sdpa_fwd_out";
 inline constexpr char kSdpaForwardIntoTarget[] = "jax_cp_cudnn_sdpa_fwd_into";
 inline constexpr char kSdpaBackwardTarget[] = "jax_cp_cudnn_sdpa_bwd";
 inline constexpr char kSdpaBackwardIntoTarget[] = "jax_cp_cudnn_sdpa_bwd_into";

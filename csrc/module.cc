@@ -28,6 +28,7 @@ struct Target {
 
 const Target kTargets[] = {
     {"sdpa_fwd", jax_cp::kSdpaForwardTarget, JaxCpCudnnSdpaForward},
+    {"sdpa_fwd_out", jax_cp::kSdpaForwardOutTarget, JaxCpCudnnSdpaForwardOut},
     {"sdpa_fwd_into", jax_cp::kSdpaForwardIntoTarget,
      JaxCpCudnnSdpaForwardInto},
     {"sdpa_bwd", jax_cp::kSdpaBackwardTarget, JaxCpCudnnSdpaBackward},

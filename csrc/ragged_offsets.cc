@@ -71,8 +71,8 @@ ffi::Error BindRaggedOperands(const char* call, const CudaLibraries& libs,
                {sdpa_uid::kOffsetQ, off.q},
                {sdpa_uid::kOffsetO, off.q},
                {sdpa_uid::kOffsetK, off.kv},
-               {sdpa_uid::kOffsetV, off.kv},
-               {sdpa_uid::kOffsetStats, off.stats}});
+               {sdpa_uid::kOffsetV, off.kv}});
+  if (key.stats) ptrs.insert({sdpa_uid::kOffsetStats, off.stats});
   return ffi::Error::Success();
 }
 

@@ -1,4 +1,5 @@
-// XLA FFI handler `jax_cp_cudnn_sdpa_fwd`: packed varlen attention forward.
+// XLA FFI handlers `jax_cp_cudnn_sdpa_fwd{,_out,_into}`: packed varlen
+// attention forward.
 //
 // Operands: q [Tq,Hq,D], k [Tkv,Hkv,D], v [Tkv,Hkv,D] (bf16/f16), meta
 // int32 [4, W] (q_lens, kv_lens, and the token offsets q_start, kv_start of
@@ -18,6 +19,10 @@
 // A tiled call (attribute tiled = 1, SdpaGraphKey::tiled) has no padding
 // mask, so its graph writes every row; the same fill overwrites the rows
 // past each segment's length.
+//
+// `jax_cp_cudnn_sdpa_fwd_out` is the inference form: the same operands and
+// attributes, one result (out). Its graph computes and writes no stats
+// (SdpaGraphKey::stats = false), as for a forward nothing differentiates.
 //
 // `jax_cp_cudnn_sdpa_fwd_into` takes two more operands after v, out_in and
 // stats_in, aliased to the results: nothing is cleared, the call writes the
@@ -42,26 +47,30 @@ namespace {
 
 // `into`: out_in/stats_in are the results' buffers (aliased); nothing is
 // cleared. Otherwise both are null and the uncovered rows are filled.
+// `stats` null: the inference form (no stats result, no stats in the graph).
 ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
                            int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
                            ffi::AnyBuffer v, const ffi::AnyBuffer* out_in,
                            const ffi::AnyBuffer* stats_in, SegmentMeta meta,
-                           ffi::Result<ffi::AnyBuffer> out,
-                           ffi::Result<ffi::AnyBuffer> stats, int64_t segments,
-                           int64_t mask, float scale, int64_t max_seqlen_q,
-                           int64_t max_seqlen_kv, int64_t window_left, int64_t tiled,
-    int64_t offset_bits) {
+                           ffi::AnyBuffer* out, ffi::AnyBuffer* stats,
+                           int64_t segments, int64_t mask, float scale,
+                           int64_t max_seqlen_q, int64_t max_seqlen_kv,
+                           int64_t window_left, int64_t tiled,
+                           int64_t offset_bits) {
   const bool into = out_in != nullptr;
-  const char* call = into ? kSdpaForwardIntoTarget : kSdpaForwardTarget;
+  const char* call = into ? kSdpaForwardIntoTarget
+                     : stats == nullptr ? kSdpaForwardOutTarget
+                                        : kSdpaForwardTarget;
   return GuardFfi(call, [&]() -> ffi::Error {
     const SdpaCommonOperands ops{q, k, v, meta};
     auto key_or = MakeSdpaKey(call, SdpaDirection::kForward, device, ops,
                               {segments, mask, scale, max_seqlen_q,
                                max_seqlen_kv, window_left, tiled, offset_bits});
     if (!key_or.has_value()) return key_or.error();
-    const SdpaGraphKey& key = *key_or;
+    SdpaGraphKey key = *key_or;
+    key.stats = stats != nullptr;
     ffi::Error e = CheckSameAs(call, "out", *out, "q", q);
-    if (e.success()) e = CheckStats(call, "stats", *stats, key);
+    if (e.success() && key.stats) e = CheckStats(call, "stats", *stats, key);
     if (e.success() && into) e = CheckAliased(call, "out", *out, *out_in);
     if (e.success() && into) {
       e = CheckAliased(call, "stats", *stats, *stats_in);
@@ -77,8 +86,8 @@ ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
         {sdpa_uid::kK, k.untyped_data()},
         {sdpa_uid::kV, v.untyped_data()},
         {sdpa_uid::kO, out->untyped_data()},
-        {sdpa_uid::kStats, stats->untyped_data()},
     };
+    if (key.stats) ptrs.insert({sdpa_uid::kStats, stats->untyped_data()});
     auto libs_or = GetCudaLibraries();
     if (!libs_or.has_value()) return libs_or.error();
     const CudaLibraries& libs = **libs_or;
@@ -93,8 +102,9 @@ ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
           libs, device, stream, 0, tq,
           {out->untyped_data(),
            static_cast<int64_t>(out->size_bytes()) / tq, 0u},
-          {stats->untyped_data(),
-           static_cast<int64_t>(stats->size_bytes()) / tq, kMinusInf},
+          {key.stats ? stats->untyped_data() : nullptr,
+           key.stats ? static_cast<int64_t>(stats->size_bytes()) / tq : 0,
+           kMinusInf},
           KeyedQueryRows(seg, key), "out/stats");
     };
     e = RunSdpaGraph(call, key, stream, scratch, std::move(ptrs));
@@ -112,8 +122,22 @@ ffi::Error SdpaForward(cudaStream_t stream, ffi::ScratchAllocator scratch,
                        int64_t max_seqlen_kv, int64_t window_left, int64_t tiled,
     int64_t offset_bits) {
   return SdpaForwardImpl(stream, std::move(scratch), device, q, k, v, nullptr,
-                         nullptr, meta, out, stats, segments, mask, scale,
-                         max_seqlen_q, max_seqlen_kv, window_left, tiled, offset_bits);
+                         nullptr, meta, &*out, &*stats, segments, mask, scale,
+                         max_seqlen_q, max_seqlen_kv, window_left, tiled,
+                         offset_bits);
+}
+
+ffi::Error SdpaForwardOut(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                          int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                          ffi::AnyBuffer v, SegmentMeta meta,
+                          ffi::Result<ffi::AnyBuffer> out, int64_t segments,
+                          int64_t mask, float scale, int64_t max_seqlen_q,
+                          int64_t max_seqlen_kv, int64_t window_left,
+                          int64_t tiled, int64_t offset_bits) {
+  return SdpaForwardImpl(stream, std::move(scratch), device, q, k, v, nullptr,
+                         nullptr, meta, &*out, nullptr, segments, mask, scale,
+                         max_seqlen_q, max_seqlen_kv, window_left, tiled,
+                         offset_bits);
 }
 
 ffi::Error SdpaForwardInto(
@@ -125,8 +149,9 @@ ffi::Error SdpaForwardInto(
     int64_t max_seqlen_kv, int64_t window_left, int64_t tiled,
     int64_t offset_bits) {
   return SdpaForwardImpl(stream, std::move(scratch), device, q, k, v, &out_in,
-                         &stats_in, meta, out, stats, segments, mask, scale,
-                         max_seqlen_q, max_seqlen_kv, window_left, tiled, offset_bits);
+                         &stats_in, meta, &*out, &*stats, segments, mask,
+                         scale, max_seqlen_q, max_seqlen_kv, window_left,
+                         tiled, offset_bits);
 }
 
 }  // namespace
@@ -144,6 +169,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<jax_cp::SegmentMeta>()  // meta [4, W]
         .Ret<ffi::AnyBuffer>()  // out
         .Ret<ffi::AnyBuffer>()  // stats
+    ));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxCpCudnnSdpaForwardOut, jax_cp::SdpaForwardOut,
+    jax_cp::BindSdpaAttributes(jax_cp::BindSdpaContext()
+        .Arg<ffi::AnyBuffer>()  // q
+        .Arg<ffi::AnyBuffer>()  // k
+        .Arg<ffi::AnyBuffer>()  // v
+        .Arg<jax_cp::SegmentMeta>()  // meta [4, W]
+        .Ret<ffi::AnyBuffer>()  // out
     ));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

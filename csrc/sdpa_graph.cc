@@ -163,8 +163,10 @@ GraphInputs AddInputs(fe::graph::Graph& g, const SdpaGraphKey& key) {
     in.off_k = NewIndexTensor(g, "offset_k", sdpa_uid::kOffsetK, b + 1, off);
     in.off_v = NewIndexTensor(g, "offset_v", sdpa_uid::kOffsetV, b + 1, off);
     in.off_o = NewIndexTensor(g, "offset_o", sdpa_uid::kOffsetO, b + 1, off);
-    in.off_stats = NewIndexTensor(g, "offset_stats", sdpa_uid::kOffsetStats,
-                                  b + 1, off);
+    if (key.stats) {
+      in.off_stats = NewIndexTensor(g, "offset_stats",
+                                    sdpa_uid::kOffsetStats, b + 1, off);
+    }
     in.seq_q = NewIndexTensor(g, "seq_len_q", sdpa_uid::kSeqLenQ, b);
     in.seq_kv = NewIndexTensor(g, "seq_len_kv", sdpa_uid::kSeqLenKv, b);
   }
@@ -189,7 +191,7 @@ std::shared_ptr<fe::graph::Graph> DescribeForward(const SdpaGraphKey& key) {
   GraphInputs in = AddInputs(*g, key);
   fe::graph::SDPA_attributes attrs;
   attrs.set_name("jax_cp_sdpa_fwd")
-      .set_generate_stats(true)
+      .set_generate_stats(key.stats)
       .set_attn_scale(key.scale());
   SetPadding(attrs, key, in);
   ApplyMask(attrs, key.mask, key.window_left);
@@ -197,6 +199,7 @@ std::shared_ptr<fe::graph::Graph> DescribeForward(const SdpaGraphKey& key) {
   const fe::DataType_t io = FrontendIoType(key.io_type);
   MarkThdOutput(o, sdpa_uid::kO, key.segments, key.heads_q, key.max_seqlen_q,
                 key.head_dim, io, in.off_o);
+  if (!key.stats) return g;  // The inference form: no stats tensor.
   stats->set_output(true).set_uid(sdpa_uid::kStats);
   SetStatsLayout(*stats, key.segments, key.heads_q, key.max_seqlen_q);
   if (in.off_stats) stats->set_ragged_offset(in.off_stats);
@@ -504,7 +507,7 @@ bool SdpaGraphKey::operator==(const SdpaGraphKey& o) const {
          io_type == o.io_type && mask == o.mask && scale_bits == o.scale_bits &&
          max_seqlen_q == o.max_seqlen_q && max_seqlen_kv == o.max_seqlen_kv &&
          window_left == o.window_left && tiled == o.tiled &&
-         offset_bits == o.offset_bits;
+         offset_bits == o.offset_bits && stats == o.stats;
 }
 
 std::string SdpaGraphKey::ToString() const {
@@ -513,7 +516,7 @@ std::string SdpaGraphKey::ToString() const {
       buf, sizeof(buf),
       "%s device=%d S=%lld Tq=%lld Tkv=%lld Hq=%lld Hkv=%lld D=%lld dtype=%s "
       "mask=%s scale=%.9g max_seqlen_q=%lld max_seqlen_kv=%lld "
-      "window_left=%lld tiled=%d offset_bits=%lld",
+      "window_left=%lld tiled=%d offset_bits=%lld stats=%d",
       direction == SdpaDirection::kForward ? "fwd" : "bwd", device,
       static_cast<long long>(segments), static_cast<long long>(tokens_q),
       static_cast<long long>(tokens_kv), static_cast<long long>(heads_q),
@@ -522,7 +525,7 @@ std::string SdpaGraphKey::ToString() const {
       static_cast<double>(scale()), static_cast<long long>(max_seqlen_q),
       static_cast<long long>(max_seqlen_kv),
       static_cast<long long>(window_left), tiled ? 1 : 0,
-      static_cast<long long>(offset_bits));
+      static_cast<long long>(offset_bits), stats ? 1 : 0);
   return buf;
 }
 
@@ -547,6 +550,7 @@ size_t SdpaGraphKeyHash::operator()(const SdpaGraphKey& k) const {
   mix(static_cast<uint64_t>(k.window_left));
   mix(static_cast<uint64_t>(k.tiled));
   mix(static_cast<uint64_t>(k.offset_bits));
+  mix(static_cast<uint64_t>(k.stats));
   return h;
 }
 

@@ -63,6 +63,10 @@ struct SdpaGraphKey {
   // that addressing exact past 2^30 elements (docs/internals.md, Ragged
   // offsets).
   int64_t offset_bits = 32;
+  // Forward only: the graph also writes the softmax stats (the LSE a
+  // backward or a merge reads). false is the inference form: cuDNN
+  // computes and writes no stats.
+  bool stats = true;
 
   float scale() const;
   bool operator==(const SdpaGraphKey& other) const;

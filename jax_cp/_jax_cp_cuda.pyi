@@ -3,8 +3,8 @@
 
 from typing import Any
 
-#: FFI target names by role: sdpa_fwd, sdpa_fwd_into, sdpa_bwd,
-#: sdpa_bwd_into, merge_rows.
+#: FFI target names by role: sdpa_fwd, sdpa_fwd_out (the inference form:
+#: no stats), sdpa_fwd_into, sdpa_bwd, sdpa_bwd_into, merge_rows.
 FFI_TARGETS: dict[str, str]
 #: Values of the SDPA calls' ``mask`` attribute by mask type.
 MASK_CODES: dict[str, int]

@@ -49,10 +49,11 @@ def _segments():
 def test_registered_names_are_the_exported_targets():
   registered = set(_jax_cp_cuda.registrations())
   assert registered == set(_jax_cp_cuda.FFI_TARGETS.values())
-  assert len(_jax_cp_cuda.FFI_TARGETS) == len(registered) == 5
+  assert len(_jax_cp_cuda.FFI_TARGETS) == len(registered) == 6
   assert cudnn.FFI_TARGETS == _jax_cp_cuda.FFI_TARGETS
-  assert {cudnn.FWD_TARGET, cudnn.BWD_TARGET, cudnn.FWD_INTO_TARGET,
-          cudnn.BWD_INTO_TARGET, cudnn.MERGE_TARGET} == registered
+  assert {cudnn.FWD_TARGET, cudnn.FWD_OUT_TARGET, cudnn.BWD_TARGET,
+          cudnn.FWD_INTO_TARGET, cudnn.BWD_INTO_TARGET,
+          cudnn.MERGE_TARGET} == registered
 
 
 def test_codes_match_the_registry_and_the_wrapper():
@@ -77,6 +78,10 @@ def test_every_emitted_custom_call_is_registered():
   def fwd(q, k, v):
     return cudnn.forward(q, k, v, seg, mask="causal_bottom_right", scale=None)
 
+  def fwd_out(q, k, v):
+    return cudnn.forward_out(q, k, v, seg, mask="causal_top_left",
+                             scale=None)
+
   def fwd_into(q, k, v, o, l):
     return cudnn.forward(q, k, v, seg, mask="no_mask", scale=0.1, into=(o, l))
 
@@ -93,6 +98,7 @@ def test_every_emitted_custom_call_is_registered():
 
   emitted = set()
   emitted |= _lowered_targets(fwd, q, k, v)
+  emitted |= _lowered_targets(fwd_out, q, k, v)
   emitted |= _lowered_targets(fwd_into, q, k, v, q, lse)
   emitted |= _lowered_targets(bwd, q, k, v, q, lse)
   emitted |= _lowered_targets(bwd_into, q, k, v, q, lse)

@@ -88,6 +88,30 @@ def _attention_bwd(backend, mask, scale, window_left, res, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _attention_out(q, k, v, seg, backend, mask, scale, window_left):
+  """out alone. Undifferentiated, this is the inference form
+  (``backend.forward_out``: no softmax statistics computed or written);
+  differentiated, the forward keeps lse for the backward."""
+  if backend.forward_out is None:
+    return _attention(q, k, v, seg, backend, mask, scale, window_left)[0]
+  return backend.forward_out(q, k, v, seg, mask=mask, scale=scale,
+                             **window_kwargs(window_left))
+
+
+def _attention_out_fwd(q, k, v, seg, backend, mask, scale, window_left):
+  (out, _), res = _attention_fwd(q, k, v, seg, backend, mask, scale,
+                                 window_left)
+  return out, res
+
+
+def _attention_out_bwd(backend, mask, scale, window_left, res, dout):
+  return _attention_bwd(backend, mask, scale, window_left, res, (dout, None))
+
+
+_attention_out.defvjp(_attention_out_fwd, _attention_out_bwd)
+
+
 def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets=None,
                     kv_offsets=None, *,
                     attn_mask_type: str = "causal_bottom_right",
@@ -130,7 +154,10 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets=None,
       query at document position ``i`` sees keys ``[i - left, i]``. ``left
       = -1``: no bound. Needs a causal mask.
     return_lse: also return the float32 log-sum-exp ``[.., Tq, Hq]``
-      (``-inf`` on rows that see no key), under ``stop_gradient``.
+      (``-inf`` on rows that see no key), under ``stop_gradient``. Without
+      it, a forward that nothing differentiates runs the inference form:
+      no log-sum-exp is computed or written (the cudnn backend's
+      ``forward_out``).
 
   Returns:
     The output in q's shape and dtype; rows no segment covers are 0.
@@ -178,9 +205,10 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets=None,
       score_bytes=4 * q.shape[-2] * math.prod(q.shape[:-2]) *
       math.prod(k.shape[:-2]))
   flat = lambda x: x.reshape((-1,) + x.shape[-2:])
+  if not return_lse:
+    return _attention_out(flat(q), flat(k), flat(v), seg, resolved, mask,
+                          scale, window_left).reshape(q.shape)
   out, lse = _attention(flat(q), flat(k), flat(v), seg, resolved, mask, scale,
                         window_left)
-  out = out.reshape(q.shape)
-  if not return_lse:
-    return out
-  return out, jax.lax.stop_gradient(lse).reshape(q.shape[:-1])
+  return (out.reshape(q.shape),
+          jax.lax.stop_gradient(lse).reshape(q.shape[:-1]))

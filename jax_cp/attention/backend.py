@@ -31,6 +31,12 @@ this contract (docs/internals.md, Backend contract), so it is backend-neutral:
     Gradients of ``sum(out * dout)``; ``out``/``lse`` are the forward's.
     dq is 0 on uncovered rows, dk/dv are 0 on KV rows no segment reads.
 
+``forward_out(q, k, v, seg, *, mask, scale, window_left=-1) -> out``
+    Optional: the inference form, ``forward``'s ``out`` with no softmax
+    statistics computed or written. The primitive calls it for a forward
+    that nothing differentiates and that returns no lse; a backend without
+    it runs ``forward`` and drops lse.
+
 ``is_available(platform) -> bool``: whether the backend can run on a JAX
 platform name (``"cpu"``, ``"cuda"``, ...).
 
@@ -258,6 +264,8 @@ class Backend:
     forward, backward: the attention calls.
     is_available: whether it runs on a JAX platform name.
     merge_rows: row merge; defaults to the portable ``jnp`` version.
+    forward_out: the inference form (``out`` alone, no statistics), or
+      None: ``forward``'s out (see the module docstring).
     supports_in_place: ``forward``/``backward`` take ``into``/``dq_into``
       (see :class:`InPlaceAttentionBackend`).
     exact_past_bounds: results do not depend on the segments' static
@@ -273,6 +281,7 @@ class Backend:
   backward: Callable[..., Triple]
   is_available: Callable[[str], bool]
   merge_rows: Callable[..., jax.Array] = merge_rows_jnp
+  forward_out: Callable[..., jax.Array] | None = None
   supports_in_place: bool = False
   exact_past_bounds: bool = False
   split_bottom_right_backward: bool = False

@@ -71,6 +71,8 @@ FWD_TARGET = FFI_TARGETS["sdpa_fwd"]
 BWD_TARGET = FFI_TARGETS["sdpa_bwd"]
 # The same calls writing into aliased buffers (``into=`` / ``dq_into=``).
 FWD_INTO_TARGET = FFI_TARGETS["sdpa_fwd_into"]
+#: The inference form: out alone, no softmax stats in the graph.
+FWD_OUT_TARGET = FFI_TARGETS["sdpa_fwd_out"]
 BWD_INTO_TARGET = FFI_TARGETS["sdpa_bwd_into"]
 MERGE_TARGET = FFI_TARGETS["merge_rows"]
 #: Values of the merge call's ``op`` attribute, and the dtypes it takes.
@@ -415,6 +417,22 @@ def forward(q, k, v, seg: Segments, *, mask: str, scale: float,
   buffers in place (aliased; no clearing, no extra outputs).
   ``window_left >= 0``: cuDNN's diagonal band (a sliding window).
   """
+  return _forward(q, k, v, seg, mask=mask, scale=scale,
+                  window_left=window_left, into=into, stats=True)
+
+
+def forward_out(q, k, v, seg: Segments, *, mask: str, scale: float,
+                window_left: int = -1):
+  """The inference form of :func:`forward`: ``out`` alone. The cuDNN graph
+  computes and writes no softmax statistics (``jax_cp_cudnn_sdpa_fwd_out``),
+  as for a forward that nothing differentiates."""
+  return _forward(q, k, v, seg, mask=mask, scale=scale,
+                  window_left=window_left, into=None, stats=False)
+
+
+def _forward(q, k, v, seg: Segments, *, mask: str, scale: float,
+             window_left: int, into, stats: bool):
+  """:func:`forward` (``stats``) or :func:`forward_out`."""
   _check_call(q, k, v, seg, mask)
   check_window(window_left, mask)
   seg = _cut_to_band(seg, mask, window_left)
@@ -427,6 +445,8 @@ def forward(q, k, v, seg: Segments, *, mask: str, scale: float,
   if max_q == 0 or max_kv == 0:  # No segment can attend anything.
     if into is not None:
       return into
+    if not stats:
+      return jnp.zeros_like(q)
     return (jnp.zeros_like(q), jnp.full((tq, hq), -jnp.inf, jnp.float32))
   meta = _segment_meta(seg, q.shape, k.shape, max_q, max_kv)
   result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -440,6 +460,9 @@ def forward(q, k, v, seg: Segments, *, mask: str, scale: float,
   # The handler gives every row that sees no key (outside the segments, or
   # before a bottom-right diagonal, or past a window) 0 and -inf, on the
   # device: nothing is left to mask here, whatever the metadata.
+  if not stats:
+    return jax.ffi.ffi_call(FWD_OUT_TARGET, result_types[0],
+                            vmap_method="sequential")(q, k, v, meta, **attrs)
   return tuple(jax.ffi.ffi_call(FWD_TARGET, result_types,
                                 vmap_method="sequential")(q, k, v, meta,
                                                           **attrs))
@@ -539,6 +562,7 @@ for _name, _capsule in _jax_cp_cuda.registrations().items():
   jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
 
 BACKEND = Backend(name="cudnn", forward=forward, backward=backward,
+                  forward_out=forward_out,
                   is_available=_is_available, merge_rows=merge_rows,
                   supports_in_place=True, split_bottom_right_backward=True,
                   dtypes=SUPPORTED_DTYPES)

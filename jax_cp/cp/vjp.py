@@ -116,19 +116,30 @@ def _compact_kv(rows, kv: _KV):
           _gather_rows(vx, rows.kv_src, rows.kv_valid))
 
 
-def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
+def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig,
+             need_lse: bool = True):
   """(out, lse, saved): ``saved`` is what the backward reuses of the
   exchange: the received K|V halo when the exchange keeps it, the
   all-gathered ``(k, v)`` with :attr:`CPConfig.keep_gathered_kv`, else
-  None."""
+  None. Without ``need_lse`` (a forward nothing differentiates) a plan of
+  one call runs the backend's inference form and lse is None."""
   if cfg.exchange.kind == "ring":
     out, lse = ring.forward(cfg, q, k, v, cu_seqlens, cu_seqlens_padded)
     return out.astype(q.dtype), lse, None
   backend = cfg.backend
   kv = _KV.exchange(cfg, k, v, cu_seqlens_padded)
+  plan = list(call_plan.forward_plan(cfg, cu_seqlens, cu_seqlens_padded,
+                                     cfg.rank()))
+  if (not need_lse and backend.forward_out is not None and len(plan) == 1
+      and isinstance(plan[0], RowsCall)):
+    call = plan[0]
+    kc, vc = kv.of(call)
+    o = backend.forward_out(packed(q), packed(kc), packed(vc), call.segments,
+                            mask=call.mask, scale=cfg.scale,
+                            **window_kwargs(call.window_left))
+    return o.reshape(q.shape).astype(q.dtype), None, None
   out = lse = None
-  for call in call_plan.forward_plan(cfg, cu_seqlens, cu_seqlens_padded,
-                                     cfg.rank()):
+  for call in plan:
     if isinstance(call, RowsCall):
       kc, vc = kv.of(call)
       extra = window_kwargs(call.window_left)
@@ -182,14 +193,17 @@ def _compact_forward(cfg: CPConfig, call: CompactCalls, q, kv: _KV, out,
 
 
 def _guarded_forward(q, k, v, cu_seqlens, cu_seqlens_padded,
-                     cfg: CPConfig):
+                     cfg: CPConfig, need_lse: bool = True):
   """:func:`_forward` under the bound check (:mod:`jax_cp.cp.guard`).
   Both branches save what the bounded program saves, in its shape: a
   bounded halo becomes zeros in the unbounded branch (its backward does not
-  read them); all-gathered K/V are all-gathered by both."""
+  read them); all-gathered K/V are all-gathered by both. Without
+  ``need_lse`` only ``out`` comes back (lse and saved are None)."""
 
   def branch(c: CPConfig, q, k, v, cu, cuP):
-    out, lse, saved = _forward(q, k, v, cu, cuP, c)
+    out, lse, saved = _forward(q, k, v, cu, cuP, c, need_lse)
+    if not need_lse:
+      return out, None, None
     if c is cfg.unbounded and cfg.keep_gathered_kv:
       assert c.exchange.kind == "all_gather", c.exchange
     elif c is cfg.unbounded:
@@ -212,7 +226,8 @@ def _guarded_forward(q, k, v, cu_seqlens, cu_seqlens_padded,
 def cp_attention_vjp(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
   """This rank's attention output ``[B, Tl, Hq, D]``, differentiable in
   q, k, v."""
-  return _guarded_forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg)[0]
+  return _guarded_forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg,
+                          need_lse=False)[0]
 
 
 def _vjp_forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
