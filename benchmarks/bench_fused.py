@@ -15,7 +15,18 @@ longest document) is timed in alternation with each reference (A,
   ``q_offsets``/``kv_offsets`` and ``MaskType.PADDING_CAUSAL``);
 * ``constant_metadata``: the primitive itself with the row's metadata as
   constants of the program (a ratio of 1: metadata as jit arguments cost
-  nothing).
+  nothing);
+* ``cp_attention``, ``cp_attention_constant``: :func:`jax_cp.cp_attention`
+  at cp=1 (NO_LOAD_BALANCE, ``max_seqlen`` the longest document) with the
+  metadata as jit arguments and as constants;
+* the peers of :mod:`benchmarks.peers` (``tokamax_mosaic``,
+  ``tokamax_triton``, ``kvax``) where installed; one that does not load
+  is reported with its error and the run goes on.
+
+Before a pair is timed, the reference's output (and, for the backward,
+its gradients) on the pair's first inputs is compared with the
+primitive's: a reference off by more than ``--max-rel-err`` is reported
+(its masking differs), not timed.
 
 Both sides get the row's metadata (lengths, offsets) as arguments of the
 jitted program, as a training step does; the primitive is called as its
@@ -42,9 +53,10 @@ import numpy as np
 from jax._src.cudnn import fused_attention_stablehlo as fas
 
 import jax_cp
-from benchmarks import profiling, results, timing, workload
+from benchmarks import peers, profiling, results, timing, workload
 
-REFERENCES = ("jax_nn", "jax_packed", "constant_metadata")
+REFERENCES = ("jax_nn", "jax_packed", "constant_metadata", "cp_attention",
+              "cp_attention_constant", *peers.PEERS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                  help="jax_cp backend of the primitive")
   p.add_argument("--jax-nn-implementation", default="cudnn",
                  help="jax.nn.dot_product_attention's implementation")
+  p.add_argument("--max-rel-err", type=float, default=2e-2,
+                 help="a reference further from the primitive is not timed")
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--profile", action="store_true",
@@ -111,8 +125,43 @@ def attention_fns(args, tokens: int, head_dim: int, lens_np: np.ndarray,
         q_offsets=ends[None], kv_offsets=ends[None],
         scale=1.0 / np.sqrt(head_dim), mask_type=fas.MaskType.PADDING_CAUSAL,
         sliding_window_length=None if window is None else window[0] + 1)[0]
-  return {"ours": ours, "jax_nn": jax_nn, "jax_packed": jax_packed,
-          "constant_metadata": constant_metadata}
+  layout = jax_cp.CPLayout(mesh=jax.make_mesh((1,), ("cp",)), cp_axis="cp",
+                           backend=args.backend,
+                           strategy="no_load_balance", max_seqlen=longest)
+
+  cu_np = np.append(offs_np, tokens).astype(np.int32)
+
+  def cp_attention(q, k, v, lens, offs, cu=None):
+    del lens
+    if cu is None:
+      cu = jnp.concatenate([offs, jnp.full((1,), tokens, offs.dtype)])
+    return jax_cp.cp_attention(q, k, v, (cu, cu), layout=layout,
+                               window_size=window)
+
+  def cp_attention_constant(q, k, v, lens, offs):
+    return cp_attention(q, k, v, lens, offs, cu=cu_np)
+
+  fns = {"ours": ours, "jax_nn": jax_nn, "jax_packed": jax_packed,
+         "constant_metadata": constant_metadata,
+         "cp_attention": cp_attention,
+         "cp_attention_constant": cp_attention_constant}
+  for name in peers.PEERS:
+    if name in args.refs:
+      fns[name] = peers.load(name, tokens=tokens, head_dim=head_dim,
+                             window_left=args.window)
+  return fns
+
+
+def compare(a: Callable, b: Callable, inputs: tuple, tokens: int) -> float:
+  """The largest relative error (Frobenius norms) of ``a``'s results
+  against ``b``'s on ``inputs`` (a ``with_pass`` program's arguments):
+  the output, or the loss and the three gradients."""
+  got, want = jax.tree.leaves(a(*inputs)), jax.tree.leaves(b(*inputs))
+  errs = []
+  for x, y in zip(got, want):
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    errs.append(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
+  return float(max(errs))
 
 
 def kernel_profile(fn: Callable, arg_sets, name: str) -> dict | None:
@@ -147,14 +196,30 @@ def main(argv: Sequence[str] | None = None) -> str:
     refs = [r for r in args.refs if r != "jax_nn" or dist == "one_doc"]
     for pass_name in args.passes:
       step = {n: jax.jit(workload.with_pass(f, pass_name))
-              for n, f in fns.items()}
+              for n, f in fns.items() if not isinstance(f, peers.Peer)}
+      for n, f in fns.items():
+        if isinstance(f, peers.Peer) and f.fn is not None:
+          step[n] = jax.jit(workload.with_pass(f.fn, pass_name))
       flops = workload.attention_flops(cu, args.hq, d, pass_name, args.window)
       for ref in refs:
         rec = dict(head_dim=d, tokens=t, hq=args.hq, hkv=hkv, dist=dist,
                    docs=len(cu) - 1, window=args.window, reference=ref,
                    dtype=args.dtype, reps=args.reps, flops=flops)
         rec["pass"] = pass_name
+        peer = fns[ref] if isinstance(fns[ref], peers.Peer) else None
+        if peer is not None:
+          rec["shims"] = list(peer.shims)
+          for shim in peer.shims:
+            print(f"{ref}: shim: {shim}", flush=True)
         try:
+          if peer is not None and peer.fn is None:
+            raise RuntimeError(f"not loaded: {peer.error}")
+          err = compare(step[ref], step["ours"], sets[0], t)
+          rec["rel_err"] = err
+          if not err <= args.max_rel_err:
+            raise RuntimeError(f"results differ from ours: relative error "
+                               f"{err:.3g} > {args.max_rel_err} (its "
+                               f"masking differs); not timed")
           rec.update(timing.paired(step[ref], sets, step["ours"], sets,
                                    reps=args.reps).fields())
           rec["tflops_a"] = flops / rec["ms_a"] / 1e9
