@@ -21,6 +21,7 @@ from benchmarks import (
   bench_fused,
   bench_step,
   exactness,
+  peers,
   results,
   timing,
   workload,
@@ -273,11 +274,11 @@ def _imports(path: pathlib.Path) -> set[str]:
 
 
 def test_line_budget_and_downward_imports():
-  """At most 3,100 lines of Python (under a third of the library's); no
+  """At most 3,350 lines of Python (under a third of the library's); no
   benchmark module imports a command (bench_*) and the imports form no
   circle."""
   files = sorted(BENCH.rglob("*.py"))
-  assert sum(len(f.read_text().splitlines()) for f in files) <= 3100
+  assert sum(len(f.read_text().splitlines()) for f in files) <= 3350
   graph = {f.stem: _imports(f) - {f.stem} for f in files
            if f.parent == BENCH and f.stem != "__init__"}
   for mod, deps in graph.items():
@@ -330,12 +331,16 @@ def test_bench_fused_on_cpu(tmp_path):
   packed = [r for r in recs if r["reference"] == "jax_packed"]
   if jax.default_backend() == "cpu":
     assert len(packed) == 2 and all("error" in r for r in packed)
-  const = [r for r in recs if r["reference"] == "constant_metadata"]
-  assert [r["pass"] for r in const] == ["fwd", "fwd_bwd"]
-  assert all(r["ratio"] > 0 and "error" not in r for r in const)
+  for ref in ("constant_metadata", "cp_attention", "cp_attention_constant"):
+    mine = [r for r in recs if r["reference"] == ref]
+    assert [r["pass"] for r in mine] == ["fwd", "fwd_bwd"]
+    assert all(r["ratio"] > 0 and "error" not in r for r in mine), mine
+    assert all(r["rel_err"] < 1e-5 for r in mine), mine
+  for r in recs:
+    if r["reference"] in peers.PEERS and "error" in r:
+      assert r["error"].startswith(("not loaded", "results differ")), r
   rows = _table_rows(tmp_path, "fused")
-  assert [r[6] for r in rows] == ["jax_nn", "jax_packed",
-                                  "constant_metadata"] * 2
+  assert [r[6] for r in rows] == list(bench_fused.REFERENCES) * 2
   assert rows[0][9] == (f"**{nn[0]['ratio']:.3f}** ({nn[0]['ratio_q1']:.3f}"
                         f"–{nn[0]['ratio_q3']:.3f})")
 
