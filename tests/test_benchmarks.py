@@ -336,10 +336,9 @@ def test_bench_fused_on_cpu(tmp_path):
     assert [r["pass"] for r in mine] == ["fwd", "fwd_bwd"]
     assert all(r["ratio"] > 0 and "error" not in r for r in mine), mine
     assert all(r["rel_err"] < 1e-5 for r in mine), mine
-  for r in recs:
-    if r["reference"] in peers.PEERS and "error" in r:
-      assert r["error"].startswith(("RuntimeError: not loaded",
-                                    "RuntimeError: results differ")), r
+  for r in recs:  # A peer runs, or is reported with why it did not.
+    if r["reference"] in peers.PEERS:
+      assert r.get("error") or r["ratio"] > 0, r
   rows = _table_rows(tmp_path, "fused")
   assert [r[6] for r in rows] == list(bench_fused.REFERENCES) * 2
   assert rows[0][9] == (f"**{nn[0]['ratio']:.3f}** ({nn[0]['ratio_q1']:.3f}"
