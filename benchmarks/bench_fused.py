@@ -18,7 +18,8 @@ longest document) is timed in alternation with each reference (A,
   nothing);
 * ``cp_attention``, ``cp_attention_constant``: :func:`jax_cp.cp_attention`
   at cp=1 (NO_LOAD_BALANCE, ``max_seqlen`` the longest document) with the
-  metadata as jit arguments and as constants;
+  metadata as jit arguments (a :class:`jax_cp.CPBatch` checked on the
+  host, as a training step passes them) and as constants;
 * the peers of :mod:`benchmarks.peers` (``tokamax_mosaic``,
   ``tokamax_triton``, ``kvax``) where installed; one that does not load
   is reported with its error and the run goes on.
@@ -131,16 +132,18 @@ def attention_fns(args, tokens: int, head_dim: int, lens_np: np.ndarray,
 
   cu_np = np.append(offs_np, tokens).astype(np.int32)
 
-  def cp_attention(q, k, v, lens, offs, cu=None):
-    del lens
-    if cu is None:
-      cu = jnp.concatenate([offs, jnp.full((1,), tokens, offs.dtype)])
-    return jax_cp.cp_attention(q, k, v, (cu, cu), layout=layout,
-                               window_size=window)
+  def cp_attention(q, k, v, batch):
+    return jax_cp.cp_attention(q, k, v, batch, window_size=window)
 
   def cp_attention_constant(q, k, v, lens, offs):
-    return cp_attention(q, k, v, lens, offs, cu=cu_np)
+    del lens, offs
+    return jax_cp.cp_attention(q, k, v, (cu_np, cu_np), layout=layout,
+                               window_size=window)
 
+  cu_d = jnp.asarray(cu_np)
+  batch = jax_cp.CPBatch(None, cu_d, cu_d, layout=layout).check_on_host()
+  # The metadata arguments of a program that takes others than (lens, offs).
+  metadata = {"cp_attention": (batch,)}
   fns = {"ours": ours, "jax_nn": jax_nn, "jax_packed": jax_packed,
          "constant_metadata": constant_metadata,
          "cp_attention": cp_attention,
@@ -149,14 +152,16 @@ def attention_fns(args, tokens: int, head_dim: int, lens_np: np.ndarray,
     if name in args.refs:
       fns[name] = peers.load(name, tokens=tokens, head_dim=head_dim,
                              window_left=args.window)
-  return fns
+  return fns, metadata
 
 
-def compare(a: Callable, b: Callable, inputs: tuple, tokens: int) -> float:
+def compare(a: Callable, a_inputs: tuple, b: Callable, b_inputs: tuple
+            ) -> float:
   """The largest relative error (Frobenius norms) of ``a``'s results
-  against ``b``'s on ``inputs`` (a ``with_pass`` program's arguments):
-  the output, or the loss and the three gradients."""
-  got, want = jax.tree.leaves(a(*inputs)), jax.tree.leaves(b(*inputs))
+  against ``b``'s (``with_pass`` programs and their arguments): the
+  output, or the loss and the three gradients."""
+  got = jax.tree.leaves(a(*a_inputs))
+  want = jax.tree.leaves(b(*b_inputs))
   errs = []
   for x, y in zip(got, want):
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
@@ -189,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> str:
     lens_np, offs_np = (np.asarray(x, np.int32) for x in (np.diff(cu),
                                                           cuP[:-1]))
     lens, offs = jnp.asarray(lens_np), jnp.asarray(offs_np)
-    fns = attention_fns(args, t, d, lens_np, offs_np)
+    fns, metadata = attention_fns(args, t, d, lens_np, offs_np)
     shapes = [(t, args.hq, d), (t, hkv, d), (t, hkv, d), (t, args.hq, d)]
     sets = [tuple(workload.random_inputs(shapes, dtype, args.seed + i))
             + (lens, offs) for i in range(2)]
@@ -214,13 +219,15 @@ def main(argv: Sequence[str] | None = None) -> str:
         try:
           if peer is not None and peer.fn is None:
             raise RuntimeError(f"not loaded: {peer.error}")
-          err = compare(step[ref], step["ours"], sets[0], t)
+          ref_sets = [x[:4] + metadata[ref] for x in sets] if (
+              ref in metadata) else sets
+          err = compare(step[ref], ref_sets[0], step["ours"], sets[0])
           rec["rel_err"] = err
           if not err <= args.max_rel_err:
             raise RuntimeError(f"results differ from ours: relative error "
                                f"{err:.3g} > {args.max_rel_err} (its "
                                f"masking differs); not timed")
-          rec.update(timing.paired(step[ref], sets, step["ours"], sets,
+          rec.update(timing.paired(step[ref], ref_sets, step["ours"], sets,
                                    reps=args.reps).fields())
           rec["tflops_a"] = flops / rec["ms_a"] / 1e9
           rec["tflops_b"] = flops / rec["ms_b"] / 1e9
