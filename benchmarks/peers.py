@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import sys
 import types
 from collections.abc import Callable
@@ -103,17 +104,22 @@ def _shim_kvax() -> list[str]:
   and declares two annotated module globals that Triton 3.6 refuses
   inside a kernel unless they are ``tl.constexpr`` objects."""
   shims = []
-  if importlib.util.find_spec("jax.experimental.shard_map") is None:
+  try:
+    import jax.experimental.shard_map as mod  # noqa: PLC0415
+  except ImportError:
     mod = types.ModuleType("jax.experimental.shard_map")
-
+    sys.modules[mod.__name__] = mod
+    jax.experimental.shard_map = mod
+  if not hasattr(mod, "Specs"):
+    mod.Specs = object
+    shims.append("jax.experimental.shard_map.Specs added")
+  params = inspect.signature(getattr(mod, "shard_map", jax.shard_map))
+  if "check_rep" not in params.parameters:
     def shard_map(f, *, check_rep=True, **kwargs):
       return jax.shard_map(f, check_vma=check_rep, **kwargs)
     mod.shard_map = shard_map
-    mod.Specs = object
-    sys.modules["jax.experimental.shard_map"] = mod
-    jax.experimental.shard_map = mod
-    shims.append("jax.experimental.shard_map (shard_map, Specs) from "
-                 "jax.shard_map")
+    shims.append("jax.experimental.shard_map.shard_map(check_rep=) as "
+                 "jax.shard_map(check_vma=)")
   import triton.language as tl  # noqa: PLC0415
   from kvax.ops import flash_attention_triton as fat  # noqa: PLC0415
   for name in ("LOG2_CONST", "NEG_INF"):
