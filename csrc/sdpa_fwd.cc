@@ -160,26 +160,29 @@ ffi::Error SdpaForwardInto(
 // Deliberately without ffi::Traits::kCmdBufferCompatible: the first call for
 // a key builds a cuDNN graph on the host, and the workspace comes from the
 // scratch allocator, neither of which is allowed inside CUDA-graph capture.
+namespace {
+
+// The operands of jax_cp_cudnn_sdpa_fwd and _fwd_out, and their out result.
+auto BindForwardOperands() {
+  return jax_cp::BindSdpaContext()
+      .Arg<ffi::AnyBuffer>()       // q
+      .Arg<ffi::AnyBuffer>()       // k
+      .Arg<ffi::AnyBuffer>()       // v
+      .Arg<jax_cp::SegmentMeta>()  // meta [4, W]
+      .Ret<ffi::AnyBuffer>();      // out
+}
+
+}  // namespace
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxCpCudnnSdpaForward, jax_cp::SdpaForward,
-    jax_cp::BindSdpaAttributes(jax_cp::BindSdpaContext()
-        .Arg<ffi::AnyBuffer>()  // q
-        .Arg<ffi::AnyBuffer>()  // k
-        .Arg<ffi::AnyBuffer>()  // v
-        .Arg<jax_cp::SegmentMeta>()  // meta [4, W]
-        .Ret<ffi::AnyBuffer>()  // out
+    jax_cp::BindSdpaAttributes(BindForwardOperands()
         .Ret<ffi::AnyBuffer>()  // stats
     ));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxCpCudnnSdpaForwardOut, jax_cp::SdpaForwardOut,
-    jax_cp::BindSdpaAttributes(jax_cp::BindSdpaContext()
-        .Arg<ffi::AnyBuffer>()  // q
-        .Arg<ffi::AnyBuffer>()  // k
-        .Arg<ffi::AnyBuffer>()  // v
-        .Arg<jax_cp::SegmentMeta>()  // meta [4, W]
-        .Ret<ffi::AnyBuffer>()  // out
-    ));
+    jax_cp::BindSdpaAttributes(BindForwardOperands()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxCpCudnnSdpaForwardInto, jax_cp::SdpaForwardInto,
