@@ -35,9 +35,10 @@ ffi::Error FillUncoveredRows(const CudaLibraries& libs, int device,
   const void* starts = segments.starts;
   int mode = static_cast<int>(segments.coverage);
   long long window_left = segments.window_left;
-  void* args[] = {&a_ptr,   &a_words, &a_fill, &b_ptr,   &b_words,
-                  &b_fill,  &first,   &n_rows, &q_lens,  &kv_lens,
-                  &starts,  &n_seg,   &mode,   &window_left};
+  const void* poison = segments.poison;
+  void* args[] = {&a_ptr,   &a_words, &a_fill, &b_ptr,       &b_words,
+                  &b_fill,  &first,   &n_rows, &q_lens,      &kv_lens,
+                  &starts,  &n_seg,   &mode,   &window_left, &poison};
   constexpr long long kTile = 128;  // rows per block, as in the kernel
   const long long blocks = (row_end - row_begin + kTile - 1) / kTile;
   if (blocks > 0x7fffffffLL) {

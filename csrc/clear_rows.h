@@ -19,7 +19,12 @@ enum class Coverage : int {
   kSeenKeyRowsTopLeft = 2,  // its first min(kv_len, q_len) rows, likewise
   kKeyedQueryRows = 3,      // Q rows that see a key: no mask, top-left
   kKeyedQueryRowsBottomRight = 4,  // Q rows that see a key: bottom-right
+  kAllRows = 5,  // every row: nothing is filled unless the call is poisoned
 };
+
+// The 32-bit pattern a poisoned call writes into every row of its results:
+// a NaN in float32 and in each half as bfloat16 or float16.
+constexpr uint32_t kPoisonWord = 0xffffffffu;
 
 // A buffer of `rows` rows of `row_bytes` bytes (a multiple of 4), whose
 // uncovered rows get the 32-bit pattern `fill`.
@@ -38,11 +43,15 @@ struct CoveringSegments {
   int64_t segments;
   Coverage coverage;
   int64_t window_left = -1;  // kKeyedQueryRows: the window, -1 for none
+  // Device int32 or null: where it is nonzero, every row in the range gets
+  // kPoisonWord instead (a broken max_seqlen promise, SdpaAttributes::poison).
+  const void* poison = nullptr;
 };
 
 // Enqueues on `stream` (device `device`): every row in [row_begin, row_end)
 // of `a` and `b` (b may have null data) that no segment covers gets its
-// buffer's fill. `what` names the buffers in errors.
+// buffer's fill; every row gets kPoisonWord where `segments.poison` holds a
+// nonzero flag. `what` names the buffers in errors.
 xla::ffi::Error FillUncoveredRows(const CudaLibraries& libs, int device,
                                   cudaStream_t stream, int64_t row_begin,
                                   int64_t row_end,

@@ -35,6 +35,11 @@
 // gives them 0 and -inf, as for rows outside every segment. A bottom-right
 // row j sees its diagonal key j + kv - q whenever that is >= 0, window or
 // not; a top-left row j sees keys [j - window_left, j] of [0, kv).
+//   mode 5 (every row):                     nothing to fill
+// With `poison` non-null and *poison nonzero (a broken max_seqlen promise),
+// every row of the range gets 0xffffffff words instead, a NaN in every
+// float format: the call's results are all NaN. Mode 5 exists for this: a
+// call that fills no row launches it only to poison.
 #ifndef JAX_CP_CSRC_CLEAR_ROWS_KERNELS_CUH_
 #define JAX_CP_CSRC_CLEAR_ROWS_KERNELS_CUH_
 
@@ -43,10 +48,27 @@ extern "C" __global__ void jax_cp_clear_uncovered_rows(
     long long b_row_words, unsigned b_fill, long long first_row,
     long long rows,
     const int* q_lens, const int* kv_lens, const int* starts,
-    long long segments, int mode, long long window_left) {
+    long long segments, int mode, long long window_left, const int* poison) {
   constexpr int kTile = 128;
   __shared__ unsigned covered[kTile / 32];
   const long long t0 = first_row + static_cast<long long>(blockIdx.x) * kTile;
+  const int lane = threadIdx.x % 32;
+  const int warps = blockDim.x / 32;
+  if (poison != nullptr && *poison != 0) {
+    for (int r = threadIdx.x / 32; r < kTile && t0 + r < rows; r += warps) {
+      const long long row = t0 + r;
+      for (long long i = lane; i < a_row_words; i += 32) {
+        a[row * a_row_words + i] = 0xffffffffu;
+      }
+      if (b != nullptr) {
+        for (long long i = lane; i < b_row_words; i += 32) {
+          b[row * b_row_words + i] = 0xffffffffu;
+        }
+      }
+    }
+    return;
+  }
+  if (mode == 5) return;
   if (threadIdx.x < kTile / 32) covered[threadIdx.x] = 0u;
   __syncthreads();
   for (long long s = threadIdx.x; s < segments; s += blockDim.x) {
@@ -77,8 +99,6 @@ extern "C" __global__ void jax_cp_clear_uncovered_rows(
     }
   }
   __syncthreads();
-  const int lane = threadIdx.x % 32;
-  const int warps = blockDim.x / 32;
   for (int r = threadIdx.x / 32; r < kTile; r += warps) {
     const long long row = t0 + r;
     if (row >= rows || (covered[r / 32] >> (r % 32)) & 1u) continue;

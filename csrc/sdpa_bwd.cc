@@ -45,14 +45,15 @@ ffi::Error SdpaBackwardImpl(
     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
     int64_t segments, int64_t mask, float scale, int64_t max_seqlen_q,
     int64_t max_seqlen_kv, int64_t window_left, int64_t tiled,
-    int64_t offset_bits) {
+    int64_t offset_bits, int64_t poison) {
   const bool into = dq_in != nullptr;
   const char* call = into ? kSdpaBackwardIntoTarget : kSdpaBackwardTarget;
   return GuardFfi(call, [&]() -> ffi::Error {
     const SdpaCommonOperands ops{q, k, v, meta};
     auto key_or = MakeSdpaKey(call, SdpaDirection::kBackward, device, ops,
                               {segments, mask, scale, max_seqlen_q,
-                               max_seqlen_kv, window_left, tiled, offset_bits});
+                               max_seqlen_kv, window_left, tiled, offset_bits,
+                               poison});
     if (!key_or.has_value()) return key_or.error();
     const SdpaGraphKey& key = *key_or;
     ffi::Error e = CheckSameAs(call, "out", out, "q", q);
@@ -98,12 +99,26 @@ ffi::Error SdpaBackwardImpl(
       if (e.failure()) return e;
     }
     e = RunSdpaGraph(call, key, stream, scratch, std::move(ptrs));
-    if (e.success() && !into && tq > 0) {
+    const void* poison_flag = PoisonFlag(seg, key, poison);
+    if (e.success() && tq > 0 && (!into || poison_flag != nullptr)) {
+      // Written in place (into): only the poison fills.
+      CoveringSegments rows = KeyedQueryRows(seg, key, poison_flag);
+      if (into) rows.coverage = Coverage::kAllRows;
       e = FillUncoveredRows(
           libs, device, stream, 0, tq,
           {dq->untyped_data(), static_cast<int64_t>(dq->size_bytes()) / tq,
            0u},
-          {}, KeyedQueryRows(seg, key), "dq");
+          {}, rows, "dq");
+    }
+    if (e.success() && tkv > 0 && poison_flag != nullptr) {
+      const int64_t row_bytes = static_cast<int64_t>(dk->size_bytes()) / tkv;
+      CoveringSegments all{seg.q_lens, seg.kv_lens, seg.kv_start,
+                           key.segments, Coverage::kAllRows};
+      all.poison = poison_flag;
+      e = FillUncoveredRows(libs, device, stream, 0, tkv,
+                            {dk->untyped_data(), row_bytes, 0u},
+                            {dv->untyped_data(), row_bytes, 0u}, all,
+                            "dk/dv");
     }
     return e;
   });
@@ -117,11 +132,11 @@ ffi::Error SdpaBackward(
     ffi::Result<ffi::AnyBuffer> dv, int64_t segments, int64_t mask,
     float scale, int64_t max_seqlen_q, int64_t max_seqlen_kv,
     int64_t window_left, int64_t tiled,
-    int64_t offset_bits) {
+    int64_t offset_bits, int64_t poison) {
   return SdpaBackwardImpl(stream, std::move(scratch), device, q, k, v, out,
                           dout, stats, nullptr, meta, dq, dk, dv, segments,
                           mask, scale, max_seqlen_q, max_seqlen_kv,
-                          window_left, tiled, offset_bits);
+                          window_left, tiled, offset_bits, poison);
 }
 
 ffi::Error SdpaBackwardInto(
@@ -132,11 +147,11 @@ ffi::Error SdpaBackwardInto(
     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
     int64_t segments, int64_t mask, float scale, int64_t max_seqlen_q,
     int64_t max_seqlen_kv, int64_t window_left, int64_t tiled,
-    int64_t offset_bits) {
+    int64_t offset_bits, int64_t poison) {
   return SdpaBackwardImpl(stream, std::move(scratch), device, q, k, v, out,
                           dout, stats, &dq_in, meta, dq, dk, dv, segments,
                           mask, scale, max_seqlen_q, max_seqlen_kv,
-                          window_left, tiled, offset_bits);
+                          window_left, tiled, offset_bits, poison);
 }
 
 }  // namespace

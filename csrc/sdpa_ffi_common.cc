@@ -140,6 +140,10 @@ ffi::ErrorOr<SdpaGraphKey> MakeSdpaKey(const char* call,
                              std::to_string(attrs.tiled));
   }
   key.tiled = attrs.tiled == 1;
+  if (attrs.poison != 0 && attrs.poison != 1) {
+    return Invalid(call, "poison must be 0 or 1; got " +
+                             std::to_string(attrs.poison));
+  }
   if (key.tiled && (key.mask != SdpaMask::kCausalTopLeft ||
                     key.segments * key.max_seqlen_q != key.tokens_q ||
                     key.segments * key.max_seqlen_kv != key.tokens_kv)) {
@@ -162,13 +166,19 @@ SegmentPointers MetaPointers(const SegmentMeta& meta) {
   return {base, base + w, base + 2 * w, base + 3 * w};
 }
 
+const void* PoisonFlag(const SegmentPointers& seg, const SdpaGraphKey& key,
+                       int64_t poison) {
+  if (poison == 0) return nullptr;
+  return static_cast<const int32_t*>(seg.q_lens) + key.segments;
+}
+
 CoveringSegments KeyedQueryRows(const SegmentPointers& seg,
-                                const SdpaGraphKey& key) {
+                                const SdpaGraphKey& key, const void* poison) {
   const bool bottom_right = key.mask == SdpaMask::kCausalBottomRight;
   return {seg.q_lens, seg.kv_lens, seg.q_start, key.segments,
           bottom_right ? Coverage::kKeyedQueryRowsBottomRight
                        : Coverage::kKeyedQueryRows,
-          key.window_left};
+          key.window_left, poison};
 }
 
 ffi::Error CheckSameAs(const char* call, const char* name,

@@ -21,7 +21,8 @@ namespace jax_cp {
 // kv_lens [S], rows 2-3 the token offsets q_start, kv_start [S + 1] (where
 // each segment starts, then the token count); W >= S + 1 is a multiple of 4
 // (kSegmentMetaWidthMultiple), so every row starts 16-byte aligned. S is the
-// `segments` attribute. Token offsets fit int32 at any size that fits in
+// `segments` attribute. With the attribute poison = 1, entry S of row 0 is
+// the poison flag (PoisonFlag). Token offsets fit int32 at any size that fits in
 // memory; the element offsets cuDNN reads are built from them by the
 // handler, 64-bit where the call asks for it (ragged_offsets.h).
 using SegmentMeta = xla::ffi::Buffer<xla::ffi::S32, 2>;
@@ -44,10 +45,18 @@ struct SegmentPointers {
 };
 SegmentPointers MetaPointers(const SegmentMeta& meta);
 
+// The device int32 poison flag of a call (entry S of the metadata's row 0)
+// when its `poison` attribute is 1, else null. Where the flag is nonzero
+// (a max_seqlen promise the traced metadata broke; jax_cp.cp.guard), the
+// handler fills every row of every result with NaN after the graph.
+const void* PoisonFlag(const SegmentPointers& seg, const SdpaGraphKey& key,
+                       int64_t poison);
+
 // The Q rows of a call that see at least one key, for FillUncoveredRows:
-// every other row of out/stats (forward) or dq (backward) is filled.
+// every other row of out/stats (forward) or dq (backward) is filled, and
+// every row where `poison` (PoisonFlag) is set.
 CoveringSegments KeyedQueryRows(const SegmentPointers& seg,
-                                const SdpaGraphKey& key);
+                                const SdpaGraphKey& key, const void* poison);
 
 // The attributes of both custom calls.
 struct SdpaAttributes {
@@ -59,6 +68,7 @@ struct SdpaAttributes {
   int64_t window_left;  // -1: no sliding window
   int64_t tiled;        // 1: SdpaGraphKey::tiled
   int64_t offset_bits;  // 32 or 64: SdpaGraphKey::offset_bits
+  int64_t poison;       // 1: the metadata carry a poison flag (PoisonFlag)
 };
 
 // The contexts every SDPA handler binds first (stream, scratch allocator,
@@ -82,7 +92,8 @@ auto BindSdpaAttributes(Binding&& binding) {
       .template Attr<int64_t>("max_seqlen_kv")
       .template Attr<int64_t>("window_left")
       .template Attr<int64_t>("tiled")
-      .template Attr<int64_t>("offset_bits");
+      .template Attr<int64_t>("offset_bits")
+      .template Attr<int64_t>("poison");
 }
 
 // Checks q/k/v, lengths, offsets and attributes and returns the graph key.

@@ -8,7 +8,9 @@
 // on covered rows). Attributes: segments (S), mask (int64), scale (f32),
 // max_seqlen_q, max_seqlen_kv, window_left (int64; -1: no sliding window),
 // tiled (int64 0/1), offset_bits (int64 32/64: the width of the element
-// offsets the handler builds for cuDNN, ragged_offsets.h).
+// offsets the handler builds for cuDNN, ragged_offsets.h), poison (int64
+// 0/1: entry S of the metadata's row 0 is a flag that, where nonzero, makes
+// every row of every result NaN; PoisonFlag in sdpa_ffi_common.h).
 //
 // Rows outside every segment, and rows of a segment that see no key (a
 // bottom-right segment with fewer keys than queries, one with no key, rows
@@ -26,9 +28,10 @@
 //
 // `jax_cp_cudnn_sdpa_fwd_into` takes two more operands after v, out_in and
 // stats_in, aliased to the results: nothing is cleared, the call writes the
-// rows its segments cover and every other row keeps its value. Context
-// parallel attention writes a second call's rows into the first's outputs
-// this way, with no merge pass and no extra output buffers.
+// rows its segments cover and every other row keeps its value (unless the
+// call is poisoned). Context parallel attention writes a second call's rows
+// into the first's outputs this way, with no merge pass and no extra output
+// buffers.
 #include <utility>
 
 #include "clear_rows.h"
@@ -56,7 +59,7 @@ ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
                            int64_t segments, int64_t mask, float scale,
                            int64_t max_seqlen_q, int64_t max_seqlen_kv,
                            int64_t window_left, int64_t tiled,
-                           int64_t offset_bits) {
+                           int64_t offset_bits, int64_t poison) {
   const bool into = out_in != nullptr;
   const char* call = into ? kSdpaForwardIntoTarget
                      : stats == nullptr ? kSdpaForwardOutTarget
@@ -65,7 +68,8 @@ ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
     const SdpaCommonOperands ops{q, k, v, meta};
     auto key_or = MakeSdpaKey(call, SdpaDirection::kForward, device, ops,
                               {segments, mask, scale, max_seqlen_q,
-                               max_seqlen_kv, window_left, tiled, offset_bits});
+                               max_seqlen_kv, window_left, tiled, offset_bits,
+                               poison});
     if (!key_or.has_value()) return key_or.error();
     SdpaGraphKey key = *key_or;
     key.stats = stats != nullptr;
@@ -94,10 +98,17 @@ ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
     e = BindRaggedOperands(call, libs, device, stream, scratch, seg, key,
                            ptrs);
     if (e.failure()) return e;
+    const void* poison_flag = PoisonFlag(seg, key, poison);
     auto fill = [&]() -> ffi::Error {
-      if (into || key.tokens_q == 0) return ffi::Error::Success();
+      if (key.tokens_q == 0 || (into && poison_flag == nullptr)) {
+        return ffi::Error::Success();
+      }
       constexpr uint32_t kMinusInf = 0xff800000u;  // float32 -inf
       const int64_t tq = key.tokens_q;
+      CoveringSegments rows = KeyedQueryRows(seg, key, poison_flag);
+      // Written in place: every row is this call's or an earlier one's, so
+      // only the poison fills.
+      if (into) rows.coverage = Coverage::kAllRows;
       return FillUncoveredRows(
           libs, device, stream, 0, tq,
           {out->untyped_data(),
@@ -105,7 +116,7 @@ ffi::Error SdpaForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
           {key.stats ? stats->untyped_data() : nullptr,
            key.stats ? static_cast<int64_t>(stats->size_bytes()) / tq : 0,
            kMinusInf},
-          KeyedQueryRows(seg, key), "out/stats");
+          rows, "out/stats");
     };
     e = RunSdpaGraph(call, key, stream, scratch, std::move(ptrs));
     if (e.success()) e = fill();
@@ -120,11 +131,11 @@ ffi::Error SdpaForward(cudaStream_t stream, ffi::ScratchAllocator scratch,
                        ffi::Result<ffi::AnyBuffer> stats, int64_t segments,
                        int64_t mask, float scale, int64_t max_seqlen_q,
                        int64_t max_seqlen_kv, int64_t window_left, int64_t tiled,
-    int64_t offset_bits) {
+                       int64_t offset_bits, int64_t poison) {
   return SdpaForwardImpl(stream, std::move(scratch), device, q, k, v, nullptr,
                          nullptr, meta, &*out, &*stats, segments, mask, scale,
                          max_seqlen_q, max_seqlen_kv, window_left, tiled,
-                         offset_bits);
+                         offset_bits, poison);
 }
 
 ffi::Error SdpaForwardOut(cudaStream_t stream, ffi::ScratchAllocator scratch,
@@ -133,11 +144,11 @@ ffi::Error SdpaForwardOut(cudaStream_t stream, ffi::ScratchAllocator scratch,
                           ffi::Result<ffi::AnyBuffer> out, int64_t segments,
                           int64_t mask, float scale, int64_t max_seqlen_q,
                           int64_t max_seqlen_kv, int64_t window_left,
-                          int64_t tiled, int64_t offset_bits) {
+                          int64_t tiled, int64_t offset_bits, int64_t poison) {
   return SdpaForwardImpl(stream, std::move(scratch), device, q, k, v, nullptr,
                          nullptr, meta, &*out, nullptr, segments, mask, scale,
                          max_seqlen_q, max_seqlen_kv, window_left, tiled,
-                         offset_bits);
+                         offset_bits, poison);
 }
 
 ffi::Error SdpaForwardInto(
@@ -147,11 +158,11 @@ ffi::Error SdpaForwardInto(
     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> stats,
     int64_t segments, int64_t mask, float scale, int64_t max_seqlen_q,
     int64_t max_seqlen_kv, int64_t window_left, int64_t tiled,
-    int64_t offset_bits) {
+    int64_t offset_bits, int64_t poison) {
   return SdpaForwardImpl(stream, std::move(scratch), device, q, k, v, &out_in,
                          &stats_in, meta, &*out, &*stats, segments, mask,
                          scale, max_seqlen_q, max_seqlen_kv, window_left,
-                         tiled, offset_bits);
+                         tiled, offset_bits, poison);
 }
 
 }  // namespace

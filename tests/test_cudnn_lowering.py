@@ -6,6 +6,7 @@ shapes and attributes the C++ handlers bind. Skipped when the extension
 (``jax_cp._jax_cp_cuda``) is not built.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -66,7 +67,7 @@ def test_forward_lowers_to_custom_call(mask):
                    "max_seqlen_kv": "40 : i64", "max_seqlen_q": "32 : i64",
                    "scale": "1.250000e-01 : f32", "segments": "3 : i64",
                    "window_left": "-1 : i64", "tiled": "0 : i64",
-                   "offset_bits": "32 : i64"}
+                   "offset_bits": "32 : i64", "poison": "0 : i64"}
   tensors, meta = expected_operands("bf16")
   assert ins == tensors + meta
   assert outs == [t((TQ, HQ, D), "bf16"), t((TQ, HQ), "f32")]
@@ -99,7 +100,8 @@ def test_backward_lowers_to_custom_call():
   assert attrs == {"mask": "2 : i64", "max_seqlen_kv": "40 : i64",
                    "max_seqlen_q": "32 : i64", "scale": "5.000000e-01 : f32",
                    "segments": "3 : i64", "window_left": "-1 : i64",
-                   "tiled": "0 : i64", "offset_bits": "32 : i64"}
+                   "tiled": "0 : i64", "offset_bits": "32 : i64",
+                   "poison": "0 : i64"}
   tensors, meta = expected_operands("bf16")
   assert ins == tensors + [t((TQ, HQ, D), "bf16")] * 2 + [
       t((TQ, HQ), "f32")] + meta
@@ -131,7 +133,7 @@ def test_grad_through_fused_attention(mask):
   common = {"mask": f"{code} : i64", "max_seqlen_kv": "16 : i64",
             "max_seqlen_q": "16 : i64", "scale": "2.500000e-01 : f32",
             "segments": f"{s} : i64", "window_left": "-1 : i64",
-            "tiled": "0 : i64", "offset_bits": "32 : i64"}
+            "tiled": "0 : i64", "offset_bits": "32 : i64", "poison": "0 : i64"}
   assert fwd[0] == common
   assert bwd[0] == common
   tensors, meta = expected_operands("bf16", s=s, tq=b * tq, tkv=b * tq, hq=4,
@@ -330,6 +332,67 @@ def test_segment_meta_rows():
   assert cudnn_backend._segment_meta(big, (TQ, HQ, D), (TKV, HKV, D), 1,
                                      1).shape == (4, 8)
 
+
+
+def test_segment_meta_carries_the_poison_flag():
+  """Segments with a poison: entry S of row 0 holds the flag (the slot the
+  zero padding leaves, also when S + 1 is a multiple of 4), and the call's
+  ``poison`` attribute is 1; without one the attribute is 0."""
+  for flag in (0, 1):
+    seg = dataclasses.replace(SEG, poison=jnp.int32(flag))
+    meta = np.asarray(cudnn_backend._segment_meta(seg, (TQ, HQ, D),
+                                                  (TKV, HKV, D), 32, 40))
+    np.testing.assert_array_equal(meta[0], [10, 0, 30, flag])
+    np.testing.assert_array_equal(meta[1:], np.asarray(
+        cudnn_backend._segment_meta(SEG, (TQ, HQ, D), (TKV, HKV, D), 32,
+                                    40))[1:])
+  four = make_segments([1] * 4, [1] * 4, range(4), range(4), 1, 1)
+  meta = cudnn_backend._segment_meta(
+      dataclasses.replace(four, poison=jnp.int32(1)), (TQ, HQ, D),
+      (TKV, HKV, D), 1, 1)
+  assert meta.shape == (4, 8) and int(meta[0, 4]) == 1
+  f = lambda q, k, v, seg: cudnn_backend.forward(q, k, v, seg,
+                                                 mask="no_mask", scale=0.5)
+  poisoned = dataclasses.replace(SEG, poison=jnp.int32(0))
+  (attrs, _, _), = custom_calls(lower_for_cuda(f, *qkv(), poisoned), FWD)
+  assert attrs["poison"] == "1 : i64"
+
+
+@pytest.mark.parametrize("strategy", ["no_load_balance", "dual_chunk_swap"])
+def test_trusted_bound_reaches_every_call_as_the_poison_flag(strategy):
+  """A host-checked batch with a bound below the row, as jit arguments:
+  every cuDNN call of the gradient program carries the poison flag
+  (attribute 1), and no multiply touches a K/V-shaped tensor (the flag
+  replaces the NaN-or-1 products over K and V). The same program with the
+  metadata as constants, checked by value, carries none."""
+  mesh = jax.make_mesh((2,), ("cp",), devices=devices(2, "cpu"),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  cu = np.array([0, 20, 34, 58], np.int32)
+  cu_p = np.array([0, 24, 40, 64], np.int32)
+  layout = jax_cp.CPLayout(mesh=mesh, cp_axis="cp", backend="cudnn",
+                           strategy=strategy, max_seqlen=32)
+  batch = jax_cp.CPBatch(None, cu_p, cu, layout=layout).check_on_host()
+  sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("cp"))
+  args = [jax.ShapeDtypeStruct((64, h, D), jnp.bfloat16, sharding=sh)
+          for h in (HQ, HKV, HKV)]
+
+  def grad(metadata):
+    def loss(q, k, v, b):
+      out = jax_cp.cp_attention(q, k, v, metadata(b), layout=layout)
+      return jnp.sum(out.astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+  targets = cudnn_backend.FFI_TARGETS
+  for metadata, flag in ((lambda b: b, "1 : i64"),
+                         (lambda b: (cu, cu_p), "0 : i64")):
+    text = lower_for_cuda(grad(metadata), *args, batch)
+    calls = [c for name in set(targets.values()) if name.startswith(
+        "jax_cp_cudnn_sdpa") for c in custom_calls(text, name)]
+    assert len(calls) >= 2
+    assert {attrs["poison"] for attrs, _, _ in calls} == {flag}
+    kv_type = f"x32x{HKV}x{D}xbf16>"  # [1, Tl, Hkv, D], local K or V
+    assert not [line for line in text.splitlines()
+                if "stablehlo.multiply" in line and kv_type in line]
 
 def _cp_grad_calls(strategy, window=None, max_seqlen=None):
   """Custom-call names -> count in the gradient program of cp_attention at

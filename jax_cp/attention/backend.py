@@ -57,6 +57,12 @@ bounds ``max_seqlen_q``/``max_seqlen_kv`` (a longer segment is attended in
 full); False when kernels are sized by them, as cuDNN's are, and a longer
 segment gives wrong results.
 
+``handles_poison``: True when the backend honours ``Segments.poison``
+(every result NaN where it is set): the cudnn backend's handler reads the
+flag on the device and costs nothing while it is clear; the xla backend
+selects its results (:func:`poisoned`). For a backend without it the CP
+layer multiplies K and V by NaN or 1 instead (:mod:`jax_cp.cp.guard`).
+
 ``split_bottom_right_backward``: True when the backend runs the backward
 of a bottom-right causal segment slower than the backward of its unmasked
 rectangle plus its top-left triangle (cuDNN does, about 2x;
@@ -122,6 +128,10 @@ class Segments:
       the lengths itself. A batch of rows holding one document each, at
       cp=1, is tiled (docs/internals.md, Tiled calls). Such a kernel reads
       the padding rows, so they must hold finite values.
+    poison: None, or an int32 scalar: where it is nonzero, every result of
+      the call (out, lse, dq, dk, dv) is NaN. The CP layer sets it for a
+      backend with ``handles_poison`` when traced metadata break a
+      ``max_seqlen`` bound the host had checked (:mod:`jax_cp.cp.guard`).
   """
 
   q_lens: jax.Array
@@ -133,6 +143,7 @@ class Segments:
   rows_see_keys: bool = dataclasses.field(default=False,
                                           metadata=dict(static=True))
   tiled: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  poison: jax.Array | None = None
 
 
 def row_segments(q_lens, kv_lens, q_offsets, kv_offsets, q_tokens: int,
@@ -274,6 +285,8 @@ class Backend:
       into a rectangle and a triangle in the backward (see the module
       docstring).
     dtypes: the q/k/v dtypes it takes; None: every floating dtype.
+    handles_poison: it honours ``Segments.poison`` (see the module
+      docstring).
   """
 
   name: str
@@ -286,3 +299,35 @@ class Backend:
   exact_past_bounds: bool = False
   split_bottom_right_backward: bool = False
   dtypes: tuple[Any, ...] | None = None
+  handles_poison: bool = False
+
+
+def with_poison(backend: Backend, poison) -> Backend:
+  """``backend`` whose calls carry ``poison`` (an int32 scalar) in their
+  segments (:attr:`Segments.poison`); the segments are the fourth
+  positional argument of ``forward``/``forward_out`` and the seventh of
+  ``backward``, as the contract writes them."""
+
+  def put(fn, index: int):
+    def call(*args, **kwargs):
+      args = list(args)
+      args[index] = dataclasses.replace(args[index], poison=poison)
+      return fn(*args, **kwargs)
+    return call
+
+  out = backend.forward_out
+  return dataclasses.replace(
+      backend, forward=put(backend.forward, 3),
+      backward=put(backend.backward, 6),
+      forward_out=None if out is None else put(out, 3))
+
+
+def poisoned(seg: Segments, *results):
+  """``results`` with every element NaN where ``seg.poison`` is set (for
+  a backend that applies :attr:`Segments.poison` to its results);
+  unchanged without a poison."""
+  if seg.poison is None:
+    return results
+  broken = jnp.asarray(seg.poison) != 0
+  return tuple(jnp.where(broken, jnp.asarray(jnp.nan, x.dtype), x)
+               for x in results)

@@ -57,7 +57,7 @@ import numpy as np
 
 import jax_cp._jax_cp_cuda as _jax_cp_cuda  # ModuleNotFoundError when absent
 from jax_cp.attention import cudnn_workspace, head_groups
-from jax_cp.attention.backend import MASK_TYPES, Backend, Segments
+from jax_cp.attention.backend import MASK_TYPES, Backend, Segments, poisoned
 from jax_cp.attention.merge import (
   NO_WEIGHT_LSE,
   check_merge_rows,
@@ -354,12 +354,17 @@ def _segment_meta(seg: Segments, q_shape, k_shape, max_q: int, max_kv: int):
   (``[S+1]``), each row zero-padded to ``W``, the next multiple of
   :data:`SEGMENT_META_WIDTH_MULTIPLE` (4) of ``S+1``. One small array per
   call (XLA builds it in one fusion); the handler turns the token offsets
-  into cuDNN's element offsets, 32- or 64-bit (``offset_bits``)."""
+  into cuDNN's element offsets, 32- or 64-bit (``offset_bits``). Entry
+  ``S`` of row 0 holds ``seg.poison`` where the call has one (attribute
+  ``poison = 1``): the handler then fills every result with NaN."""
   tq, tkv = q_shape[0], k_shape[0]
   s = seg.q_lens.shape[0]
   m = SEGMENT_META_WIDTH_MULTIPLE
   w = -(-(s + 1) // m) * m
   q_lens, kv_lens = _lengths(seg, max_q, max_kv)
+  if seg.poison is not None:
+    flag = jnp.asarray(seg.poison).astype(jnp.int32).reshape(1)
+    q_lens = jnp.concatenate([q_lens, flag])
   rows = (q_lens, kv_lens, _token_starts(seg.q_offsets, tq),
           _token_starts(seg.kv_offsets, tkv))
   return jnp.stack([jnp.pad(r, (0, w - r.shape[0])) for r in rows])
@@ -374,7 +379,8 @@ def _attributes(seg: Segments, q_shape, k_shape, mask: str, scale: np.float32,
               max_seqlen_q=np.int64(max_q), max_seqlen_kv=np.int64(max_kv),
               window_left=np.int64(window_left), tiled=np.int64(tiled),
               offset_bits=np.int64(ragged_offset_bits(q_shape, k_shape, s,
-                                                      max_q)))
+                                                      max_q)),
+              poison=np.int64(seg.poison is not None))
 
 
 #: The lse a tiled backward reads on rows past a segment's length: every
@@ -444,10 +450,11 @@ def _forward(q, k, v, seg: Segments, *, mask: str, scale: float,
   max_q, max_kv = _graph_bounds(seg, tq, k.shape[0])
   if max_q == 0 or max_kv == 0:  # No segment can attend anything.
     if into is not None:
-      return into
+      return poisoned(seg, *into)
     if not stats:
-      return jnp.zeros_like(q)
-    return (jnp.zeros_like(q), jnp.full((tq, hq), -jnp.inf, jnp.float32))
+      return poisoned(seg, jnp.zeros_like(q))[0]
+    return poisoned(seg, jnp.zeros_like(q),
+                    jnp.full((tq, hq), -jnp.inf, jnp.float32))
   meta = _segment_meta(seg, q.shape, k.shape, max_q, max_kv)
   result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                   jax.ShapeDtypeStruct((tq, hq), jnp.float32))
@@ -495,7 +502,7 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
   max_q, max_kv = _graph_bounds(seg, q.shape[0], k.shape[0])
   if max_q == 0 or max_kv == 0:
     dq = jnp.zeros_like(q) if dq_into is None else dq_into
-    return dq, jnp.zeros_like(k), jnp.zeros_like(v)
+    return poisoned(seg, dq, jnp.zeros_like(k), jnp.zeros_like(v))
   tiled = seg.tiled and dq_into is None
   segments = seg.q_lens.shape[0]
   check_backward_workspace(q.shape, segments, max_q, tiled)
@@ -565,4 +572,4 @@ BACKEND = Backend(name="cudnn", forward=forward, backward=backward,
                   forward_out=forward_out,
                   is_available=_is_available, merge_rows=merge_rows,
                   supports_in_place=True, split_bottom_right_backward=True,
-                  dtypes=SUPPORTED_DTYPES)
+                  dtypes=SUPPORTED_DTYPES, handles_poison=True)

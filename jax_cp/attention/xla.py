@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_cp.attention.backend import Backend, Segments
+from jax_cp.attention.backend import Backend, Segments, poisoned
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -87,7 +87,7 @@ def forward(q, k, v, seg: Segments, *, mask: str, scale: float,
                    precision=_HIGHEST)
   out = out.reshape(tq, hq, d).astype(q.dtype)
   lse = lse[..., 0].transpose(2, 0, 1).reshape(tq, hq)
-  return out, lse
+  return poisoned(seg, out, lse)
 
 
 def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
@@ -110,7 +110,8 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
   dk = jnp.einsum("hgqk,qhgd->khd", ds,
                   q.astype(jnp.float32).reshape(tq, hkv, g, d),
                   precision=_HIGHEST)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  return poisoned(seg, dq.astype(q.dtype), dk.astype(k.dtype),
+                  dv.astype(v.dtype))
 
 
 def is_available(platform: str) -> bool:
@@ -120,4 +121,5 @@ def is_available(platform: str) -> bool:
 
 
 BACKEND = Backend(name="xla", forward=forward, backward=backward,
-                  is_available=is_available, exact_past_bounds=True)
+                  is_available=is_available, exact_past_bounds=True,
+                  handles_poison=True)

@@ -17,20 +17,25 @@ says:
   (:func:`bounded_program_is_exact`), there is no ``cond``.
 * ``"trusted"`` (a :class:`jax_cp.CPBatch` checked on the host): the
   bounded program only, with no ``cond`` and none of the fallback's
-  memory. :func:`poison` still evaluates the predicate and multiplies the
-  local keys and values by NaN where it holds, so metadata that broke the
+  memory. The predicate is still evaluated, so metadata that broke the
   promise give NaN outputs and gradients instead of a silently wrong
-  answer. The products fuse into the producers of the keys and values: no
-  buffer of their own and no host wait.
+  answer: a backend with ``handles_poison`` gets it as
+  :attr:`jax_cp.attention.backend.Segments.poison` in every call
+  (:func:`poisoned_config`; the cudnn handler reads it on the device and
+  fills its results with NaN, no pass over any buffer while it is clear);
+  for any other backend :func:`poison` multiplies the local keys and values
+  by NaN or 1.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
+from jax_cp.attention.backend import Backend, with_poison
 from jax_cp.cp.strategy import CPLoadBalancingStrategy
 
 
@@ -75,13 +80,31 @@ def run(cfg, cu_seqlens_padded, branch, *operands):
                       functools.partial(branch, cfg), *operands)
 
 
+def _poisons_segments(cfg) -> bool:
+  """Whether a trusted bound reaches the backend as ``Segments.poison``."""
+  return (cfg.bound_check == "trusted" and isinstance(cfg.backend, Backend)
+          and cfg.backend.handles_poison)
+
+
+def poisoned_config(cfg, cu_seqlens_padded):
+  """``cfg`` whose backend gets, in every call's segments, the poison
+  flag of a trusted bound (int32: 1 where some padded document is longer
+  than the bound), for a backend with ``handles_poison``; else ``cfg``.
+  Forward and backward each call it on their own metadata."""
+  if not _poisons_segments(cfg):
+    return cfg
+  flag = exceeds_bound(cu_seqlens_padded, cfg.max_seqlen).astype(jnp.int32)
+  return dataclasses.replace(cfg, backend=with_poison(cfg.backend, flag))
+
+
 def poison(cfg, cu_seqlens_padded, *arrays):
-  """With ``bound_check="trusted"``: ``arrays`` (the local keys and
-  values) times NaN where some padded document is longer than the bound,
-  else times 1 (exactly themselves). Both, so that the output and every
-  gradient turn NaN: a backend may treat a NaN row of scores as empty in
-  its backward (the xla backend's ``dv`` would stay finite)."""
-  if cfg.bound_check != "trusted":
+  """With ``bound_check="trusted"`` and a backend without
+  ``handles_poison``: ``arrays`` (the local keys and values) times NaN
+  where some padded document is longer than the bound, else times 1
+  (exactly themselves). Both, so that the output and every gradient turn
+  NaN: a backend may treat a NaN row of scores as empty in its backward (a
+  finite ``dv``). Otherwise ``arrays`` unchanged."""
+  if cfg.bound_check != "trusted" or _poisons_segments(cfg):
     return arrays
   return nan_where(exceeds_bound(cu_seqlens_padded, cfg.max_seqlen),
                    *arrays)

@@ -123,6 +123,7 @@ def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig,
   all-gathered ``(k, v)`` with :attr:`CPConfig.keep_gathered_kv`, else
   None. Without ``need_lse`` (a forward nothing differentiates) a plan of
   one call runs the backend's inference form and lse is None."""
+  cfg = guard.poisoned_config(cfg, cu_seqlens_padded)
   if cfg.exchange.kind == "ring":
     out, lse = ring.forward(cfg, q, k, v, cu_seqlens, cu_seqlens_padded)
     return out.astype(q.dtype), lse, None
@@ -252,6 +253,7 @@ def _vjp_backward(cfg: CPConfig, residuals, dout):
 def _backward(cfg: CPConfig, residuals, dout):
   """(dq, dk, dv) of this rank's chunk."""
   q, k, v, cu_seqlens, cu_seqlens_padded, out, lse, saved = residuals
+  cfg = guard.poisoned_config(cfg, cu_seqlens_padded)
   if cfg.exchange.kind == "ring":
     return ring.backward(cfg, q, k, v, cu_seqlens, cu_seqlens_padded, out,
                          lse, dout.astype(out.dtype))

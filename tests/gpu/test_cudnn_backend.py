@@ -284,7 +284,7 @@ def test_errors_are_reported_not_crashes():
   attrs = dict(segments=np.int64(s), mask=np.int64(0), scale=np.float32(1.0),
                max_seqlen_q=np.int64(2), max_seqlen_kv=np.int64(2),
                window_left=np.int64(-1), tiled=np.int64(0),
-               offset_bits=np.int64(32))
+               offset_bits=np.int64(32), poison=np.int64(0))
   run = lambda attrs, *a: jax.jit(lambda *x: call(*x, **attrs))(*a)
   with pytest.raises(Exception, match=cudnn_backend.FWD_TARGET):
     jax.block_until_ready(run(attrs, q, k, v, meta))
@@ -293,6 +293,7 @@ def test_errors_are_reported_not_crashes():
   good_meta = jnp.zeros((cudnn_backend.SEGMENT_META_ROWS, -(-(s + 1) // 4) *
                          4), jnp.int32)
   for bad, what in (({"offset_bits": np.int64(16)}, "offset_bits"),
+                    ({"poison": np.int64(2)}, "poison"),
                     ({"mask": np.int64(1), "window_left": np.int64(2**31 - 1)},
                      "window_left")):
     with pytest.raises(Exception, match=what):
