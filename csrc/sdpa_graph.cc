@@ -2,9 +2,7 @@
 
 #include <cudnn_frontend.h>
 
-#include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <mutex>
 
@@ -20,23 +18,10 @@ namespace {
 using TensorPtr = std::shared_ptr<fe::graph::Tensor_attributes>;
 
 // A finalised graph and the workspace its chosen plan needs.
-//
-// Experiment (private; JAX_CP_CUDNN_AUTOTUNE=1 when the graph is built):
-// every plan the heuristics list is built, the workspace is the largest any
-// of them needs, and the first execution times them all on its real
-// buffers (the frontend's Graph::autotune) and keeps the fastest.
 struct BuiltGraph {
   std::shared_ptr<fe::graph::Graph> graph;
   int64_t workspace_bytes = 0;
-  int64_t plans = 1;
-  // Guarded by the device's handle mutex (every execution holds it).
-  mutable bool tune_pending = false;
 };
-
-bool AutotuneRequested() {
-  const char* v = std::getenv("JAX_CP_CUDNN_AUTOTUNE");
-  return v != nullptr && std::string(v) == "1";
-}
 
 const char* MaskName(SdpaMask mask) {
   switch (mask) {
@@ -328,7 +313,6 @@ ffi::ErrorOr<std::shared_ptr<const BuiltGraph>> BuildGraph(
     const CudaLibraries& libs, DeviceCudnn& dev, const SdpaGraphKey& key,
     const char* call) {
   auto built = std::make_shared<BuiltGraph>();
-  const bool tune = AutotuneRequested();
   using Code = fe::error_code_t;
   ffi::Error err = WithCudaDevice(libs, key.device, [&]() -> ffi::Error {
     built->graph = key.direction == SdpaDirection::kForward
@@ -367,9 +351,7 @@ ffi::ErrorOr<std::shared_ptr<const BuiltGraph>> BuildGraph(
                Code::GRAPH_EXECUTION_PLAN_CREATION_FAILED,
                CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED,
                [&] {
-                 return g.build_plans(
-                     tune ? fe::BuildPlanPolicy_t::ALL
-                          : fe::BuildPlanPolicy_t::HEURISTICS_CHOICE);
+                 return g.build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE);
                }),
           call, key, "build_plans");
     if (e.success())
@@ -379,16 +361,6 @@ ffi::ErrorOr<std::shared_ptr<const BuiltGraph>> BuildGraph(
                            return g.get_workspace_size(built->workspace_bytes);
                          }),
                     call, key, "get_workspace_size");
-    if (e.success() && tune) {
-      built->plans = g.get_execution_plan_count();
-      for (int64_t i = 0; i < built->plans; ++i) {
-        int64_t bytes = 0;
-        if (g.get_workspace_size_plan_at_index(i, bytes).is_good()) {
-          built->workspace_bytes = std::max(built->workspace_bytes, bytes);
-        }
-      }
-      built->tune_pending = built->plans > 1;
-    }
     return e;
   });
   if (err.failure()) return err;
@@ -509,20 +481,6 @@ ffi::Error RunSdpaGraphImpl(const char* call, const SdpaGraphKey& key,
     return StepError(call, key, "cudnnSetStream",
                      std::string(libs.cudnn.GetErrorString(st)) +
                          (inject_stream ? " (injected)" : ""));
-  }
-  if (built.tune_pending) {
-    built.tune_pending = false;
-    fe::error_t tuned =
-        built.graph->autotune(dev.handle, uid_to_ptr, workspace);
-    std::string name;
-    if (tuned.is_good() && built.graph->get_plan_name(name).is_bad()) {
-      name = "?";
-    }
-    std::fprintf(stderr, "jax_cp autotune %s: %lld plans, %s: %s\n",
-                 CallContext(call, key).c_str(),
-                 static_cast<long long>(built.plans),
-                 tuned.is_good() ? "fastest" : "failed, kept",
-                 tuned.is_good() ? name.c_str() : tuned.get_message().c_str());
   }
   return CheckStep(
       Step(libs, FaultPoint::kExecute, fe::error_code_t::GRAPH_EXECUTION_FAILED,
