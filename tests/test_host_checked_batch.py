@@ -14,6 +14,8 @@ import pytest
 
 import jax_cp
 from jax_cp import CPBatch, CPLayout
+from jax_cp.attention import register_backend, xla
+from jax_cp.attention.backend import Backend
 from jax_cp.cp import guard
 from jax_cp.data import make_global_batch
 from jax_cp.flax import TransformerLayer
@@ -199,3 +201,77 @@ def test_check_on_host_and_checked_for():
   with pytest.raises(ValueError, match="needs a bound"):
     CPBatch(None, cuP, cu, layout=layout.replace(max_seqlen=None)
             ).check_on_host()
+
+
+# Trace-time log of the recording backend: whether each call's segments
+# carried a poison flag.
+_POISON_LOG = []
+
+
+def _recording(fn):
+  def call(*args, **kwargs):
+    seg = args[3] if fn is not xla.backward else args[6]
+    _POISON_LOG.append(seg.poison is not None)
+    return fn(*args, **kwargs)
+  return call
+
+
+# The xla backend's math with cuDNN's claim about bounds (kernels sized by
+# them), so a host-checked bound below the row is trusted, not exact.
+_RECORDER = Backend(name="poison_recorder", forward=_recording(xla.forward),
+                    backward=_recording(xla.backward),
+                    is_available=xla.is_available, handles_poison=True)
+register_backend(_RECORDER)
+
+
+@pytest.mark.parametrize("strategy,window,comm", [
+    (NLB, None, "all_gather"), (NLB, 8, "all_gather"),
+    ("dual_chunk_swap", None, "all_gather"),
+    ("dual_chunk_swap", 8, "all_gather"),
+    (NLB, None, "ring"), ("dual_chunk_swap", None, "ring")])
+def test_trusted_bound_poisons_every_call(strategy, window, comm):
+  """A backend with ``handles_poison`` gets the trusted bound's flag in the
+  segments of every call, forward and backward (no K/V products): within
+  the bound the float32 reference, with the metadata forged past it NaN
+  outputs and gradients."""
+  rng = np.random.default_rng(3)
+  t, w_bound = 256, 48
+  layout = CPLayout(mesh=_mesh(), strategy=strategy, max_seqlen=w_bound,
+                    backend="poison_recorder", comm_type=comm)
+  unit = 2 * CP if strategy != NLB else 1
+  cu, cuP = _metadata(rng, t // unit, w_bound // unit)
+  cu, cuP = cu * unit, cuP * unit
+  host, batch = _qkv_batch(rng, t, cu, cuP, layout)
+  w = rng.standard_normal((1, t, 4, 8)).astype(np.float32)
+  window_size = None if window is None else (window, 0)
+
+  def run(b):
+    tensors = b.tensors
+    def loss(q, k, v, b):
+      out = jax_cp.cp_attention(q, k, v, b, window_size=window_size)
+      return jnp.sum(out * w), out
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    with jax.set_mesh(layout.mesh):
+      (_, out), grads = step(tensors["q"], tensors["k"], tensors["v"], b)
+    return np.asarray(out), [np.asarray(g) for g in grads]
+
+  _POISON_LOG.clear()
+  out, grads = run(batch)
+  assert len(_POISON_LOG) >= 2 and all(_POISON_LOG), _POISON_LOG
+  if strategy == NLB:      # physical order: the reference applies as is
+    f = lambda q, k, v: ref.batched_attention(
+        q, k, v, cu, cuP, window=-1 if window is None else window)
+    want = f(host["q"], host["k"], host["v"])
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+  assert np.isfinite(out).all() and all(np.isfinite(g).all() for g in grads)
+
+  long_cu, long_cuP = _metadata(rng, t // unit, 3 * w_bound // unit)
+  long_cu, long_cuP = long_cu * unit, long_cuP * unit
+  assert np.diff(long_cuP).max() > w_bound
+  meta = lambda a: jax.device_put(a, batch.cu_seqlens_padded.sharding)
+  forged = dataclasses.replace(batch, cu_seqlens_padded=meta(long_cuP),
+                               cu_seqlens=meta(long_cu))
+  assert forged.checked_max_seqlen == w_bound
+  out, grads = run(forged)
+  assert np.isnan(out).all()
+  assert all(np.isnan(g).all() for g in grads)
