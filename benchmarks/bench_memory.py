@@ -276,18 +276,21 @@ def main_call_tokens(cfg, cp: int, max_seqlen: int) -> tuple[int, int]:
   return tl, cfg.seq_len if kind == "all_gather" else tl
 
 
-def attention_scratch(cfg, cp: int, rows) -> tuple[int, int]:
-  """The cuDNN backward workspace of the step's main call
-  (:func:`main_call_tokens`) and the head-group sub-calls it runs as."""
+def attention_scratch(cfg, cp: int, rows) -> tuple[int, int, int]:
+  """The cuDNN backward workspace of one sub-call of the step's main call
+  (:func:`main_call_tokens`), and the head groups and K/V slices of each
+  group that the call runs as (:func:`jax_cp.attention.cudnn_workspace.
+  backward_split`)."""
   from jax_cp.attention import cudnn_workspace as ws  # pylint: disable=import-outside-toplevel
   tq, tkv = main_call_tokens(cfg, cp, rows.max_seqlen)
   hd = cfg.d_model // cfg.heads
   kw = dict(segments=rows.cu_seqlens.shape[-1] - 1,
             max_seqlen_q=min(rows.max_seqlen, tq))
-  groups = ws.backward_head_groups(tq, tkv, cfg.heads, cfg.kv_heads, hd,
-                                   **kw)
-  return ws.backward_workspace_bytes(tq, tkv, cfg.heads // groups,
-                                     cfg.kv_heads // groups, hd, **kw), groups
+  groups, slices = ws.backward_split(tq, tkv, cfg.heads, cfg.kv_heads, hd,
+                                     **kw)
+  return ws.backward_workspace_bytes(
+      tq, -(-tkv // slices), cfg.heads // groups, cfg.kv_heads // groups, hd,
+      **kw), groups, slices
 
 
 def planned_bytes(rec: dict) -> int | None:
@@ -324,12 +327,13 @@ def measure(args, seq_len: int, cp: int, remat: str, *, timed: bool = True
   step = None
   try:
     step = build_step(args, seq_len, cp, layer)
-    scratch, groups = attention_scratch(step.cfg, cp, step.rows)
+    scratch, groups, slices = attention_scratch(step.cfg, cp, step.rows)
     rec["backend"] = resolved_backend(step.cfg)
     rec.update({k: getattr(step.cfg, k) for k in (
         "layers", "d_model", "heads", "kv_heads", "dtype")},
         max_seqlen=step.rows.max_seqlen, compile_s=step.compile_s,
         attention_scratch_bytes=scratch, attention_scratch_groups=groups,
+        attention_scratch_kv_slices=slices,
         **compiled_facts(step.fn))
     if args.schedule:
       rec["schedule"] = schedule_summary(step.fn.as_text())

@@ -491,7 +491,7 @@ def test_backward_refuses_a_slot_sized_accumulator():
 
 
 @pytest.mark.parametrize("limit_gib,groups", [("inf", 1), (None, 1),
-                                              ("1e-9", 2)])
+                                              ("3e-4", 2)])
 def test_backward_splits_over_head_groups_past_the_scratch_limit(
     monkeypatch, limit_gib, groups):
   """A backward whose cuDNN workspace exceeds the limit
@@ -532,16 +532,50 @@ def test_backward_splits_over_head_groups_past_the_scratch_limit(
   assert ins[1] == t((TKV, HKV // groups, D), "bf16")
 
 
+
+def test_backward_splits_over_kv_slices_past_one_heads_bound(monkeypatch):
+  """Where even one KV head's sub-call exceeds the bound, each head group
+  runs over K/V slices: per slice a bottom-right call over its causal
+  parts and an unmasked call over the rest, each reading that slice's K/V
+  rows only (no call reads all TKV rows)."""
+  from jax_cp.attention import cudnn_workspace, kv_slices
+  monkeypatch.setenv(cudnn_workspace.SCRATCH_LIMIT_ENV, "1e-9")
+  groups, slices = cudnn_workspace.backward_split(
+      TQ, TKV, HQ, HKV, D, segments=3, max_seqlen_q=32)
+  assert groups == HKV and slices > 1
+  q, k, v = qkv()
+
+  def f(q, k, v, out, lse, dout, seg):
+    return cudnn_backend.backward(q, k, v, out, lse, dout, seg,
+                                  mask="causal_bottom_right", scale=0.5)
+
+  text = lower_for_cuda(f, q, k, v, jnp.zeros_like(q),
+                        jnp.zeros((TQ, HQ), jnp.float32), q, SEG)
+  calls = custom_calls(text, BWD)
+  rows = [b - a for a, b in kv_slices.slice_bounds(TKV, slices)]
+  assert len(calls) == 2 * len(rows)
+  assert sorted(attrs["mask"] for attrs, _, _ in calls) == sorted(
+      ["0 : i64", "2 : i64"] * len(rows))
+  got_rows = sorted(int(ins[1].split("<")[1].split("x")[0])
+                    for _, ins, _ in calls)
+  assert got_rows == sorted(rows * 2)
+  for _, ins, outs in calls:
+    assert ins[0] == t((TQ, HQ // groups, D), "bf16")
+    assert outs[0] == t((TQ, HQ // groups, D), "bf16")
+  assert "stablehlo.while" in text
+
 def test_head_groups_in_a_cp_layer_and_a_checked_shard_map(monkeypatch):
-  """With the split forced (a tiny workspace bound), the DUAL_CHUNK_SWAP
+  """With the split forced (a small workspace bound), the DUAL_CHUNK_SWAP
   layer's three backward calls each become one call over half the heads
   in a loop; and fused_attention's gradient inside a user's shard_map
-  with vma checking on lowers too."""
+  with vma checking on lowers too, split over head groups and K/V slices
+  (a tiny bound)."""
   from jax_cp.attention import cudnn_workspace
-  monkeypatch.setenv(cudnn_workspace.SCRATCH_LIMIT_ENV, "1e-9")
+  monkeypatch.setenv(cudnn_workspace.SCRATCH_LIMIT_ENV, "2e-4")
   counts, masks, _ = _cp_grad_calls("dual_chunk_swap")
   into = cudnn_backend.FFI_TARGETS
   assert counts.get(BWD, 0) + counts.get(into["sdpa_bwd_into"], 0) == 3
+  monkeypatch.setenv(cudnn_workspace.SCRATCH_LIMIT_ENV, "1e-9")
   mesh = jax.make_mesh((2,), ("cp",), devices=devices(2, "cpu"),
                        axis_types=(jax.sharding.AxisType.Explicit,))
   lens = jnp.array([10, 22])
@@ -559,6 +593,7 @@ def test_head_groups_in_a_cp_layer_and_a_checked_shard_map(monkeypatch):
   args = [jax.ShapeDtypeStruct((64, h, D), jnp.bfloat16, sharding=sh)
           for h in (HQ, HKV, HKV)]
   text = lower_for_cuda(grad, *args)
-  (_, ins, _), = custom_calls(text, BWD)
-  assert ins[0] == t((32, HQ // 2, D), "bf16")
+  calls = custom_calls(text, BWD)     # head groups, each over K/V slices
+  assert len(calls) >= 2
+  assert all(ins[0] == t((32, HQ // 2, D), "bf16") for _, ins, _ in calls)
   assert "stablehlo.while" in text

@@ -506,17 +506,19 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
   tiled = seg.tiled and dq_into is None
   segments = seg.q_lens.shape[0]
   check_backward_workspace(q.shape, segments, max_q, tiled)
+  seg = dataclasses.replace(seg, max_seqlen_q=max_q, max_seqlen_kv=max_kv,
+                            tiled=tiled)
   return head_groups.backward_within_scratch_limit(
       _backward_call, q, k, v, out, lse, dout, seg, max_seqlen_q=max_q,
-      mask=mask, scale=scale, window_left=window_left, max_q=max_q,
-      max_kv=max_kv, tiled=tiled, dq_into=dq_into)
+      mask=mask, scale=scale, window_left=window_left, dq_into=dq_into)
 
 
 def _backward_call(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
-                   scale: np.float32, window_left: int, max_q: int,
-                   max_kv: int, tiled: bool, dq_into=None):
+                   scale: np.float32, window_left: int, dq_into=None):
   """One ``jax_cp_cudnn_sdpa_bwd`` call on checked inputs (:func:`backward`
-  checks them and picks the static bounds and the graph)."""
+  checks them and sets the graph's static bounds and ``tiled`` in
+  ``seg``)."""
+  max_q, max_kv, tiled = seg.max_seqlen_q, seg.max_seqlen_kv, seg.tiled
   meta = _segment_meta(seg, q.shape, k.shape, max_q, max_kv)
   if tiled:
     stats = _tiled_stats(seg, lse)

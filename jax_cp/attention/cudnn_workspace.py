@@ -39,7 +39,11 @@ bounds it by running a backward whose workspace exceeds
 says otherwise) as sub-calls over whole GQA head groups, one after another
 (:mod:`jax_cp.attention.head_groups`); :func:`backward_head_groups` says how
 many. At 1M tokens with Hq = 32, Hkv = 8, D = 64 the workspace is 25.9 GB
-in one call and 3.2 GB in each of 8.
+in one call and 3.2 GB in each of 8. Where even one KV head's sub-call
+exceeds the bound (its K/V rows are a whole long row, as under an
+all-gather at large cp), each sub-call runs over ranges of its K/V rows
+(:mod:`jax_cp.attention.kv_slices`), which shrink dK/dV at the query
+heads; :func:`backward_split` says how many of both.
 """
 
 from __future__ import annotations
@@ -204,3 +208,47 @@ def backward_head_groups(tokens_q: int, tokens_kv: int, heads_q: int,
   return fewest_groups(heads_kv, lambda n: backward_workspace_bytes(
       tokens_q, tokens_kv, heads_q // n, heads_kv // n, head_dim,
       **kwargs) <= limit)
+
+
+#: The most K/V slices a backward sub-call is cut into
+#: (:func:`backward_kv_slices`).
+MAX_KV_SLICES = 256
+
+
+def backward_kv_slices(tokens_q: int, tokens_kv: int, heads_q: int,
+                       heads_kv: int, head_dim: int, *,
+                       limit: float | None = None, **kwargs) -> int:
+  """How many ranges of its K/V rows a backward sub-call of these heads
+  runs as (:mod:`jax_cp.attention.kv_slices`): 1 when its workspace fits
+  ``limit`` bytes (default :func:`backward_scratch_limit`), else the fewest
+  whose slice's workspace fits, at most :data:`MAX_KV_SLICES`. Slices
+  shrink dK/dV at the query heads only; where the buffers sized by the
+  query rows alone exceed the limit, it is the fewest that make dK/dV no
+  larger than them. Other arguments as for :func:`backward_workspace`."""
+  limit = backward_scratch_limit() if limit is None else limit
+  ws = lambda n: backward_workspace(tokens_q, -(-tokens_kv // n), heads_q,
+                                    heads_kv, head_dim, **kwargs)
+  if tokens_kv <= 1 or ws(1).total <= limit:
+    return 1
+  fixed = ws(1).dq_accum + ws(1).softmax_sum
+  goal = limit if fixed < limit else 2 * fixed
+  for n in range(2, min(MAX_KV_SLICES, tokens_kv) + 1):
+    if ws(n).total <= goal:
+      return n
+  return min(MAX_KV_SLICES, tokens_kv)
+
+
+def backward_split(tokens_q: int, tokens_kv: int, heads_q: int,
+                   heads_kv: int, head_dim: int, *, limit: float | None = None,
+                   kv_slices: bool = True, **kwargs) -> tuple[int, int]:
+  """``(groups, slices)``: the head-group sub-calls of a backward
+  (:func:`backward_head_groups`) and, when even one KV head's exceeds the
+  limit and ``kv_slices`` allows it (no window, no tiled graph), the K/V
+  slices of each (:func:`backward_kv_slices`)."""
+  groups = backward_head_groups(tokens_q, tokens_kv, heads_q, heads_kv,
+                                head_dim, limit=limit, **kwargs)
+  if not kv_slices or groups < heads_kv:
+    return groups, 1
+  return groups, backward_kv_slices(
+      tokens_q, tokens_kv, heads_q // groups, heads_kv // groups, head_dim,
+      limit=limit, **kwargs)

@@ -23,12 +23,13 @@ zero-filled gradient buffers.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from jax_cp.attention import cudnn_workspace
+from jax_cp.attention import cudnn_workspace, kv_slices
 
 
 def backward_in_head_groups(backward: Callable, groups: int, q, k, v, out,
@@ -89,18 +90,28 @@ def backward_in_head_groups(backward: Callable, groups: int, q, k, v, out,
 
 
 def backward_within_scratch_limit(backward: Callable, q, k, v, out, lse, dout,
-                                  seg, *, max_seqlen_q: int, dq_into=None,
+                                  seg, *, max_seqlen_q: int, mask: str,
+                                  window_left: int = -1, dq_into=None,
                                   **kwargs):
   """``backward`` in as many head-group sub-calls as the cuDNN backward's
   scratch for these shapes needs to stay within
   :func:`~jax_cp.attention.cudnn_workspace.backward_scratch_limit`
-  (:func:`~jax_cp.attention.cudnn_workspace.backward_head_groups`; one
-  call below it). ``max_seqlen_q``: the call's static bound on a
-  segment's query rows; the rest as for :func:`backward_in_head_groups`.
+  (:func:`~jax_cp.attention.cudnn_workspace.backward_split`; one call
+  below it), each over ranges of its K/V rows
+  (:mod:`jax_cp.attention.kv_slices`) where even one KV head's exceeds it
+  (not with a window or tiled segments). ``backward`` takes its static
+  bounds from the segments it is given; ``max_seqlen_q``: the call's
+  bound on a segment's query rows; the rest as for
+  :func:`backward_in_head_groups`.
   """
   (tq, hq, d), (tkv, hkv, dv) = q.shape, v.shape
-  groups = cudnn_workspace.backward_head_groups(
+  groups, slices = cudnn_workspace.backward_split(
       tq, tkv, hq, hkv, d, head_dim_v=dv, segments=seg.q_lens.shape[0],
-      max_seqlen_q=max_seqlen_q)
+      max_seqlen_q=max_seqlen_q,
+      kv_slices=window_left < 0 and not seg.tiled)
+  if slices > 1:
+    backward = functools.partial(kv_slices.backward_in_kv_slices, backward,
+                                 slices)
   return backward_in_head_groups(backward, groups, q, k, v, out, lse, dout,
-                                 seg, dq_into=dq_into, **kwargs)
+                                 seg, dq_into=dq_into, mask=mask,
+                                 window_left=window_left, **kwargs)

@@ -14,7 +14,8 @@ The size tests run each backward as one cuDNN call (the head-group split
 off: ``JAX_CP_CUDNN_BWD_SCRATCH_GIB=inf``), so that they test its
 addressing at the full size; :func:`test_head_group_split_past_the_limit`
 runs the default, where a backward with more than 4 GiB of cuDNN workspace
-is split over GQA head groups (jax_cp.attention.head_groups).
+is split over GQA head groups (jax_cp.attention.head_groups) and, past it
+still, over K/V slices (jax_cp.attention.kv_slices).
 """
 
 import fcntl
@@ -144,8 +145,11 @@ def test_32_bit_offsets_break_past_the_limit():
 def test_head_group_split_past_the_limit():
   """The default scratch limit: backwards past 4 GiB of cuDNN workspace
   run as sub-calls over GQA head groups (2 to 8 here). Both graphs, Tq !=
-  Tkv, and a CP-shaped call with 2M tokens of K/V (73 GB of workspace in
-  one call, which does not fit beside its inputs; 9.1 GB in each of 8)."""
+  Tkv, and a CP-shaped call with 2M tokens of K/V, 2^31 elements (73 GB of
+  workspace in one call, which does not fit beside its inputs; 9.1 GB in
+  each of 8 head groups, still past the limit, so each runs over 3 K/V
+  slices, jax_cp.attention.kv_slices: a bottom-right and an unmasked call
+  per slice)."""
   cases = [
       _case("split mixed 2^30", "mixed", 262144, 32, 8, 128),
       _case("split one doc 2^31", "one_doc", 1048576, 32, 8, 64),
