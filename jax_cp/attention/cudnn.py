@@ -488,7 +488,10 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
   heads, :mod:`jax_cp.attention.cudnn_workspace`) would exceed
   :func:`~jax_cp.attention.cudnn_workspace.backward_scratch_limit` runs as
   sub-calls over whole GQA head groups, one after another
-  (:mod:`jax_cp.attention.head_groups`); the results are the same.
+  (:mod:`jax_cp.attention.head_groups`), and where one KV head's still
+  would, each over ranges of its K/V rows
+  (:mod:`jax_cp.attention.kv_slices`); the results are the same (dq up to
+  the float32 sum of the slices' shares).
   """
   _check_call(q, k, v, seg, mask)
   check_window(window_left, mask)
