@@ -8,8 +8,9 @@ elementwise work and sums over tokens or heads. XLA's plan then holds the
 model's buffers and every attention call's inputs and outputs, as the
 GPU's does around its cuDNN custom calls, but not the dense ``[Tq, Tkv]``
 scores of the ``xla`` backend, which at long rows would dwarf the rest (or
-not compile). Its backward is split over head groups where the ``cudnn``
-backend's would be, so the split's buffers are in the plan too. The cuDNN
+not compile). Its backward is split over head groups and K/V slices where
+the ``cudnn`` backend's would be, so the split's buffers are in the plan
+too. The cuDNN
 backward's workspace is in no XLA plan either way: ``bench_memory`` adds
 it from the formula (:mod:`jax_cp.attention.cudnn_workspace`).
 
@@ -53,8 +54,8 @@ def forward(q, k, v, seg: Segments, *, mask: str, scale: float,
 def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
              scale: float, window_left: int = -1):
   """``(dq, dk, dv)`` shaped as attention's, from every input, in the
-  sub-calls over head groups that the ``cudnn`` backend would run for
-  these shapes (:func:`jax_cp.attention.head_groups.
+  sub-calls over head groups and K/V slices that the ``cudnn`` backend
+  would run for these shapes (:func:`jax_cp.attention.head_groups.
   backward_within_scratch_limit`), so the plan holds the split's buffers
   too."""
   return head_groups.backward_within_scratch_limit(
