@@ -331,7 +331,8 @@ def test_bench_fused_on_cpu(tmp_path):
   packed = [r for r in recs if r["reference"] == "jax_packed"]
   if jax.default_backend() == "cpu":
     assert len(packed) == 2 and all("error" in r for r in packed)
-  for ref in ("constant_metadata", "cp_attention", "cp_attention_constant"):
+  for ref in ("constant_metadata", "row_bound", "cp_attention",
+              "cp_attention_constant"):
     mine = [r for r in recs if r["reference"] == ref]
     assert [r["pass"] for r in mine] == ["fwd", "fwd_bwd"]
     assert all(r["ratio"] > 0 and "error" not in r for r in mine), mine
