@@ -208,18 +208,20 @@ def test_check_on_host_and_checked_for():
 _POISON_LOG = []
 
 
-def _recording(fn):
+def _recording(fn, seg_index: int):
+  """``fn`` logging whether its segments (positional ``seg_index``, as
+  the contract passes them) carry a poison flag."""
   def call(*args, **kwargs):
-    seg = args[3] if fn is not xla.backward else args[6]
-    _POISON_LOG.append(seg.poison is not None)
+    _POISON_LOG.append(args[seg_index].poison is not None)
     return fn(*args, **kwargs)
   return call
 
 
 # The xla backend's math with cuDNN's claim about bounds (kernels sized by
 # them), so a host-checked bound below the row is trusted, not exact.
-_RECORDER = Backend(name="poison_recorder", forward=_recording(xla.forward),
-                    backward=_recording(xla.backward),
+_RECORDER = Backend(name="poison_recorder",
+                    forward=_recording(xla.forward, 3),
+                    backward=_recording(xla.backward, 6),
                     is_available=xla.is_available, handles_poison=True)
 register_backend(_RECORDER)
 

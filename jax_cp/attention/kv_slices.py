@@ -68,25 +68,26 @@ def slice_parts(seg: Segments, mask: str, a: int, b: int
   seen = (hi > lo) & (ql > 0)
   rows = b - a
 
-  def part(q_from, q_to, kv_len, part_mask, max_q):
+  # A causal part's rows see a prefix of the slice: at most its rows.
+  bound_q = {"no_mask": int(seg.max_seqlen_q),
+             "causal_bottom_right": min(int(seg.max_seqlen_q), rows)}
+  bound_kv = max(min(int(seg.max_seqlen_kv), rows), 1)
+
+  def part(q_from, q_to, kv_len, part_mask):
     q_len = jnp.where(seen, q_to - q_from, 0)
     return dataclasses.replace(
         seg, q_lens=q_len, kv_lens=jnp.where(q_len > 0, kv_len, 0),
         q_offsets=qo + jnp.where(seen, q_from, 0), kv_offsets=lo - a,
-        max_seqlen_q=max(min(int(max_q), rows), 1) if part_mask != "no_mask"
-        else max(int(max_q), 1),
-        max_seqlen_kv=max(min(int(seg.max_seqlen_kv), rows), 1),
+        max_seqlen_q=max(bound_q[part_mask], 1), max_seqlen_kv=bound_kv,
         rows_see_keys=True, tiled=False), part_mask
 
   if mask == "no_mask":
-    return [part(0, ql, c1 - c0, "no_mask", seg.max_seqlen_q)]
+    return [part(0, ql, c1 - c0, "no_mask")]
   delta = kl - ql if mask == "causal_bottom_right" else jnp.zeros_like(kl)
   j0 = jnp.clip(c0 - delta, 0, ql)
   j1 = jnp.clip(c1 - delta, j0, ql)
-  return [part(j0, j1, j1 + delta - c0, "causal_bottom_right",
-               seg.max_seqlen_q),
-          part(j1, ql, c1 - c0, "no_mask", seg.max_seqlen_q)]
-
+  return [part(j0, j1, j1 + delta - c0, "causal_bottom_right"),
+          part(j1, ql, c1 - c0, "no_mask")]
 
 def backward_in_kv_slices(backward: Callable, slices: int, q, k, v, out,
                           lse, dout, seg: Segments, *, mask: str,
