@@ -6,6 +6,7 @@ runs fewer steps), unmasked, traced metadata under the bound's fallback,
 the local view; the lowered step has no all-gather and no buffer of the
 whole row; the combinations it does not take raise."""
 
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import jax_cp
 from jax_cp import CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
+from jax_cp.cp import ring as ring_mod
 from jax_cp.cp.exchange import choose_exchange
 from jax_cp.data import (
   get_batch_on_this_cp_rank,
@@ -314,3 +316,67 @@ def test_ranks_on_one_device_match_the_reference(strategy, record_error):
   check_close(out, f(q, k, v), valid, jnp.float32, "out", record_error)
   for name, a, b in zip(("dq", "dk", "dv"), grads, want):
     check_close(a, b, valid, jnp.float32, name, record_error)
+
+
+def limit_gib_for(groups, b, tl, hq, hkv, d):
+  """A scratch bound (GiB) under which the ring's float32 running buffers
+  (dQ, and dK|dV twice: the accumulator and the one in flight) of
+  ``[b, tl]`` rows fit in ``groups`` groups of heads and no fewer."""
+  need = b * tl * 4 * (hq * d + 2 * hkv * 2 * d)
+  return need / groups / 2**30 * 1.001
+
+
+@pytest.mark.parametrize("strategy", list(S), ids=lambda s: s.value)
+@pytest.mark.parametrize("cp, groups", [(2, 4), (4, 2), (8, 4)])
+def test_ring_in_head_groups(cp, groups, strategy, monkeypatch,
+                             record_error):
+  """Past the scratch bound the ring runs one group of heads at a time (a
+  loop whose hops carry one group's K|V); outputs and gradients stay the
+  all-gather's and the reference's."""
+  batch, hq, hkv = 2, 8, 4
+  cu, cuP, rng = make_rows(cp * 7 + groups, cp, strategy, batch)
+  q, k, v = make_qkv(rng, batch, hq, hkv, jnp.float32)
+  w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  gather = run(q, k, v, w, cu, cuP, cp=cp, strategy=strategy,
+               comm_type="all_gather")
+  monkeypatch.setenv("JAX_CP_CUDNN_BWD_SCRATCH_GIB",
+                     str(limit_gib_for(groups, batch, T // cp, hq, hkv, D)))
+  tl = T // cp
+  local = (jnp.zeros((batch, tl, hq, D)), jnp.zeros((batch, tl, hkv, D)),
+           jnp.zeros((batch, tl, hkv, D)))
+  assert ring_mod.head_groups(*local) == groups
+  ring = run(q, k, v, w, cu, cuP, cp=cp, strategy=strategy,
+             comm_type="ring")
+  check_equal_to_all_gather(ring, gather, 1e-5)
+  want, want_grads = reference_out_and_grads(q, k, v, cu, cuP, w)
+  valid = valid_of(cu, cuP)
+  check_close(ring[0], want, valid, jnp.float32, "out", record_error)
+  for name, g, gw in zip(("dq", "dk", "dv"), ring[1], want_grads):
+    check_close(g, gw, valid, jnp.float32, name, record_error)
+
+  # Every K|V hop carries one group's heads (2·Hkv/groups of K and V).
+  layout = CPLayout(mesh=mesh_for(cp, 1), batch_axis="data",
+                    strategy=strategy, backend="xla", comm_type="ring")
+  meta = (jnp.asarray(cu), jnp.asarray(cuP))
+  f = lambda q, k, v: jnp.sum(jax_cp.cp_attention(q, k, v, meta,
+                                                  layout=layout) * w)
+  hlo = jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(q, k, v).as_text()
+  hops = [re.findall(r"tensor<([0-9x]+)xf32>", line)[-1]
+          for line in hlo.splitlines() if "collective_permute" in line]
+  heads = {int(h.split("x")[2]) for h in hops}
+  assert hops and heads == {2 * hkv // groups}, heads
+
+
+def test_ring_head_groups_follow_the_bound(monkeypatch):
+  """One group below the bound; the fewest groups that fit above it; one
+  KV head per group where none fits."""
+  x = lambda h: jnp.zeros((1, 1024, h, 64), jnp.bfloat16)
+  q, k = x(32), x(8)
+  need = 1024 * 4 * (32 * 64 + 2 * 8 * 128)
+  for gib, groups in [(need / 2**30, 1), (need / 2 / 2**30, 2),
+                      (need / 3 / 2**30, 4), (need / 8 / 2**30, 8),
+                      (need / 100 / 2**30, 8)]:
+    monkeypatch.setenv("JAX_CP_CUDNN_BWD_SCRATCH_GIB", repr(gib * 1.0001))
+    assert ring_mod.head_groups(q, k, k) == groups, gib
+  monkeypatch.setenv("JAX_CP_CUDNN_BWD_SCRATCH_GIB", "inf")
+  assert ring_mod.head_groups(q, k, k) == 1

@@ -18,7 +18,16 @@ every call gets the forward's whole ``out`` and ``lse``, so its
 contributions are exact parts of the gradient.
 
 Every buffer is one chunk (``[B, T/cp, ...]``): nothing grows with the
-row.
+row. The float32 running buffers (the forward's output, the backward's dQ
+and the dK|dV accumulator with the one in flight) take ``4·(Hq·D +
+2·Hkv·(D + Dv))`` bytes per token of the chunk, more than q, k, v and the
+output together; where they would pass :func:`~jax_cp.attention.
+cudnn_workspace.backward_scratch_limit` (the bound on one attention call's
+float32 working memory), the ring runs once per group of whole GQA head
+groups (:func:`head_groups`), one group after another in a ``lax.scan``,
+so only one group's running buffers are live at a time. Attention is
+independent per KV head, so the results are the same; the K/V hops carry
+one group's heads each, the same bytes in all.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_cp.attention import cudnn_workspace
 from jax_cp.attention.backend import packed
 from jax_cp.attention.merge import merge_softmax
 from jax_cp.cp import call_plan
@@ -43,9 +53,54 @@ def _step(cfg: CPConfig, kv, heads: int, cu_seqlens, cu_seqlens_padded,
   return call, packed(kv[:, :, :heads]), packed(kv[:, :, heads:]), nxt
 
 
+def head_groups(q, k, v) -> int:
+  """How many groups of whole GQA head groups the ring runs one after
+  another: the fewest (a divisor of the KV heads) whose float32 running
+  buffers, ``B·Tl·4·(Hq·D + 2·Hkv·(D + Dv))`` bytes for all heads, stay
+  within :func:`~jax_cp.attention.cudnn_workspace.backward_scratch_limit`
+  (one KV head per group where none does)."""
+  b, tl, hq, d = q.shape
+  hkv, dv = v.shape[2], v.shape[3]
+  need = b * tl * 4 * (hq * d + 2 * hkv * (d + dv))
+  limit = cudnn_workspace.backward_scratch_limit()
+  return cudnn_workspace.fewest_groups(hkv, lambda n: need / n <= limit)
+
+
+def _heads(x, g, n: int):
+  """Heads ``[g·n, (g+1)·n)`` (axis 2) of ``x [B, T, H, ...]``."""
+  return jax.lax.dynamic_slice_in_dim(x, g * n, n, axis=2)
+
+
+def _put_heads(x, part, g, n: int):
+  return jax.lax.dynamic_update_slice_in_dim(x, part.astype(x.dtype), g * n,
+                                             axis=2)
+
+
 def forward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded):
   """``(out, lse)`` of this rank's Q rows over the whole row: ``out``
-  float32 ``[B, Tl, Hq, D]``, ``lse`` ``[B, Tl, Hq]``."""
+  ``[B, Tl, Hq, Dv]`` in q's dtype, ``lse`` float32 ``[B, Tl, Hq]``; in
+  :func:`head_groups` groups of heads."""
+  groups = head_groups(q, k, v)
+  if groups == 1:
+    out, lse = _forward(cfg, q, k, v, cu_seqlens, cu_seqlens_padded)
+    return out.astype(q.dtype), lse
+  gq, gkv = q.shape[2] // groups, k.shape[2] // groups
+
+  def one_group(carry, g):
+    out, lse = carry
+    o, l = _forward(cfg, _heads(q, g, gq), _heads(k, g, gkv),
+                    _heads(v, g, gkv), cu_seqlens, cu_seqlens_padded)
+    return (_put_heads(out, o, g, gq), _put_heads(lse, l, g, gq)), None
+
+  init = (jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype),
+          jnp.zeros(q.shape[:3], jnp.float32))
+  (out, lse), _ = jax.lax.scan(one_group, init,
+                               jnp.arange(groups, dtype=jnp.int32))
+  return out, lse
+
+
+def _forward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded):
+  """The ring forward over all heads of q, k, v: ``out`` float32."""
   ex, heads = cfg.exchange, k.shape[2]
   rank = cfg.rank()
   kv = jnp.concatenate([k, v], axis=2)
@@ -67,7 +122,34 @@ def forward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded):
 
 def backward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded, out,
              lse, dout):
-  """``(dq, dk, dv)`` of this rank's chunk, in q's and k's dtypes."""
+  """``(dq, dk, dv)`` of this rank's chunk, in q's and k's dtypes; in
+  :func:`head_groups` groups of heads."""
+  groups = head_groups(q, k, v)
+  if groups == 1:
+    return _backward(cfg, q, k, v, cu_seqlens, cu_seqlens_padded, out, lse,
+                     dout)
+  gq, gkv = q.shape[2] // groups, k.shape[2] // groups
+
+  # The carry starts as (q, k, v), and each group writes its gradients
+  # over its own heads after its ring has read them (later groups' heads
+  # still hold their inputs): no zero-filled gradient buffers.
+  def one_group(carry, g):
+    bq, bk, bv = carry
+    dq, dk, dv = _backward(
+        cfg, _heads(bq, g, gq), _heads(bk, g, gkv), _heads(bv, g, gkv),
+        cu_seqlens, cu_seqlens_padded, _heads(out, g, gq),
+        _heads(lse, g, gq), _heads(dout, g, gq))
+    return (_put_heads(bq, dq, g, gq), _put_heads(bk, dk, g, gkv),
+            _put_heads(bv, dv, g, gkv)), None
+
+  (dq, dk, dv), _ = jax.lax.scan(one_group, (q, k, v),
+                                 jnp.arange(groups, dtype=jnp.int32))
+  return dq, dk, dv
+
+
+def _backward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded, out,
+              lse, dout):
+  """The ring backward over all heads of its inputs."""
   ex, heads = cfg.exchange, k.shape[2]
   rank = cfg.rank()
   # The barrier keeps XLA from merging these hops with the forward's
