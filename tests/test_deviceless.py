@@ -88,3 +88,32 @@ def test_plan_for_h200s_compiles_for_sm90(tmp_path, backend, cp):
   short, long = sorted(runs, key=lambda r: r["seq_len"])
   assert long["temp_bytes"] > 1.5 * short["temp_bytes"] > 0
   assert "NVIDIA H200 (plan)" in (tmp_path / "memory.md").read_text()
+
+
+@pytest.mark.skipif(not _importable("jax_plugins.xla_cuda13"),
+                    reason="JAX's CUDA plugin is not installed")
+def test_scanned_layers_keep_one_stack_of_inputs(tmp_path):
+  """The layers as a scan at cp = 2, compiled for H200s: the stack of
+  saved layer inputs ``[L, 1, Tl, E]`` is never transposed whole for the
+  backward loop (jax_cp.modules.row_major), so no buffer of the step's
+  temp is the stack in another layout."""
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+  layers, d, t, cp = 4, 256, 65536, 2
+  run = subprocess.run(
+      [sys.executable, "-m", "benchmarks.bench_memory", "--target", "h200",
+       "--compile-only", "--backend", "standin", "--cp", str(cp),
+       "--scan-layers", "--layers", str(layers), "--d-model", str(d),
+       "--heads", "4", "--kv-heads", "2", "--remat", "full", "--seq-lens",
+       str(t), "--breakdown", "--out", str(tmp_path)],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+  (path,) = tmp_path.glob("memory_*.json")
+  (record,) = json.loads(path.read_text())["records"]
+  stack = f"bf16[{layers},1,{t // cp},{d}]"
+  shapes = [v["shape"] for v in record["breakdown"]["top_temp"]]
+  assert stack in shapes, shapes
+  size = sorted([layers, 1, t // cp, d])
+  others = [s for s in shapes if s != stack and s.startswith("bf16[") and
+            sorted(int(n) for n in s[5:-1].split(",")) == size]
+  assert not others, f"the stack {stack} also held as {others}"

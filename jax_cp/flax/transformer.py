@@ -10,12 +10,12 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_cp.attention.validation import check_window_size
-from jax_cp.checkpoint_names import DECODER_LAYER_INPUT, MLPWO
+from jax_cp.checkpoint_names import MLPWO
 from jax_cp.cp.layout import CPLayout
 from jax_cp.flax.attention import Dtype, Initializer, MultiHeadAttention
 from jax_cp.modules import inputs, layer_chunks, settings, token_chunks
 from jax_cp.modules.remat import call as remat_call
-from jax_cp.modules.remat import remat_policy
+from jax_cp.modules.remat import layer_input, remat_policy
 
 
 class MlpBlock(nn.Module):
@@ -205,7 +205,7 @@ class TransformerLayer(nn.Module):
 
   @nn.compact
   def _layer(self, layout, x, cu_seqlens, cu_seqlens_padded, position_ids):
-    x = checkpoint_name(x, DECODER_LAYER_INPUT)
+    x = layer_input(x)
     attn = MultiHeadAttention(
         num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
         head_dim=self.head_dim,

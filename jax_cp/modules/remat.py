@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_cp.checkpoint_names import (
   CONTEXT,
@@ -27,6 +28,7 @@ from jax_cp.checkpoint_names import (
   QUERY_PROJ,
   VALUE_PROJ,
 )
+from jax_cp.modules.row_major import row_major
 
 # MaxText's "minimal": every projection and MLP dot.
 _MINIMAL = (QUERY_PROJ, KEY_PROJ, VALUE_PROJ, OUT_PROJ, MLPWI, MLPWI_0,
@@ -75,6 +77,15 @@ def remat_policy(remat: str | Callable) -> Callable | None:
     return remat
   raise ValueError(f"remat={remat!r} is not one of {list(PRESETS)} or a "
                    "jax.checkpoint policy (a callable)")
+
+
+def layer_input(x):
+  """``x``, a layer's input, tagged :data:`~jax_cp.checkpoint_names.
+  DECODER_LAYER_INPUT` (what every preset keeps), then held in row-major
+  layout on GPU (:func:`jax_cp.modules.row_major.row_major`: the
+  backward of a scan over layers re-runs this, so it keeps the saved
+  stack of inputs from being transposed whole)."""
+  return row_major(checkpoint_name(x, DECODER_LAYER_INPUT))
 
 
 def add_cotangents(a, b):

@@ -9,11 +9,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_cp.checkpoint_names import DECODER_LAYER_INPUT, MLPWO
+from jax_cp.checkpoint_names import MLPWO
 from jax_cp.cp.layout import CPLayout
 from jax_cp.modules import inputs, layer_chunks, settings, token_chunks
 from jax_cp.modules.remat import call as remat_call
-from jax_cp.modules.remat import remat_policy
+from jax_cp.modules.remat import layer_input, remat_policy
 from jax_cp.nnx.attention import (
   Dtype,
   Initializer,
@@ -209,7 +209,7 @@ class TransformerLayer(nnx.Module):
     return remat_call(nnx.remat, self.remat, body, self, x, position_ids)
 
   def _layer(self, layout, x, cu_seqlens, cu_seqlens_padded, position_ids):
-    x = checkpoint_name(x, DECODER_LAYER_INPUT)
+    x = layer_input(x)
     plan = layer_chunks.layer_chunk_plan(self.layer_chunk_size, layout, x.shape,
                                    self.attention.attention.window_size)
     if plan is not None:
