@@ -92,8 +92,12 @@ def forward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded):
                     _heads(v, g, gkv), cu_seqlens, cu_seqlens_padded)
     return (_put_heads(out, o, g, gq), _put_heads(lse, l, g, gq)), None
 
-  init = (jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype),
-          jnp.zeros(q.shape[:3], jnp.float32))
+  # The carry starts as values of q, which every group overwrites on its
+  # own heads: zero-filled buffers are broadcasts, which XLA may make for
+  # every layer at the start of the step and keep until they are used.
+  out0 = q if v.shape[3] == q.shape[3] else \
+      jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype)
+  init = (out0, q[..., 0].astype(jnp.float32))
   (out, lse), _ = jax.lax.scan(one_group, init,
                                jnp.arange(groups, dtype=jnp.int32))
   return out, lse
