@@ -80,16 +80,16 @@ def forward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded):
   """``(out, lse)`` of this rank's Q rows over the whole row: ``out``
   ``[B, Tl, Hq, Dv]`` in q's dtype, ``lse`` float32 ``[B, Tl, Hq]``; in
   :func:`head_groups` groups of heads."""
-  groups = head_groups(q, k, v)
+  groups, rank = head_groups(q, k, v), cfg.rank()
   if groups == 1:
-    out, lse = _forward(cfg, q, k, v, cu_seqlens, cu_seqlens_padded)
+    out, lse = _forward(cfg, q, k, v, cu_seqlens, cu_seqlens_padded, rank)
     return out.astype(q.dtype), lse
   gq, gkv = q.shape[2] // groups, k.shape[2] // groups
 
   def one_group(carry, g):
     out, lse = carry
     o, l = _forward(cfg, _heads(q, g, gq), _heads(k, g, gkv),
-                    _heads(v, g, gkv), cu_seqlens, cu_seqlens_padded)
+                    _heads(v, g, gkv), cu_seqlens, cu_seqlens_padded, rank)
     return (_put_heads(out, o, g, gq), _put_heads(lse, l, g, gq)), None
 
   # The carry starts as values of q, which every group overwrites on its
@@ -103,10 +103,10 @@ def forward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded):
   return out, lse
 
 
-def _forward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded):
-  """The ring forward over all heads of q, k, v: ``out`` float32."""
+def _forward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded, rank):
+  """The ring forward over all heads of q, k, v on rank ``rank``: ``out``
+  float32."""
   ex, heads = cfg.exchange, k.shape[2]
-  rank = cfg.rank()
   kv = jnp.concatenate([k, v], axis=2)
   out = lse = None
   for step in range(ex.ring_steps):
@@ -128,10 +128,10 @@ def backward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded, out,
              lse, dout):
   """``(dq, dk, dv)`` of this rank's chunk, in q's and k's dtypes; in
   :func:`head_groups` groups of heads."""
-  groups = head_groups(q, k, v)
+  groups, rank = head_groups(q, k, v), cfg.rank()
   if groups == 1:
     return _backward(cfg, q, k, v, cu_seqlens, cu_seqlens_padded, out, lse,
-                     dout)
+                     dout, rank)
   gq, gkv = q.shape[2] // groups, k.shape[2] // groups
 
   # The carry starts as (q, k, v), and each group writes its gradients
@@ -142,7 +142,7 @@ def backward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded, out,
     dq, dk, dv = _backward(
         cfg, _heads(bq, g, gq), _heads(bk, g, gkv), _heads(bv, g, gkv),
         cu_seqlens, cu_seqlens_padded, _heads(out, g, gq),
-        _heads(lse, g, gq), _heads(dout, g, gq))
+        _heads(lse, g, gq), _heads(dout, g, gq), rank)
     return (_put_heads(bq, dq, g, gq), _put_heads(bk, dk, g, gkv),
             _put_heads(bv, dv, g, gkv)), None
 
@@ -152,10 +152,9 @@ def backward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded, out,
 
 
 def _backward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded, out,
-              lse, dout):
-  """The ring backward over all heads of its inputs."""
+              lse, dout, rank):
+  """The ring backward over all heads of its inputs on rank ``rank``."""
   ex, heads = cfg.exchange, k.shape[2]
-  rank = cfg.rank()
   # The barrier keeps XLA from merging these hops with the forward's
   # (which would keep every chunk alive from forward to backward).
   k, v = jax.lax.optimization_barrier((k, v))
