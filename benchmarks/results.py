@@ -313,6 +313,30 @@ def provenance(env: dict) -> tuple[str, str, str]:
   return date, commit, "`" + command.replace("|", "\\|") + "`"
 
 
+def planned_by_cp(rows: list[tuple[dict, dict]]) -> list[str]:
+  """Markdown lines: every compile-only search's longest row over that of
+  the cp = 1 search of its model, layers, remat and chunks."""
+  key = lambda r: (r.get("model"), r.get("layers"), bool(r.get(
+      "scan_layers")), r.get("remat"), r.get("mlp_chunk_size"),
+      r.get("layer_chunk_size"))
+  found = sorted(((r, env) for env, r in rows
+                  if _memory_status(r).startswith("longest planned")),
+                 key=lambda x: (str(key(x[0])), x[0].get("cp", 1),
+                                _memory_cp(x[0])))
+  one = {key(r): r["longest_seq_len"] for r, _ in found if r["cp"] == 1}
+  lines = [] if not found else [
+      "", "## Longest planned row per cp", "", "The *longest planned* rows "
+      "above, over the cp = 1 row of the same model, layers, remat and "
+      "chunks.", "", "| model | layers | remat | cp | strategy / exchange "
+      "| T | T / T(cp = 1) | commit |", "|---|---|---|---|---|---|---|---|"]
+  for r, env in found:
+    ratio = _num(one.get(key(r)) and r["longest_seq_len"] / one[key(r)])
+    lines.append(f"| {r['model']} | {TABLES['memory'][2][1][1](r)} | "
+                 f"{r['remat']} | {r['cp']} | {_memory_cp(r)} | "
+                 f"{_memory_seq(r)} | {ratio} | {provenance(env)[1]} |")
+  return lines
+
+
 def table(benchmark: str, rows: list[tuple[dict, dict]]) -> str:
   """The markdown of a benchmark's table of ``(env, record)`` rows."""
   title, intro, columns = TABLES[benchmark]
@@ -325,6 +349,8 @@ def table(benchmark: str, rows: list[tuple[dict, dict]]) -> str:
   for env, r in rows:
     cells = [str(fn(r)) for _, fn in columns] + list(provenance(env))
     lines.append("| " + " | ".join(cells) + " |")
+  if benchmark == "memory":
+    lines += planned_by_cp(rows)
   return "\n".join(lines) + "\n"
 
 

@@ -215,7 +215,7 @@ def test_tables_from_synthetic_files(tmp_path):
   assert third[col("documents")] == f"128–1k docs ({recs_new[1]['docs']})"
 
 
-KEPT = {"fused": 75, "cp": 14, "step": 3, "memory": 150}
+KEPT = {"fused": 75, "cp": 14, "step": 3, "memory": 138}
 
 
 @pytest.mark.parametrize("benchmark", sorted(KEPT))
@@ -234,12 +234,30 @@ def test_kept_results_load_and_make_their_tables(benchmark):
       assert r.get("ratio", 1.0) is None or r.get("ratio", 1.0) > 0
   text = results.table(benchmark, rows)
   assert (BENCH / "results" / f"{benchmark}.md").read_text() == text
-  body = [_cells(x) for x in text.splitlines()[8:] if x.startswith("|")]
+  body = [_cells(x) for x in _first_table(text)]
   assert len(body) == KEPT[benchmark]
   assert all(len(c) == len(_cells(text.splitlines()[6])) for c in body)
   quoted = {"fused": "**1.006**", "cp": "**3.754**", "step": "**1.809**",
             "memory": "longest that trains (fails at 3360k)"}[benchmark]
   assert quoted in text
+
+
+def test_planned_rows_over_cp1():
+  """memory.md's summary: each longest planned row over the cp = 1 row of
+  its model, layers, remat and chunks; none where there is no such row."""
+  env = {"date": "2026-12-05T00:00:00+00:00", "git_commit": "abcdef0"}
+  search = lambda cp, t, **kw: {
+      "kind": "search", "model": "big", "layers": 16, "remat": "full",
+      "cp": cp, "longest_seq_len": t, "strategy": "dual_chunk_swap",
+      "tries": [{"status": "compiled"}], **kw}
+  rows = [(env, search(1, 1 << 20)), (env, search(8, 6 << 20)),
+          (env, search(8, 7 << 20, scan_layers=True)),
+          (env, {**search(4, 1 << 22), "tries": [{"status": "ok"}]})]
+  lines = results.planned_by_cp(rows)
+  body = [_cells(x) for x in lines if x.startswith("| big")]
+  assert [(c[1], c[3], c[5], c[6]) for c in body] == [
+      ("16", "1", "1M", "1.00"), ("16", "8", "6M", "6.00"),
+      ("16 (scan)", "8", "7M", "-")]
 
 
 def test_environment_names_commit_command_and_device(monkeypatch):
@@ -305,9 +323,18 @@ def _json(path: str, benchmark: str, module: str) -> dict:
   return data
 
 
+def _first_table(text: str) -> list[str]:
+  """The body lines of a results file's main table (the summary of
+  planned rows after it, in memory.md, is not)."""
+  lines = text.splitlines()[8:]
+  end = next((i for i, x in enumerate(lines) if not x.startswith("|")),
+             len(lines))
+  return lines[:end]
+
+
 def _table_rows(folder: pathlib.Path, benchmark: str) -> list[list[str]]:
-  lines = (folder / f"{benchmark}.md").read_text().splitlines()
-  return [_cells(x) for x in lines[8:] if x.startswith("|")]
+  return [_cells(x) for x in
+          _first_table((folder / f"{benchmark}.md").read_text())]
 
 
 def test_bench_fused_on_cpu(tmp_path):
