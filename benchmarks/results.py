@@ -176,6 +176,10 @@ def _memory_seq(r: dict) -> str:
   return fmt_tokens(t) if t else "-"
 
 
+def _memory_layers(r: dict) -> str:
+  return f"{r.get('layers', '-')}{' (scan)' if r.get('scan_layers') else ''}"
+
+
 def _memory_cp(r: dict) -> str:
   """How a memory row splits its row: ``-`` at cp = 1."""
   if r.get("cp", 1) == 1 or r.get("kind") not in ("run", "search"):
@@ -272,8 +276,7 @@ TABLES: dict[str, tuple[str, str, list[Column]]] = {
         "`benchmarks/schedule.py`; a loop body's once). "
         "A/B rows: A's step time over B's, paired.", [
             ("model", lambda r: r["model"]),
-            ("layers", lambda r: f"{r.get('layers', '-')}"
-             + (" (scan)" if r.get("scan_layers") else "")),
+            ("layers", _memory_layers),
             ("T", _memory_seq), ("cp", lambda r: r.get("cp", 1)),
             ("strategy / exchange", _memory_cp),
             ("remat", lambda r: r.get("remat", "-")),
@@ -314,24 +317,22 @@ def provenance(env: dict) -> tuple[str, str, str]:
 
 
 def planned_by_cp(rows: list[tuple[dict, dict]]) -> list[str]:
-  """Markdown lines: every compile-only search's longest row over that of
-  the cp = 1 search of its model, layers, remat and chunks."""
-  key = lambda r: (r.get("model"), r.get("layers"), bool(r.get(
-      "scan_layers")), r.get("remat"), r.get("mlp_chunk_size"),
-      r.get("layer_chunk_size"))
+  """Markdown: each compile-only search's longest row over cp = 1's."""
+  key = lambda r: tuple(r.get(k) or 0 for k in ("model", "layers", "remat",
+      "scan_layers", "mlp_chunk_size", "layer_chunk_size"))
   found = sorted(((r, env) for env, r in rows
                   if _memory_status(r).startswith("longest planned")),
                  key=lambda x: (str(key(x[0])), x[0].get("cp", 1),
                                 _memory_cp(x[0])))
   one = {key(r): r["longest_seq_len"] for r, _ in found if r["cp"] == 1}
   lines = [] if not found else [
-      "", "## Longest planned row per cp", "", "The *longest planned* rows "
-      "above, over the cp = 1 row of the same model, layers, remat and "
-      "chunks.", "", "| model | layers | remat | cp | strategy / exchange "
-      "| T | T / T(cp = 1) | commit |", "|---|---|---|---|---|---|---|---|"]
+      "", "## Longest planned row per cp", "", "Each *longest planned* row "
+      "over the cp = 1 row of its model, layers, remat and chunks.", "", "| "
+      "model | layers | remat | cp | strategy / exchange | T | T / T(cp = 1) "
+      "| commit |", "|" + "---|" * 8]
   for r, env in found:
     ratio = _num(one.get(key(r)) and r["longest_seq_len"] / one[key(r)])
-    lines.append(f"| {r['model']} | {TABLES['memory'][2][1][1](r)} | "
+    lines.append(f"| {r['model']} | {_memory_layers(r)} | "
                  f"{r['remat']} | {r['cp']} | {_memory_cp(r)} | "
                  f"{_memory_seq(r)} | {ratio} | {provenance(env)[1]} |")
   return lines

@@ -89,6 +89,7 @@ def slice_parts(seg: Segments, mask: str, a: int, b: int
   return [part(j0, j1, j1 + delta - c0, "causal_bottom_right"),
           part(j1, ql, c1 - c0, "no_mask")]
 
+
 def backward_in_kv_slices(backward: Callable, slices: int, q, k, v, out,
                           lse, dout, seg: Segments, *, mask: str,
                           window_left: int = -1, dq_into=None, **kwargs):

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from jax_cp.attention import cudnn_workspace
 from jax_cp.attention.backend import packed
+from jax_cp.attention.head_groups import backward_in_head_groups
 from jax_cp.attention.merge import merge_softmax
 from jax_cp.cp import call_plan
 from jax_cp.cp.config import CPConfig
@@ -132,23 +133,22 @@ def backward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded, out,
   if groups == 1:
     return _backward(cfg, q, k, v, cu_seqlens, cu_seqlens_padded, out, lse,
                      dout, rank)
-  gq, gkv = q.shape[2] // groups, k.shape[2] // groups
+  rows = lambda x: x.reshape(q.shape[:2] + x.shape[1:])
 
-  # The carry starts as (q, k, v), and each group writes its gradients
-  # over its own heads after its ring has read them (later groups' heads
-  # still hold their inputs): no zero-filled gradient buffers.
-  def one_group(carry, g):
-    bq, bk, bv = carry
-    dq, dk, dv = _backward(
-        cfg, _heads(bq, g, gq), _heads(bk, g, gkv), _heads(bv, g, gkv),
-        cu_seqlens, cu_seqlens_padded, _heads(out, g, gq),
-        _heads(lse, g, gq), _heads(dout, g, gq), rank)
-    return (_put_heads(bq, dq, g, gq), _put_heads(bk, dk, g, gkv),
-            _put_heads(bv, dv, g, gkv)), None
+  # The loop of the cuDNN backward's head-group split, on packed buffers
+  # (heads on axis 1): each group's ring writes its gradients over its
+  # own heads of q, k and v.
+  def one_group(q, k, v, out, lse, dout, seg):
+    del seg
+    grads = _backward(cfg, rows(q), rows(k), rows(v), cu_seqlens,
+                      cu_seqlens_padded, rows(out), rows(lse), rows(dout),
+                      rank)
+    return tuple(packed(g) for g in grads)
 
-  (dq, dk, dv), _ = jax.lax.scan(one_group, (q, k, v),
-                                 jnp.arange(groups, dtype=jnp.int32))
-  return dq, dk, dv
+  grads = backward_in_head_groups(one_group, groups, packed(q), packed(k),
+                                  packed(v), packed(out), packed(lse),
+                                  packed(dout), None)
+  return tuple(rows(g) for g in grads)
 
 
 def _backward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded, out,
