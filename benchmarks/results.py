@@ -297,6 +297,36 @@ TABLES: dict[str, tuple[str, str, list[Column]]] = {
             ("exact", _exact),
             ("A / B (IQR)", lambda r: _ratio(r) if r.get("kind") == "ab"
              else "-")]),
+    "scaling": (
+        "The example's step at cp = N, modeled",
+        "`benchmarks/scaling.py`: the busiest rank's step time at cp = N "
+        "from the cp=1 step's kernel times on one GPU (`bench_step "
+        "--profile`, its row length *T1*) and the collectives of the "
+        "step planned for N H200s (`bench_memory --compile-only "
+        "--schedule`) at the stated bandwidth per GPU and direction. "
+        "*exposed*: collectives XLA scheduled beside no compute, and the "
+        "rest past the step's compute; *fixed*: a cost of every cp > 1 "
+        "step fitted to one measured speed-up (`--calibrate-on`). Per-GPU "
+        "efficiency: throughput per GPU over one GPU's on the same row "
+        "(weak scaling where T = N · T1). A model, not a measurement: the "
+        "measured speed-ups are `step.md`'s.", [
+            ("model", lambda r: r["model"]),
+            ("strategy / exchange", lambda r: f"{r['strategy']} / "
+             f"{r['comm_type']}"),
+            ("cp", lambda r: r["cp"]), ("T", lambda r: fmt_tokens(
+                r["seq_len"])),
+            ("T1", lambda r: fmt_tokens(r["profiled_seq_len"])),
+            ("GB/s", lambda r: _num(r["bandwidth"] / 1e9, ".0f")),
+            ("attention ms", lambda r: _num(r["attention_ms"])),
+            ("other ms", lambda r: _num(r["other_ms"])),
+            ("gaps ms", lambda r: _num(r["idle_ms"])),
+            ("collectives ms", lambda r: _num(r["collectives_ms"])),
+            ("exposed ms", lambda r: _num(r["exposed_ms"])),
+            ("fixed ms", lambda r: _num(r.get("fixed_ms"))),
+            ("step ms", lambda r: _num(r["step_ms"])),
+            ("per-GPU efficiency", lambda r: _num(r["efficiency"], ".3f")),
+            ("speed-up (measured)", lambda r: "-" if r.get("speedup") is None
+             else f"{r['speedup']:.3f} ({r.get('measured') or '-'})")]),
 }
 
 
@@ -368,9 +398,11 @@ class Run:
   the file, ``finish`` rebuilds the benchmark's table beside it."""
 
   def __init__(self, benchmark: str, argv: Sequence[str] | None, args,
-               tag: str | None = None, **env: Any):
+               tag: str | None = None, module: str | None = None,
+               **env: Any):
     self.benchmark, self.out, self.args = benchmark, args.out, vars(args)
-    self.env = environment(command_line(f"bench_{benchmark}", argv), **env)
+    self.env = environment(command_line(module or f"bench_{benchmark}",
+                                        argv), **env)
     self.path = result_path(self.out, benchmark, self.env, tag)
     self.records: list[dict] = []
     self.extra: dict[str, Any] = {}

@@ -23,6 +23,7 @@ from benchmarks import (
   exactness,
   peers,
   results,
+  scaling,
   timing,
   workload,
 )
@@ -292,11 +293,12 @@ def _imports(path: pathlib.Path) -> set[str]:
 
 
 def test_line_budget_and_downward_imports():
-  """At most 3,350 lines of Python (under a third of the library's); no
-  benchmark module imports a command (bench_*) and the imports form no
-  circle."""
+  """Under a third as many lines of Python as the library; no benchmark
+  module imports a command (bench_*) and the imports form no circle."""
+  lines = lambda folder: sum(len(f.read_text().splitlines())
+                             for f in folder.rglob("*.py"))
+  assert 3 * lines(BENCH) < lines(ROOT / "jax_cp")
   files = sorted(BENCH.rglob("*.py"))
-  assert sum(len(f.read_text().splitlines()) for f in files) <= 3350
   graph = {f.stem: _imports(f) - {f.stem} for f in files
            if f.parent == BENCH and f.stem != "__init__"}
   for mod, deps in graph.items():
@@ -307,6 +309,61 @@ def test_line_budget_and_downward_imports():
     ready = {m for m, deps in graph.items() if m not in done and deps <= done}
     assert ready, f"import circle among {set(graph) - done}"
     done |= ready
+
+
+def _dcs_pairs(rows, cp: int) -> list[int]:
+  """Causal pairs per rank under DUAL_CHUNK_SWAP, token by token: each
+  padded document in 2 cp chunks, rank r holding chunks r and 2cp-1-r."""
+  per_rank = [0] * cp
+  cu, cup = rows.cu_seqlens[0], rows.cu_seqlens_padded[0]
+  for i in range(len(cu) - 1):
+    valid, chunk = cu[i + 1] - cu[i], (cup[i + 1] - cup[i]) // (2 * cp)
+    for j in range(valid):
+      k = j // chunk
+      per_rank[k if k < cp else 2 * cp - 1 - k] += j + 1
+  return per_rank
+
+
+def test_scaling_model(tmp_path):
+  """benchmarks.scaling: attention by the busiest rank's pairs (counted
+  here token by token), the other kernels by tokens per rank, gaps kept,
+  collectives at the bandwidth with only the unhidden ones and the excess
+  over compute exposed; the row and table written."""
+  from examples.packed_lm import config, data
+  profile = tmp_path / "step_profile.json"
+  profile.write_text(json.dumps({"records": [
+      {"seq_len": 32768, "max_doc_len": 16384}], "profiles": {
+          "dual_chunk_swap (packed) cp=1": {"groups_ms": {
+              "attention": 30.0, "matmul": 10.0, "elementwise": 5.0,
+              "copy": 1.0}, "idle_ms": 0.5}}}))
+  kinds = {"all-gather": {"bytes": 4e9, "unhidden_bytes": 1e9},
+           "reduce-scatter": {"bytes": 1e8, "unhidden_bytes": 0}}
+  plan = tmp_path / "plan.json"
+  plan.write_text(json.dumps({
+      "args": {"strategy": "dual_chunk_swap", "max_doc_len": 16384,
+               "seed": 0},
+      "records": [{"kind": "run", "model": "example", "cp": 4,
+                   "seq_len": 32768, "schedule": {"kinds": kinds}}]}))
+  path = scaling.main(["--profile", str(profile), "--plans", str(plan),
+                       "--bandwidth", "1e11", "--measured", "4=3.1",
+                       "--out", str(tmp_path)])
+  (r,) = _json(path, "scaling", "scaling")["records"]
+  cfg = config.Config(strategy="dual_chunk_swap", seq_len=32768)
+  one = sum(_dcs_pairs(data.load_rows(cfg, 1, 1), 1))
+  busiest = max(_dcs_pairs(data.load_rows(cfg, 1, 4), 4))
+  assert r["attention_ms"] == pytest.approx(30.0 * busiest / one)
+  assert r["other_ms"] == pytest.approx(16.0 / 4)
+  unhidden = 0.75 * 1e9 / 1e11 * 1e3
+  hidden = (0.75 * 3e9 + 3 * 1e8) / 1e11 * 1e3
+  compute = r["attention_ms"] + r["other_ms"]
+  assert hidden > compute
+  assert r["exposed_ms"] == pytest.approx(unhidden + hidden - compute)
+  assert r["collectives_ms"] == pytest.approx(unhidden + hidden)
+  assert r["step_ms"] == pytest.approx(compute + 0.5 + r["exposed_ms"])
+  assert r["speedup"] == pytest.approx(46.5 / r["step_ms"])
+  assert r["measured"] == 3.1
+  (row,) = _table_rows(tmp_path, "scaling")
+  assert row[2] == "4" and row[-6] == f"{r['step_ms']:.2f}"
 
 
 # -------------------------------------------------------------- commands
