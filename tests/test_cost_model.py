@@ -191,6 +191,11 @@ def test_predicted_time_and_recommendation():
           + 2 * 20e-6)     # one call forward, one backward
   assert rec.predicted_time_s["dual_chunk_swap"] == pytest.approx(want)
   assert "dual_chunk_swap" in rec.reason
+  # It names the all-gathered K/V per rank and layer (the whole row's K and
+  # V in bf16) against the ring's chunk.
+  kv = t * 8 * 128 * 2 * 2
+  assert f"holds {kv} B of K/V" in rec.reason
+  assert f"one chunk of {kv // 2} B" in rec.reason
   # Many short documents with a tight bound: halo is tiny, imbalance small
   # -> NLB, although it runs two calls.
   lens = np.full(128, t // 128)

@@ -227,7 +227,9 @@ class StrategyRecommendation:
     strategy: the strategy with the lower predicted step time.
     predicted_time_s: predicted step time per strategy value.
     estimates: the :class:`CPCostEstimate` per strategy value.
-    reason: one human-readable sentence.
+    reason: one human-readable sentence: the predicted times and, where
+      DUAL_CHUNK_SWAP is picked at cp > 1, the K/V bytes per rank and
+      layer of its all-gather against the ring's chunk.
   """
 
   strategy: CPLoadBalancingStrategy
@@ -501,6 +503,13 @@ def recommend_strategy(cu_seqlens, cu_seqlens_padded, cp_size: int, *,
             f"{dcs.imbalance:.3f} dual_chunk_swap; exchange "
             f"{nlb.exchange_bytes if bounded_exchange else nlb.allgather_bytes}"
             f" vs {dcs.exchange_bytes} B/rank){note}")
+  if best is _DCS and cp_size > 1:
+    gathered = dcs.allgather_bytes * cp_size // (cp_size - 1)
+    reason += (f"; per layer its all-gather holds {gathered} B of K/V on "
+               f"each rank, comm_type='ring' one chunk of "
+               f"{gathered // cp_size} B at a time, which is what to pick "
+               f"where the gathered K/V and the buffers sized by them bound "
+               f"the row (docs/long_rows.md, Ring exchange)")
   return StrategyRecommendation(
       strategy=best, predicted_time_s=times,
       estimates={_DCS.value: dcs, _NLB.value: nlb}, reason=reason)
