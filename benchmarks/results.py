@@ -181,10 +181,15 @@ def _memory_layers(r: dict) -> str:
 
 
 def _memory_cp(r: dict) -> str:
-  """How a memory row splits its row: ``-`` at cp = 1."""
+  """How a memory row splits its row: ``-`` at cp = 1; NO_LOAD_BALANCE's
+  exchange outside the ring is the halo (the example's layouts carry the
+  row's ``max_seqlen``)."""
   if r.get("cp", 1) == 1 or r.get("kind") not in ("run", "search"):
     return "-"
-  return f"{r.get('strategy', '?')} / {r.get('comm_type', 'all_gather')}"
+  exchange = r.get("comm_type", "all_gather")
+  if r.get("strategy") == "no_load_balance" and exchange == "all_gather":
+    exchange = "halo"
+  return f"{r.get('strategy', '?')} / {exchange}"
 
 
 def _exact(r: dict) -> str:

@@ -216,7 +216,7 @@ def test_tables_from_synthetic_files(tmp_path):
   assert third[col("documents")] == f"128–1k docs ({recs_new[1]['docs']})"
 
 
-KEPT = {"fused": 79, "cp": 14, "step": 4, "memory": 153, "scaling": 28}
+KEPT = {"fused": 79, "cp": 14, "step": 4, "memory": 353, "scaling": 28}
 
 
 @pytest.mark.parametrize("benchmark", sorted(KEPT))
@@ -257,12 +257,15 @@ def test_planned_rows_over_cp1():
       "tries": [{"status": "compiled"}], **kw}
   rows = [(env, search(1, 1 << 20)), (env, search(8, 6 << 20)),
           (env, search(8, 7 << 20, scan_layers=True)),
+          (env, search(8, 13 << 19, strategy="no_load_balance")),
           (env, {**search(4, 1 << 22), "tries": [{"status": "ok"}]})]
   lines = results.planned_by_cp(rows)
   body = [_cells(x) for x in lines if x.startswith("| big")]
-  assert [(c[1], c[3], c[5], c[6]) for c in body] == [
-      ("16", "1", "1M", "1.00"), ("16", "8", "6M", "6.00"),
-      ("16 (scan)", "8", "7M", "-")]
+  assert [(c[1], c[3], c[4], c[5], c[6]) for c in body] == [
+      ("16", "1", "-", "1M", "1.00"),
+      ("16", "8", "dual_chunk_swap / all_gather", "6M", "6.00"),
+      ("16", "8", "no_load_balance / halo", "6656k", "6.50"),
+      ("16 (scan)", "8", "dual_chunk_swap / all_gather", "7M", "-")]
 
 
 def test_environment_names_commit_command_and_device(monkeypatch):
