@@ -44,6 +44,7 @@ row length, the speed-up ``t(1) / t(N)`` beside ``--measured`` ones; writes
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from collections.abc import Sequence
 
@@ -58,9 +59,11 @@ NVLINK_BYTES_PER_S = 450e9
 MOVED = {"all-gather": lambda n: (n - 1) / n,
          "reduce-scatter": lambda n: n - 1,
          "collective-permute": lambda n: 1,
-         "all-reduce": lambda n: 2 * (n - 1) / n}
+         "all-reduce": lambda n: 2 * (n - 1) / n,
+         "all-to-all": lambda n: (n - 1) / n}
 
 
+@functools.cache
 def pairs(strategy: str, seq_len: int, cp: int, max_doc_len: int,
           seed: int) -> tuple[int, int]:
   """``(busiest rank's, all ranks')`` causal pairs on the example's row
@@ -99,6 +102,9 @@ def cp1_profile(path: str, strategy: str) -> tuple[dict, dict]:
 
 
 def model(args, fixed_ms: float = 0.0, say=print) -> list[dict]:
+  """One record per planned step with a schedule in ``args.plans``: the
+  parts of its modeled time, the per-GPU efficiency and the speed-up
+  (``say`` prints a line each)."""
   out = []
   for path in args.plans:
     with open(path) as f:
@@ -134,14 +140,16 @@ def model(args, fixed_ms: float = 0.0, say=print) -> list[dict]:
           measured=args.measured.get(cp) if seq == t1 else None, plan=path)
       out.append(rec_out)
       say(f"{rec_out['strategy']} / {rec_out['comm_type']} cp={cp} "
-            f"T={seq}: attention {attn:.2f} + other {other:.2f} + gaps "
-            f"{idle1:.2f} + exposed {exposed:.2f} (of {comm:.2f}) + fixed "
-            f"{rec_out['fixed_ms']:.2f} = "
-            f"{step:.2f} ms; per-GPU efficiency "
-            f"{rec_out['efficiency']:.3f}" + (
-                f"; speed-up {rec_out['speedup']:.3f}" if seq == t1 else "")
-            + (f" (measured {rec_out['measured']})"
-               if rec_out["measured"] else ""))
+          f"T={seq}: attention {attn:.2f} + other {other:.2f} + gaps "
+          f"{idle1:.2f} + exposed {exposed:.2f} (of {comm:.2f}) + fixed "
+          f"{rec_out['fixed_ms']:.2f} = {step:.2f} ms; per-GPU efficiency "
+          f"{rec_out['efficiency']:.3f}"
+          + (f"; speed-up {rec_out['speedup']:.3f}" if seq == t1 else "")
+          + (f" (measured {rec_out['measured']})"
+             if rec_out["measured"] else ""))
+  if not out:
+    raise SystemExit("no planned step with a schedule in --plans (plan "
+                     "with bench_memory --compile-only --schedule)")
   return out
 
 

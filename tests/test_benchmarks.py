@@ -371,6 +371,15 @@ def test_scaling_model(tmp_path):
   assert r["measured"] == 3.1
   (row,) = _table_rows(tmp_path, "scaling")
   assert row[2] == "4" and row[-6] == f"{r['step_ms']:.2f}"
+  # A plan compiled without --schedule has nothing to model.
+  plan.write_text(json.dumps({
+      "args": {"strategy": "dual_chunk_swap", "max_doc_len": 16384,
+               "seed": 0},
+      "records": [{"kind": "run", "model": "example", "cp": 4,
+                   "seq_len": 32768}]}))
+  with pytest.raises(SystemExit, match="--schedule"):
+    scaling.main(["--profile", str(profile), "--plans", str(plan),
+                  "--out", str(tmp_path)])
 
 
 # -------------------------------------------------------------- commands
