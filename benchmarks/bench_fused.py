@@ -40,8 +40,8 @@ docstring advises, a row of one document with ``q_offsets=None``.
 (> 1: the primitive is faster); TFLOP/s count the causal pairs (within
 the window) with the backward's recompute
 (:func:`benchmarks.workload.attention_flops`). ``--profile`` adds the
-device time per kernel of one call of the primitive and of ``jax_nn`` on
-the one-document row (:mod:`benchmarks.profiling`).
+device time per kernel of one call of the primitive and of each reference
+it timed, per layout and pass (:mod:`benchmarks.profiling`).
 
 Writes ``fused_<date>_<device>.json`` and rebuilds ``fused.md`` beside it.
 """
@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--profile", action="store_true",
-                 help="device time per kernel on the one-document row")
+                 help="device time per kernel of the primitive and of each "
+                 "timed reference")
   p.add_argument("--out", default=results.RESULTS_DIR)
   p.add_argument("--tag", default=None, help="suffix of the result file")
   return p
@@ -212,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> str:
         if isinstance(f, peers.Peer) and f.fn is not None:
           step[n] = jax.jit(workload.with_pass(f.fn, pass_name))
       flops = workload.attention_flops(cu, args.hq, d, pass_name, args.window)
+      profiled = {"ours": sets} if args.profile else {}
       for ref in refs:
         rec = dict(head_dim=d, tokens=t, hq=args.hq, hkv=hkv, dist=dist,
                    docs=len(cu) - 1, window=args.window, reference=ref,
@@ -247,11 +249,13 @@ def main(argv: Sequence[str] | None = None) -> str:
           print(f"D={d} T={t} Hkv={hkv} {dist} {pass_name} {ref}: "
                 f"{rec['error'][:300]}", flush=True)
         run.add(rec)
-      if args.profile and dist == "one_doc":
-        for name in ("ours", "jax_nn"):
-          label = f"{name}, {pass_name}, D={d}, T={t}, Hkv={hkv}"
-          run.extra["profiles"].append(dict(
-              program=label, profile=kernel_profile(step[name], sets, label)))
+        if args.profile and "ms_a" in rec:
+          profiled[ref] = ref_sets
+      for name, arg_sets in profiled.items():
+        label = f"{name}, {pass_name}, D={d}, T={t}, Hkv={hkv}, {dist}"
+        run.extra["profiles"].append(dict(
+            program=label, profile=kernel_profile(step[name], arg_sets,
+                                                  label)))
   return run.finish()
 
 
