@@ -63,8 +63,10 @@ def test_forward_lowers_to_custom_call(mask):
   f = lambda q, k, v, seg: cudnn_backend.forward(q, k, v, seg, mask=mask,
                                                  scale=0.125)
   (attrs, ins, outs), = custom_calls(lower_for_cuda(f, *qkv(), SEG), FWD)
+  # The graph's s dims: the bounds 32 and 40 rounded up to 128, at most
+  # the rows (64, 80).
   assert attrs == {"mask": f"{MASK_CODES[mask]} : i64",
-                   "max_seqlen_kv": "40 : i64", "max_seqlen_q": "32 : i64",
+                   "max_seqlen_kv": "80 : i64", "max_seqlen_q": "64 : i64",
                    "scale": "1.250000e-01 : f32", "segments": "3 : i64",
                    "window_left": "-1 : i64", "tiled": "0 : i64",
                    "offset_bits": "32 : i64", "poison": "0 : i64"}
@@ -86,6 +88,29 @@ def test_forward_f16_default_scale_and_capped_bounds():
   assert outs[0] == t((16, 4, 128), "f16")
 
 
+@pytest.mark.parametrize("bound,rows,tiled,want", [
+    (1023, 65536, False, 1024), (7879, 65536, False, 7936),
+    (128, 4096, False, 128), (129, 4096, False, 256), (1, 4096, False, 128),
+    (130, 200, False, 200), (1023, 65536, True, 1023)])
+def test_graph_seqlen(bound, rows, tiled, want):
+  assert cudnn_backend.graph_seqlen(bound, rows, tiled) == want
+
+
+def test_graph_bounds_rounded_lengths_clipped_at_the_segments_bound():
+  """A bound of 130 on 300 rows: the graph's s is 256, and the lengths in
+  the metadata are clipped at 130, the segments' bound."""
+  seg = make_segments([200, 20], [200, 20], [0, 200], [0, 200], 130, 130)
+  f = lambda q, k, v, seg: cudnn_backend.forward(
+      q, k, v, seg, mask="causal_top_left", scale=None)
+  q, k, v = qkv(tq=300, tkv=300)
+  (attrs, _, _), = custom_calls(lower_for_cuda(f, q, k, v, seg), FWD)
+  assert attrs["max_seqlen_q"] == "256 : i64"
+  assert attrs["max_seqlen_kv"] == "256 : i64"
+  meta = cudnn_backend._segment_meta(seg, q.shape, k.shape, 130, 130)
+  np.testing.assert_array_equal(np.asarray(meta)[:2, :2], [[130, 20],
+                                                          [130, 20]])
+
+
 def test_backward_lowers_to_custom_call():
   q, k, v = qkv()
   out = jnp.zeros_like(q)
@@ -97,8 +122,8 @@ def test_backward_lowers_to_custom_call():
 
   text = lower_for_cuda(f, q, k, v, out, lse, out, SEG)
   (attrs, ins, outs), = custom_calls(text, BWD)
-  assert attrs == {"mask": "2 : i64", "max_seqlen_kv": "40 : i64",
-                   "max_seqlen_q": "32 : i64", "scale": "5.000000e-01 : f32",
+  assert attrs == {"mask": "2 : i64", "max_seqlen_kv": "80 : i64",
+                   "max_seqlen_q": "64 : i64", "scale": "5.000000e-01 : f32",
                    "segments": "3 : i64", "window_left": "-1 : i64",
                    "tiled": "0 : i64", "offset_bits": "32 : i64",
                    "poison": "0 : i64"}
@@ -130,8 +155,9 @@ def test_grad_through_fused_attention(mask):
   bwd, = custom_calls(text, BWD)
   code = MASK_CODES[mask]
   s = b * n  # the batch is flattened into one segment list
-  common = {"mask": f"{code} : i64", "max_seqlen_kv": "16 : i64",
-            "max_seqlen_q": "16 : i64", "scale": "2.500000e-01 : f32",
+  # The bound 16 rounded up to 128, at most the rows: 64.
+  common = {"mask": f"{code} : i64", "max_seqlen_kv": "64 : i64",
+            "max_seqlen_q": "64 : i64", "scale": "2.500000e-01 : f32",
             "segments": f"{s} : i64", "window_left": "-1 : i64",
             "tiled": "0 : i64", "offset_bits": "32 : i64", "poison": "0 : i64"}
   assert fwd[0] == common

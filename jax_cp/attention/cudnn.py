@@ -330,9 +330,27 @@ def _scale_value(scale, head_dim: int) -> np.float32:
 # ----------------------------------------------------------------------------
 
 
+#: A ragged call's graph has ``s`` dims that are multiples of this (or the
+#: call's rows): cuDNN 9.19's Hopper kernels tile a segment's rows by 64
+#: and its keys by 128, and a bound off those multiples runs slower
+#: (docs/decisions.md).
+GRAPH_SEQLEN_MULTIPLE = 128
+
+
 def _graph_bounds(seg: Segments, tq: int, tkv: int) -> tuple[int, int]:
-  """The graph's s dims: the static bounds, capped by the token counts."""
+  """The segments' static bounds, capped by the token counts."""
   return min(int(seg.max_seqlen_q), tq), min(int(seg.max_seqlen_kv), tkv)
+
+
+def graph_seqlen(bound: int, rows: int, tiled: bool) -> int:
+  """The ``s`` dim of a call's graph for segments of at most ``bound`` of
+  its ``rows`` rows: ``bound`` rounded up to
+  :data:`GRAPH_SEQLEN_MULTIPLE`, at most ``rows``; a tiled call's is
+  ``bound`` (its segments tile the rows)."""
+  if tiled:
+    return int(bound)
+  m = GRAPH_SEQLEN_MULTIPLE
+  return min(-(-int(bound) // m) * m, int(rows))
 
 
 def _lengths(seg: Segments, max_q: int, max_kv: int):
@@ -458,8 +476,11 @@ def _forward(q, k, v, seg: Segments, *, mask: str, scale: float,
   meta = _segment_meta(seg, q.shape, k.shape, max_q, max_kv)
   result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                   jax.ShapeDtypeStruct((tq, hq), jnp.float32))
-  attrs = _attributes(seg, q.shape, k.shape, mask, scale, max_q, max_kv,
-                      window_left, tiled=seg.tiled and into is None)
+  tiled = seg.tiled and into is None
+  attrs = _attributes(seg, q.shape, k.shape, mask, scale,
+                      graph_seqlen(max_q, tq, tiled),
+                      graph_seqlen(max_kv, k.shape[0], tiled), window_left,
+                      tiled=tiled)
   if into is not None:
     return jax.ffi.ffi_call(
         FWD_INTO_TARGET, result_types, input_output_aliases={3: 0, 4: 1},
@@ -508,18 +529,19 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
     return poisoned(seg, dq, jnp.zeros_like(k), jnp.zeros_like(v))
   tiled = seg.tiled and dq_into is None
   segments = seg.q_lens.shape[0]
-  check_backward_workspace(q.shape, segments, max_q, tiled)
+  graph_q = graph_seqlen(max_q, q.shape[0], tiled)
+  check_backward_workspace(q.shape, segments, graph_q, tiled)
   seg = dataclasses.replace(seg, max_seqlen_q=max_q, max_seqlen_kv=max_kv,
                             tiled=tiled)
   return head_groups.backward_within_scratch_limit(
-      _backward_call, q, k, v, out, lse, dout, seg, max_seqlen_q=max_q,
+      _backward_call, q, k, v, out, lse, dout, seg, max_seqlen_q=graph_q,
       mask=mask, scale=scale, window_left=window_left, dq_into=dq_into)
 
 
 def _backward_call(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
                    scale: np.float32, window_left: int, dq_into=None):
   """One ``jax_cp_cudnn_sdpa_bwd`` call on checked inputs (:func:`backward`
-  checks them and sets the graph's static bounds and ``tiled`` in
+  checks them and sets the segments' static bounds and ``tiled`` in
   ``seg``)."""
   max_q, max_kv, tiled = seg.max_seqlen_q, seg.max_seqlen_kv, seg.tiled
   meta = _segment_meta(seg, q.shape, k.shape, max_q, max_kv)
@@ -536,8 +558,10 @@ def _backward_call(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
   result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                   jax.ShapeDtypeStruct(k.shape, k.dtype),
                   jax.ShapeDtypeStruct(v.shape, v.dtype))
-  attrs = _attributes(seg, q.shape, k.shape, mask, scale, max_q, max_kv,
-                      window_left, tiled)
+  attrs = _attributes(seg, q.shape, k.shape, mask, scale,
+                      graph_seqlen(max_q, q.shape[0], tiled),
+                      graph_seqlen(max_kv, k.shape[0], tiled), window_left,
+                      tiled)
   inputs = (q, k, v, out.astype(q.dtype), dout.astype(q.dtype), stats)
   if dq_into is not None:
     return jax.ffi.ffi_call(
