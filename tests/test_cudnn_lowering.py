@@ -111,6 +111,25 @@ def test_graph_bounds_rounded_lengths_clipped_at_the_segments_bound():
                                                           [130, 20]])
 
 
+def test_slot_sized_backward_keeps_the_exact_bound():
+  """D=24 (off a multiple of 16): the frontend sizes the backward's
+  buffers by S * s, so its graph keeps the bound 40; the forward rounds
+  it up to 128."""
+  seg = make_segments([40, 30], [40, 30], [0, 100], [0, 100], 40, 40)
+  q, k, v = qkv(tq=300, tkv=300, d=24)
+  fwd_out = lambda q, k, v: cudnn_backend.forward(
+      q, k, v, seg, mask="causal_top_left", scale=None)
+  (f_attrs, _, _), = custom_calls(lower_for_cuda(fwd_out, q, k, v), FWD)
+  assert f_attrs["max_seqlen_q"] == "128 : i64"
+  out = jnp.zeros_like(q)
+  lse = jnp.zeros((300, HQ), jnp.float32)
+  bwd = lambda q, k, v, out, lse: cudnn_backend.backward(
+      q, k, v, out, lse, out, seg, mask="causal_top_left", scale=0.5)
+  (b_attrs, _, _), = custom_calls(lower_for_cuda(bwd, q, k, v, out, lse), BWD)
+  assert b_attrs["max_seqlen_q"] == "40 : i64"
+  assert b_attrs["max_seqlen_kv"] == "40 : i64"
+
+
 def test_backward_lowers_to_custom_call():
   q, k, v = qkv()
   out = jnp.zeros_like(q)

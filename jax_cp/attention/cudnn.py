@@ -333,8 +333,17 @@ def _scale_value(scale, head_dim: int) -> np.float32:
 #: A ragged call's graph has ``s`` dims that are multiples of this (or the
 #: call's rows): cuDNN 9.19's Hopper kernels tile a segment's rows by 64
 #: and its keys by 128, and a bound off those multiples runs slower
-#: (docs/decisions.md).
+#: (docs/decisions.md). Not a backward whose buffers the frontend sizes by
+#: the segment slots (head dims off multiples of 16): there the exact
+#: bound keeps them smallest.
 GRAPH_SEQLEN_MULTIPLE = 128
+
+
+def _exact_backward_bounds(q_shape, v_shape, tiled: bool) -> bool:
+  """Whether a backward keeps its segments' bounds as the graph's ``s``
+  dims: tiled, or its buffers sized by the segment slots."""
+  return tiled or not cudnn_workspace.honours_packed_totals(
+      int(q_shape[-1]), int(v_shape[-1]))
 
 
 def _graph_bounds(seg: Segments, tq: int, tkv: int) -> tuple[int, int]:
@@ -342,12 +351,13 @@ def _graph_bounds(seg: Segments, tq: int, tkv: int) -> tuple[int, int]:
   return min(int(seg.max_seqlen_q), tq), min(int(seg.max_seqlen_kv), tkv)
 
 
-def graph_seqlen(bound: int, rows: int, tiled: bool) -> int:
+def graph_seqlen(bound: int, rows: int, exact: bool) -> int:
   """The ``s`` dim of a call's graph for segments of at most ``bound`` of
   its ``rows`` rows: ``bound`` rounded up to
-  :data:`GRAPH_SEQLEN_MULTIPLE`, at most ``rows``; a tiled call's is
-  ``bound`` (its segments tile the rows)."""
-  if tiled:
+  :data:`GRAPH_SEQLEN_MULTIPLE`, at most ``rows``; ``bound`` itself where
+  ``exact`` (a tiled call, whose segments tile the rows, or a backward
+  with slot-sized buffers)."""
+  if exact:
     return int(bound)
   m = GRAPH_SEQLEN_MULTIPLE
   return min(-(-int(bound) // m) * m, int(rows))
@@ -529,7 +539,8 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
     return poisoned(seg, dq, jnp.zeros_like(k), jnp.zeros_like(v))
   tiled = seg.tiled and dq_into is None
   segments = seg.q_lens.shape[0]
-  graph_q = graph_seqlen(max_q, q.shape[0], tiled)
+  graph_q = graph_seqlen(max_q, q.shape[0], _exact_backward_bounds(
+      q.shape, v.shape, tiled))
   check_backward_workspace(q.shape, segments, graph_q, tiled)
   seg = dataclasses.replace(seg, max_seqlen_q=max_q, max_seqlen_kv=max_kv,
                             tiled=tiled)
@@ -558,9 +569,10 @@ def _backward_call(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
   result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                   jax.ShapeDtypeStruct(k.shape, k.dtype),
                   jax.ShapeDtypeStruct(v.shape, v.dtype))
+  exact = _exact_backward_bounds(q.shape, v.shape, tiled)
   attrs = _attributes(seg, q.shape, k.shape, mask, scale,
-                      graph_seqlen(max_q, q.shape[0], tiled),
-                      graph_seqlen(max_kv, k.shape[0], tiled), window_left,
+                      graph_seqlen(max_q, q.shape[0], exact),
+                      graph_seqlen(max_kv, k.shape[0], exact), window_left,
                       tiled)
   inputs = (q, k, v, out.astype(q.dtype), dout.astype(q.dtype), stats)
   if dq_into is not None:

@@ -94,6 +94,14 @@ def _check_heads(heads_q: int, heads_kv: int) -> None:
                      f"heads_q={heads_q}")
 
 
+def honours_packed_totals(head_dim: int, head_dim_v: int | None = None
+                          ) -> bool:
+  """Whether the frontend sizes the backward's buffers by the packed token
+  totals (both head dims multiples of 16), not by the segment slots."""
+  dv = head_dim if head_dim_v is None else head_dim_v
+  return head_dim % 16 == 0 and dv % 16 == 0
+
+
 def backward_workspace(tokens_q: int, tokens_kv: int, heads_q: int,
                        heads_kv: int, head_dim: int, *,
                        head_dim_v: int | None = None,
@@ -130,7 +138,7 @@ def backward_workspace(tokens_q: int, tokens_kv: int, heads_q: int,
                                                       head_dim_v)
   _check_heads(heads_q, heads_kv)
   if packed_totals is None:
-    packed_totals = head_dim % 16 == 0 and dv % 16 == 0
+    packed_totals = honours_packed_totals(head_dim, dv)
   if packed_totals:
     rows_q = tokens_q
   else:
