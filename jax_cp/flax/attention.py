@@ -93,21 +93,13 @@ class DotProductAttention(nn.Module):
     Returns:
       ``[.., T, Hq, D]`` in the layout of ``query``; 0 on padding tokens.
     """
-    layout = inputs.module_layout(self.layout)
-    # The caller's metadata go on to attention as given: a batch keeps its
-    # host check.
-    _, cuP = inputs.metadata(layout, cu_seqlens, cu_seqlens_padded,
-                             "DotProductAttention's batch")
-    inputs.check_tokens(layout, query.shape[-3], cuP, "query")
+    out, layout = inputs.dot_product_attention(
+        self.layout, query, key, value, cu_seqlens, cu_seqlens_padded,
+        dtype=self.dtype, attn_mask_type=self.attn_mask_type,
+        window_size=self.window_size, softmax_scale=self.softmax_scale)
     self.sow("intermediates", "cp_strategy_code",
              jnp.int32(settings.STRATEGY_CODES[layout.strategy]))
-    if self.dtype is not None:
-      query, key, value = (x.astype(self.dtype) for x in (query, key, value))
-    return inputs.attend(layout, query, key, value, cu_seqlens,
-                         cu_seqlens_padded,
-                         attn_mask_type=self.attn_mask_type,
-                         window_size=self.window_size,
-                         softmax_scale=self.softmax_scale)
+    return out
 
 
 class MultiHeadAttention(nn.Module):

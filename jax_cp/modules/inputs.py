@@ -152,3 +152,23 @@ def attend(layout: CPLayout, query, key, value, cu_seqlens,
   metadata = (cu_seqlens if isinstance(cu_seqlens, CPBatch)
               else (cu_seqlens, cu_seqlens_padded))
   return cp_attention(query, key, value, metadata, layout=layout, **kwargs)
+
+
+def dot_product_attention(layout: CPLayout | None, query, key, value,
+                          cu_seqlens, cu_seqlens_padded, *, dtype,
+                          **kwargs) -> tuple[Any, CPLayout]:
+  """The call of a ``DotProductAttention`` module, Linen and NNX alike:
+  ``(out, layout)``. The layout checked (:func:`module_layout`), the
+  metadata unpacked from a batch (:func:`metadata`) and the query's tokens
+  checked against them (:func:`check_tokens`); ``query``, ``key`` and
+  ``value`` cast to ``dtype`` (unchanged when None); then :func:`attend`
+  with ``kwargs`` on the caller's own metadata (a batch keeps its host
+  check)."""
+  layout = module_layout(layout)
+  _, cuP = metadata(layout, cu_seqlens, cu_seqlens_padded,
+                    "DotProductAttention's batch")
+  check_tokens(layout, query.shape[-3], cuP, "query")
+  if dtype is not None:
+    query, key, value = (x.astype(dtype) for x in (query, key, value))
+  return attend(layout, query, key, value, cu_seqlens, cu_seqlens_padded,
+                **kwargs), layout
