@@ -19,6 +19,10 @@ longest document) is timed in alternation with each reference (A,
 * ``row_bound``: the primitive with ``max_seqlen`` the row length, the
   graph shape of JAX's packed call (its segments are bounded by the row
   only): whether the bound of the longest document pays;
+* ``exact_bound``: the primitive with its cuDNN graph's ``s`` the longest
+  document itself, not rounded up to
+  :data:`jax_cp.attention.cudnn.GRAPH_SEQLEN_MULTIPLE` (the rounding's
+  A/B; with ``--backend xla`` the primitive as it is);
 * ``cp_attention``, ``cp_attention_constant``: :func:`jax_cp.cp_attention`
   at cp=1 (NO_LOAD_BALANCE, ``max_seqlen`` the longest document) with the
   metadata as jit arguments (a :class:`jax_cp.CPBatch` checked on the
@@ -60,6 +64,7 @@ import jax_cp
 from benchmarks import peers, profiling, results, timing, workload
 
 REFERENCES = ("jax_nn", "jax_packed", "constant_metadata", "row_bound",
+              "exact_bound",
               "cp_attention", "cp_attention_constant", *peers.PEERS)
 
 
@@ -116,6 +121,17 @@ def attention_fns(args, tokens: int, head_dim: int, lens_np: np.ndarray,
   def row_bound(q, k, v, lens, offs):
     return ours(q, k, v, lens, offs, bound=tokens)
 
+  def exact_bound(q, k, v, lens, offs):
+    # Runs when jit traces it: the graph's s is fixed at lowering.
+    if args.backend == "xla":
+      return ours(q, k, v, lens, offs)
+    from jax_cp.attention import cudnn
+    multiple, cudnn.GRAPH_SEQLEN_MULTIPLE = cudnn.GRAPH_SEQLEN_MULTIPLE, 1
+    try:
+      return ours(q, k, v, lens, offs)
+    finally:
+      cudnn.GRAPH_SEQLEN_MULTIPLE = multiple
+
   def constant_metadata(q, k, v, lens, offs):
     del lens, offs
     return ours(q, k, v, lens_np, offs_np)
@@ -153,6 +169,7 @@ def attention_fns(args, tokens: int, head_dim: int, lens_np: np.ndarray,
   metadata = {"cp_attention": (batch,)}
   fns = {"ours": ours, "jax_nn": jax_nn, "jax_packed": jax_packed,
          "constant_metadata": constant_metadata, "row_bound": row_bound,
+         "exact_bound": exact_bound,
          "cp_attention": cp_attention,
          "cp_attention_constant": cp_attention_constant}
   for name in peers.PEERS:

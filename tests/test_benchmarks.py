@@ -431,8 +431,8 @@ def test_bench_fused_on_cpu(tmp_path):
   packed = [r for r in recs if r["reference"] == "jax_packed"]
   if jax.default_backend() == "cpu":
     assert len(packed) == 2 and all("error" in r for r in packed)
-  for ref in ("constant_metadata", "row_bound", "cp_attention",
-              "cp_attention_constant"):
+  for ref in ("constant_metadata", "row_bound", "exact_bound",
+              "cp_attention", "cp_attention_constant"):
     mine = [r for r in recs if r["reference"] == ref]
     assert [r["pass"] for r in mine] == ["fwd", "fwd_bwd"]
     assert all(r["ratio"] > 0 and "error" not in r for r in mine), mine
@@ -510,3 +510,27 @@ def test_bench_step_on_cpu(tmp_path):
           r["model_flops"] / (r[f"ms_{side}"] / 1e3) / (1e9 * devices))
   rows = _table_rows(tmp_path, "step")
   assert [(r[5], r[8]) for r in rows] == [("cp=1", "cp=2"), ("nocp", "cp=1")]
+
+
+def test_exact_bound_lowers_the_unrounded_graph():
+  """bench_fused's ``exact_bound`` lowers the primitive with its graph's
+  ``s`` the longest document (1023), the primitive itself with it rounded
+  up (1024), and leaves the library's multiple as it was."""
+  try:
+    from jax_cp.attention import cudnn
+  except ImportError:
+    pytest.skip("jax_cp's cuDNN extension is not built")
+  from tests._lowering import custom_calls, lower_for_cuda
+  args = bench_fused.build_parser().parse_args(["--refs", "exact_bound"])
+  lens_np = np.array([1023, 500, 525], np.int32)
+  offs_np = np.array([0, 1023, 1523], np.int32)
+  fns, _ = bench_fused.attention_fns(args, 2048, 64, lens_np, offs_np)
+  qkv = [jax.ShapeDtypeStruct((2048, h, 64), jax.numpy.bfloat16)
+         for h in (4, 2, 2)]
+  meta = [jax.ShapeDtypeStruct((3,), jax.numpy.int32)] * 2
+  before = cudnn.GRAPH_SEQLEN_MULTIPLE
+  for name, s in (("exact_bound", 1023), ("ours", 1024)):
+    (attrs, _, _), = custom_calls(lower_for_cuda(fns[name], *qkv, *meta),
+                                  cudnn.FWD_OUT_TARGET)
+    assert attrs["max_seqlen_q"] == attrs["max_seqlen_kv"] == f"{s} : i64"
+  assert cudnn.GRAPH_SEQLEN_MULTIPLE == before
