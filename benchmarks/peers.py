@@ -101,8 +101,8 @@ def _tokamax(kind: str, tokens: int, scale: float, window_left: int | None):
 
 def _shim_kvax() -> list[str]:
   """kvax 0.1.0 reads ``jax.experimental.shard_map`` (gone from JAX 0.11)
-  and declares two annotated module globals that Triton 3.6 refuses
-  inside a kernel unless they are ``tl.constexpr`` objects."""
+  and ``jax_triton.cdiv``/``next_power_of_2`` (gone from 0.4), and has two
+  module globals Triton 3.6 refuses in a kernel unless ``tl.constexpr``."""
   shims = []
   try:
     import jax.experimental.shard_map as mod  # noqa: PLC0415
@@ -120,7 +120,12 @@ def _shim_kvax() -> list[str]:
     mod.shard_map = shard_map
     shims.append("jax.experimental.shard_map.shard_map(check_rep=) as "
                  "jax.shard_map(check_vma=)")
+  import jax_triton  # noqa: PLC0415
+  import triton  # noqa: PLC0415
   import triton.language as tl  # noqa: PLC0415
+  for name in sorted({"cdiv", "next_power_of_2"} - set(dir(jax_triton))):
+    setattr(jax_triton, name, getattr(triton, name))
+    shims.append(f"jax_triton.{name} as triton.{name}")
   from kvax.ops import flash_attention_triton as fat  # noqa: PLC0415
   for name in ("LOG2_CONST", "NEG_INF"):
     value = getattr(fat, name)
