@@ -88,12 +88,14 @@ def test_forward_f16_default_scale_and_capped_bounds():
   assert outs[0] == t((16, 4, 128), "f16")
 
 
-@pytest.mark.parametrize("bound,rows,tiled,want", [
+@pytest.mark.parametrize("bound,rows,exact,want", [
     (1023, 65536, False, 1024), (7879, 65536, False, 7936),
     (128, 4096, False, 128), (129, 4096, False, 256), (1, 4096, False, 128),
     (130, 200, False, 200), (1023, 65536, True, 1023)])
-def test_graph_seqlen(bound, rows, tiled, want):
-  assert cudnn_backend.graph_seqlen(bound, rows, tiled) == want
+def test_graph_seqlen(bound, rows, exact, want):
+  """Rounded up to GRAPH_SEQLEN_MULTIPLE, at most the rows; exact: the
+  bound itself (a tiled call, or a backward with slot-sized buffers)."""
+  assert cudnn_backend.graph_seqlen(bound, rows, exact) == want
 
 
 def test_graph_bounds_rounded_lengths_clipped_at_the_segments_bound():
