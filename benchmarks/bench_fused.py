@@ -16,13 +16,8 @@ longest document) is timed in alternation with each reference (A,
 * ``constant_metadata``: the primitive itself with the row's metadata as
   constants of the program (a ratio of 1: metadata as jit arguments cost
   nothing);
-* ``row_bound``: the primitive with ``max_seqlen`` the row length, the
-  graph shape of JAX's packed call (its segments are bounded by the row
-  only): whether the bound of the longest document pays;
-* ``exact_bound``: the primitive with its cuDNN graph's ``s`` the longest
-  document itself, not rounded up to
-  :data:`jax_cp.attention.cudnn.GRAPH_SEQLEN_MULTIPLE` (the rounding's
-  A/B; with ``--backend xla`` the primitive as it is);
+* ``ours``: the primitive against itself, the run's control: its ratio's
+  distance from 1 is what the harness alone gives a pair;
 * ``cp_attention``, ``cp_attention_constant``: :func:`jax_cp.cp_attention`
   at cp=1 (NO_LOAD_BALANCE, ``max_seqlen`` the longest document) with the
   metadata as jit arguments (a :class:`jax_cp.CPBatch` checked on the
@@ -63,8 +58,7 @@ from jax._src.cudnn import fused_attention_stablehlo as fas
 import jax_cp
 from benchmarks import peers, profiling, results, timing, workload
 
-REFERENCES = ("jax_nn", "jax_packed", "constant_metadata", "row_bound",
-              "exact_bound",
+REFERENCES = ("ours", "jax_nn", "jax_packed", "constant_metadata",
               "cp_attention", "cp_attention_constant", *peers.PEERS)
 
 
@@ -111,26 +105,12 @@ def attention_fns(args, tokens: int, head_dim: int, lens_np: np.ndarray,
   window = workload.window_size(args.window)
   longest = int(lens_np.max())
 
-  def ours(q, k, v, lens, offs, bound=longest):
+  def ours(q, k, v, lens, offs):
     offs = offs if np.shape(offs)[-1] > 1 else None
     return jax_cp.fused_attention(
         q, k, v, lens, lens, offs, offs, attn_mask_type="causal_top_left",
-        backend=args.backend, max_seqlen_q=bound, max_seqlen_kv=bound,
+        backend=args.backend, max_seqlen_q=longest, max_seqlen_kv=longest,
         window_size=window)
-
-  def row_bound(q, k, v, lens, offs):
-    return ours(q, k, v, lens, offs, bound=tokens)
-
-  def exact_bound(q, k, v, lens, offs):
-    # Runs when jit traces it: the graph's s is fixed at lowering.
-    if args.backend == "xla":
-      return ours(q, k, v, lens, offs)
-    from jax_cp.attention import cudnn
-    multiple, cudnn.GRAPH_SEQLEN_MULTIPLE = cudnn.GRAPH_SEQLEN_MULTIPLE, 1
-    try:
-      return ours(q, k, v, lens, offs)
-    finally:
-      cudnn.GRAPH_SEQLEN_MULTIPLE = multiple
 
   def constant_metadata(q, k, v, lens, offs):
     del lens, offs
@@ -168,9 +148,7 @@ def attention_fns(args, tokens: int, head_dim: int, lens_np: np.ndarray,
   # The metadata arguments of a program that takes others than (lens, offs).
   metadata = {"cp_attention": (batch,)}
   fns = {"ours": ours, "jax_nn": jax_nn, "jax_packed": jax_packed,
-         "constant_metadata": constant_metadata, "row_bound": row_bound,
-         "exact_bound": exact_bound,
-         "cp_attention": cp_attention,
+         "constant_metadata": constant_metadata, "cp_attention": cp_attention,
          "cp_attention_constant": cp_attention_constant}
   for name in peers.PEERS:
     if name in args.refs:

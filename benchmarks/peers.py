@@ -144,7 +144,10 @@ def _kvax(tokens: int, scale: float, window_left: int | None):
       create_attention_mask,
       flash_attention_triton,
   )
+  from kvax.utils.common import get_default_flash_attention_params as dflt
   mesh = jax.make_mesh((1,), ("kvax",))
+  # kvax 0.1.0's create_attention_mask drops its default bwd_params.
+  params = dict(fwd_params=dflt(False), bwd_params=dflt(True))
 
   def fn(q, k, v, lens, offs):
     del lens
@@ -155,10 +158,12 @@ def _kvax(tokens: int, scale: float, window_left: int | None):
         query_specs=(None, None, None, None),
         kv_specs=(None, None, None, None)):
       mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True,
-                                   mesh=mesh)
+                                   mesh=mesh, **params)
+      # Positions count up within each document (kvax's fast path).
       return flash_attention_triton(q[None], k[None], v[None], pos, seg,
-                                    pos, seg, mask, scale=scale,
-                                    mesh=mesh)[0]
+                                    pos, seg, mask, scale=scale, mesh=mesh,
+                                    assume_sequential_positions=True,
+                                    **params)[0]
   return fn, tuple(shims)
 
 

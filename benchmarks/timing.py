@@ -6,6 +6,9 @@ percent, so two programs are never timed in separate stretches:
 forms each rep's ratio ``time(A) / time(B)`` from adjacent timings (> 1:
 B is faster). Drift cancels in each ratio, and the spread of the per-rep
 ratios (their interquartile range) says how far to trust their median.
+An untimed A timing comes first, so each program has one timing after
+the other program and one after itself in every rep (``A | A B B A | A
+B B A ...``): a program timed right after a switch can run slower.
 
 Each timing is *steady*: the slope of a block of back-to-back calls over
 its length, ``(t(2n) - t(n)) / n``, the time per call once the pipeline
@@ -130,6 +133,7 @@ def paired(fn_a: Callable, args_a: ArgSets, fn_b: Callable, args_b: ArgSets,
     jax.block_until_ready(fn_b(*args_b[0]))
   time_a, depth_a = _timer(fn_a, args_a, pipeline_ms, clock)
   time_b, depth_b = _timer(fn_b, args_b, pipeline_ms, clock)
+  time_a()  # Untimed: each rep's a1 follows A, as in every later rep.
   sa, sb, ratios = [], [], []
   for i in range(reps):
     a1, b1, b2, a2 = time_a(), time_b(), time_b(), time_a()
