@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="how K/V travel between the cp=N ranks")
   p.add_argument("--window", type=int, default=None,
                  help="causal sliding window (LEFT, 0) in both programs")
-  p.add_argument("--reps", type=int, default=15)
+  p.add_argument("--reps", type=int, default=8)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--device", choices=("gpu", "cpu"), default=None,
                  help="cpu: virtual CPU devices (default: JAX's platform)")

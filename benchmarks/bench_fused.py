@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="jax.nn.dot_product_attention's implementation")
   p.add_argument("--max-rel-err", type=float, default=2e-2,
                  help="a reference further from the primitive is not timed")
-  p.add_argument("--reps", type=int, default=10)
+  p.add_argument("--reps", type=int, default=5)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--profile", action="store_true",
                  help="device time per kernel of the primitive and of each "

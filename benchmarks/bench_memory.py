@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--ab", type=tokens, default=None, metavar="T")
   p.add_argument("--ab-a", nargs="+", default=["remat=none"])
   p.add_argument("--ab-b", nargs="+", default=["remat=save_context"])
-  p.add_argument("--ab-reps", type=int, default=5)
+  p.add_argument("--ab-reps", type=int, default=3)
   p.add_argument("--breakdown", action="store_true")
   p.add_argument("--schedule", action="store_true",
                  help="record what XLA scheduled beside each collective "

@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--param-sharding", choices=("fsdp", "replicated"),
                  default="fsdp")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--reps", type=int, default=3)
   p.add_argument("--block-ms", type=float, default=300.0,
                  help="length of one timed block of back-to-back steps")
   p.add_argument("--no-nocp", action="store_true",

@@ -140,10 +140,8 @@ def _kvax(tokens: int, scale: float, window_left: int | None):
     raise NotImplementedError("kvax 0.1 takes no sliding window")
   shims = _shim_kvax()
   import kvax  # noqa: PLC0415
-  from kvax.ops import (  # noqa: PLC0415
-      create_attention_mask,
-      flash_attention_triton,
-  )
+  from kvax.ops import create_attention_mask  # noqa: PLC0415
+  from kvax.ops import flash_attention as kvax_attention  # noqa: PLC0415
   from kvax.utils.common import get_default_flash_attention_params as dflt
   mesh = jax.make_mesh((1,), ("kvax",))
   # kvax 0.1.0's create_attention_mask drops its default bwd_params.
@@ -160,10 +158,9 @@ def _kvax(tokens: int, scale: float, window_left: int | None):
       mask = create_attention_mask(pos, seg, pos, seg, calc_bwd_mask=True,
                                    mesh=mesh, **params)
       # Positions count up within each document (kvax's fast path).
-      return flash_attention_triton(q[None], k[None], v[None], pos, seg,
-                                    pos, seg, mask, scale=scale, mesh=mesh,
-                                    assume_sequential_positions=True,
-                                    **params)[0]
+      return kvax_attention(q[None], k[None], v[None], pos, seg, pos, seg,
+                            mask, scale=scale, mesh=mesh,
+                            assume_sequential_positions=True, **params)[0]
   return fn, tuple(shims)
 
 

@@ -2,13 +2,15 @@
 
 GPU clock and power drift moves separate stretches of a run by a few
 percent, so two programs are never timed in separate stretches:
-:func:`paired` times A and B in alternation, ``A B B A`` per rep, and
-forms each rep's ratio ``time(A) / time(B)`` from adjacent timings (> 1:
-B is faster). Drift cancels in each ratio, and the spread of the per-rep
-ratios (their interquartile range) says how far to trust their median.
-An untimed A timing comes first, so each program has one timing after
-the other program and one after itself in every rep (``A | A B B A | A
-B B A ...``): a program timed right after a switch can run slower.
+:func:`paired` times A and B in alternation, :data:`ORDER` per rep, and
+forms each rep's ratio ``time(A) / time(B)`` from its eight timings (> 1:
+B is faster). Drift that is linear or quadratic in time adds as much to
+A's four timings as to B's, so it cancels in each ratio (a GPU warming
+up after a pause, faster at first and then settling, is such drift; ``A
+B B A`` cancels only the linear part). In every rep each program is
+timed three times right after the other and once after itself, from the
+first rep on. The spread of the per-rep ratios (their interquartile
+range) says how far to trust their median.
 
 Each timing is *steady*: the slope of a block of back-to-back calls over
 its length, ``(t(2n) - t(n)) / n``, the time per call once the pipeline
@@ -34,6 +36,8 @@ import jax
 ArgSets = Sequence[tuple]
 #: Seconds per synced call from which a program is timed by synced calls.
 LONG_CALL_S = 1.0
+#: One rep's order of timings (the Thue–Morse sequence's first eight).
+ORDER = "ABBABAAB"
 
 
 def block_seconds(fn: Callable, arg_sets: ArgSets, n: int,
@@ -71,9 +75,9 @@ def pipeline_depth(call_s: float, pipeline_ms: float) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class PairedResult:
-  """An A/B comparison: per-call seconds of A and of B (two per rep), the
-  per-rep ratios ``(a1 + a2) / (b1 + b2)`` and the block depths (1: timed
-  by synced calls)."""
+  """An A/B comparison: per-call seconds of A and of B (four per rep), the
+  per-rep ratios (the sum of A's over the sum of B's) and the block depths
+  (1: timed by synced calls)."""
 
   seconds_a: list[float]
   seconds_b: list[float]
@@ -102,10 +106,12 @@ class PairedResult:
     return q[0], q[2]
 
   def fields(self) -> dict:
-    """The JSON fields of a record: ms, ratio, quartiles, reps."""
+    """The JSON fields of a record: ms, ratios, quartiles, timings."""
     q1, q3 = self.quartiles()
     return dict(ms_a=self.ms_a, ms_b=self.ms_b, ratio=self.ratio,
                 ratio_q1=q1, ratio_q3=q3, ratios=list(self.ratios),
+                seconds_a=list(self.seconds_a),
+                seconds_b=list(self.seconds_b),
                 depth_a=self.depth_a, depth_b=self.depth_b)
 
 
@@ -123,23 +129,25 @@ def paired(fn_a: Callable, args_a: ArgSets, fn_b: Callable, args_b: ArgSets,
            reps: int, warmup: int = 2, pipeline_ms: float = 40.0,
            on_rep: Callable[[int, float, float, float], None] | None = None,
            clock: Callable[[], float] = time.perf_counter) -> PairedResult:
-  """A and B timed ``A B B A`` per rep after ``warmup`` calls of each.
-  ``on_rep(i, seconds_a, seconds_b, ratio)`` is called after each rep (a
-  run cut short has printed what it measured)."""
+  """A and B timed in :data:`ORDER` per rep after ``warmup`` calls of
+  each. ``on_rep(i, seconds_a, seconds_b, ratio)`` is called after each
+  rep (a run cut short has printed what it measured)."""
   if reps < 1:
     raise ValueError(f"reps must be >= 1, got {reps}")
   for _ in range(warmup):
     jax.block_until_ready(fn_a(*args_a[0]))
     jax.block_until_ready(fn_b(*args_b[0]))
-  time_a, depth_a = _timer(fn_a, args_a, pipeline_ms, clock)
-  time_b, depth_b = _timer(fn_b, args_b, pipeline_ms, clock)
-  time_a()  # Untimed: each rep's a1 follows A, as in every later rep.
+  timers = dict(zip("AB", (_timer(fn_a, args_a, pipeline_ms, clock),
+                           _timer(fn_b, args_b, pipeline_ms, clock))))
   sa, sb, ratios = [], [], []
   for i in range(reps):
-    a1, b1, b2, a2 = time_a(), time_b(), time_b(), time_a()
-    sa += [a1, a2]
-    sb += [b1, b2]
-    ratios.append((a1 + a2) / (b1 + b2))
+    got = {"A": [], "B": []}
+    for side in ORDER:
+      got[side].append(timers[side][0]())
+    sa += got["A"]
+    sb += got["B"]
+    ratios.append(sum(got["A"]) / sum(got["B"]))
     if on_rep is not None:
-      on_rep(i, (a1 + a2) / 2, (b1 + b2) / 2, ratios[-1])
-  return PairedResult(sa, sb, ratios, depth_a, depth_b)
+      on_rep(i, statistics.mean(got["A"]), statistics.mean(got["B"]),
+             ratios[-1])
+  return PairedResult(sa, sb, ratios, timers["A"][1], timers["B"][1])

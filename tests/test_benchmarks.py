@@ -75,10 +75,10 @@ def test_paired_ratio_cancels_drift_that_separate_stretches_keep():
     assert abs(apart / k - 1) > 0.1, (apart, k)
 
 
-def test_paired_gives_each_program_one_timing_after_a_switch_per_rep():
+def test_paired_gives_each_program_as_many_timings_after_a_switch():
   """Two identical programs whose first calls after the other one ran
   are slower (a timing's worth): every rep's ratio is 1, the first rep's
-  too (its A timing follows an untimed one of A, not B's calibration)."""
+  too (each program is timed three times after a switch in every rep)."""
   clock, last, seconds = FakeClock(), {"name": None, "n": 0}, 3e-3
   calls = 6 * timing.pipeline_depth(seconds, 40.0)   # one steady() timing
 
@@ -93,6 +93,23 @@ def test_paired_gives_each_program_one_timing_after_a_switch_per_rep():
                     clock=clock)
   assert r.ratios == pytest.approx([1.0] * 4, rel=1e-9)
   assert max(r.seconds_a) / min(r.seconds_a) == pytest.approx(1.5)
+
+
+def test_paired_cancels_quadratic_drift():
+  """A costs ``k`` times B while the machine first speeds up and then
+  slows down (drift quadratic in time): every rep's ratio is ``k`` to
+  2e-4, which the order ``A B B A`` misses."""
+  for k in (1.0, 2.5):
+    clock = FakeClock()
+
+    def program(seconds, clock=clock):
+      def call(*_):
+        x = clock.t / 5.0
+        clock.t += seconds * (1.0 - 0.1 * x + 0.05 * x * x)
+      return call
+    r = timing.paired(program(3e-3 * k), [()], program(3e-3), [()], reps=4,
+                      clock=clock)
+    assert r.ratios == pytest.approx([k] * 4, rel=2e-4), (k, r.ratios)
 
 
 def test_paired_times_long_calls_synced_and_fields():
