@@ -123,6 +123,14 @@ def _shim_kvax() -> list[str]:
   import jax_triton  # noqa: PLC0415
   import triton  # noqa: PLC0415
   import triton.language as tl  # noqa: PLC0415
+  # jax_triton stubs Triton's NVIDIA backend where these do not import.
+  importlib.import_module("triton.backends.nvidia.compiler")
+  driver = importlib.import_module("triton.backends.nvidia.driver")
+  missing = [n for n in ("TMA_DTYPE_DEVICE_TO_HOST", "TMA_TF32")
+             if not hasattr(driver, n)]
+  if missing:
+    raise RuntimeError(f"jax_triton {jax_triton.__version__} needs "
+                       f"{missing} of Triton {triton.__version__}'s driver")
   for name in sorted({"cdiv", "next_power_of_2"} - set(dir(jax_triton))):
     setattr(jax_triton, name, getattr(triton, name))
     shims.append(f"jax_triton.{name} as triton.{name}")
