@@ -17,10 +17,10 @@ pairs the CP model at cp=1 with the same model built with ``cp_axis=None``
 (``nocp``: attention without a mesh) on one device. Each timing is the
 device-only steady step time: the batch is placed once, steps are
 dispatched back to back (the state donated from step to step, as in
-training), and the slope of a block's time over its length cancels the
-pipeline's fill and drain. MFU: model FLOPs per step
-(:func:`jax_cp.planning.model_flops`: ``6 N`` per token plus causal
-attention, backward 2x forward) over the step time and
+training), and two blocks' time over their steps spreads the pipeline's
+fill and drain over them (:func:`benchmarks.timing.steady`). MFU: model
+FLOPs per step (:func:`jax_cp.planning.model_flops`: ``6 N`` per token
+plus causal attention, backward 2x forward) over the step time and
 ``--peak-tflops`` per device used. ``--profile`` traces
 ``--profile-steps`` steps of every program and prints the first GPU's
 time per kernel group (:mod:`benchmarks.profiling`).

@@ -4,24 +4,19 @@ GPU clock and power drift moves separate stretches of a run by a few
 percent, so two programs are never timed in separate stretches:
 :func:`paired` times A and B in alternation, :data:`ORDER` per rep, and
 forms each rep's ratio ``time(A) / time(B)`` from its eight timings (> 1:
-B is faster). Drift that is linear or quadratic in time adds as much to
-A's four timings as to B's, so it cancels in each ratio (a GPU warming
-up after a pause, faster at first and then settling, is such drift; ``A
-B B A`` cancels only the linear part). In every rep each program is
-timed three times right after the other and once after itself, from the
-first rep on. The spread of the per-rep ratios (their interquartile
-range) says how far to trust their median.
+B is faster). Drift linear or quadratic in time (a GPU that warms up
+after a pause) adds as much to A's four timings as to B's and cancels
+(``A B B A`` cancels only the linear part); each program is timed three
+times right after the other and once after itself in every rep. The
+spread of the per-rep ratios (their interquartile range) says how far
+to trust their median.
 
-Each timing is *steady*: the slope of a block of back-to-back calls over
-its length, ``(t(2n) - t(n)) / n``, the time per call once the pipeline
-is full (launch latency and the final wait cancel), with ``n`` making a
-block last about ``pipeline_ms``. A program whose call takes
-``LONG_CALL_S`` or more is timed as the faster of two synced calls
-instead (launch and wait are then below a thousandth of the call).
-
-Every function alternates between the given input sets (a list of
-argument tuples) and takes the clock as ``clock`` (tests pass a fake
-one).
+Each timing is *steady*: blocks of ``n`` and ``2n`` calls dispatched back
+to back, ``n`` making a block last about ``pipeline_ms``, their time over
+their ``3n`` calls (:func:`steady`); a call of ``LONG_CALL_S`` or more is
+timed as the faster of two synced calls. Every function alternates
+between the given input sets (argument tuples) and takes the clock as
+``clock`` (tests pass a fake one).
 """
 
 from __future__ import annotations
@@ -58,14 +53,18 @@ def synced(fn: Callable, arg_sets: ArgSets, reps: int,
 
 def steady(fn: Callable, arg_sets: ArgSets, depth: int,
            clock: Callable[[], float] = time.perf_counter) -> float:
-  """Seconds per call: blocks of ``2*depth`` and ``depth`` calls, each
-  timed twice and the faster kept (a host stall in one block would land
-  whole in the difference), their difference over ``depth``."""
+  """Seconds per call: blocks of ``depth`` and ``2*depth`` calls, each
+  timed twice and the faster kept (a host stall lands whole in one
+  block), their sum over their ``3*depth`` calls. A block's fixed cost
+  (its first launch and final wait) is spread over its calls, alike for
+  similar programs. The slope ``(long - short) / depth`` would cancel
+  that cost, but with a fraction ``s`` of independent jitter per block
+  its error is ``sqrt(5) s``, the sum's ``sqrt(5) s / 3``."""
   short, long = [], []
   for _ in range(2):
     short.append(block_seconds(fn, arg_sets, depth, clock))
     long.append(block_seconds(fn, arg_sets, 2 * depth, clock))
-  return (min(long) - min(short)) / depth
+  return (min(short) + min(long)) / (3 * depth)
 
 
 def pipeline_depth(call_s: float, pipeline_ms: float) -> int:
