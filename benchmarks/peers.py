@@ -102,7 +102,8 @@ def _tokamax(kind: str, tokens: int, scale: float, window_left: int | None):
 def _shim_kvax() -> list[str]:
   """kvax 0.1.0 reads ``jax.experimental.shard_map`` (gone from JAX 0.11)
   and ``jax_triton.cdiv``/``next_power_of_2`` (gone from 0.4), and has two
-  module globals Triton 3.6 refuses in a kernel unless ``tl.constexpr``."""
+  module globals Triton 3.6 refuses in a kernel unless ``tl.constexpr``.
+  A Triton whose NVIDIA backend jax_triton cannot use raises, naming it."""
   shims = []
   try:
     import jax.experimental.shard_map as mod  # noqa: PLC0415

@@ -503,7 +503,7 @@ def test_bench_fused_on_cpu(tmp_path):
   assert [r[6] for r in rows] == list(bench_fused.REFERENCES) * 2
   row = rows[bench_fused.REFERENCES.index("jax_nn")]
   assert row[9] == (f"**{nn[0]['ratio']:.3f}** ({nn[0]['ratio_q1']:.3f}"
-                        f"–{nn[0]['ratio_q3']:.3f})")
+                    f"–{nn[0]['ratio_q3']:.3f})")
 
 
 @requires_devices(2)
