@@ -1,10 +1,12 @@
 """Data for CP: packed rows, their metadata, and where each token lives
 (docs/data.md).
 
-* Rows: :class:`PackedRows` from documents (:func:`pack_documents`) or
-  from a segment-id batch (:func:`rows_from_segment_ids`, MaxText's and
-  grain's convention), padded for a layout (:func:`pad_multiple_for`),
-  their documents reordered for NO_LOAD_BALANCE (:func:`balance_rows`).
+* Rows: :class:`PackedRows` from documents (:func:`pack_documents`, or
+  batch after batch with :class:`DocumentPacker`; :func:`default_max_docs`
+  slots per row) or from a segment-id batch (:func:`rows_from_segment_ids`,
+  MaxText's and grain's convention), padded for a layout
+  (:func:`pad_multiple_for`), their documents reordered for
+  NO_LOAD_BALANCE (:func:`balance_rows`).
 * Global batches: :func:`make_global_batch` (this process's rows into
   global arrays in the layout, a :class:`jax_cp.CPBatch`),
   :func:`process_batch_rows`, :func:`make_global_metadata`.
@@ -31,8 +33,10 @@ from jax_cp.data.batch import (
     process_batch_rows,
 )
 from jax_cp.data.packing import (
+    DocumentPacker,
     PackedRows,
     balance_rows,
+    default_max_docs,
     pack_documents,
     pad_multiple_for,
 )
@@ -45,9 +49,11 @@ from jax_cp.data.segment_ids import (
 )
 
 __all__ = [
+    "DocumentPacker",
     "PackedRows",
     "balance_rows",
     "cu_seqlens_from_segment_ids",
+    "default_max_docs",
     "from_segment_layout",
     "get_batch_on_this_cp_rank",
     "get_partition_indices",
