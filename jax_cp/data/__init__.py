@@ -9,7 +9,9 @@
   NO_LOAD_BALANCE (:func:`balance_rows`).
 * Global batches: :func:`make_global_batch` (this process's rows into
   global arrays in the layout, a :class:`jax_cp.CPBatch`),
-  :func:`process_batch_rows`, :func:`make_global_metadata`.
+  :func:`process_batch_rows`, :func:`make_global_metadata`; several
+  processes: :func:`init_distributed`, :func:`make_cp_mesh` (each cp group
+  inside a host).
 * The layout's token order: :func:`get_batch_on_this_cp_rank`,
   :func:`get_partition_indices`, :func:`reorder_for_cp`,
   :func:`restore_from_cp`, :func:`get_position_ids`,
@@ -32,6 +34,7 @@ from jax_cp.data.batch import (
     make_global_metadata,
     process_batch_rows,
 )
+from jax_cp.data.multihost import init_distributed, make_cp_mesh
 from jax_cp.data.packing import (
     DocumentPacker,
     PackedRows,
@@ -58,8 +61,10 @@ __all__ = [
     "get_batch_on_this_cp_rank",
     "get_partition_indices",
     "get_position_ids",
+    "init_distributed",
     "longest_padded_document",
     "make_global_batch",
+    "make_cp_mesh",
     "make_global_metadata",
     "pack_documents",
     "pad_multiple_for",
