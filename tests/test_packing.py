@@ -283,6 +283,16 @@ def test_packer_validation():
       pack_documents(iter(docs), **args)
   with pytest.raises(ValueError, match="multiple of pad_multiple=3"):
     default_max_docs(64, 3)
+  for bad, what in [(np.ones((4, 4), np.int32), r"shape \(4, 4\)"),
+                    (np.linspace(1, 9, 40), "dtype float64")]:
+    with pytest.raises(ValueError, match="document 2 of docs must be a 1-D "
+                       f"array of int token ids, got .*{what}"):
+      pack_documents(iter([docs[0], [], bad] + docs), 64, 2)
+    packer = DocumentPacker(iter([docs[0], [], bad] + docs), 64, 2)
+    with pytest.raises(ValueError, match="document 2 of docs"):
+      next(packer)
+    with pytest.raises(ValueError, match="stopped at an error: document 2"):
+      next(packer)
 
 
 def test_balance_rows_keeps_the_documents_and_evens_the_work():

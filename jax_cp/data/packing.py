@@ -163,6 +163,18 @@ def check_packing_args(seq_len: int, num_rows: int, pad_multiple: int,
                        "document would fit in it once padded")
 
 
+def check_document(doc, index: int) -> np.ndarray:
+  """``doc`` as int32 tokens; raises a ``ValueError`` naming document
+  ``index`` of ``docs`` unless it is a 1-D array of integers (or empty)."""
+  arr = np.asarray(doc)
+  if arr.size and (arr.ndim != 1
+                   or not np.issubdtype(arr.dtype, np.integer)):
+    raise ValueError(f"document {index} of docs must be a 1-D array of int "
+                     f"token ids, got shape {arr.shape} and dtype "
+                     f"{arr.dtype}")
+  return arr.astype(np.int32).reshape(-1)
+
+
 class _DocsRanOut(Exception):
   """The documents ended before the rows were full."""
 
@@ -174,6 +186,7 @@ class _Pieces:
   def __init__(self, docs: Iterable, piece: int | None):
     self._docs = iter(docs)
     self._piece = piece
+    self._read = 0                         # documents read
     self._rest = np.zeros(0, np.int32)     # the document after the piece
     self.piece = np.zeros(0, np.int32)     # what is left of the piece
 
@@ -183,9 +196,11 @@ class _Pieces:
     while not self.piece.size:
       if not self._rest.size:
         try:
-          self._rest = np.asarray(next(self._docs), np.int32).reshape(-1)
+          doc = next(self._docs)
         except StopIteration:
           raise _DocsRanOut from None
+        self._rest = check_document(doc, self._read)
+        self._read += 1
       cut = self._rest.size if self._piece is None else self._piece
       self.piece, self._rest = self._rest[:cut], self._rest[cut:]
     return self.piece
@@ -291,8 +306,9 @@ class DocumentPacker:
   Raises:
     ValueError: a bad argument (at construction, naming it and its rule);
       from ``next``: a row needs more than ``max_docs`` slots (naming the
-      batch, the row and the counts). After that error the packer stops:
-      each later ``next`` raises it again.
+      batch, the row and the counts), or a document is not a 1-D array of
+      integers (naming it). After such an error the packer stops: each
+      later ``next`` raises it again.
   """
 
   def __init__(self, docs: Iterable, seq_len: int, num_rows: int,
@@ -377,7 +393,8 @@ def pack_documents(docs: Iterable, seq_len: int, num_rows: int,
   Raises:
     ValueError: a bad argument (``seq_len`` not a multiple of
       ``pad_multiple``, ...), a row needs more than ``max_docs`` slots
-      (naming the row and the counts), or the documents run out.
+      (naming the row and the counts), a document is not a 1-D array of
+      integers, or the documents run out.
   """
   packer = DocumentPacker(docs, seq_len, num_rows, pad_multiple,
                           max_docs=max_docs, max_seqlen=max_seqlen,
@@ -406,6 +423,6 @@ def balance_rows(rows: PackedRows, layout: CPLayout,
                     **dict(zip(PackedRows.TOKEN_FIELDS, out[2:])))
 
 
-__all__ = ("DocumentPacker", "PackedRows", "balance_rows",
+__all__ = ("DocumentPacker", "PackedRows", "balance_rows", "check_document",
            "check_packing_args", "default_max_docs", "pack_documents",
            "pad_multiple_for")
