@@ -10,9 +10,11 @@ the exact command line) and on what (device, versions, ``XLA_FLAGS``).
 Each record is one row of the benchmark's table.
 
 :func:`write_table` rebuilds ``<benchmark>.md`` (:data:`TABLES`: fused,
-cp, step, memory) from every file of that benchmark in a folder, one row
-per record with its file's date, commit and command;
-``python -m benchmarks.results [FOLDER]`` rebuilds all four.
+cp, step, memory, scaling) from every file of that benchmark in a folder:
+one row per record naming its run (its file), and each run once under the
+table with its date, commit, device, file and command; above the table the
+benchmark's picture (:mod:`benchmarks.plots`) where matplotlib draws one.
+``python -m benchmarks.results [FOLDER]`` rebuilds them all.
 """
 
 from __future__ import annotations
