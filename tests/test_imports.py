@@ -20,6 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: The layer of each package (docs/internals.md, Packages).
 LAYERS = {
     "jax_cp.checkpoint_names": 0,
+    "jax_cp.typing": 0,
     "jax_cp.attention": 1,
     "jax_cp.cp": 2,
     "jax_cp.planning": 3,

@@ -27,11 +27,15 @@ from jax_cp.cp import guard, validation
 from jax_cp.cp.config import CPConfig, make_config
 from jax_cp.cp.layout import CPBatch, CPLayout, check_layout
 from jax_cp.cp.vjp import cp_attention_vjp
+from jax_cp.typing import Array, ArrayLike, WindowSize
 
 
-def cp_attention(q, k, v, metadata, *, layout: CPLayout | None = None,
-                 attn_mask_type: str = "causal", window_size=None,
-                 softmax_scale: float | None = None):
+def cp_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike,
+                 metadata: CPBatch | tuple[ArrayLike, ArrayLike], *,
+                 layout: CPLayout | None = None,
+                 attn_mask_type: str = "causal",
+                 window_size: WindowSize = None,
+                 softmax_scale: float | None = None) -> Array:
   """Causal (or unmasked) attention within the documents of packed rows,
   context parallel.
 

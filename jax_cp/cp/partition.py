@@ -33,6 +33,7 @@ from jax_cp.attention.validation import concrete
 from jax_cp.cp import validation
 from jax_cp.cp.layout import CPLayout, check_layout
 from jax_cp.cp.strategy import CPLoadBalancingStrategy
+from jax_cp.typing import Array, ArrayLike
 
 
 def _is_jax(*xs: Any) -> bool:
@@ -99,8 +100,10 @@ def _local_tokens(cu_seqlens_padded, cp_size: int,
   return total_tokens // cp_size
 
 
-def get_partition_indices(cu_seqlens_padded, layout: CPLayout, cp_rank, *,
-                          total_tokens: int | None = None):
+def get_partition_indices(cu_seqlens_padded: ArrayLike, layout: CPLayout,
+                          cp_rank: int | ArrayLike, *,
+                          total_tokens: int | None = None
+                          ) -> np.ndarray | Array:
   """Physical token indices that CP rank ``cp_rank`` holds, in local order.
 
   Args:
@@ -223,9 +226,12 @@ def _take(x, idx, seq_dim: int, batched: bool):
   return xp.take_along_axis(x, idx.reshape(shape), axis=seq_dim)
 
 
-def get_batch_on_this_cp_rank(cu_seqlens_padded, *tensors, layout: CPLayout,
-                              cp_rank=None, seq_dim: int | None = None,
-                              cu_seqlens=None) -> tuple[Any, ...]:
+def get_batch_on_this_cp_rank(cu_seqlens_padded: ArrayLike,
+                              *tensors: ArrayLike, layout: CPLayout,
+                              cp_rank: int | ArrayLike | None = None,
+                              seq_dim: int | None = None,
+                              cu_seqlens: ArrayLike | None = None
+                              ) -> tuple[Any, ...]:
   """Slices each tensor along ``seq_dim`` to the tokens of ``cp_rank``.
 
   The usual data-loader step: ``input_ids, labels, position_ids =
@@ -298,8 +304,9 @@ def _inverse_permutation(perm):
   return jnp.argsort(perm, axis=-1).astype(jnp.int32)
 
 
-def reorder_for_cp(x, cu_seqlens_padded, layout: CPLayout,
-                   seq_dim: int | None = None):
+def reorder_for_cp(x: ArrayLike, cu_seqlens_padded: ArrayLike,
+                   layout: CPLayout,
+                   seq_dim: int | None = None) -> np.ndarray | Array:
   """Global view: permutes the tokens so that a contiguous split of
   ``seq_dim`` over the cp axis gives rank ``r`` exactly
   ``get_partition_indices(..., r)``.
@@ -320,8 +327,9 @@ def reorder_for_cp(x, cu_seqlens_padded, layout: CPLayout,
   return _permute(x, cu_seqlens_padded, layout, seq_dim, inverse=False)
 
 
-def restore_from_cp(x, cu_seqlens_padded, layout: CPLayout,
-                    seq_dim: int | None = None):
+def restore_from_cp(x: ArrayLike, cu_seqlens_padded: ArrayLike,
+                    layout: CPLayout,
+                    seq_dim: int | None = None) -> np.ndarray | Array:
   """Inverse of :func:`reorder_for_cp`: back to physical token order (same
   arguments). On a mesh of ``Explicit`` axes a sharded ``x`` keeps its
   sharding: the result's tokens stay sharded over cp, in physical order
@@ -347,7 +355,8 @@ def _permute(x, cu_seqlens_padded, layout: CPLayout, seq_dim: int | None,
   return _take(x, perm, seq_dim, np.ndim(cu_seqlens_padded) == 2)
 
 
-def longest_padded_document(cu_seqlens_padded, cu_seqlens=None) -> int:
+def longest_padded_document(cu_seqlens_padded: ArrayLike,
+                            cu_seqlens: ArrayLike | None = None) -> int:
   """The longest padded document of a row (or of all rows): the tightest
   ``max_seqlen`` of a :class:`jax_cp.CPLayout` for either strategy. With
   ``cu_seqlens``, slots that hold no token (the padding after a row's
@@ -387,8 +396,11 @@ def check_max_seqlen_bound(cu_seqlens_padded, max_seqlen, cu_seqlens=None,
                                     cp)
 
 
-def get_position_ids(cu_seqlens_padded, total_tokens: int | None = None,
-                     *, layout: CPLayout | None = None, cp_rank=None):
+def get_position_ids(cu_seqlens_padded: ArrayLike,
+                     total_tokens: int | None = None, *,
+                     layout: CPLayout | None = None,
+                     cp_rank: int | ArrayLike | None = None
+                     ) -> np.ndarray | Array:
   """Per-token position inside its document, restarting at 0 per document.
 
   Without ``layout``: int32 ``[T]`` (``[B, T]`` for batched metadata) in

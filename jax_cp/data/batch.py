@@ -42,6 +42,7 @@ from jax_cp.cp.partition import (
   get_batch_on_this_cp_rank,
   token_dim,
 )
+from jax_cp.typing import ArrayLike
 
 AxisNames = str | Sequence[str] | None
 
@@ -205,8 +206,8 @@ def _layout_mesh(layout: CPLayout, what: str):
   return layout.mesh, layout.batch_axis
 
 
-def make_global_metadata(local_meta, layout: CPLayout, *,
-                         global_batch_size: int | None = None):
+def make_global_metadata(local_meta: Any, layout: CPLayout, *,
+                         global_batch_size: int | None = None) -> Any:
   """Assembles per-row arrays (``cu_seqlens``, ...) of this process's rows
   into global arrays sharded over the batch axes, replicated elsewhere.
 
@@ -269,8 +270,10 @@ def _check_tokens(items, cuP: np.ndarray, seq_dim: int, batched: bool):
   return total
 
 
-def make_global_batch(local_rows, cu_seqlens_padded, layout: CPLayout, *,
-                      cu_seqlens=None, seq_dim: int | None = None,
+def make_global_batch(local_rows: Any, cu_seqlens_padded: ArrayLike,
+                      layout: CPLayout, *,
+                      cu_seqlens: ArrayLike | None = None,
+                      seq_dim: int | None = None,
                       global_batch_size: int | None = None) -> CPBatch:
   """Global CP-sharded arrays from this process's packed rows.
 

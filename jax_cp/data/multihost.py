@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -59,7 +60,7 @@ def init_distributed(coordinator: str | None = None,
                      process_id: int | None = None, *,
                      cpu_devices: int | None = None,
                      auto_detect: bool = False,
-                     **initialize_kwargs) -> bool:
+                     **initialize_kwargs: Any) -> bool:
   """Starts JAX's multi-controller runtime if several processes are asked.
 
   Call it first, before anything creates a JAX array or queries devices.
@@ -125,7 +126,9 @@ def init_distributed(coordinator: str | None = None,
 
 def make_cp_mesh(dp: int | None, cp: int, *,
               axis_names: Sequence[str] = ("data", "cp"),
-              axis_types=None, devices=None) -> jax.sharding.Mesh:
+              axis_types: Sequence[jax.sharding.AxisType] | None = None,
+              devices: Sequence[jax.Device] | None = None
+              ) -> jax.sharding.Mesh:
   """A ``(dp, cp)`` mesh with each cp group on as few processes as possible.
 
   Devices are ordered by (process, device id) and cut into consecutive

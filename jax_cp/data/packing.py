@@ -33,6 +33,7 @@ from jax_cp.planning.document_order import (
   balance_document_order,
   permute_documents,
 )
+from jax_cp.typing import WindowSize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,8 +313,8 @@ class DocumentPacker:
   """
 
   def __init__(self, docs: Iterable, seq_len: int, num_rows: int,
-               pad_multiple: int = 1, *, max_docs=None,
-               max_seqlen: int | None = None, pad_id: int = 0):
+               pad_multiple: int = 1, *, max_docs: int | str | None = None,
+               max_seqlen: int | None = None, pad_id: int = 0) -> None:
     check_packing_args(seq_len, num_rows, pad_multiple, max_docs,
                        max_seqlen)
     self.seq_len, self.num_rows = int(seq_len), int(num_rows)
@@ -361,7 +362,8 @@ class DocumentPacker:
 
 
 def pack_documents(docs: Iterable, seq_len: int, num_rows: int,
-                   pad_multiple: int = 1, max_docs=None, pad_id: int = 0, *,
+                   pad_multiple: int = 1, max_docs: int | str | None = None,
+                   pad_id: int = 0, *,
                    max_seqlen: int | None = None) -> PackedRows:
   """Packs documents into ``num_rows`` rows of ``seq_len`` tokens, once.
 
@@ -407,7 +409,7 @@ def pack_documents(docs: Iterable, seq_len: int, num_rows: int,
 
 
 def balance_rows(rows: PackedRows, layout: CPLayout,
-                 window_size=None) -> PackedRows:
+                 window_size: WindowSize = None) -> PackedRows:
   """Every row with its documents reordered so that NO_LOAD_BALANCE's
   contiguous chunks of the layout's ranks hold near-equal attention work
   (:func:`jax_cp.planning.balance_document_order`, then

@@ -41,6 +41,7 @@ import numpy as np
 from jax_cp.attention.validation import concrete
 from jax_cp.cp.partition import get_position_ids
 from jax_cp.data.packing import PackedRows
+from jax_cp.typing import Array, ArrayLike
 
 PADDING = ("trailing", "between")
 OVERFLOW = ("raise", "truncate")
@@ -213,8 +214,10 @@ def _with_tail_slot(lens, slots, seq_len: int, multiple: int):
   return lens, slots
 
 
-def rows_from_segment_ids(segment_ids, tokens, labels=None, *,
-                          positions=None, loss_mask=None,
+def rows_from_segment_ids(segment_ids: ArrayLike, tokens: ArrayLike,
+                          labels: ArrayLike | None = None, *,
+                          positions: ArrayLike | None = None,
+                          loss_mask: ArrayLike | None = None,
                           pad_multiple: int = 1,
                           seq_len: int | None = None,
                           max_docs: int | None = None,
@@ -346,7 +349,8 @@ def rows_from_segment_ids(segment_ids, tokens, labels=None, *,
 # --------------------------------------------------------------- inverse
 
 
-def segment_index(segment_ids, cu_seqlens, cu_seqlens_padded) -> np.ndarray:
+def segment_index(segment_ids: ArrayLike, cu_seqlens: ArrayLike,
+                  cu_seqlens_padded: ArrayLike) -> np.ndarray:
   """Where each token of the segment-id rows is in the packed rows.
 
   Args:
@@ -374,8 +378,9 @@ def segment_index(segment_ids, cu_seqlens, cu_seqlens_padded) -> np.ndarray:
   return index
 
 
-def to_segment_layout(x, segment_ids, rows: PackedRows | tuple, *,
-                      fill: Any = 0):
+def to_segment_layout(x: ArrayLike, segment_ids: ArrayLike,
+                      rows: PackedRows | tuple, *,
+                      fill: Any = 0) -> np.ndarray | Array:
   """Per-token values of the packed rows back in the segment-id layout.
 
   Args:
@@ -408,8 +413,10 @@ def to_segment_layout(x, segment_ids, rows: PackedRows | tuple, *,
   return xp.where(xp.asarray(mask), got, xp.asarray(fill, dtype=got.dtype))
 
 
-def from_segment_layout(x, segment_ids, rows: PackedRows | tuple, *,
-                        seq_len: int | None = None, fill: Any = 0):
+def from_segment_layout(x: ArrayLike, segment_ids: ArrayLike,
+                        rows: PackedRows | tuple, *,
+                        seq_len: int | None = None,
+                        fill: Any = 0) -> np.ndarray | Array:
   """Per-token values of a segment-id batch in the packed rows' layout: the
   inverse of :func:`to_segment_layout`, for the features
   :func:`rows_from_segment_ids` does not carry itself (per-token floats,
@@ -485,8 +492,9 @@ def _check_aligned_rows(seg: np.ndarray, max_docs: int, multiple: int):
           f"{max_docs}")
 
 
-def cu_seqlens_from_segment_ids(segment_ids, max_docs: int,
-                                pad_multiple: int = 1):
+def cu_seqlens_from_segment_ids(segment_ids: ArrayLike, max_docs: int,
+                                pad_multiple: int = 1
+                                ) -> tuple[Array, Array]:
   """``(cu_seqlens, cu_seqlens_padded)`` of aligned rows, jittable.
 
   For rows already on the device whose documents each start at a multiple

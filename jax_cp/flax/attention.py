@@ -32,10 +32,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_cp.attention.validation import check_window_size
 from jax_cp.checkpoint_names import OUT_PROJ
-from jax_cp.cp.layout import CPLayout
+from jax_cp.cp.layout import CPBatch, CPLayout
 from jax_cp.modules import inputs, layer_chunks, settings
 from jax_cp.modules.remat import call as remat_call
 from jax_cp.modules.remat import remat_policy
+from jax_cp.typing import Array, ArrayLike
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
@@ -77,7 +78,9 @@ class DotProductAttention(nn.Module):
     super().__post_init__()
 
   @nn.compact
-  def __call__(self, query, key, value, cu_seqlens, cu_seqlens_padded=None):
+  def __call__(self, query: ArrayLike, key: ArrayLike, value: ArrayLike,
+               cu_seqlens: CPBatch | ArrayLike,
+               cu_seqlens_padded: ArrayLike | None = None) -> Array:
     """Attends packed queries to keys/values of the same documents.
 
     Args:
@@ -162,8 +165,9 @@ class MultiHeadAttention(nn.Module):
         self.num_heads, self.num_kv_heads)
     super().__post_init__()
 
-  def __call__(self, x, cu_seqlens, cu_seqlens_padded=None,
-               position_ids=None):
+  def __call__(self, x: ArrayLike, cu_seqlens: CPBatch | ArrayLike,
+               cu_seqlens_padded: ArrayLike | None = None,
+               position_ids: ArrayLike | None = None) -> Array:
     """Projects, rotates, attends (context parallel) and projects back.
 
     Args:

@@ -11,11 +11,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_cp.attention.validation import check_window_size
 from jax_cp.checkpoint_names import MLPWO
-from jax_cp.cp.layout import CPLayout
+from jax_cp.cp.layout import CPBatch, CPLayout
 from jax_cp.flax.attention import Dtype, Initializer, MultiHeadAttention
 from jax_cp.modules import inputs, layer_chunks, settings, token_chunks
 from jax_cp.modules.remat import call as remat_call
 from jax_cp.modules.remat import layer_input, remat_policy
+from jax_cp.typing import Array, ArrayLike
 
 
 class MlpBlock(nn.Module):
@@ -58,7 +59,8 @@ class MlpBlock(nn.Module):
     super().__post_init__()
 
   @nn.compact
-  def __call__(self, x, *, pin: Callable | None = None):
+  def __call__(self, x: ArrayLike, *, pin: Callable | None = None
+               ) -> Array:
     """``[.., T, E] -> [.., T, E]``; ``pin``: the sharding constraint of
     the hidden activations and the output (default: the layout's
     :meth:`jax_cp.CPLayout.shard_tokens`; a chunk of a chunked
@@ -178,8 +180,9 @@ class TransformerLayer(nn.Module):
     return cls(epsilon=self.norm_epsilon, dtype=self.dtype,
                param_dtype=self.param_dtype, name=name)
 
-  def __call__(self, x, cu_seqlens, cu_seqlens_padded=None,
-               position_ids=None):
+  def __call__(self, x: ArrayLike, cu_seqlens: CPBatch | ArrayLike,
+               cu_seqlens_padded: ArrayLike | None = None,
+               position_ids: ArrayLike | None = None) -> Array:
     """Applies the layer.
 
     Args:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax_cp.cp.layout import CPLayout
 from jax_cp.modules import token_chunks
 from jax_cp.modules.inputs import module_layout
+from jax_cp.typing import Array, ArrayLike
 
 # "auto": chunks of about this many logits, or float32 values of the
 # hidden states the head normalizes (64 MiB), and of at least
@@ -47,9 +48,10 @@ def _cross_entropy(logits_fn, x, labels):
   return jax.nn.logsumexp(logits, axis=-1) - picked
 
 
-def chunked_cross_entropy(logits_fn: Callable, x, labels, *, vocab: int,
-                          chunk_size: Any = "auto",
-                          layout: CPLayout | None = None):
+def chunked_cross_entropy(logits_fn: Callable[[Array], Array], x: ArrayLike,
+                          labels: ArrayLike, *, vocab: int,
+                          chunk_size: int | str | None = "auto",
+                          layout: CPLayout | None = None) -> Array:
   """Per-token softmax cross entropy, float32 ``[.., T]``, of the logits
   ``logits_fn(x)`` against integer ``labels [.., T]``, chunk by chunk.
 

@@ -10,7 +10,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_cp.checkpoint_names import MLPWO
-from jax_cp.cp.layout import CPLayout
+from jax_cp.cp.layout import CPBatch, CPLayout
 from jax_cp.modules import inputs, layer_chunks, settings, token_chunks
 from jax_cp.modules.remat import call as remat_call
 from jax_cp.modules.remat import layer_input, remat_policy
@@ -20,6 +20,7 @@ from jax_cp.nnx.attention import (
   MultiHeadAttention,
   default_kernel_init,
 )
+from jax_cp.typing import Array, ArrayLike
 
 
 class MlpBlock(nnx.Module):
@@ -74,7 +75,8 @@ class MlpBlock(nnx.Module):
     self.up = dense(in_features, mlp_dim)
     self.down = dense(mlp_dim, in_features)
 
-  def __call__(self, x, *, pin: Callable | None = None):
+  def __call__(self, x: ArrayLike, *, pin: Callable | None = None
+               ) -> Array:
     """``[.., T, E] -> [.., T, E]``; ``pin``: the sharding constraint of
     the hidden activations and the output (default: the layout's
     :meth:`jax_cp.CPLayout.shard_tokens`; a chunk of a chunked
@@ -183,8 +185,9 @@ class TransformerLayer(nnx.Module):
                         dtype=dtype, param_dtype=param_dtype,
                         kernel_init=kernel_init, layout=layout, rngs=rngs)
 
-  def __call__(self, x, cu_seqlens, cu_seqlens_padded=None,
-               position_ids=None):
+  def __call__(self, x: ArrayLike, cu_seqlens: CPBatch | ArrayLike,
+               cu_seqlens_padded: ArrayLike | None = None,
+               position_ids: ArrayLike | None = None) -> Array:
     """Applies the layer.
 
     Args:

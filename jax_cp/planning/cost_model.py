@@ -47,6 +47,7 @@ from jax_cp.planning import document_order
 from jax_cp.planning.flops import RECOMPUTE_BACKWARD_FACTOR, attention_flops
 from jax_cp.planning.host import as_int_rows, host_metadata, resolve_layout
 from jax_cp.planning.pairs import range_pairs
+from jax_cp.typing import ArrayLike, WindowSize
 
 _DCS = CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
 _NLB = CPLoadBalancingStrategy.NO_LOAD_BALANCE
@@ -272,10 +273,11 @@ def _rank_pairs(lens, starts, plens, cp: int, total: int,
 # ----------------------------------------------------------------- public API
 
 
-def estimate_cp_imbalance(cu_seqlens, cu_seqlens_padded, layout: CPLayout,
+def estimate_cp_imbalance(cu_seqlens: ArrayLike,
+                          cu_seqlens_padded: ArrayLike, layout: CPLayout,
                           *, num_heads_q: int = 1, num_heads_kv: int = 1,
                           head_dim: int = 128, dtype_bytes: int = 2,
-                          window_size=None) -> CPCostEstimate:
+                          window_size: WindowSize = None) -> CPCostEstimate:
   """Predicts per-rank causal attention work and K/V traffic of a batch.
 
   Args:
@@ -398,12 +400,13 @@ def _dcs_window_plan_calls(window_left: int, max_seqlen: int
   return 3, 3
 
 
-def recommend_strategy(cu_seqlens, cu_seqlens_padded, cp_size: int, *,
+def recommend_strategy(cu_seqlens: ArrayLike, cu_seqlens_padded: ArrayLike,
+                       cp_size: int, *,
                        num_heads_q: int = 1, num_heads_kv: int = 1,
                        head_dim: int = 128, dtype_bytes: int = 2,
                        max_seqlen: int | None = None,
-                       window_size=None,
-                       cu_seqlens_padded_dcs=None,
+                       window_size: WindowSize = None,
+                       cu_seqlens_padded_dcs: ArrayLike | None = None,
                        peak_flops: float = H200_ATTENTION_FLOPS,
                        bandwidth: float = H200_ALLGATHER_BUS_BANDWIDTH,
                        call_overhead_s: float = CALL_OVERHEAD_S,

@@ -35,6 +35,7 @@ from jax_cp.cp.layout import CPLayout
 from jax_cp.cp.strategy import CPLoadBalancingStrategy
 from jax_cp.planning.host import as_int_rows, host_metadata, resolve_layout
 from jax_cp.planning.pairs import range_pairs
+from jax_cp.typing import ArrayLike, WindowSize
 
 # Swaps scored in one round are capped at this many boundary evaluations
 # (``swaps * (cp + 1)``); a row with more swaps scores a seeded sample,
@@ -166,8 +167,10 @@ def _balance_row(lens, plens, cp: int, left: int, max_rounds: int,
   return order
 
 
-def balance_document_order(cu_seqlens, cu_seqlens_padded, layout: CPLayout,
-                           *, window_size=None, max_rounds: int = 64,
+def balance_document_order(cu_seqlens: ArrayLike,
+                           cu_seqlens_padded: ArrayLike, layout: CPLayout,
+                           *, window_size: WindowSize = None,
+                           max_rounds: int = 64,
                            tolerance: float = 1e-3,
                            seed: int = 0) -> np.ndarray:
   """An order of each row's documents that balances NO_LOAD_BALANCE's work.
@@ -233,7 +236,8 @@ def balance_document_order(cu_seqlens, cu_seqlens_padded, layout: CPLayout,
   return orders.reshape(np.shape(cu_seqlens)[:-1] + (lens.shape[1],))
 
 
-def permute_documents(order, cu_seqlens, cu_seqlens_padded, *arrays,
+def permute_documents(order: ArrayLike, cu_seqlens: ArrayLike,
+                      cu_seqlens_padded: ArrayLike, *arrays: ArrayLike,
                       seq_dim: int = -1) -> tuple[np.ndarray, ...]:
   """Puts a packed row's documents in ``order``.
 

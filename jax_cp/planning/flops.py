@@ -35,6 +35,7 @@ import numpy as np
 
 from jax_cp.attention.validation import check_window_size
 from jax_cp.planning.pairs import range_pairs
+from jax_cp.typing import ArrayLike, WindowSize
 
 #: Attention backward FLOPs / forward FLOPs, MFU convention (no recompute).
 BACKWARD_FACTOR = 2.0
@@ -51,7 +52,8 @@ def _check_int(value: Any, name: str, minimum: int = 1) -> int:
   return int(value)
 
 
-def causal_pairs(cu_seqlens, window_size=None) -> int:
+def causal_pairs(cu_seqlens: ArrayLike, window_size: WindowSize = None
+                 ) -> int:
   """Causal (query, key) pairs of every document of a batch.
 
   Args:
@@ -73,8 +75,9 @@ def causal_pairs(cu_seqlens, window_size=None) -> int:
   return int(range_pairs(0, lens, left).sum())
 
 
-def attention_flops(pairs, *, num_heads: int, head_dim: int,
-                    backward: bool = True, recompute: bool = False):
+def attention_flops(pairs: int | ArrayLike, *, num_heads: int,
+                    head_dim: int, backward: bool = True,
+                    recompute: bool = False) -> float | np.ndarray:
   """FLOPs of causal attention over ``pairs`` (query, key) pairs, one layer.
 
   Args:
@@ -107,9 +110,10 @@ def attention_flops(pairs, *, num_heads: int, head_dim: int,
   return fwd * (1.0 + factor)
 
 
-def model_flops(cu_seqlens, *, tokens: int, matmul_params: int,
+def model_flops(cu_seqlens: ArrayLike, *, tokens: int, matmul_params: int,
                 num_layers: int, num_heads: int, head_dim: int,
-                window_size=None, recompute: bool = False) -> float:
+                window_size: WindowSize = None,
+                recompute: bool = False) -> float:
   """Model FLOPs of one training step (forward + backward) of a decoder.
 
   ``6 * matmul_params * tokens`` plus :func:`attention_flops` of the batch's
