@@ -223,6 +223,8 @@ def get_batch_on_this_cp_rank(cu_seqlens_padded, *tensors, layout: CPLayout,
   if not tensors:
     return ()
   batched = np.ndim(cu_seqlens_padded) == 2
+  for i, x in enumerate(tensors):
+    validation.check_seq_dim(x.shape, seq_dim, batched, f"tensors[{i}]")
   total = tensors[0].shape[seq_dim]
   for i, x in enumerate(tensors):
     validation.check_seq_len_matches(x.shape[seq_dim], cu_seqlens_padded,
@@ -289,6 +291,8 @@ def restore_from_cp(x, cu_seqlens_padded, layout: CPLayout,
 def _permute(x, cu_seqlens_padded, layout: CPLayout, seq_dim: int,
              inverse: bool):
   cp_size = _cp_size(layout, "reorder_for_cp")
+  validation.check_seq_dim(np.shape(x), seq_dim, np.ndim(cu_seqlens_padded)
+                           == 2, "x")
   total = x.shape[seq_dim]
   validation.check_seq_len_matches(total, cu_seqlens_padded, "x")
   if layout.strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE or (

@@ -119,6 +119,25 @@ def check_dual_chunk_divisible(cu_seqlens_padded: Any, cp_size: int) -> None:
         f"multiple of {2 * cp_size}, or use NO_LOAD_BALANCE (any length).")
 
 
+def check_seq_dim(shape: tuple, seq_dim: int, batched: bool,
+                  argname: str) -> None:
+  """``seq_dim`` is an axis of an array of ``shape``, past the leading
+  batch dim when the metadata are batched ``[B, N+1]``.
+
+  Raises:
+    ValueError: naming the argument, its shape and ``seq_dim``.
+  """
+  ndim = len(shape)
+  if not -ndim <= seq_dim < ndim:
+    raise ValueError(f"seq_dim={seq_dim} is not an axis of {argname} with "
+                     f"shape {tuple(shape)}")
+  if batched and seq_dim % ndim == 0:
+    raise ValueError(
+        f"with batched cu_seqlens_padded [B, N+1], seq_dim must point past "
+        f"the leading batch dim of {argname} (shape {tuple(shape)}): "
+        f"seq_dim >= 1, got seq_dim={seq_dim}")
+
+
 def check_seq_len_matches(n_tokens: int, cu_seqlens_padded: Any,
                           argname: str) -> None:
   cuP = concrete(cu_seqlens_padded)
