@@ -10,9 +10,11 @@ the exact command line) and on what (device, versions, ``XLA_FLAGS``).
 Each record is one row of the benchmark's table.
 
 :func:`write_table` rebuilds ``<benchmark>.md`` (:data:`TABLES`: fused,
-cp, step, memory) from every file of that benchmark in a folder, one row
-per record with its file's date, commit and command;
-``python -m benchmarks.results [FOLDER]`` rebuilds all four.
+cp, step, memory, scaling) from every file of that benchmark in a folder:
+one row per record naming its run (its file), and each run once under the
+table with its date, commit, device, file and command; above the table the
+benchmark's picture (:mod:`benchmarks.plots`) where matplotlib draws one.
+``python -m benchmarks.results [FOLDER]`` rebuilds them all.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from benchmarks import plots
 from benchmarks.workload import DIST_LABEL, fmt_tokens
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -112,15 +115,15 @@ def write(path: str, benchmark: str, env: dict, args: dict,
   return path
 
 
-def load(benchmark: str, folder: str = RESULTS_DIR
-         ) -> list[tuple[dict, dict]]:
-  """``(env, record)`` of every record of the benchmark's files in
-  ``folder``, oldest file first."""
+def load_files(benchmark: str, folder: str = RESULTS_DIR) -> list[dict]:
+  """The benchmark's files in ``folder``, oldest first, each ``env``
+  naming its ``file``."""
   files = []
   for path in glob.glob(os.path.join(folder, f"{benchmark}_*.json")):
     with open(path) as f:
       files.append(json.load(f))
-  files.sort(key=lambda d: d["env"]["date"])
+    files[-1]["env"]["file"] = os.path.basename(path)
+  files.sort(key=lambda d: (d["env"]["date"], d["env"]["file"]))
   for d in files:       # searches written before they named their settings
     runs = [r for r in d["records"] if r.get("kind") == "run"]
     for r in d["records"]:
@@ -129,7 +132,15 @@ def load(benchmark: str, folder: str = RESULTS_DIR
       for key in ("strategy", "comm_type", "scan_layers", "layers"):
         if same and key not in r and key in same[-1]:
           r[key] = same[-1][key]
-  return [(d["env"], r) for d in files for r in d["records"]]
+  return files
+
+
+def load(benchmark: str, folder: str = RESULTS_DIR
+         ) -> list[tuple[dict, dict]]:
+  """``(env, record)`` of every record of the benchmark's files in
+  ``folder``, oldest file first."""
+  return [(d["env"], r) for d in load_files(benchmark, folder)
+          for r in d["records"]]
 
 
 # ---------------------------------------------------------------- tables
@@ -186,10 +197,7 @@ def _memory_cp(r: dict) -> str:
   row's ``max_seqlen``)."""
   if r.get("cp", 1) == 1 or r.get("kind") not in ("run", "search"):
     return "-"
-  exchange = r.get("comm_type", "all_gather")
-  if r.get("strategy") == "no_load_balance" and exchange == "all_gather":
-    exchange = "halo"
-  return f"{r.get('strategy', '?')} / {exchange}"
+  return f"{r.get('strategy', '?')} / {plots.exchange(r)}"
 
 
 def _exact(r: dict) -> str:
@@ -201,7 +209,7 @@ def _exact(r: dict) -> str:
 
 Column = tuple[str, Callable[[dict], Any]]
 #: Per benchmark: the title, what the rows are, and the columns (before the
-#: date, commit and command every row ends with).
+#: run every row ends with).
 TABLES: dict[str, tuple[str, str, list[Column]]] = {
     "fused": (
         "The varlen primitive against JAX's cuDNN attention",
@@ -336,7 +344,7 @@ TABLES: dict[str, tuple[str, str, list[Column]]] = {
 
 
 def provenance(env: dict) -> tuple[str, str, str]:
-  """A row's date (UTC), commit and command cells."""
+  """A run's date (UTC), commit and command."""
   commit = (env.get("git_commit") or "unknown")[:7]
   if env.get("git_dirty"):
     commit += " (modified)"
@@ -351,8 +359,27 @@ def provenance(env: dict) -> tuple[str, str, str]:
   return date, commit, "`" + command.replace("|", "\\|") + "`"
 
 
+def runs(rows: list[tuple[dict, dict]]) -> dict[int, tuple[int, str]]:
+  """``id(env) -> (run, line)``: the rows' files numbered from 1, oldest
+  first, each with its markdown line (date, commit, device, file and
+  command)."""
+  out: dict[int, tuple[int, str]] = {}
+  for env, _ in rows:
+    if id(env) in out:
+      continue
+    date, commit, command = provenance(env)
+    sha, _, marks = commit.partition(" ")
+    count = env.get("device_count") or 1
+    device = env.get("device_kind", "?") + (f" × {count}" if count > 1 else "")
+    file = f", `{env['file']}`" if env.get("file") else ""
+    out[id(env)] = (len(out) + 1, f"- **{len(out) + 1}**: {date}, `{sha}`"
+                    f"{' ' * bool(marks)}{marks}, {device}{file}: {command}")
+  return out
+
+
 def planned_by_cp(rows: list[tuple[dict, dict]]) -> list[str]:
   """Markdown: each compile-only search's longest row over cp = 1's."""
+  ids = runs(rows)
   key = lambda r: tuple(r.get(k) or 0 for k in ("model", "layers", "remat",
       "scan_layers", "mlp_chunk_size", "layer_chunk_size"))
   found = sorted(((r, env) for env, r in rows
@@ -364,37 +391,51 @@ def planned_by_cp(rows: list[tuple[dict, dict]]) -> list[str]:
       "", "## Longest planned row per cp", "", "Each *longest planned* row "
       "over the cp = 1 row of its model, layers, remat and chunks.", "", "| "
       "model | layers | remat | cp | strategy / exchange | T | T / T(cp = 1) "
-      "| commit |", "|" + "---|" * 8]
+      "| run |", "|" + "---|" * 8]
   for r, env in found:
     ratio = _num(one.get(key(r)) and r["longest_seq_len"] / one[key(r)])
     lines.append(f"| {r['model']} | {_memory_layers(r)} | "
                  f"{r['remat']} | {r['cp']} | {_memory_cp(r)} | "
-                 f"{_memory_seq(r)} | {ratio} | {provenance(env)[1]} |")
+                 f"{_memory_seq(r)} | {ratio} | {ids[id(env)][0]} |")
   return lines
 
 
-def table(benchmark: str, rows: list[tuple[dict, dict]]) -> str:
-  """The markdown of a benchmark's table of ``(env, record)`` rows."""
+def table(benchmark: str, rows: list[tuple[dict, dict]],
+          picture: str | None = None) -> str:
+  """The markdown of a benchmark's table of ``(env, record)`` rows, each
+  naming its run (listed after the table), below ``picture`` (a file
+  name) where given."""
   title, intro, columns = TABLES[benchmark]
-  header = [c for c, _ in columns] + ["date (UTC)", "commit", "command"]
+  header = [c for c, _ in columns] + ["run"]
+  ids = runs(rows)
   lines = [f"# {title}", "", intro, "",
            "Written by `python -m benchmarks.results` from the "
-           f"`{benchmark}_*.json` files beside it; device and versions are "
-           "in each file's `env`.", "",
+           f"`{benchmark}_*.json` files beside it; each row's *run* is "
+           "listed under Runs, device and versions are in its file's "
+           "`env`.", ""] + ([f"![{title}]({picture})", ""] if picture
+                            else []) + [
            "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   for env, r in rows:
-    cells = [str(fn(r)) for _, fn in columns] + list(provenance(env))
+    cells = [str(fn(r)) for _, fn in columns] + [str(ids[id(env)][0])]
     lines.append("| " + " | ".join(cells) + " |")
   if benchmark == "memory":
     lines += planned_by_cp(rows)
-  return "\n".join(lines) + "\n"
+  return "\n".join(lines + [
+      "", "## Runs", "", "The *run* of each row: when (UTC), which commit, "
+      "on what, its file and the command that wrote it.", ""]
+      + [line for _, line in ids.values()]) + "\n"
 
 
 def write_table(benchmark: str, folder: str = RESULTS_DIR) -> str:
-  """Rebuilds ``<folder>/<benchmark>.md`` from the benchmark's files."""
-  path = os.path.join(folder, f"{benchmark}.md")
+  """Rebuilds ``<folder>/<benchmark>.md``, and its picture where matplotlib
+  is installed (:mod:`benchmarks.plots`), from the benchmark's files."""
+  files, path = load_files(benchmark, folder), f"{folder}/{benchmark}.md"
+  plots.draw(benchmark, files, folder)
+  picture = f"{benchmark}.png"
   with open(path, "w") as f:
-    f.write(table(benchmark, load(benchmark, folder)))
+    f.write(table(benchmark, [(d["env"], r) for d in files for r in d[
+        "records"]], picture if os.path.exists(f"{folder}/{picture}")
+        else None))
   return path
 
 
@@ -429,6 +470,9 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
   argv = sys.argv[1:] if argv is None else list(argv)
   folder = argv[0] if argv else RESULTS_DIR
   paths = [write_table(b, folder) for b in TABLES]
+  if plots.pyplot() is None:
+    print("matplotlib not installed: no pictures drawn "
+          "(pip install -e \".[plots]\")")
   print("\n".join(paths))
   return paths
 

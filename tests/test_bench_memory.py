@@ -28,8 +28,9 @@ def _records(path: str) -> list[dict]:
 
 def _rows(folder: pathlib.Path) -> list[list[str]]:
   lines = (folder / "memory.md").read_text().splitlines()
+  header = next(i for i, x in enumerate(lines) if x.startswith("|"))
   return [[c.strip() for c in re.split(r"(?<!\\)\|", x)[1:-1]]
-          for x in lines[8:] if x.startswith("|")]
+          for x in lines[header + 2:] if x.startswith("|")]
 
 
 @requires_devices(2, "cpu")

@@ -10,6 +10,7 @@ import datetime
 import json
 import pathlib
 import re
+import shutil
 
 import jax
 import numpy as np
@@ -22,6 +23,7 @@ from benchmarks import (
   bench_step,
   exactness,
   peers,
+  plots,
   results,
   scaling,
   timing,
@@ -239,9 +241,10 @@ def _cells(line: str) -> list[str]:
 
 
 def test_tables_from_synthetic_files(tmp_path):
-  """Two files, written out of date order: rows oldest first, each with
-  its date, commit (marked) and command; an error row; cells as many as
-  the header; a pipe in a command escaped."""
+  """Two files, written out of date order: rows oldest first, each naming
+  its run, listed once with its date, commit (marked), device, file and
+  command; an error row; cells as many as the header; a pipe in a command
+  escaped."""
   rng = np.random.default_rng(5)
   old = _env("2026-11-30T10:00:00+00:00", commit_by_date=True,
              command="python -m benchmarks.speedup_ab --cp 2")
@@ -261,17 +264,27 @@ def test_tables_from_synthetic_files(tmp_path):
   assert len(body) == 3 and all(len(_cells(r)) == len(header) for r in body)
   first, second, third = (_cells(r) for r in body)
   col = header.index
-  assert first[col("date (UTC)")] == "2026-11-30 10:00"
-  assert first[col("commit")] == "0123456 (commit by date)"
+  assert [r[col("run")] for r in (first, second, third)] == ["1", "2", "2"]
   assert first[col("speed-up (IQR)")] == (
       f"**{recs_old[0]['ratio']:.3f}** ({recs_old[0]['ratio_q1']:.3f}–"
       f"{recs_old[0]['ratio_q3']:.3f})")
-  assert second[col("commit")] == "0123456 (modified)"
-  assert second[col("command")].startswith(
-      "`XLA_FLAGS=--xla_foo=1 python -m benchmarks.bench_cp")
-  assert "\\|" in second[col("command")]
   assert third[col("speed-up (IQR)")].startswith("error: OOM")
   assert third[col("documents")] == f"128–1k docs ({recs_new[1]['docs']})"
+  runs = _runs(text)
+  assert runs == {
+      "1": "2026-11-30 10:00, `0123456` (commit by date), Fake GPU, "
+           "`cp_20261130T100000Z_Fake_GPU.json`: `python -m "
+           "benchmarks.speedup_ab --cp 2`",
+      "2": "2026-12-04 09:30, `0123456` (modified), Fake GPU, "
+           "`cp_20261204T093000Z_Fake_GPU.json`: `XLA_FLAGS=--xla_foo=1 "
+           "python -m benchmarks.bench_cp --tag 'a\\|b'`"}
+  assert text.count("benchmarks.bench_cp") == 1
+
+
+def _runs(text: str) -> dict[str, str]:
+  """A results file's Runs: run -> its line after the run."""
+  runs = text.split("\n## Runs\n")[1]
+  return dict(re.findall(r"^- \*\*(\d+)\*\*: (.*)$", runs, flags=re.M))
 
 
 KEPT = {"fused": 220, "cp": 14, "step": 4, "memory": 353, "scaling": 28}
@@ -280,7 +293,9 @@ KEPT = {"fused": 220, "cp": 14, "step": 4, "memory": 353, "scaling": 28}
 @pytest.mark.parametrize("benchmark", sorted(KEPT))
 def test_kept_results_load_and_make_their_tables(benchmark):
   """Every kept file's records become rows with a date, a commit and a
-  command, and the committed table is the one they make."""
+  command, and the committed table is the one they make: each row names a
+  run, each file is a run listed once with its date, commit and command,
+  and the command appears nowhere else."""
   rows = results.load(benchmark)
   assert len(rows) == KEPT[benchmark]
   for env, r in rows:
@@ -294,15 +309,87 @@ def test_kept_results_load_and_make_their_tables(benchmark):
         ("NVIDIA H200", "NVIDIA H200 (plan)", "NVIDIA H100 80GB HBM3"))
     if "kind" not in r or r["kind"] != "search":
       assert r.get("ratio", 1.0) is None or r.get("ratio", 1.0) > 0
-  text = results.table(benchmark, rows)
+  picture = f"{benchmark}.png"
+  text = results.table(benchmark, rows, picture if (
+      BENCH / "results" / picture).exists() else None)
   assert (BENCH / "results" / f"{benchmark}.md").read_text() == text
-  body = [_cells(x) for x in _first_table(text)]
-  assert len(body) == KEPT[benchmark]
-  assert all(len(c) == len(_cells(text.splitlines()[6])) for c in body)
+  header, body = _cells(_table(text)[0]), [_cells(x) for x in
+                                           _first_table(text)]
+  assert len(body) == KEPT[benchmark] and header[-1] == "run"
+  assert all(len(c) == len(header) for c in body)
+  envs = list({id(env): env for env, _ in rows}.values())
+  runs = _runs(text)
+  assert sorted(runs, key=int) == [str(i + 1) for i in range(len(envs))]
+  assert {c[-1] for c in body} == set(runs)
+  for run, env in zip(sorted(runs, key=int), envs):
+    date, commit, command = results.provenance(env)
+    assert runs[run].startswith(f"{date}, `{commit.split()[0]}`")
+    assert runs[run].endswith(f"`{env['file']}`: {command}")
+    assert text.count(command) == 1, command
   quoted = {"fused": "**1.006**", "cp": "**3.754**", "step": "**1.809**",
             "memory": "longest that trains (fails at 3360k)",
             "scaling": "3.234 (3.129)"}[benchmark]
   assert quoted in text
+
+
+def test_results_command_draws_its_pictures(tmp_path, capsys):
+  """``python -m benchmarks.results`` on a copy of the kept files: every
+  table as committed, each with its picture shown, a PNG of at most 200 KB;
+  the fused picture's points are the newest ratio of each reference,
+  layout and pass, the scaling picture's lines the modeled efficiencies
+  per cp."""
+  pytest.importorskip("matplotlib")
+  for f in (BENCH / "results").glob("*.json"):
+    shutil.copy(f, tmp_path)
+  results.main([str(tmp_path)])
+  assert "matplotlib" not in capsys.readouterr().out
+  for b in results.TABLES:
+    text = (tmp_path / f"{b}.md").read_text()
+    assert text == (BENCH / "results" / f"{b}.md").read_text()
+    assert ("![" in text) == (b in plots.PLOTS)
+  for b in plots.PLOTS:
+    png = (tmp_path / f"{b}.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) < 200_000
+    assert f"]({b}.png)" in (BENCH / "results" / f"{b}.md").read_text()
+  plt = plots.pyplot()
+  files = results.load_files("fused")
+  newest = {}
+  for d in files:
+    for r in d["records"]:
+      if r["reference"] in plots.PEERS and r.get("ratio"):
+        newest[d["env"]["device_kind"], r["pass"], r["dist"], r["head_dim"],
+               r.get("window"), r["reference"]] = r["ratio"]
+  fig = plots.PLOTS["fused"](plt, files)
+  drawn = sorted(float(y) for ax in fig.axes for line in ax.lines
+                 for y in line.get_ydata() if line.get_linestyle() == "None")
+  assert drawn == pytest.approx(sorted(newest.values()))
+  scaling_rows = results.load("scaling")
+  fig = plots.PLOTS["scaling"](plt, results.load_files("scaling"))
+  for ax, grows in zip(fig.axes, (False, True)):
+    for line in ax.lines:
+      if "GB/s" not in line.get_label():
+        continue
+      want = sorted((r["cp"], r["efficiency"]) for _, r in scaling_rows
+                    if line.get_label() == f"{r['strategy']} / "
+                    f"{r['comm_type']}, {r['bandwidth'] / 1e9:.0f} GB/s"
+                    and (r["cp"] == 1 or grows == (
+                        r["seq_len"] > r["profiled_seq_len"])))
+      assert list(zip(line.get_xdata(), line.get_ydata())) == want
+  plt.close("all")
+
+
+def test_results_command_without_matplotlib(tmp_path, monkeypatch, capsys):
+  """Without matplotlib the tables come out without a picture, and one
+  line says so."""
+  monkeypatch.setattr(plots, "pyplot", lambda: None)
+  for f in (BENCH / "results").glob("scaling_*.json"):
+    shutil.copy(f, tmp_path)
+  results.main([str(tmp_path)])
+  out = capsys.readouterr().out
+  assert out.count("matplotlib not installed") == 1
+  assert not list(tmp_path.glob("*.png"))
+  text = (tmp_path / "scaling.md").read_text()
+  assert "![" not in text and len(_first_table(text)) == KEPT["scaling"]
 
 
 def test_planned_rows_over_cp1():
@@ -428,7 +515,7 @@ def test_scaling_model(tmp_path):
   assert r["speedup"] == pytest.approx(46.5 / r["step_ms"])
   assert r["measured"] == 3.1
   (row,) = _table_rows(tmp_path, "scaling")
-  assert row[2] == "4" and row[-6] == f"{r['step_ms']:.2f}"
+  assert row[2] == "4" and row[-4] == f"{r['step_ms']:.2f}"
   # A plan compiled without --schedule has nothing to model.
   plan.write_text(json.dumps({
       "args": {"strategy": "dual_chunk_swap", "max_doc_len": 16384,
@@ -454,13 +541,19 @@ def _json(path: str, benchmark: str, module: str) -> dict:
   return data
 
 
+def _table(text: str) -> list[str]:
+  """The lines of a results file's main table, header first (the summary
+  of planned rows after it, in memory.md, is not)."""
+  lines = text.splitlines()
+  start = next(i for i, x in enumerate(lines) if x.startswith("|"))
+  end = next((i for i, x in enumerate(lines) if i > start
+              and not x.startswith("|")), len(lines))
+  return lines[start:end]
+
+
 def _first_table(text: str) -> list[str]:
-  """The body lines of a results file's main table (the summary of
-  planned rows after it, in memory.md, is not)."""
-  lines = text.splitlines()[8:]
-  end = next((i for i, x in enumerate(lines) if not x.startswith("|")),
-             len(lines))
-  return lines[:end]
+  """The body lines of a results file's main table."""
+  return _table(text)[2:]
 
 
 def _table_rows(folder: pathlib.Path, benchmark: str) -> list[list[str]]:

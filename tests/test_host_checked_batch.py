@@ -88,7 +88,8 @@ def test_host_checked_batch_costs_no_fallback_memory():
   assert "all-gather" not in text and " conditional(" not in text
   # The NaN poison of a trusted bound is free: no more than the program
   # without it.
-  with mock.patch.object(guard, "poisoned_config", lambda cfg, cuP: cfg):
+  with mock.patch.object(guard, "poisoned_config",
+                         lambda cfg, cu, cuP: cfg):
     bare, _ = temp_and_text(layout, batch)
   assert got <= 1.02 * bare, (got, bare)
 
@@ -187,7 +188,8 @@ def test_check_on_host_and_checked_for():
   checked = raw.check_on_host()
   assert checked.checked_max_seqlen == 2 * W and raw.checked_max_seqlen is None
   with pytest.raises(ValueError, match="longest padded document"):
-    raw.check_on_host(max_seqlen=int(np.diff(cuP).max()) - 1)
+    # NO_LOAD_BALANCE counts the valid lengths.
+    raw.check_on_host(max_seqlen=int(np.diff(cu).max()) - 1)
   with pytest.raises(ValueError, match="concrete cu_seqlens_padded"):
     jax.jit(lambda c: CPBatch(None, c, cu, layout=layout).check_on_host(
     ).cu_seqlens_padded)(cuP)

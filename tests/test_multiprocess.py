@@ -30,9 +30,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_cp
-from examples import launch_local, multihost
+from examples import launch_local
 from jax_cp import CPLayout, data
 from jax_cp import CPLoadBalancingStrategy as S
+from jax_cp.data import multihost
 from tests import reference as ref
 from tests._devices import devices, requires_devices
 
@@ -171,27 +172,27 @@ def test_make_global_batch_validation():
 
 
 @requires_devices(8)
-def test_multihost_make_mesh_single_process():
-  mesh = multihost.make_mesh(2, 4)
+def test_make_cp_mesh_single_process():
+  mesh = data.make_cp_mesh(2, 4)
   assert dict(mesh.shape) == {"data": 2, "cp": 4}
   assert mesh.devices[1, 0] == jax.devices()[4]
-  assert multihost.make_mesh(None, 2).shape["data"] == 4
+  assert data.make_cp_mesh(None, 2).shape["data"] == 4
   with pytest.raises(ValueError, match="must equal the number of devices"):
-    multihost.make_mesh(3, 2)
+    data.make_cp_mesh(3, 2)
 
 
 def test_init_distributed_single_process(monkeypatch):
   for name in (multihost.ENV_COORDINATOR, multihost.ENV_NUM_PROCESSES,
                multihost.ENV_PROCESS_ID, "JAX_COORDINATOR_ADDRESS"):
     monkeypatch.delenv(name, raising=False)
-  assert multihost.init_distributed() is False
-  assert multihost.init_distributed(num_processes=1) is False
+  assert data.init_distributed() is False
+  assert data.init_distributed(num_processes=1) is False
   monkeypatch.setenv(multihost.ENV_NUM_PROCESSES, "2")
   with pytest.raises(ValueError, match="missing coordinator.*process_id"):
-    multihost.init_distributed()
+    data.init_distributed()
   monkeypatch.setenv(multihost.ENV_PROCESS_ID, "x")
   with pytest.raises(ValueError, match="not an integer"):
-    multihost.init_distributed()
+    data.init_distributed()
 
 
 # ---------------------------------------------------------- two processes

@@ -2,6 +2,8 @@
 balanced document order) and make_global_batch without CP
 (cp_axis=None)."""
 
+import math
+
 import jax
 import numpy as np
 import pytest
@@ -10,7 +12,9 @@ from jax.sharding import PartitionSpec as P
 
 from jax_cp import CPLayout
 from jax_cp.data import (
+  DocumentPacker,
   balance_rows,
+  default_max_docs,
   make_global_batch,
   pack_documents,
   pad_multiple_for,
@@ -89,12 +93,207 @@ def test_pack_documents_validation():
     pack_documents(iter(_docs(0)), 60, 1, 8)
   with pytest.raises(ValueError, match="ran out"):
     pack_documents(iter(_docs(0, n=2)), 512, 3)
-  with pytest.raises(ValueError, match="max_docs=1 < "):
+  with pytest.raises(ValueError, match="row 0 needs more than max_docs=1 "
+                     "document slots: 1 documents fill 76 of its "
+                     "seq_len=128 tokens"):
     pack_documents(iter(_docs(0)), 128, 2, max_docs=1)
   with pytest.raises(ValueError, match="cp_size must be a positive int"):
     pad_multiple_for(CPLayout(cp_size=0))
   with pytest.raises(ValueError, match="layout must be a jax_cp.CPLayout"):
     pad_multiple_for("dual_chunk_swap")
+
+
+def _pieces(rows) -> list[np.ndarray]:
+  """The documents (pieces) of every row, in order."""
+  lens = np.diff(rows.cu_seqlens, axis=1)
+  return [rows.tokens[r, s:s + n]
+          for r in range(rows.num_rows)
+          for s, n in zip(rows.cu_seqlens_padded[r], lens[r]) if n]
+
+
+def _boundaries(parts) -> set[int]:
+  """Where each of ``parts`` ends in their concatenation."""
+  return set(np.cumsum([p.size for p in parts]).tolist())
+
+
+@pytest.mark.parametrize("seq_len, multiple", [(512, 1), (256, 8),
+                                               (2048, 4), (1536, 2)])
+def test_default_slots_are_the_same_for_every_batch(seq_len, multiple):
+  """20 batches of documents of 1 to 400 tokens: every batch, of repeated
+  pack_documents calls or of a DocumentPacker, has the same metadata
+  shape, a function of seq_len and pad_multiple alone (the last two cases
+  had 8, 16 and 24 slots when the default was the most a row needed)."""
+  slots = 8 * math.ceil(math.ceil(seq_len / max(multiple, 64)) / 8)
+  assert default_max_docs(seq_len, multiple) == slots
+  docs = _docs(7, n=2000, high=400)
+  stream = iter(docs)
+  shapes = {pack_documents(stream, seq_len, 2, multiple).cu_seqlens.shape
+            for _ in range(20)}
+  assert shapes == {(2, slots + 1)}
+  packer = DocumentPacker(iter(docs), seq_len, 2, multiple)
+  assert packer.max_docs == slots
+  shapes = {next(packer).cu_seqlens_padded.shape for _ in range(20)}
+  assert shapes == {(2, slots + 1)}
+  # "fit": the most a row of the batch needs, rounded up to 8 (varies).
+  fit = pack_documents(iter(docs), seq_len, 20, multiple, max_docs="fit")
+  need = max((np.diff(fit.cu_seqlens_padded, axis=1) > 0).sum(1))
+  assert fit.cu_seqlens.shape == (20, -(-need // 8) * 8 + 1)
+
+
+@pytest.mark.parametrize("multiple, max_seqlen", [(1, None), (8, None),
+                                                  (4, 50)])
+def test_packer_carries_cut_tails_into_the_next_batch(multiple, max_seqlen):
+  """Every token of the documents lands in exactly one row of one batch,
+  in order; a document cut at a batch's end goes on at the start of the
+  next batch; the batches are the rows of one pack_documents call."""
+  docs = _docs(11, n=150, high=120)
+  packer = DocumentPacker(iter(docs), 128, 3, multiple,
+                          max_seqlen=max_seqlen)
+  batches, done, cut = [], 0, 0
+  whole = np.concatenate(docs)
+  for rows in packer:
+    batches.append(rows)
+    _check_rows(rows, [whole[done:]], multiple)   # goes on where it was
+    done += int(rows.cu_seqlens[:, -1].sum())
+    np.testing.assert_array_equal(packer.pending,
+                                  whole[done:done + packer.pending.size])
+    cut += packer.pending.size > 0
+  assert len(batches) > 10 and cut > 3      # the test exercises carrying
+  placed = [p for rows in batches for p in _pieces(rows)]
+  flat = np.concatenate(placed)
+  np.testing.assert_array_equal(flat, whole[:flat.size])
+  # No piece spans two documents.
+  assert {b for b in _boundaries(docs) if b < flat.size} <= _boundaries(
+      placed)
+  one = pack_documents(iter(docs), 128, 3 * len(batches), multiple,
+                       max_seqlen=max_seqlen)
+  for k, rows in enumerate(batches):
+    for field in ("tokens", "labels", "loss_mask", "position_ids",
+                  "cu_seqlens", "cu_seqlens_padded"):
+      np.testing.assert_array_equal(getattr(rows, field),
+                                    getattr(one, field)[3 * k:3 * k + 3])
+  # Iteration ended because fewer tokens were left than a batch holds.
+  assert whole.size - flat.size < 3 * 128
+
+
+def test_packer_pending_is_the_rest_of_the_cut_document():
+  docs = [np.arange(1, 301), np.arange(1, 101)]
+  packer = DocumentPacker(iter(docs), 64, 2)
+  first = next(packer)
+  np.testing.assert_array_equal(first.tokens.ravel(), np.arange(1, 129))
+  np.testing.assert_array_equal(packer.pending, np.arange(129, 301))
+  second = next(packer)         # the tail goes on, positions from 0
+  np.testing.assert_array_equal(second.tokens.ravel(), np.arange(129, 257))
+  np.testing.assert_array_equal(second.position_ids[0], np.arange(64))
+  third = next(packer)
+  np.testing.assert_array_equal(third.tokens[0, :44], np.arange(257, 301))
+  np.testing.assert_array_equal(third.tokens[0, 44:], np.arange(1, 21))
+  np.testing.assert_array_equal(third.tokens[1], np.arange(21, 85))
+  np.testing.assert_array_equal(packer.pending, np.arange(85, 101))
+  with pytest.raises(StopIteration):   # 16 tokens left: no full batch
+    next(packer)
+  # pack_documents packs once: a second call on the same iterator starts
+  # with the next document, the cut tail dropped (as documented).
+  stream = iter(docs)
+  pack_documents(stream, 64, 2)
+  np.testing.assert_array_equal(
+      pack_documents(stream, 20, 2).tokens.ravel(), np.arange(1, 41))
+
+
+@pytest.mark.parametrize("multiple, bound, piece", [(1, 50, 50), (8, 50, 48),
+                                                    (4, 64, 64)])
+def test_max_seqlen_splits_long_documents(multiple, bound, piece):
+  """Documents longer than the bound are cut into pieces of the largest
+  multiple of pad_multiple not above it; the pieces, in order, are the
+  documents, and no padded document is longer than the bound."""
+  rng = np.random.default_rng(bound + multiple)
+  docs = [rng.integers(1, 256, size=int(n))
+          for n in rng.integers(1, 400, size=60)]
+  rows = pack_documents(iter(docs), 256, 12, multiple, max_seqlen=bound)
+  _check_rows(rows, docs, multiple)
+  assert rows.max_seqlen <= bound
+  placed = _pieces(rows)
+  flat = np.concatenate(placed)
+  assert max(p.size for p in placed) == piece
+  # Every document boundary and every multiple of the piece length inside
+  # a document is a piece boundary (row ends add more).
+  cuts, start = set(), 0
+  for d in docs:
+    cuts |= {start + k for k in range(piece, d.size, piece)}
+    start += d.size
+    cuts.add(start)
+  assert {c for c in cuts if c < flat.size} <= _boundaries(placed)
+  # Rows of the same documents, each already split by hand, are the same.
+  split = [d[k:k + piece] for d in docs for k in range(0, d.size, piece)]
+  want = pack_documents(iter(split), 256, 12, multiple)
+  np.testing.assert_array_equal(rows.tokens, want.tokens)
+  np.testing.assert_array_equal(rows.cu_seqlens_padded,
+                                want.cu_seqlens_padded)
+  np.testing.assert_array_equal(rows.loss_mask, want.loss_mask)
+
+
+def test_split_long_document_passes_the_layout_bound():
+  """A document longer than the layout's max_seqlen fails the batch
+  unless pack_documents splits it at that bound."""
+  docs = [np.arange(1, 1001), np.arange(1, 30)]
+  layout = CPLayout(cp_axis=None, max_seqlen=100)
+  whole = pack_documents(iter(docs), 256, 2)
+  with pytest.raises(ValueError, match="max_seqlen=100 is smaller"):
+    make_global_batch(whole.tokens, whole.cu_seqlens_padded, layout)
+  rows = pack_documents(iter(docs), 256, 2, max_seqlen=100)
+  batch = make_global_batch(rows.tensors, rows.cu_seqlens_padded, layout,
+                            cu_seqlens=rows.cu_seqlens)
+  np.testing.assert_array_equal(np.asarray(batch.tensors["tokens"]),
+                                rows.tokens)
+  np.testing.assert_array_equal(rows.tokens.ravel(), np.arange(1, 513))
+  np.testing.assert_array_equal(rows.position_ids[0, 95:105],
+                                [95, 96, 97, 98, 99, 0, 1, 2, 3, 4])
+  assert rows.loss_mask[0, 99] == 0 and rows.loss_mask[0, 98] == 1
+
+
+def test_packer_validation():
+  docs = _docs(3, n=400, high=20)      # short: many documents per row
+  with pytest.raises(ValueError, match=r"batch 0, row 0 needs more than "
+                     r"max_docs=8 document slots: 8 documents fill \d+ of "
+                     r"its seq_len=512 tokens.*seq_len // pad_multiple = "
+                     r"512 always fits"):
+    next(DocumentPacker(iter(docs), 512, 2))
+  packer = DocumentPacker(iter([np.arange(1, 65)] * 4 + docs), 128, 2,
+                          max_docs=12)
+  next(packer)
+  with pytest.raises(ValueError, match="batch 1, row 1 needs more than "
+                     "max_docs=12"):
+    next(packer)
+  with pytest.raises(ValueError, match="the packer stopped at an error: "
+                     "batch 1, row 1"):
+    next(packer)
+  rows = pack_documents(iter(docs), 512, 2, max_docs=512)
+  assert rows.cu_seqlens.shape == (2, 513)
+  for kwargs, match in [
+      ({"max_docs": "many"}, "max_docs must be None, 'fit' or a positive "
+       "int, got 'many'"),
+      ({"max_docs": 0}, "max_docs must be a positive int, got 0"),
+      ({"max_seqlen": 4}, "max_seqlen=4 is smaller than pad_multiple=8"),
+      ({"max_seqlen": 2.5}, "max_seqlen must be a positive int"),
+      ({"num_rows": 0}, "num_rows must be a positive int, got 0"),
+      ({"seq_len": 60}, "seq_len=60 must be a multiple of pad_multiple=8")]:
+    args = {"seq_len": 64, "num_rows": 2, "pad_multiple": 8, **kwargs}
+    with pytest.raises(ValueError, match=match):
+      DocumentPacker(iter(docs), **args)
+    with pytest.raises(ValueError, match=match):
+      pack_documents(iter(docs), **args)
+  with pytest.raises(ValueError, match="multiple of pad_multiple=3"):
+    default_max_docs(64, 3)
+  for bad, what in [(np.ones((4, 4), np.int32), r"shape \(4, 4\)"),
+                    (np.linspace(1, 9, 40), "dtype float64")]:
+    with pytest.raises(ValueError, match="document 2 of docs must be a 1-D "
+                       f"array of int token ids, got .*{what}"):
+      pack_documents(iter([docs[0], [], bad] + docs), 64, 2)
+    packer = DocumentPacker(iter([docs[0], [], bad] + docs), 64, 2)
+    with pytest.raises(ValueError, match="document 2 of docs"):
+      next(packer)
+    with pytest.raises(ValueError, match="stopped at an error: document 2"):
+      next(packer)
 
 
 def test_balance_rows_keeps_the_documents_and_evens_the_work():

@@ -145,9 +145,12 @@ def test_unknown_strategy_and_backend():
 
 
 def test_max_seqlen_below_longest_document():
-  with pytest.raises(ValueError, match="max_seqlen=6 is smaller than the "
-                     "longest padded document \\(8 tokens\\)"):
-    call(*qkv(), layout=nlb(max_seqlen=6))
+  # NO_LOAD_BALANCE counts valid lengths (the longest is 6, in a slot of 8).
+  call(*qkv(), layout=nlb(max_seqlen=6))
+  with pytest.raises(ValueError, match="max_seqlen=5 is smaller than the "
+                     "longest padded document \\(8 tokens\\).*valid "
+                     "length 6"):
+    call(*qkv(), layout=nlb(max_seqlen=5))
 
 
 def test_traced_metadata_still_checks_shapes_and_config():

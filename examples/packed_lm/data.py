@@ -186,10 +186,11 @@ def load_rows(cfg: Config, num_rows: int, cp: int) -> jax_cp.data.PackedRows:
   """``num_rows`` rows of :func:`iter_documents` packed by
   :func:`jax_cp.data.pack_documents` for the strategy on ``cp`` ranks, in
   ``cfg.doc_order``, all at once: the fixed batch of the benchmarks (the
-  training run streams with :class:`Batches`)."""
+  training run streams with :class:`Batches`), with the fewest document
+  slots its rows need (``max_docs="fit"``)."""
   rows = jax_cp.data.pack_documents(
       iter_documents(cfg.seed, cfg.max_doc_len), cfg.seq_len, num_rows,
-      jax_cp.data.pad_multiple_for(host_layout(cfg, cp)))
+      jax_cp.data.pad_multiple_for(host_layout(cfg, cp)), max_docs="fit")
   if cfg.doc_order == "balanced":
     rows = jax_cp.data.balance_rows(rows, host_layout(cfg, cp))
   return rows

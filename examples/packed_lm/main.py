@@ -16,7 +16,6 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 import jax_cp
-from examples import multihost
 from examples.packed_lm import checkpoint, config, data, model, train
 
 
@@ -45,7 +44,7 @@ def _start(cfg: config.Config) -> config.Config:
     cpu_devices = dp * cp // n_proc   # make_mesh checks it is exact
   if not jax.distributed.is_initialized():
     try:
-      multihost.init_distributed(cfg.coordinator, cfg.num_processes,
+      jax_cp.data.init_distributed(cfg.coordinator, cfg.num_processes,
                                  cfg.process_id, cpu_devices=cpu_devices)
     except ValueError as e:
       raise SystemExit(f"several processes: {e}") from None

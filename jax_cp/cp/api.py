@@ -67,6 +67,11 @@ def cp_attention(q, k, v, metadata, *, layout: CPLayout | None = None,
   """
   layout, cu_seqlens, cu_seqlens_padded, trusted = unpack(
       metadata, layout, "cp_attention")
+  if isinstance(metadata, CPBatch):
+    total = q.shape[-3] * (layout.resolve_cp_size() if layout.is_local
+                           else 1)
+    metadata.check_tokens(total, q.shape[0] if q.ndim == 4 else None,
+                          "cp_attention")
   config = functools.partial(
       make_config, layout, q, k, v, cu_seqlens, cu_seqlens_padded,
       attn_mask_type=attn_mask_type, softmax_scale=softmax_scale,
@@ -131,7 +136,7 @@ def run_local(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded):
   q4, k4, v4, cu, cuP, squeeze = _as_batched(
       q, k, v, jnp.asarray(cu_seqlens, jnp.int32),
       jnp.asarray(cu_seqlens_padded, jnp.int32))
-  k4, v4 = guard.poison(cfg, cuP, k4, v4)
+  k4, v4 = guard.poison(cfg, cu, cuP, k4, v4)
   out = cp_attention_vjp(q4, k4, v4, cu, cuP, cfg)
   return out[0] if squeeze else out
 

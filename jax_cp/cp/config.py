@@ -132,7 +132,8 @@ def make_config(layout: CPLayout, q, k, v, cu_seqlens, cu_seqlens_padded,
   if strategy is _DCS and cp_size > 1:
     validation.check_dual_chunk_divisible(cu_seqlens_padded, cp_size)
   bound = validation.check_max_seqlen(layout.max_seqlen, cu_seqlens_padded,
-                                      total_tokens)
+                                      total_tokens, cu_seqlens, strategy,
+                                      cp_size)
   resolved = resolve_backend(
       layout.backend, platform, dtype,
       score_bytes=4 * int(q_shape[-2]) * int(total_tokens) ** 2)

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_cp.attention.backend import Backend, with_poison
+from jax_cp.cp import validation
 from jax_cp.cp.strategy import CPLoadBalancingStrategy
 
 
@@ -57,25 +58,39 @@ def bounded_program_is_exact(cfg, unbounded) -> bool:
   return not (prefix or window)
 
 
-def longest_padded(cu_seqlens_padded):
-  """The longest padded document of all rows (int32 scalar)."""
-  cu_seqlens_padded = jnp.asarray(cu_seqlens_padded, jnp.int32)
-  lengths = cu_seqlens_padded[..., 1:] - cu_seqlens_padded[..., :-1]
-  return jnp.max(lengths).astype(jnp.int32)
+def longest_padded(cu_seqlens_padded, cu_seqlens=None, strategy=None,
+                   cp_size: int = 1):
+  """The longest span of a document of all rows (int32 scalar): its
+  padded length, or what :func:`jax_cp.cp.validation.document_spans`
+  counts when ``cu_seqlens`` is given (empty slots nothing)."""
+  cuP = jnp.asarray(cu_seqlens_padded, jnp.int32)
+  cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32)
+  spans = validation.document_spans(cu, cuP, strategy, cp_size)
+  return jnp.max(spans, initial=0).astype(jnp.int32)
 
 
-def exceeds_bound(cu_seqlens_padded, max_seqlen: int):
-  """bool scalar: some padded document is longer than ``max_seqlen``."""
-  return longest_padded(cu_seqlens_padded) > max_seqlen
+def exceeds_bound(cu_seqlens_padded, max_seqlen: int, cu_seqlens=None,
+                  strategy=None, cp_size: int = 1):
+  """bool scalar: some document spans more than ``max_seqlen`` tokens
+  (:func:`longest_padded`)."""
+  return longest_padded(cu_seqlens_padded, cu_seqlens, strategy,
+                        cp_size) > max_seqlen
 
 
-def run(cfg, cu_seqlens_padded, branch, *operands):
+def broken(cfg, cu_seqlens, cu_seqlens_padded):
+  """bool scalar: the step's metadata break ``cfg``'s bound, by the rule
+  of its strategy and cp size."""
+  return exceeds_bound(cu_seqlens_padded, cfg.max_seqlen, cu_seqlens,
+                       cfg.strategy, cfg.cp_size)
+
+
+def run(cfg, cu_seqlens, cu_seqlens_padded, branch, *operands):
   """``branch(cfg, *operands)``, or with ``bound_check="fallback"``
-  ``branch(cfg.unbounded, *operands)`` for a step whose padded documents
-  exceed the bound. Both branches must return the same pytree of shapes."""
+  ``branch(cfg.unbounded, *operands)`` for a step whose documents exceed
+  the bound. Both branches must return the same pytree of shapes."""
   if cfg.bound_check != "fallback":
     return branch(cfg, *operands)
-  return jax.lax.cond(exceeds_bound(cu_seqlens_padded, cfg.max_seqlen),
+  return jax.lax.cond(broken(cfg, cu_seqlens, cu_seqlens_padded),
                       functools.partial(branch, cfg.unbounded),
                       functools.partial(branch, cfg), *operands)
 
@@ -86,18 +101,18 @@ def _poisons_segments(cfg) -> bool:
           and cfg.backend.handles_poison)
 
 
-def poisoned_config(cfg, cu_seqlens_padded):
+def poisoned_config(cfg, cu_seqlens, cu_seqlens_padded):
   """``cfg`` whose backend gets, in every call's segments, the poison
   flag of a trusted bound (int32: 1 where some padded document is longer
   than the bound), for a backend with ``handles_poison``; else ``cfg``.
   Forward and backward each call it on their own metadata."""
   if not _poisons_segments(cfg):
     return cfg
-  flag = exceeds_bound(cu_seqlens_padded, cfg.max_seqlen).astype(jnp.int32)
+  flag = broken(cfg, cu_seqlens, cu_seqlens_padded).astype(jnp.int32)
   return dataclasses.replace(cfg, backend=with_poison(cfg.backend, flag))
 
 
-def poison(cfg, cu_seqlens_padded, *arrays):
+def poison(cfg, cu_seqlens, cu_seqlens_padded, *arrays):
   """With ``bound_check="trusted"`` and a backend without
   ``handles_poison``: ``arrays`` (the local keys and values) times NaN
   where some padded document is longer than the bound, else times 1
@@ -106,8 +121,7 @@ def poison(cfg, cu_seqlens_padded, *arrays):
   finite ``dv``). Otherwise ``arrays`` unchanged."""
   if cfg.bound_check != "trusted" or _poisons_segments(cfg):
     return arrays
-  return nan_where(exceeds_bound(cu_seqlens_padded, cfg.max_seqlen),
-                   *arrays)
+  return nan_where(broken(cfg, cu_seqlens, cu_seqlens_padded), *arrays)
 
 
 def nan_where(broken, *arrays):

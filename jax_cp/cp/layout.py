@@ -375,8 +375,14 @@ class CPBatch:
       given; attention then needs it).
     layout: the :class:`CPLayout` the tensors are in (static; keyword
       only, never assumed).
-    checked_max_seqlen: the bound every padded document of the metadata
-      was checked against on the host (static; None: not checked).
+    checked_max_seqlen: the bound every document of the metadata was
+      checked against on the host (static; None: not checked;
+      :func:`jax_cp.cp.validation.document_spans` says what counts).
+    total_tokens: ``T``, the tokens of each whole row (static; None: not
+      known). :func:`jax_cp.data.make_global_batch` records it, and a batch
+      built with concrete ``cu_seqlens_padded`` reads it from them; under
+      ``jit`` it is what attention checks the token count of q, k and v
+      against (:meth:`check_tokens`), since traced metadata cannot be.
   """
 
   tensors: Any
@@ -386,6 +392,8 @@ class CPBatch:
                                        metadata=dict(static=True))
   checked_max_seqlen: int | None = dataclasses.field(
       default=None, kw_only=True, metadata=dict(static=True))
+  total_tokens: int | None = dataclasses.field(
+      default=None, kw_only=True, metadata=dict(static=True))
 
   def __post_init__(self):
     if not isinstance(self.layout, CPLayout):
@@ -393,6 +401,32 @@ class CPBatch:
                        f"{type(self.layout).__name__}")
     object.__setattr__(self, "checked_max_seqlen", _optional_bound(
         self.checked_max_seqlen, "checked_max_seqlen"))
+    total = self.total_tokens
+    if total is None:
+      total = _row_tokens(self.cu_seqlens_padded)
+    object.__setattr__(self, "total_tokens", _optional_bound(
+        total, "total_tokens"))
+
+  def check_tokens(self, total_tokens: int, batch_size: int | None,
+                   what: str) -> None:
+    """Raises unless inputs of ``total_tokens`` tokens per whole row (and
+    ``batch_size`` rows, when given) are the batch's: its static token
+    count and the rows of its metadata, checked at trace time, so also
+    under ``jit`` where the metadata values are not known.
+
+    Raises:
+      ValueError: naming both token counts (or row counts).
+    """
+    if self.total_tokens is not None and total_tokens != self.total_tokens:
+      raise ValueError(
+          f"{what}: the inputs have {total_tokens} tokens per row (the whole "
+          f"row, over every cp rank), but the batch's rows have "
+          f"{self.total_tokens}; q, k and v must be the batch's tokens")
+    rows = np.shape(self.cu_seqlens_padded)
+    if batch_size is not None and len(rows) == 2 and rows[0] != batch_size:
+      raise ValueError(
+          f"{what}: the inputs have {batch_size} rows, the batch's metadata "
+          f"{rows[0]} (cu_seqlens_padded {rows})")
 
   def check_on_host(self, max_seqlen: int | None = None) -> CPBatch:
     """This batch, recording that its metadata hold no padded document
@@ -413,7 +447,18 @@ class CPBatch:
       raise ValueError("check_on_host needs concrete cu_seqlens_padded (on "
                        "the host, outside jit); these are traced")
     validation.check_cu_seqlens_padded(cuP)
-    validation.check_max_seqlen_bound(cuP, w)
+    cu = None
+    if self.cu_seqlens is not None:
+      cu = concrete(self.cu_seqlens)
+      if cu is None:
+        raise ValueError("check_on_host needs concrete cu_seqlens (on the "
+                         "host, outside jit); these are traced")
+      validation.check_cu_seqlens(cu, cuP)
+    layout = self.layout
+    # An unknown cp size takes the stricter rule (that of cp > 1).
+    cp = layout.cp_size if layout.cp_size is not None else (
+        1 if layout.cp_axis is None else 2)
+    validation.check_max_seqlen_bound(cuP, w, cu, layout.strategy, cp)
     return dataclasses.replace(self, checked_max_seqlen=w)
 
   def checked_for(self, layout: CPLayout) -> bool:
@@ -440,6 +485,17 @@ class CPBatch:
                        "valid lengths (make_global_batch(..., cu_seqlens=...)"
                        " or CPBatch(cu_seqlens=...))")
     return self.cu_seqlens, self.cu_seqlens_padded
+
+
+def _row_tokens(cu_seqlens_padded) -> int | None:
+  """``cu_seqlens_padded[..., -1]`` of concrete metadata, else None."""
+  try:
+    cuP = concrete(cu_seqlens_padded)
+  except Exception:  # pylint: disable=broad-except  (tree sentinels)
+    return None
+  if cuP is None or not cuP.size or cuP.ndim not in (1, 2):
+    return None
+  return int(cuP.reshape(-1)[-1]) or None
 
 
 def check_layout(layout: Any, what: str) -> CPLayout:

@@ -158,6 +158,41 @@ def _explicit_sharding(x):
   return sharding
 
 
+def token_dim(seq_dim: int | None, cu_seqlens_padded) -> int:
+  """The token dim of arrays that go with ``cu_seqlens_padded``: as given,
+  or by default (None) 1 for batched metadata ``[B, N+1]`` (arrays ``[B,
+  T, ...]``) and 0 for ``[N+1]`` (arrays ``[T, ...]``), the convention of
+  every data function that takes ``seq_dim``."""
+  if seq_dim is None:
+    return 1 if np.ndim(cu_seqlens_padded) == 2 else 0
+  if isinstance(seq_dim, bool) or not isinstance(seq_dim, (int, np.integer)):
+    raise ValueError(f"seq_dim must be an int (the token dim) or None, got "
+                     f"{seq_dim!r}")
+  return int(seq_dim)
+
+
+def _check_token_dim(x, seq_dim: int, cu_seqlens_padded, name: str) -> None:
+  """``x`` has the row's tokens (``cu_seqlens_padded[..., -1]``, when
+  concrete) along ``seq_dim``; the error names ``seq_dim``.
+
+  Raises:
+    ValueError: ``x`` has no dim ``seq_dim``, or another token count there.
+  """
+  shape = tuple(np.shape(x))
+  if not -len(shape) <= seq_dim < len(shape):
+    raise ValueError(f"{name} has shape {shape}: no token dim seq_dim="
+                     f"{seq_dim}")
+  try:
+    validation.check_seq_len_matches(shape[seq_dim], cu_seqlens_padded, name)
+  except ValueError as e:
+    batched = np.ndim(cu_seqlens_padded) == 2
+    raise ValueError(
+        f"{e} (counted along seq_dim={seq_dim} of shape {shape}; with "
+        f"{'batched' if batched else 'unbatched'} metadata the tokens are "
+        f"dim {1 if batched else 0} by default: pass seq_dim= for another "
+        "layout)") from None
+
+
 def _take(x, idx, seq_dim: int, batched: bool):
   sharding = _explicit_sharding(x) if isinstance(x, jax.Array) else None
   spec = sharding.spec if sharding is not None else ()
@@ -189,8 +224,8 @@ def _take(x, idx, seq_dim: int, batched: bool):
 
 
 def get_batch_on_this_cp_rank(cu_seqlens_padded, *tensors, layout: CPLayout,
-                              cp_rank=None, seq_dim: int = 0
-                              ) -> tuple[Any, ...]:
+                              cp_rank=None, seq_dim: int | None = None,
+                              cu_seqlens=None) -> tuple[Any, ...]:
   """Slices each tensor along ``seq_dim`` to the tokens of ``cp_rank``.
 
   The usual data-loader step: ``input_ids, labels, position_ids =
@@ -204,11 +239,17 @@ def get_batch_on_this_cp_rank(cu_seqlens_padded, *tensors, layout: CPLayout,
     *tensors: arrays with the whole rows along ``seq_dim``.
     layout: the :class:`jax_cp.CPLayout` (cp size, strategy, and
       ``max_seqlen``: when set and the metadata is concrete it is checked
-      against the longest padded document here, on the host, where a
-      violation can still be reported; under ``jit`` it cannot).
+      against the longest document here, on the host, where a violation
+      can still be reported; under ``jit`` it cannot).
     cp_rank: the rank, an int or a (traced) scalar; default, inside a
       ``shard_map``: ``lax.axis_index(layout.cp_axis)``.
-    seq_dim: the token dim of the tensors.
+    seq_dim: the token dim of the tensors; default (None): 1 with batched
+      metadata (tensors ``[B, T, ...]``), 0 without (``[T, ...]``).
+    cu_seqlens: optional valid-length metadata of the same rows, for the
+      ``max_seqlen`` check alone: slots that hold no token (the padding
+      after a row's last document) then do not count against the bound
+      (:func:`jax_cp.cp.validation.document_spans`); without it every
+      padded slot does.
 
   Raises:
     ValueError: a tensor's length along ``seq_dim`` is not ``cuP[-1]``, the
@@ -219,16 +260,15 @@ def get_batch_on_this_cp_rank(cu_seqlens_padded, *tensors, layout: CPLayout,
   if cp_rank is None:
     cp_rank = _traced_rank(layout, "get_batch_on_this_cp_rank")
   if layout.max_seqlen is not None:
-    check_max_seqlen_bound(cu_seqlens_padded, layout.max_seqlen)
+    check_max_seqlen_bound(cu_seqlens_padded, layout.max_seqlen, cu_seqlens,
+                           layout)
   if not tensors:
     return ()
+  seq_dim = token_dim(seq_dim, cu_seqlens_padded)
   batched = np.ndim(cu_seqlens_padded) == 2
-  for i, x in enumerate(tensors):
-    validation.check_seq_dim(x.shape, seq_dim, batched, f"tensors[{i}]")
   total = tensors[0].shape[seq_dim]
   for i, x in enumerate(tensors):
-    validation.check_seq_len_matches(x.shape[seq_dim], cu_seqlens_padded,
-                                 f"tensors[{i}]")
+    _check_token_dim(x, seq_dim, cu_seqlens_padded, f"tensors[{i}]")
     if x.shape[seq_dim] != total:
       raise ValueError(
           f"tensors[{i}] has {x.shape[seq_dim]} tokens along seq_dim="
@@ -258,7 +298,8 @@ def _inverse_permutation(perm):
   return jnp.argsort(perm, axis=-1).astype(jnp.int32)
 
 
-def reorder_for_cp(x, cu_seqlens_padded, layout: CPLayout, seq_dim: int = 0):
+def reorder_for_cp(x, cu_seqlens_padded, layout: CPLayout,
+                   seq_dim: int | None = None):
   """Global view: permutes the tokens so that a contiguous split of
   ``seq_dim`` over the cp axis gives rank ``r`` exactly
   ``get_partition_indices(..., r)``.
@@ -272,14 +313,15 @@ def reorder_for_cp(x, cu_seqlens_padded, layout: CPLayout, seq_dim: int = 0):
     x: the whole rows, tokens along ``seq_dim``.
     cu_seqlens_padded: int ``[N+1]`` / ``[B, N+1]`` row metadata.
     layout: the :class:`jax_cp.CPLayout` (its cp size and strategy).
-    seq_dim: the token dim of ``x``.
+    seq_dim: the token dim of ``x``; default (None): 1 with batched
+      metadata (``x`` ``[B, T, ...]``), 0 without (``[T, ...]``).
   """
   layout = check_layout(layout, "reorder_for_cp")
   return _permute(x, cu_seqlens_padded, layout, seq_dim, inverse=False)
 
 
 def restore_from_cp(x, cu_seqlens_padded, layout: CPLayout,
-                    seq_dim: int = 0):
+                    seq_dim: int | None = None):
   """Inverse of :func:`reorder_for_cp`: back to physical token order (same
   arguments). On a mesh of ``Explicit`` axes a sharded ``x`` keeps its
   sharding: the result's tokens stay sharded over cp, in physical order
@@ -288,13 +330,12 @@ def restore_from_cp(x, cu_seqlens_padded, layout: CPLayout,
   return _permute(x, cu_seqlens_padded, layout, seq_dim, inverse=True)
 
 
-def _permute(x, cu_seqlens_padded, layout: CPLayout, seq_dim: int,
+def _permute(x, cu_seqlens_padded, layout: CPLayout, seq_dim: int | None,
              inverse: bool):
   cp_size = _cp_size(layout, "reorder_for_cp")
-  validation.check_seq_dim(np.shape(x), seq_dim, np.ndim(cu_seqlens_padded)
-                           == 2, "x")
+  seq_dim = token_dim(seq_dim, cu_seqlens_padded)
+  _check_token_dim(x, seq_dim, cu_seqlens_padded, "x")
   total = x.shape[seq_dim]
-  validation.check_seq_len_matches(total, cu_seqlens_padded, "x")
   if layout.strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE or (
       cp_size == 1):
     validation.check_cu_seqlens_padded(cu_seqlens_padded, total)
@@ -306,25 +347,44 @@ def _permute(x, cu_seqlens_padded, layout: CPLayout, seq_dim: int,
   return _take(x, perm, seq_dim, np.ndim(cu_seqlens_padded) == 2)
 
 
-def longest_padded_document(cu_seqlens_padded) -> int:
+def longest_padded_document(cu_seqlens_padded, cu_seqlens=None) -> int:
   """The longest padded document of a row (or of all rows): the tightest
-  ``max_seqlen`` of a :class:`jax_cp.CPLayout`. Host (concrete) data."""
+  ``max_seqlen`` of a :class:`jax_cp.CPLayout` for either strategy. With
+  ``cu_seqlens``, slots that hold no token (the padding after a row's
+  last document) are left out: they never count against the bound
+  (:func:`jax_cp.cp.validation.document_spans`). Host (concrete) data."""
   cuP = concrete(cu_seqlens_padded)
   if cuP is None:
     raise ValueError("longest_padded_document needs concrete (host) "
                      "cu_seqlens_padded, not a traced value")
   validation.check_cu_seqlens_padded(cuP)
-  return int(np.diff(cuP, axis=-1).max())
+  cu = None
+  if cu_seqlens is not None:
+    cu = concrete(cu_seqlens)
+    if cu is None:
+      raise ValueError("longest_padded_document needs concrete (host) "
+                       "cu_seqlens, not a traced value")
+    validation.check_cu_seqlens(cu, cuP)
+  spans = validation.document_spans(
+      cu, cuP, CPLoadBalancingStrategy.DUAL_CHUNK_SWAP, 2)
+  return int(np.max(spans, initial=0))
 
 
-def check_max_seqlen_bound(cu_seqlens_padded, max_seqlen) -> None:
-  """Raises if a concrete row holds a padded document longer than
-  ``max_seqlen`` (a no-op for traced metadata)."""
+def check_max_seqlen_bound(cu_seqlens_padded, max_seqlen, cu_seqlens=None,
+                           layout: CPLayout | None = None) -> None:
+  """Raises if a concrete row holds a document whose span is longer than
+  ``max_seqlen`` (:func:`jax_cp.cp.validation.document_spans` under the
+  layout's strategy and cp size; without ``cu_seqlens`` every padded slot
+  counts); a no-op for traced metadata."""
   cuP = concrete(cu_seqlens_padded)
   if cuP is None:
     return
   validation.check_cu_seqlens_padded(cuP)
-  validation.check_max_seqlen_bound(cuP, max_seqlen)
+  strategy, cp = None, 1
+  if layout is not None:
+    strategy, cp = layout.strategy, _cp_size(layout, "max_seqlen check")
+  validation.check_max_seqlen_bound(cuP, max_seqlen, cu_seqlens, strategy,
+                                    cp)
 
 
 def get_position_ids(cu_seqlens_padded, total_tokens: int | None = None,

@@ -119,25 +119,6 @@ def check_dual_chunk_divisible(cu_seqlens_padded: Any, cp_size: int) -> None:
         f"multiple of {2 * cp_size}, or use NO_LOAD_BALANCE (any length).")
 
 
-def check_seq_dim(shape: tuple, seq_dim: int, batched: bool,
-                  argname: str) -> None:
-  """``seq_dim`` is an axis of an array of ``shape``, past the leading
-  batch dim when the metadata are batched ``[B, N+1]``.
-
-  Raises:
-    ValueError: naming the argument, its shape and ``seq_dim``.
-  """
-  ndim = len(shape)
-  if not -ndim <= seq_dim < ndim:
-    raise ValueError(f"seq_dim={seq_dim} is not an axis of {argname} with "
-                     f"shape {tuple(shape)}")
-  if batched and seq_dim % ndim == 0:
-    raise ValueError(
-        f"with batched cu_seqlens_padded [B, N+1], seq_dim must point past "
-        f"the leading batch dim of {argname} (shape {tuple(shape)}): "
-        f"seq_dim >= 1, got seq_dim={seq_dim}")
-
-
 def check_seq_len_matches(n_tokens: int, cu_seqlens_padded: Any,
                           argname: str) -> None:
   cuP = concrete(cu_seqlens_padded)
@@ -220,30 +201,95 @@ def check_cu_seqlens_rank(q_shape, **metadata: Any) -> None:
 
 
 def check_max_seqlen(max_seqlen: Any, cu_seqlens_padded: Any,
-                     total_tokens: int) -> int:
+                     total_tokens: int, cu_seqlens: Any = None,
+                     strategy: CPLoadBalancingStrategy | None = None,
+                     cp_size: int = 1) -> int:
   """``max_seqlen`` as an int bound in ``[1, T]`` (None = T); when the
-  metadata is concrete, raises if a padded document is longer."""
+  metadata is concrete, raises if a document's span
+  (:func:`document_spans`) is longer."""
   if max_seqlen is None:
     return total_tokens
   if isinstance(max_seqlen, jax.core.Tracer) or int(max_seqlen) < 1:
     raise ValueError(f"max_seqlen must be a static positive int, got "
                      f"{max_seqlen!r}")
-  check_max_seqlen_bound(cu_seqlens_padded, max_seqlen)
+  check_max_seqlen_bound(cu_seqlens_padded, max_seqlen, cu_seqlens,
+                         strategy, cp_size)
   return min(int(max_seqlen), total_tokens)
 
 
-def check_max_seqlen_bound(cu_seqlens_padded: Any, max_seqlen: Any) -> None:
-  """Raises if a concrete row holds a padded document longer than
-  ``max_seqlen`` (a no-op for traced metadata)."""
+def spans_padded_slots(strategy: CPLoadBalancingStrategy | None,
+                       cp_size: int) -> bool:
+  """Whether a document's whole padded slot counts against ``max_seqlen``:
+  DUAL_CHUNK_SWAP at cp > 1 cuts every slot into ``2*cp`` chunks of its
+  padded length, so the kernels' bounds hold padded lengths; elsewhere
+  (NO_LOAD_BALANCE, cp = 1, layer chunks) a query reads back only over
+  its document's valid tokens."""
+  return (strategy is CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
+          and cp_size > 1)
+
+
+def document_spans(cu_seqlens: Any, cu_seqlens_padded: Any,
+                   strategy: CPLoadBalancingStrategy | None = None,
+                   cp_size: int = 1):
+  """Per slot, the tokens the ``max_seqlen`` bound must cover, ``[..,
+  N]`` (numpy for numpy metadata, else JAX): the valid length, or with
+  DUAL_CHUNK_SWAP at cp > 1 (:func:`spans_padded_slots`) the padded
+  length of a slot that holds a token. An empty slot (valid length 0: the
+  padding after a row's last document, a row of padding) spans nothing,
+  whatever its padded length. Without ``cu_seqlens`` (None) every padded
+  slot counts in full."""
+  xp = np if all(isinstance(x, (np.ndarray, list, tuple)) or x is None
+                 for x in (cu_seqlens, cu_seqlens_padded)) else jax.numpy
+  cuP = xp.asarray(cu_seqlens_padded)
+  padded = cuP[..., 1:] - cuP[..., :-1]
+  if cu_seqlens is None:
+    return padded
+  cu = xp.asarray(cu_seqlens)
+  valid = cu[..., 1:] - cu[..., :-1]
+  if spans_padded_slots(strategy, cp_size):
+    return xp.where(valid > 0, padded, 0)
+  return valid
+
+
+def check_max_seqlen_bound(cu_seqlens_padded: Any, max_seqlen: Any,
+                           cu_seqlens: Any = None,
+                           strategy: CPLoadBalancingStrategy | None = None,
+                           cp_size: int = 1) -> None:
+  """Raises if a concrete row holds a document whose span
+  (:func:`document_spans`) is longer than ``max_seqlen`` (a no-op for
+  traced metadata; traced ``cu_seqlens`` with concrete padded metadata
+  are checked as if every slot held tokens).
+
+  Raises:
+    ValueError: naming the row, the slot, its valid and padded lengths
+      and the bound.
+  """
   cuP = concrete(cu_seqlens_padded)
   if cuP is None or not cuP.size:
     return
-  longest = int(np.diff(cuP.reshape(-1, cuP.shape[-1]), axis=-1).max(
-      initial=0))
-  if longest > int(max_seqlen):
-    raise ValueError(
-        f"max_seqlen={max_seqlen} is smaller than the longest padded "
-        f"document ({longest} tokens) in cu_seqlens_padded")
+  cuP = cuP.reshape(-1, cuP.shape[-1])
+  cu = concrete(cu_seqlens)
+  if cu is not None:
+    cu = cu.reshape(cuP.shape)
+  spans = document_spans(cu, cuP, strategy, cp_size)
+  if not spans.size or int(spans.max()) <= int(max_seqlen):
+    return
+  row, slot = map(int, np.argwhere(spans == spans.max())[0])
+  padded = int(cuP[row, slot + 1] - cuP[row, slot])
+  if cu is None:
+    detail = ("cu_seqlens not given: every padded slot counts, the "
+              "padding after a row's last document too")
+  else:
+    valid = int(cu[row, slot + 1] - cu[row, slot])
+    rule = ("DUAL_CHUNK_SWAP cuts the padded slot into chunks"
+            if spans_padded_slots(strategy, cp_size) else
+            "its valid tokens count")
+    detail = f"valid length {valid}, padded length {padded}; {rule}"
+  raise ValueError(
+      f"max_seqlen={max_seqlen} is smaller than the longest padded document "
+      f"({padded} tokens) that counts: slot {slot} of row {row} ({detail}). "
+      "Raise max_seqlen to the longest document, or split documents longer "
+      "than it")
 
 
 def check_batch_axis_rank(batch_axis: Any, q_shape) -> None:

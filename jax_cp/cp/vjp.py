@@ -123,7 +123,7 @@ def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig,
   all-gathered ``(k, v)`` with :attr:`CPConfig.keep_gathered_kv`, else
   None. Without ``need_lse`` (a forward nothing differentiates) a plan of
   one call runs the backend's inference form and lse is None."""
-  cfg = guard.poisoned_config(cfg, cu_seqlens_padded)
+  cfg = guard.poisoned_config(cfg, cu_seqlens, cu_seqlens_padded)
   if cfg.exchange.kind == "ring":
     out, lse = ring.forward(cfg, q, k, v, cu_seqlens, cu_seqlens_padded)
     return out.astype(q.dtype), lse, None
@@ -219,8 +219,8 @@ def _guarded_forward(q, k, v, cu_seqlens, cu_seqlens_padded,
         saved = jnp.zeros_like(jnp.concatenate([k[:, :h], v[:, :h]], axis=2))
     return out, lse, saved
 
-  return guard.run(cfg, cu_seqlens_padded, branch, q, k, v, cu_seqlens,
-                   cu_seqlens_padded)
+  return guard.run(cfg, cu_seqlens, cu_seqlens_padded, branch, q, k, v,
+                   cu_seqlens, cu_seqlens_padded)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -246,14 +246,15 @@ def _vjp_backward(cfg: CPConfig, residuals, dout):
       residuals = residuals[:-1] + (None,)   # its forward kept no halo
     return _backward(c, residuals, dout)
 
-  dq, dk, dv = guard.run(cfg, residuals[4], branch, residuals, dout)
+  dq, dk, dv = guard.run(cfg, residuals[3], residuals[4], branch, residuals,
+                         dout)
   return dq, dk, dv, None, None
 
 
 def _backward(cfg: CPConfig, residuals, dout):
   """(dq, dk, dv) of this rank's chunk."""
   q, k, v, cu_seqlens, cu_seqlens_padded, out, lse, saved = residuals
-  cfg = guard.poisoned_config(cfg, cu_seqlens_padded)
+  cfg = guard.poisoned_config(cfg, cu_seqlens, cu_seqlens_padded)
   if cfg.exchange.kind == "ring":
     return ring.backward(cfg, q, k, v, cu_seqlens, cu_seqlens_padded, out,
                          lse, dout.astype(out.dtype))

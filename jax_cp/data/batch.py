@@ -40,6 +40,7 @@ from jax_cp.cp.layout import CPBatch, CPLayout, check_layout
 from jax_cp.cp.partition import (
   check_max_seqlen_bound,
   get_batch_on_this_cp_rank,
+  token_dim,
 )
 
 AxisNames = str | Sequence[str] | None
@@ -163,7 +164,7 @@ def _infer_global_batch(b_local: int, shards, n_shards: int,
         f"this process (index {jax.process_index()}) passed {b_local} rows, "
         f"but its devices hold {k} of the {n_shards} batch shards "
         f"(batch_axis={batch_axis!r}), so it must pass {want} rows: those "
-        f"of process_batch_rows(mesh, B, batch_axis), in order")
+        f"of jax_cp.data.process_batch_rows(layout, B), in order")
   return b_local // k * n_shards
 
 
@@ -247,7 +248,9 @@ def _check_tokens(items, cuP: np.ndarray, seq_dim: int, batched: bool):
   for name, x in items:
     if x.ndim <= seq_dim:
       raise ValueError(f"local_rows{name} has shape {x.shape}: no token dim "
-                       f"seq_dim={seq_dim}")
+                       f"seq_dim={seq_dim} (the default is 1 for rows "
+                       "[B_local, T, ...] with metadata [B_local, N+1], 0 "
+                       "for [T, ...] with [N+1])")
     if batched and x.shape[0] != cuP.shape[0]:
       raise ValueError(
           f"local_rows{name} has {x.shape[0]} rows but cu_seqlens_padded "
@@ -267,7 +270,7 @@ def _check_tokens(items, cuP: np.ndarray, seq_dim: int, batched: bool):
 
 
 def make_global_batch(local_rows, cu_seqlens_padded, layout: CPLayout, *,
-                      cu_seqlens=None, seq_dim: int = 1,
+                      cu_seqlens=None, seq_dim: int | None = None,
                       global_batch_size: int | None = None) -> CPBatch:
   """Global CP-sharded arrays from this process's packed rows.
 
@@ -286,23 +289,27 @@ def make_global_batch(local_rows, cu_seqlens_padded, layout: CPLayout, *,
       ``labels``, ``position_ids``, ...), numpy (host) ``[B_local, T, ...]``:
       the whole rows listed by :func:`process_batch_rows` (the rows of every
       batch shard any of this process's devices holds, increasing global row
-      order). With 1-D metadata ``[N+1]`` (no batch dim), ``[T, ...]`` arrays
-      with ``seq_dim=0``; the layout's ``batch_axis`` must then be ``None``.
+      order). With 1-D metadata ``[N+1]`` (no batch dim), ``[T, ...]``
+      arrays; the layout's ``batch_axis`` must then be ``None``.
     cu_seqlens_padded: int ``[B_local, N+1]``: the metadata of those rows,
       in physical order (never reordered).
     layout: the :class:`jax_cp.CPLayout`, with its ``mesh`` (a
       ``jax.sharding.Mesh``, Explicit or Auto axes, spanning the devices of
       every process; optional without CP), ``cp_axis`` (``None``: no CP),
       ``batch_axis`` (``None`` replicates the rows over every non-cp axis),
-      strategy and ``max_seqlen`` (checked here against the longest padded
-      document).
+      strategy and ``max_seqlen`` (checked here against the longest
+      document; slots that hold no token, such as the padding after a
+      row's last document, never count when ``cu_seqlens`` is given:
+      :func:`jax_cp.cp.validation.document_spans`).
     cu_seqlens: optional int ``[B_local, N+1]``, the valid-length metadata of
       the same rows; checked here against ``cu_seqlens_padded`` (same shape,
       starts at 0, no document longer than its padded slot; in
       multi-process runs ``cp_attention`` sees only the global, sharded
       metadata and cannot check the values) and assembled into the batch.
       Attention needs it.
-    seq_dim: the token dim of the arrays (1 for ``[B, T, ...]``).
+    seq_dim: the token dim of the arrays; default (None): 1 with batched
+      metadata (``[B_local, T, ...]``), 0 with ``[N+1]`` (``[T, ...]``), as
+      every data function that takes ``seq_dim``.
     global_batch_size: optional ``B``; when given the number of local rows is
       checked against it (without it ``B`` is inferred from ``B_local``, which
       cannot catch a process passing the rows of other processes too).
@@ -352,12 +359,14 @@ def make_global_batch(local_rows, cu_seqlens_padded, layout: CPLayout, *,
   if not batched and axes:
     raise ValueError(f"batch_axis={batch_axis!r} needs batched rows "
                      f"[B_local, T, ...] with cu_seqlens_padded [B_local, N+1]")
+  seq_dim = token_dim(seq_dim, cuP)
   total = _check_tokens(items, cuP, seq_dim, batched)
   validation.check_divisible_tokens(total, cp)
-  if cu_seqlens is not None:
-    validation.check_cu_seqlens(np.asarray(cu_seqlens), cuP)
+  cu_host = None if cu_seqlens is None else np.asarray(cu_seqlens)
+  if cu_host is not None:
+    validation.check_cu_seqlens(cu_host, cuP)
   if max_seqlen is not None:
-    check_max_seqlen_bound(cuP, max_seqlen)
+    check_max_seqlen_bound(cuP, max_seqlen, cu_host, layout)
   local_tokens = total // cp
 
   shards, n = (([0], 1) if on_one_device
@@ -381,7 +390,9 @@ def make_global_batch(local_rows, cu_seqlens_padded, layout: CPLayout, *,
       slices[key] = (tuple(x[rows] for _, x in items) if cp_axis is None
                      else get_batch_on_this_cp_rank(
                          cuP[rows], *(x[rows] for _, x in items),
-                         cp_rank=key[2], layout=layout, seq_dim=seq_dim))
+                         cp_rank=key[2], layout=layout, seq_dim=seq_dim,
+                         cu_seqlens=None if cu_host is None
+                         else cu_host[rows]))
     return slices[key]
 
   def sharding_of(spec):
@@ -409,7 +420,7 @@ def make_global_batch(local_rows, cu_seqlens_padded, layout: CPLayout, *,
       tensors=rebuild(out), cu_seqlens_padded=global_meta(cuP),
       cu_seqlens=(None if cu_seqlens is None
                   else global_meta(np.asarray(cu_seqlens))),
-      layout=layout, checked_max_seqlen=max_seqlen)
+      layout=layout, checked_max_seqlen=max_seqlen, total_tokens=total)
 
 
 __all__: Sequence[str] = ("make_global_batch",

@@ -24,8 +24,10 @@ MaxText's packing) or after any document (``padding="between"``, grain's
 aligned packing). The padding after a document, up to the next document
 (or the next multiple of the padding for the last one), belongs to its
 padded slot; the rest of a row after its last document is one more slot,
-empty (valid length 0), so that it neither lengthens the longest padded
-document (``max_seqlen``) nor unbalances the last document's chunks.
+empty (valid length 0): an empty slot never counts against ``max_seqlen``
+(:func:`jax_cp.cp.validation.document_spans`; pass the rows'
+``cu_seqlens`` on to :func:`jax_cp.data.make_global_batch`), and it keeps
+the last document's chunks balanced.
 """
 
 from __future__ import annotations

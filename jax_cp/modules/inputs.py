@@ -50,14 +50,16 @@ def metadata(layout: CPLayout, cu_seqlens, cu_seqlens_padded, what: str
 
 
 def check_tokens(layout: CPLayout, n_tokens: int, cu_seqlens_padded,
-                 argname: str) -> int:
+                 argname: str, batch: Any = None) -> int:
   """Checks that ``n_tokens`` (the module's token axis) fits the global row
   metadata and returns the cp size.
 
   Global view (and no CP): ``n_tokens`` is the whole row and must equal
   ``cu_seqlens_padded[..., -1]``. Local view: ``n_tokens`` is this rank's
-  chunk and ``n_tokens * cp_size`` must. Values are compared only when the
-  metadata is concrete; shapes are always checked.
+  chunk and ``n_tokens * cp_size`` must. Values are compared when the
+  metadata is concrete; a :class:`jax_cp.CPBatch` given as ``batch``
+  compares its static token count also under ``jit``
+  (:meth:`jax_cp.CPBatch.check_tokens`); shapes are always checked.
 
   Raises:
     ValueError: naming ``cu_seqlens_padded`` (length mismatch), ``cp_axis``
@@ -68,6 +70,8 @@ def check_tokens(layout: CPLayout, n_tokens: int, cu_seqlens_padded,
     raise ValueError(f"cu_seqlens_padded must be [N+1] or [B, N+1], got shape "
                      f"{np.shape(cu_seqlens_padded)}")
   total = n_tokens * cp if layout.is_local else n_tokens
+  if isinstance(batch, CPBatch):
+    batch.check_tokens(total, None, argname)
   cuP = concrete(cu_seqlens_padded)
   if cuP is not None and cuP.size:
     ends = np.unique(cuP.reshape(-1, cuP.shape[-1])[:, -1])
@@ -120,9 +124,10 @@ def call_inputs(layout: CPLayout | None, x_shape, cu_seqlens,
   The caller passes its own ``cu_seqlens`` (a :class:`CPBatch` or arrays)
   on to attention, not the unpacked ones: a batch keeps its host check."""
   layout = module_layout(layout)
+  batch = cu_seqlens
   cu_seqlens, cu_seqlens_padded = metadata(
       layout, cu_seqlens, cu_seqlens_padded, f"{what}'s batch")
-  cp_size = check_tokens(layout, x_shape[-2], cu_seqlens_padded, "x")
+  cp_size = check_tokens(layout, x_shape[-2], cu_seqlens_padded, "x", batch)
   check_position_ids(position_ids, x_shape)
   if position_ids is None and rope_theta is not None:
     position_ids = default_position_ids(layout, cu_seqlens_padded,
@@ -167,7 +172,7 @@ def dot_product_attention(layout: CPLayout | None, query, key, value,
   layout = module_layout(layout)
   _, cuP = metadata(layout, cu_seqlens, cu_seqlens_padded,
                     "DotProductAttention's batch")
-  check_tokens(layout, query.shape[-3], cuP, "query")
+  check_tokens(layout, query.shape[-3], cuP, "query", cu_seqlens)
   if dtype is not None:
     query, key, value = (x.astype(dtype) for x in (query, key, value))
   return attend(layout, query, key, value, cu_seqlens, cu_seqlens_padded,

@@ -111,16 +111,19 @@ def plan(chunk_size: int | None, layout: CPLayout, tokens: int,
   return Plan(int(chunk_size), int(halo), bound if uses_bound else None)
 
 
-def check_bound(p: Plan, cu_seqlens_padded):
+def check_bound(p: Plan, cu_seqlens_padded, cu_seqlens=None):
   """The guard of the halo's bound: a ``ValueError`` for concrete metadata
-  with a longer padded document; for traced metadata the bool scalar that
+  with a longer document (its valid tokens: a chunk's queries read back
+  over those alone, so the padding after a row's last document never
+  counts; :func:`jax_cp.cp.validation.document_spans` at cp = 1); for
+  traced metadata the bool scalar that
   turns the keys and values NaN (a fallback to the whole row would keep
   the whole row's buffers, which is what chunks avoid). None when no
   bound is needed."""
   if p.bound is None:
     return None
-  validation.check_max_seqlen_bound(cu_seqlens_padded, p.bound)
-  return guard.exceeds_bound(cu_seqlens_padded, p.bound)
+  validation.check_max_seqlen_bound(cu_seqlens_padded, p.bound, cu_seqlens)
+  return guard.exceeds_bound(cu_seqlens_padded, p.bound, cu_seqlens)
 
 
 def chunk_segments(cu_seqlens, cu_seqlens_padded, q_start, kv_start,
@@ -297,7 +300,7 @@ def run_layer_chunks(make_fn: Callable, layout: CPLayout, x, position_ids,
   a :class:`jax_cp.CPBatch`."""
   cu, cuP = module_metadata(layout, cu_seqlens, cu_seqlens_padded,
                             "TransformerLayer's batch")
-  broken = check_bound(plan, cuP)
+  broken = check_bound(plan, cuP, cu)
   cu, cuP = jnp.asarray(cu, jnp.int32), jnp.asarray(cuP, jnp.int32)
   single = x.ndim == 2
   if single:

@@ -50,7 +50,6 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
 import jax_cp  # noqa: E402
-from examples import multihost  # noqa: E402
 from jax_cp import CPLayout, data  # noqa: E402
 from jax_cp import CPLoadBalancingStrategy as S  # noqa: E402
 from tests import reference as ref  # noqa: E402
@@ -249,7 +248,7 @@ def load_only_cases():
 def main():
   t0 = time.time()
   start_watchdog(ARGS.watchdog)
-  multihost.init_distributed(
+  data.init_distributed(
       ARGS.coordinator, ARGS.num_processes, ARGS.process_id,
       cpu_devices=ARGS.cpu_devices,
       heartbeat_timeout_seconds=ARGS.heartbeat, initialization_timeout=60,
@@ -266,9 +265,9 @@ def main():
     os._exit(DIE_STATUS)
   meshes = {
       # cp spans both processes; Explicit axes (jax.make_mesh's default).
-      "cp8": multihost.make_mesh(1, 8),
+      "cp8": data.make_cp_mesh(1, 8),
       # dp across processes, cp inside each; Auto axes.
-      "dp2_cp4": multihost.make_mesh(2, 4, axis_types=(AxisType.Auto,) * 2),
+      "dp2_cp4": data.make_cp_mesh(2, 4, axis_types=(AxisType.Auto,) * 2),
   }
   for name, mesh in meshes.items():
     groups = {d.process_index for d in mesh.devices[0]}

@@ -1,6 +1,6 @@
-"""Multi-process (multi-host) setup for the examples: start JAX's
-multi-controller runtime and build a ``(data, cp)`` mesh with cp inside a
-host first.
+"""Several processes (one per host): start JAX's multi-controller runtime
+(:func:`init_distributed`) and build a ``(data, cp)`` mesh with each cp
+group inside a host (:func:`make_cp_mesh`).
 
 One process per host (GPU: it drives all the host's GPUs; CPU: it drives
 its virtual CPU devices). On every host, run the same script with the same
@@ -23,9 +23,12 @@ are ``None``:
 
 Usage::
 
-    from examples import multihost          # from the repository root
-    multihost.init_distributed(cpu_devices=4)   # before any JAX computation
-    mesh = multihost.make_mesh(dp=2, cp=4)
+    import jax_cp
+    jax_cp.data.init_distributed()   # before any JAX computation
+    mesh = jax_cp.data.make_cp_mesh(dp=2, cp=4)
+
+Each process then loads only the rows of its batch shards
+(:func:`jax_cp.data.process_batch_rows`).
 """
 
 from __future__ import annotations
@@ -120,7 +123,7 @@ def init_distributed(coordinator: str | None = None,
   return True
 
 
-def make_mesh(dp: int | None, cp: int, *,
+def make_cp_mesh(dp: int | None, cp: int, *,
               axis_names: Sequence[str] = ("data", "cp"),
               axis_types=None, devices=None) -> jax.sharding.Mesh:
   """A ``(dp, cp)`` mesh with each cp group on as few processes as possible.
@@ -156,3 +159,7 @@ def make_mesh(dp: int | None, cp: int, *,
     axis_types = (jax.sharding.AxisType.Explicit,) * 2
   return jax.sharding.Mesh(grid, tuple(axis_names),
                            axis_types=tuple(axis_types))
+
+
+__all__ = ("ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID",
+           "init_distributed", "make_cp_mesh")
