@@ -191,10 +191,16 @@ def maxtext_batch(seed: int, vocab_size: int = Config.vocab_size,
   return out
 
 
-def make_layout(mesh, strategy: str) -> jax_cp.CPLayout:
-  """Rows over ``cp``, batch over ``data``."""
+def make_layout(mesh, strategy: str, doc_lengths=DOC_LENGTHS
+                ) -> jax_cp.CPLayout:
+  """Rows over ``cp``, batch over ``data``, ``max_seqlen`` the longest
+  document of the batches (rounded up to DUAL_CHUNK_SWAP's padding)."""
+  cp = mesh.shape[CP]
+  longest = max(max(row) for row in doc_lengths)
+  if strategy == "dual_chunk_swap":
+    longest = -(-longest // (2 * cp)) * 2 * cp
   return jax_cp.CPLayout(mesh=mesh, cp_axis=CP, batch_axis=DATA,
-                         strategy=strategy)
+                         strategy=strategy, max_seqlen=longest)
 
 
 def cp_batch(mt: dict, layout: jax_cp.CPLayout) -> jax_cp.CPBatch:

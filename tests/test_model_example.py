@@ -66,7 +66,14 @@ def test_cp_loss_and_gradients_equal_the_model_without_cp(strategy,
   mt, params, want_loss, want_grads = reference
   mesh = jax.make_mesh((2, 4), (ex.DATA, ex.CP), devices=devices(8))
   layout = ex.make_layout(mesh, strategy)
+  # max_seqlen: the longest document (30), rounded up to 2*cp = 8 tokens
+  # under DUAL_CHUNK_SWAP; the rows' trailing padding is longer.
+  assert layout.max_seqlen == {"no_load_balance": 30,
+                               "dual_chunk_swap": 32}[strategy]
   batch = ex.cp_batch(mt, layout)
+  assert batch.checked_max_seqlen == layout.max_seqlen
+  pads = (mt["inputs_segmentation"] == 0).sum(axis=1)
+  assert pads.max() > layout.max_seqlen
   model = ex.Decoder(CFG, attention_op=jax_cp.cp_attention)
   with jax.set_mesh(mesh):
     loss, grads = jax.jit(jax.value_and_grad(

@@ -47,6 +47,8 @@ def test_four_calls(capsys):
   ns = _run(PYTHON[0])
   rows, batch, layout = ns["rows"], ns["batch"], ns["layout"]
   assert batch.checked_max_seqlen == layout.max_seqlen == 40
+  # A row's trailing padding, longer than the bound, is no document.
+  assert (ns["seg"] == 0).sum(axis=1).max() > layout.max_seqlen
   loss, grads, params = ns["loss"], ns["grads"], ns["params"]
   # The same parameters without CP, on the rows in physical order, with
   # plain masked attention in place of jax_cp's attention_fn.
@@ -102,24 +104,28 @@ def test_fixed_slot_counts():
   ns = _run(PYTHON[2])
   a, b = ns["a"], ns["b"]
   # Short documents need many slots, long ones few: the same shape only
-  # because max_docs fixes it.
+  # because max_docs fixes it; the count each batch needs differs.
   used = lambda r: int((np.diff(r.cu_seqlens_padded, axis=1) > 0).sum(1)
                        .max())
   assert used(a) > 2 * used(b)
+  seg = ns["segment_ids"](32)
+  fit = jax_cp.data.rows_from_segment_ids(seg, seg)
+  assert fit.cu_seqlens.shape != a.cu_seqlens.shape
+  # Fewer slots than a row needs raise, naming the row.
+  with pytest.raises(ValueError, match="row 0"):
+    jax_cp.data.rows_from_segment_ids(seg, seg, max_docs=4)
 
 
 def test_seq_dim():
   ns = _run(PYTHON[3])
-  x, y = ns["x"], ns["y"]
+  x, y, h = ns["x"], ns["y"], ns["h"]
   assert not (x == y).all()            # DUAL_CHUNK_SWAP moved tokens
-  # The default seq_dim=0 with batched metadata raises, naming the rule,
-  # before it reads a length off the batch dim.
-  data = jax_cp.data
-  for call in (lambda: data.reorder_for_cp(x, ns["cuP"], ns["layout"]),
-               lambda: data.restore_from_cp(y, ns["cuP"], ns["layout"]),
+  # The default token dim of [B, E, T] is 1 (E = 3 tokens): it raises,
+  # naming seq_dim, in every function that takes it.
+  data, cuP, layout = jax_cp.data, ns["cuP"], ns["layout"]
+  for call in (lambda: data.reorder_for_cp(h, cuP, layout),
+               lambda: data.restore_from_cp(h, cuP, layout),
                lambda: data.get_batch_on_this_cp_rank(
-                   ns["cuP"], x, layout=ns["layout"], cp_rank=0)):
-    with pytest.raises(ValueError, match=r"seq_dim >= 1, got seq_dim=0"):
+                   cuP, h, layout=layout, cp_rank=0)):
+    with pytest.raises(ValueError, match="seq_dim=1"):
       call()
-  with pytest.raises(ValueError, match="seq_dim=3 is not an axis of x"):
-    data.reorder_for_cp(x, ns["cuP"], ns["layout"], seq_dim=3)
