@@ -57,6 +57,13 @@ def exchange_kind(cfg: config.Config, cp: int, bound: int | None) -> str:
                          cfg.seq_len, bound, comm_type=cfg.comm_type).kind
 
 
+def documents(exchange: str, dp: int, cp: int, **overrides) -> int:
+  """The documents of the batch :func:`step_twice` runs on (host only)."""
+  rows = data.load_rows(make_config(exchange, **overrides), dp, cp)
+  cu = np.asarray(rows.cu_seqlens)
+  return int(np.sum(np.diff(cu, axis=-1) > 0))
+
+
 def step_twice(exchange: str, deterministic: bool | None, *, dp: int,
                cp: int, platform: str, **overrides):
   """``(first, second, kind)``: ``{"loss": float32 scalar, "grads": [one
@@ -133,7 +140,9 @@ def run(argv=None) -> dict:
                           **json.loads(args.overrides))
   result = dict(differences(a, b), exchange=kind,
                 xla_flag=jax_cp.attention.xla_requests_determinism(),
-                loss=float(a["loss"]))
+                loss=float(a["loss"]),
+                documents=documents(args.exchange, args.dp, args.cp,
+                                    **json.loads(args.overrides)))
   print(json.dumps(result))
   return result
 

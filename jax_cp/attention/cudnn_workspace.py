@@ -358,13 +358,13 @@ def backward_split(tokens_q: int, tokens_kv: int, heads_q: int,
            "into K/V slices")
     raise ValueError(
         f"the deterministic cuDNN backward of this call cannot fit its "
-        f"scratch bound of {limit / 2**30:.2f} GiB "
+        f"scratch bound of {limit / 2**30:.3g} GiB "
         f"({SCRATCH_LIMIT_ENV}): Tq={tokens_q}, Tkv={tokens_kv}, "
         f"Hq={heads_q}, Hkv={heads_kv}, D={head_dim}, "
         f"S={kwargs.get('segments')} segments of up to "
         f"s_q={kwargs.get('max_seqlen_q')} x "
         f"s_kv={kwargs.get('max_seqlen_kv')} rows; its dP buffer "
-        f"(S * Hq * s_q * s_kv * 2 bytes) is {one.dp / 2**30:.2f} GiB for "
+        f"(S * Hq * s_q * s_kv * 2 bytes) is {one.dp / 2**30:.3g} GiB for "
         f"one KV head's {heads_q // groups} query heads, and no split fits "
         f"{how}. Raise {SCRATCH_LIMIT_ENV}, bound the documents "
         f"(max_seqlen) or spread the row over more cp ranks, or run "
