@@ -64,6 +64,33 @@ def documents(exchange: str, dp: int, cp: int, **overrides) -> int:
   return int(np.sum(np.diff(cu, axis=-1) > 0))
 
 
+def build_step(exchange: str, deterministic: bool | None, *, dp: int,
+               cp: int, platform: str, **overrides):
+  """``(grads, state, batch, mesh, kind)``: the jitted ``(state, batch) ->
+  (loss, [gradient per parameter])`` of the example's model with the
+  layout's ``deterministic``, its arguments, the mesh they live on and
+  the exchange the layout chose (arguments as for :func:`step_twice`)."""
+  cfg = make_config(exchange, **overrides)
+  mesh = main.make_mesh(dp, cp, platform)
+  rows = data.load_rows(cfg, dp, cp)
+  bound = rows.max_seqlen if EXCHANGES[exchange][2] else None
+  layout = model.make_layout(cfg, mesh, bound).replace(
+      deterministic=deterministic)
+  batch = data.place_batch(rows, layout,
+                           jax_cp.data.process_batch_rows(layout, dp))
+  with jax.set_mesh(mesh):
+    graphdef, state, _ = train.init_state(cfg, layout,
+                                          train.make_optimizer(cfg), mesh)
+
+  @jax.jit
+  def grads(state, batch):
+    net, _ = nnx.merge(graphdef, state)
+    loss, g = nnx.value_and_grad(train.loss_fn)(net, batch)
+    return loss, jax.tree.leaves(g)
+
+  return grads, state, batch, mesh, exchange_kind(cfg, cp, bound)
+
+
 def step_twice(exchange: str, deterministic: bool | None, *, dp: int,
                cp: int, platform: str, **overrides):
   """``(first, second, kind)``: ``{"loss": float32 scalar, "grads": [one
@@ -78,30 +105,15 @@ def step_twice(exchange: str, deterministic: bool | None, *, dp: int,
     **overrides: fields of the example's ``Config`` (sizes, backend,
       dtype).
   """
-  cfg = make_config(exchange, **overrides)
-  mesh = main.make_mesh(dp, cp, platform)
-  rows = data.load_rows(cfg, dp, cp)
-  bound = rows.max_seqlen if EXCHANGES[exchange][2] else None
-  layout = model.make_layout(cfg, mesh, bound).replace(
-      deterministic=deterministic)
-  batch = data.place_batch(rows, layout,
-                           jax_cp.data.process_batch_rows(layout, dp))
+  grads, state, batch, mesh, kind = build_step(
+      exchange, deterministic, dp=dp, cp=cp, platform=platform, **overrides)
+  runs = []
   with jax.set_mesh(mesh):
-    graphdef, state, _ = train.init_state(cfg, layout,
-                                          train.make_optimizer(cfg), mesh)
-
-    @jax.jit
-    def grads(state, batch):
-      net, _ = nnx.merge(graphdef, state)
-      loss, g = nnx.value_and_grad(train.loss_fn)(net, batch)
-      return loss, jax.tree.leaves(g)
-
-    runs = []
     for _ in range(2):
       loss, g = grads(state, batch)
       runs.append(dict(loss=np.asarray(loss),
                        grads=[np.asarray(x) for x in g]))
-  return runs[0], runs[1], exchange_kind(cfg, cp, bound)
+  return runs[0], runs[1], kind
 
 
 def differences(a, b) -> dict:

@@ -23,6 +23,7 @@ except ModuleNotFoundError:  # a present but broken extension fails
 
 import jax_cp
 from jax_cp.attention import cudnn_workspace
+from tests import determinism_step
 from tests._devices import devices
 from tests._lowering import custom_calls, lower_for_cuda
 
@@ -174,3 +175,24 @@ def test_xla_flag_turns_the_mode_on():
                        timeout=300).stdout
   assert re.findall(r"^(\w+) (\d) : i64$", out, re.M) == [
       ("None", "1"), ("False", "0")], out
+
+
+@pytest.mark.parametrize("exchange", ["dcs_all_gather", "nlb_halo"])
+def test_example_step_lowers_only_deterministic_backward_calls(exchange):
+  """The example's gradient step (bfloat16 on cuDNN, cp = 4, the mode on)
+  lowered for CUDA: every backward custom call of the whole program
+  carries ``deterministic = 1``; with the mode off every one carries 0."""
+  devices(4, "cpu")
+  sizes = dict(layers=2, d_model=64, heads=4, kv_heads=2, dtype="bfloat16",
+               backend="cudnn", seq_len=256, max_doc_len=128)
+  flags = {}
+  for det in (True, False):
+    grads, state, batch, mesh, _ = determinism_step.build_step(
+        exchange, det, dp=1, cp=4, platform="cpu", **sizes)
+    with jax.set_mesh(mesh):
+      text = grads.trace(state, batch).lower(
+          lowering_platforms=("cuda",)).as_text()
+    flags[det] = backward_flags(text)
+  assert len(flags[True]) >= 2 and set(flags[True]) == {"1 : i64"}
+  assert set(flags[False]) == {"0 : i64"}
+  assert len(flags[False]) == len(flags[True])
