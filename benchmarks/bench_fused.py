@@ -18,6 +18,11 @@ longest document) is timed in alternation with each reference (A,
   nothing);
 * ``ours``: the primitive against itself, the run's control: its ratio's
   distance from 1 is what the harness alone gives a pair;
+* ``deterministic``: the primitive in the deterministic mode
+  (``deterministic=True``: cuDNN's deterministic backward, split where its
+  scratch must be; docs/determinism.md); its ratio is the mode's cost
+  (> 1: the mode is slower). Run it without XLA's determinism flag, which
+  would put the primitive itself in the mode;
 * ``cp_attention``, ``cp_attention_constant``: :func:`jax_cp.cp_attention`
   at cp=1 (NO_LOAD_BALANCE, ``max_seqlen`` the longest document) with the
   metadata as jit arguments (a :class:`jax_cp.CPBatch` checked on the
@@ -59,7 +64,8 @@ import jax_cp
 from benchmarks import peers, profiling, results, timing, workload
 
 REFERENCES = ("ours", "jax_nn", "jax_packed", "constant_metadata",
-              "cp_attention", "cp_attention_constant", *peers.PEERS)
+              "cp_attention", "cp_attention_constant", "deterministic",
+              *peers.PEERS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,12 +111,15 @@ def attention_fns(args, tokens: int, head_dim: int, lens_np: np.ndarray,
   window = workload.window_size(args.window)
   longest = int(lens_np.max())
 
-  def ours(q, k, v, lens, offs):
+  def ours(q, k, v, lens, offs, deterministic=None):
     offs = offs if np.shape(offs)[-1] > 1 else None
     return jax_cp.fused_attention(
         q, k, v, lens, lens, offs, offs, attn_mask_type="causal_top_left",
         backend=args.backend, max_seqlen_q=longest, max_seqlen_kv=longest,
-        window_size=window)
+        window_size=window, deterministic=deterministic)
+
+  def deterministic(q, k, v, lens, offs):
+    return ours(q, k, v, lens, offs, deterministic=True)
 
   def constant_metadata(q, k, v, lens, offs):
     del lens, offs
@@ -149,7 +158,8 @@ def attention_fns(args, tokens: int, head_dim: int, lens_np: np.ndarray,
   metadata = {"cp_attention": (batch,)}
   fns = {"ours": ours, "jax_nn": jax_nn, "jax_packed": jax_packed,
          "constant_metadata": constant_metadata, "cp_attention": cp_attention,
-         "cp_attention_constant": cp_attention_constant}
+         "cp_attention_constant": cp_attention_constant,
+         "deterministic": deterministic}
   for name in peers.PEERS:
     if name in args.refs:
       fns[name] = peers.load(name, tokens=tokens, head_dim=head_dim,

@@ -219,7 +219,8 @@ TABLES: dict[str, tuple[str, str, list[Column]]] = {
         "packed cuDNN call with segment offsets (*JAX packed*), or "
         "the primitive with the metadata as constants of the program "
         "(*constant_metadata*; every other program takes them as jit "
-        "arguments). Ratio: "
+        "arguments), or the primitive in the deterministic mode "
+        "(*deterministic*: its ratio is the mode's cost). Ratio: "
         "A's time over B's (> 1: the primitive is faster), median of the "
         "paired reps (IQR). TFLOP/s: causal pairs counted, the backward's "
         "recompute included.", [

@@ -18,6 +18,10 @@
 // `jax_cp_cudnn_sdpa_bwd_into` takes one more operand after stats, dq_in,
 // aliased to dq: the call writes the Q rows its segments cover and every
 // other row keeps its value (dk, dv are filled as usual).
+//
+// Both take one attribute more than the forward, after the common ones:
+// deterministic = 1 runs the frontend's deterministic algorithm
+// (SdpaGraphKey::deterministic), bitwise the same results run to run.
 #include <unordered_map>
 #include <utility>
 
@@ -45,7 +49,7 @@ ffi::Error SdpaBackwardImpl(
     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
     int64_t segments, int64_t mask, float scale, int64_t max_seqlen_q,
     int64_t max_seqlen_kv, int64_t window_left, int64_t tiled,
-    int64_t offset_bits, int64_t poison) {
+    int64_t offset_bits, int64_t poison, int64_t deterministic) {
   const bool into = dq_in != nullptr;
   const char* call = into ? kSdpaBackwardIntoTarget : kSdpaBackwardTarget;
   return GuardFfi(call, [&]() -> ffi::Error {
@@ -55,7 +59,12 @@ ffi::Error SdpaBackwardImpl(
                                max_seqlen_kv, window_left, tiled, offset_bits,
                                poison});
     if (!key_or.has_value()) return key_or.error();
-    const SdpaGraphKey& key = *key_or;
+    if (deterministic != 0 && deterministic != 1) {
+      return Invalid(call, "deterministic must be 0 or 1; got " +
+                               std::to_string(deterministic));
+    }
+    SdpaGraphKey& key = *key_or;
+    key.deterministic = deterministic == 1;
     ffi::Error e = CheckSameAs(call, "out", out, "q", q);
     if (e.success()) e = CheckSameAs(call, "dout", dout, "q", q);
     if (e.success()) e = CheckStats(call, "stats", stats, key);
@@ -132,11 +141,12 @@ ffi::Error SdpaBackward(
     ffi::Result<ffi::AnyBuffer> dv, int64_t segments, int64_t mask,
     float scale, int64_t max_seqlen_q, int64_t max_seqlen_kv,
     int64_t window_left, int64_t tiled,
-    int64_t offset_bits, int64_t poison) {
+    int64_t offset_bits, int64_t poison, int64_t deterministic) {
   return SdpaBackwardImpl(stream, std::move(scratch), device, q, k, v, out,
                           dout, stats, nullptr, meta, dq, dk, dv, segments,
                           mask, scale, max_seqlen_q, max_seqlen_kv,
-                          window_left, tiled, offset_bits, poison);
+                          window_left, tiled, offset_bits, poison,
+                          deterministic);
 }
 
 ffi::Error SdpaBackwardInto(
@@ -147,11 +157,12 @@ ffi::Error SdpaBackwardInto(
     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
     int64_t segments, int64_t mask, float scale, int64_t max_seqlen_q,
     int64_t max_seqlen_kv, int64_t window_left, int64_t tiled,
-    int64_t offset_bits, int64_t poison) {
+    int64_t offset_bits, int64_t poison, int64_t deterministic) {
   return SdpaBackwardImpl(stream, std::move(scratch), device, q, k, v, out,
                           dout, stats, &dq_in, meta, dq, dk, dv, segments,
                           mask, scale, max_seqlen_q, max_seqlen_kv,
-                          window_left, tiled, offset_bits, poison);
+                          window_left, tiled, offset_bits, poison,
+                          deterministic);
 }
 
 }  // namespace
@@ -171,7 +182,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::AnyBuffer>()  // dq
         .Ret<ffi::AnyBuffer>()  // dk
         .Ret<ffi::AnyBuffer>()  // dv
-    ));
+    ).Attr<int64_t>("deterministic"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxCpCudnnSdpaBackwardInto, jax_cp::SdpaBackwardInto,
@@ -187,4 +198,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::AnyBuffer>()  // dq
         .Ret<ffi::AnyBuffer>()  // dk
         .Ret<ffi::AnyBuffer>()  // dv
-    ));
+    ).Attr<int64_t>("deterministic"));

@@ -229,8 +229,11 @@ std::shared_ptr<fe::graph::Graph> DescribeBackward(const SdpaGraphKey& key) {
   attrs.set_name("jax_cp_sdpa_bwd")
       .set_attn_scale(key.scale());
   SetPadding(attrs, key, in);
-  // Deterministic mode stays off (the default): on Hopper it forces a large
-  // dP workspace.
+  // The deterministic algorithm only where the call asks for it (the
+  // `deterministic` attribute): on Hopper it trades the float32 dQ
+  // accumulator, whose adds race, for a dP buffer of S * Hq * s_q * s_kv
+  // values, which the Python side bounds by splitting the call.
+  attrs.set_deterministic_algorithm(key.deterministic);
   ApplyMask(attrs, key.mask, key.window_left);
   auto [d_q, d_k, d_v] =
       g->sdpa_backward(in.q, in.k, in.v, o, d_o, stats, std::move(attrs));
@@ -423,6 +426,20 @@ std::string WorkspaceFailure(const char* call, const SdpaGraphKey& key,
   if (injected) msg += " (injected)";
   if (key.direction != SdpaDirection::kBackward) return msg;
   const int64_t f32 = 4, hq = key.heads_q, d = key.head_dim;
+  if (key.deterministic) {
+    // The frontend's bound on the dP buffer of the deterministic algorithm:
+    // s_q rounded up to 64 and s_kv to 128, two bytes a value.
+    const int64_t sq = (key.max_seqlen_q + 63) / 64 * 64;
+    const int64_t skv = (key.max_seqlen_kv + 127) / 128 * 128;
+    const int64_t dp = key.segments * hq * sq * skv * 2;
+    return msg + "; the deterministic cuDNN backward keeps a dP buffer " +
+           "S*Hq*s_q*s_kv*2 = " + std::to_string(key.segments) + "*" +
+           std::to_string(hq) + "*" + std::to_string(sq) + "*" +
+           std::to_string(skv) + "*2 = " + Gigabytes(dp) +
+           " (jax_cp.attention.cudnn_workspace.backward_workspace with " +
+           "deterministic=True); a lower JAX_CP_CUDNN_BWD_SCRATCH_GIB " +
+           "splits it into more head groups and K/V slices";
+  }
   const int64_t dq = key.tokens_q * hq * d * f32;
   const int64_t dkv =
       key.heads_q != key.heads_kv ? 2 * key.tokens_kv * hq * d * f32 : 0;
@@ -507,16 +524,17 @@ bool SdpaGraphKey::operator==(const SdpaGraphKey& o) const {
          io_type == o.io_type && mask == o.mask && scale_bits == o.scale_bits &&
          max_seqlen_q == o.max_seqlen_q && max_seqlen_kv == o.max_seqlen_kv &&
          window_left == o.window_left && tiled == o.tiled &&
-         offset_bits == o.offset_bits && stats == o.stats;
+         offset_bits == o.offset_bits && stats == o.stats &&
+         deterministic == o.deterministic;
 }
 
 std::string SdpaGraphKey::ToString() const {
-  char buf[480];
+  char buf[512];
   std::snprintf(
       buf, sizeof(buf),
       "%s device=%d S=%lld Tq=%lld Tkv=%lld Hq=%lld Hkv=%lld D=%lld dtype=%s "
       "mask=%s scale=%.9g max_seqlen_q=%lld max_seqlen_kv=%lld "
-      "window_left=%lld tiled=%d offset_bits=%lld stats=%d",
+      "window_left=%lld tiled=%d offset_bits=%lld stats=%d deterministic=%d",
       direction == SdpaDirection::kForward ? "fwd" : "bwd", device,
       static_cast<long long>(segments), static_cast<long long>(tokens_q),
       static_cast<long long>(tokens_kv), static_cast<long long>(heads_q),
@@ -525,7 +543,8 @@ std::string SdpaGraphKey::ToString() const {
       static_cast<double>(scale()), static_cast<long long>(max_seqlen_q),
       static_cast<long long>(max_seqlen_kv),
       static_cast<long long>(window_left), tiled ? 1 : 0,
-      static_cast<long long>(offset_bits), stats ? 1 : 0);
+      static_cast<long long>(offset_bits), stats ? 1 : 0,
+      deterministic ? 1 : 0);
   return buf;
 }
 
@@ -551,6 +570,7 @@ size_t SdpaGraphKeyHash::operator()(const SdpaGraphKey& k) const {
   mix(static_cast<uint64_t>(k.tiled));
   mix(static_cast<uint64_t>(k.offset_bits));
   mix(static_cast<uint64_t>(k.stats));
+  mix(static_cast<uint64_t>(k.deterministic));
   return h;
 }
 

@@ -67,6 +67,12 @@ struct SdpaGraphKey {
   // backward or a merge reads). false is the inference form: cuDNN
   // computes and writes no stats.
   bool stats = true;
+  // Backward only: the frontend's deterministic algorithm
+  // (set_deterministic_algorithm): bitwise the same results run to run. On
+  // Hopper with cuDNN 9.19 it replaces the float32 dQ accumulator by a dP
+  // buffer of S * Hq * s_q * s_kv bf16 values in the workspace
+  // (jax_cp/attention/cudnn_workspace.py has the formula).
+  bool deterministic = false;
 
   float scale() const;
   bool operator==(const SdpaGraphKey& other) const;

@@ -12,6 +12,8 @@
   exist (``tests/_devices.py``).
 * ``record_error``: tests report their relative errors; the largest per
   dtype is printed at the end of the run.
+* ``record_run_to_run``: tests report how far two runs of one program
+  differ (tests/gpu/test_deterministic_cudnn.py); printed at the end.
 """
 
 import os
@@ -68,7 +70,23 @@ def record_error():
   return record
 
 
+_RUN_TO_RUN = {}
+
+
+@pytest.fixture
+def record_run_to_run(request):
+  """Records a JSON-able dict of two runs' differences under the test's
+  id; every one is printed at the end."""
+  def record(result: dict):
+    _RUN_TO_RUN[request.node.nodeid] = result
+  return record
+
+
 def pytest_terminal_summary(terminalreporter):
+  if _RUN_TO_RUN:
+    terminalreporter.section("run-to-run differences (two runs, one program)")
+    for nodeid, result in sorted(_RUN_TO_RUN.items()):
+      terminalreporter.write_line(f"{nodeid}: {result}")
   if not _LARGEST_ERRORS:
     return
   terminalreporter.section("largest relative errors vs the reference")

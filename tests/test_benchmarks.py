@@ -583,7 +583,7 @@ def test_bench_fused_on_cpu(tmp_path):
   if jax.default_backend() == "cpu":
     assert len(packed) == 2 and all("error" in r for r in packed)
   for ref in ("ours", "constant_metadata", "cp_attention",
-              "cp_attention_constant"):
+              "cp_attention_constant", "deterministic"):
     mine = [r for r in recs if r["reference"] == ref]
     assert [r["pass"] for r in mine] == ["fwd", "fwd_bwd"]
     assert all(r["ratio"] > 0 and "error" not in r for r in mine), mine

@@ -147,7 +147,7 @@ def test_backward_lowers_to_custom_call():
                    "max_seqlen_q": "64 : i64", "scale": "5.000000e-01 : f32",
                    "segments": "3 : i64", "window_left": "-1 : i64",
                    "tiled": "0 : i64", "offset_bits": "32 : i64",
-                   "poison": "0 : i64"}
+                   "poison": "0 : i64", "deterministic": "0 : i64"}
   tensors, meta = expected_operands("bf16")
   assert ins == tensors + [t((TQ, HQ, D), "bf16")] * 2 + [
       t((TQ, HQ), "f32")] + meta
@@ -182,7 +182,7 @@ def test_grad_through_fused_attention(mask):
             "segments": f"{s} : i64", "window_left": "-1 : i64",
             "tiled": "0 : i64", "offset_bits": "32 : i64", "poison": "0 : i64"}
   assert fwd[0] == common
-  assert bwd[0] == common
+  assert bwd[0] == dict(common, deterministic="0 : i64")
   tensors, meta = expected_operands("bf16", s=s, tq=b * tq, tkv=b * tq, hq=4,
                                     hkv=2)
   assert fwd[1] == tensors + meta

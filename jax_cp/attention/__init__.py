@@ -19,6 +19,8 @@ backends, and the pieces the CP layer and the layer chunks build on.
   memory, as a formula, and the bound on it.
 * :mod:`~jax_cp.attention.head_groups`: a backward in sub-calls over whole
   GQA head groups (how the cuDNN backend keeps to that bound).
+* :mod:`~jax_cp.attention.determinism`: the deterministic mode and how
+  XLA's request for it is read.
 """
 
 from jax_cp.attention.api import fused_attention
@@ -28,6 +30,7 @@ from jax_cp.attention.backend import (
     InPlaceAttentionBackend,
     Segments,
 )
+from jax_cp.attention.determinism import xla_requests_determinism
 from jax_cp.attention.registry import (
     register_backend,
     registered_backends,
@@ -37,4 +40,5 @@ from jax_cp.attention.validation import MASK_TYPES
 
 __all__ = ["fused_attention", "AttentionBackend", "Backend",
            "InPlaceAttentionBackend", "MASK_TYPES", "Segments",
-           "register_backend", "registered_backends", "resolve_backend"]
+           "register_backend", "registered_backends", "resolve_backend",
+           "xla_requests_determinism"]

@@ -120,7 +120,8 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets=None,
                     max_seqlen_q: int | None = None,
                     max_seqlen_kv: int | None = None,
                     window_size=None,
-                    return_lse: bool = False):
+                    return_lse: bool = False,
+                    deterministic: bool | None = None):
   """Attention over ragged segments of packed (THD) buffers, no CP.
 
   Segment ``i`` attends Q rows ``[q_offsets[i], q_offsets[i]+q_seqlens[i])``
@@ -158,6 +159,12 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets=None,
       it, a forward that nothing differentiates runs the inference form:
       no log-sum-exp is computed or written (the cudnn backend's
       ``forward_out``).
+    deterministic: the deterministic mode (docs/determinism.md): ``True``
+      runs the backend's deterministic backward (bitwise the same results
+      run to run; on cuDNN slower and with a larger scratch, split over
+      head groups and K/V ranges where it must be, ``ValueError`` where no
+      split fits), ``False`` the fastest one, ``None`` (default) follows
+      XLA's ``--xla_gpu_exclude_nondeterministic_ops``.
 
   Returns:
     The output in q's shape and dtype; rows no segment covers are 0.
@@ -203,7 +210,7 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets=None,
   resolved = resolve_backend(
       backend, dtype=q.dtype,
       score_bytes=4 * q.shape[-2] * math.prod(q.shape[:-2]) *
-      math.prod(k.shape[:-2]))
+      math.prod(k.shape[:-2]), deterministic=deterministic)
   flat = lambda x: x.reshape((-1,) + x.shape[-2:])
   if not return_lse:
     return _attention_out(flat(q), flat(k), flat(v), seg, resolved, mask,

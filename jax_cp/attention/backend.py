@@ -287,6 +287,12 @@ class Backend:
     dtypes: the q/k/v dtypes it takes; None: every floating dtype.
     handles_poison: it honours ``Segments.poison`` (see the module
       docstring).
+    deterministic_backward: the backward of the deterministic mode
+      (docs/determinism.md): same contract as ``backward``, with results
+      bitwise the same from run to run; None where the backend has none
+      (the mode then raises). :func:`in_deterministic_mode` swaps it in.
+    deterministic: this instance's ``backward`` is its
+      ``deterministic_backward``.
   """
 
   name: str
@@ -300,6 +306,32 @@ class Backend:
   split_bottom_right_backward: bool = False
   dtypes: tuple[Any, ...] | None = None
   handles_poison: bool = False
+  deterministic_backward: Callable[..., Triple] | None = None
+  deterministic: bool = False
+
+
+def in_deterministic_mode(backend: AttentionBackend,
+                          deterministic: bool) -> AttentionBackend:
+  """``backend`` as the mode ``deterministic`` runs it: unchanged when the
+  mode is off, else with its ``deterministic_backward`` as ``backward``.
+  A function of the backend's fields, so equal backends give equal
+  (equally hashed) results.
+
+  Raises:
+    ValueError: the mode is on and the backend has no deterministic
+      backward (never a silent nondeterministic one).
+  """
+  if not deterministic or getattr(backend, "deterministic", False):
+    return backend
+  det = getattr(backend, "deterministic_backward", None)
+  if det is None or not isinstance(backend, Backend):
+    raise ValueError(
+        f"the deterministic mode is on (deterministic=True, or XLA's "
+        f"--xla_gpu_exclude_nondeterministic_ops with deterministic=None) "
+        f"but backend {backend.name!r} has no deterministic backward "
+        f"(Backend.deterministic_backward); use backend 'cudnn' or 'xla', "
+        f"or deterministic=False (docs/determinism.md).")
+  return dataclasses.replace(backend, backward=det, deterministic=True)
 
 
 def with_poison(backend: Backend, poison) -> Backend:

@@ -507,7 +507,8 @@ def _forward(q, k, v, seg: Segments, *, mask: str, scale: float,
 
 
 def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
-             scale: float, window_left: int = -1, dq_into=None):
+             scale: float, window_left: int = -1, dq_into=None,
+             deterministic: bool = False):
   """Gradients ``(dq, dk, dv)`` of ``sum(out * dout)``, in q/k/v's dtype.
 
   With ``dq_into`` the custom call writes the covered rows of that buffer
@@ -523,6 +524,14 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
   would, each over ranges of its K/V rows
   (:mod:`jax_cp.attention.kv_slices`); the results are the same (dq up to
   the float32 sum of the slices' shares).
+
+  ``deterministic``: every custom call runs cuDNN's deterministic
+  algorithm (attribute ``deterministic = 1``), whose dP buffer the split
+  bounds as well (:func:`deterministic_backward`, docs/determinism.md).
+
+  Raises:
+    ValueError: besides the argument checks, with ``deterministic`` a
+      call whose dP buffer fits the scratch bound in no split.
   """
   _check_call(q, k, v, seg, mask)
   check_window(window_left, mask)
@@ -539,18 +548,49 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
     return poisoned(seg, dq, jnp.zeros_like(k), jnp.zeros_like(v))
   tiled = seg.tiled and dq_into is None
   segments = seg.q_lens.shape[0]
-  graph_q = graph_seqlen(max_q, q.shape[0], _exact_backward_bounds(
-      q.shape, v.shape, tiled))
+  if deterministic and tiled and window_left < 0 and not _fits_unsliced(
+      q.shape, v.shape, segments, max_q, max_kv):
+    tiled = False  # The ragged graph can be cut into K/V slices.
+  exact = _exact_backward_bounds(q.shape, v.shape, tiled)
+  graph_q = graph_seqlen(max_q, q.shape[0], exact)
   check_backward_workspace(q.shape, segments, graph_q, tiled)
   seg = dataclasses.replace(seg, max_seqlen_q=max_q, max_seqlen_kv=max_kv,
                             tiled=tiled)
   return head_groups.backward_within_scratch_limit(
       _backward_call, q, k, v, out, lse, dout, seg, max_seqlen_q=graph_q,
-      mask=mask, scale=scale, window_left=window_left, dq_into=dq_into)
+      mask=mask, scale=scale, window_left=window_left, dq_into=dq_into,
+      deterministic=deterministic,
+      max_seqlen_kv=graph_seqlen(max_kv, k.shape[0], exact))
+
+
+def _fits_unsliced(q_shape, v_shape, segments: int, max_q: int,
+                   max_kv: int) -> bool:
+  """Whether a tiled deterministic backward fits the scratch bound in
+  head groups alone (a tiled graph is not cut into K/V slices)."""
+  try:
+    cudnn_workspace.backward_split(
+        int(q_shape[0]), int(v_shape[0]), int(q_shape[1]), int(v_shape[1]),
+        int(q_shape[2]), head_dim_v=int(v_shape[2]), segments=segments,
+        max_seqlen_q=max_q, max_seqlen_kv=max_kv, kv_slices=False,
+        deterministic=True)
+  except ValueError:
+    return False
+  return True
+
+
+def deterministic_backward(q, k, v, out, lse, dout, seg: Segments, *,
+                           mask: str, scale: float, window_left: int = -1,
+                           dq_into=None):
+  """:func:`backward` in the deterministic mode (``deterministic=True``):
+  the backend's ``deterministic_backward``."""
+  return backward(q, k, v, out, lse, dout, seg, mask=mask, scale=scale,
+                  window_left=window_left, dq_into=dq_into,
+                  deterministic=True)
 
 
 def _backward_call(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
-                   scale: np.float32, window_left: int, dq_into=None):
+                   scale: np.float32, window_left: int, dq_into=None,
+                   deterministic: bool = False):
   """One ``jax_cp_cudnn_sdpa_bwd`` call on checked inputs (:func:`backward`
   checks them and sets the segments' static bounds and ``tiled`` in
   ``seg``)."""
@@ -574,6 +614,8 @@ def _backward_call(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
                       graph_seqlen(max_q, q.shape[0], exact),
                       graph_seqlen(max_kv, k.shape[0], exact), window_left,
                       tiled)
+  # The backward's own attribute: cuDNN's deterministic algorithm.
+  attrs["deterministic"] = np.int64(deterministic)
   inputs = (q, k, v, out.astype(q.dtype), dout.astype(q.dtype), stats)
   if dq_into is not None:
     return jax.ffi.ffi_call(
@@ -613,4 +655,5 @@ BACKEND = Backend(name="cudnn", forward=forward, backward=backward,
                   forward_out=forward_out,
                   is_available=_is_available, merge_rows=merge_rows,
                   supports_in_place=True, split_bottom_right_backward=True,
-                  dtypes=SUPPORTED_DTYPES, handles_poison=True)
+                  dtypes=SUPPORTED_DTYPES, handles_poison=True,
+                  deterministic_backward=deterministic_backward)

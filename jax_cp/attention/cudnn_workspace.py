@@ -33,6 +33,15 @@ The cuDNN engine adds a small workspace of its own to what
 ``get_workspace_size`` reports; :func:`backward_workspace_bytes` is the
 frontend's part, the bulk of it.
 
+In the deterministic mode (docs/determinism.md) the backward runs the
+frontend's deterministic algorithm, which on Hopper with cuDNN 9.19 has
+no dQ accumulator: it keeps the gradient of the scores, dP, in a buffer
+of ``S * Hq * s_q * s_kv * 2`` bytes (``s_q`` rounded up to 64, ``s_kv``
+to 128: the frontend's own bound; S the segment slots, ``s_q``/``s_kv``
+the graph's bounds), quadratic in a segment's length; dK/dV at the query
+heads and the softmax sums stay (``backward_workspace(...,
+deterministic=True)``).
+
 Every buffer is proportional to the call's query heads, so the backend
 bounds it by running a backward whose workspace exceeds
 :func:`backward_scratch_limit` (4 GiB unless ``JAX_CP_CUDNN_BWD_SCRATCH_GIB``
@@ -43,7 +52,9 @@ in one call and 3.2 GB in each of 8. Where even one KV head's sub-call
 exceeds the bound (its K/V rows are a whole long row, as under an
 all-gather at large cp), each sub-call runs over ranges of its K/V rows
 (:mod:`jax_cp.attention.kv_slices`), which shrink dK/dV at the query
-heads; :func:`backward_split` says how many of both.
+heads; :func:`backward_split` says how many of both. In the deterministic
+mode the slices also shrink the dP buffer (its ``s_kv``); where no split
+fits, :func:`backward_split` raises ``ValueError`` naming the sizes.
 """
 
 from __future__ import annotations
@@ -65,18 +76,21 @@ class BackwardWorkspace:
     dk_full_heads: float32 dK at the query heads (GQA/MQA only, else 0).
     dv_full_heads: float32 dV at the query heads (GQA/MQA only, else 0).
     softmax_sum: the float32 ``rowsum(dO * O)`` per query row and head.
+    dp: the deterministic algorithm's dP buffer (0 outside the mode,
+      where ``dq_accum`` takes its place).
   """
 
   dq_accum: int
   dk_full_heads: int
   dv_full_heads: int
   softmax_sum: int
+  dp: int = 0
 
   @property
   def total(self) -> int:
-    """All four buffers."""
+    """All the buffers."""
     return (self.dq_accum + self.dk_full_heads + self.dv_full_heads
-            + self.softmax_sum)
+            + self.softmax_sum + self.dp)
 
 
 def _positive(name: str, value) -> int:
@@ -107,7 +121,9 @@ def backward_workspace(tokens_q: int, tokens_kv: int, heads_q: int,
                        head_dim_v: int | None = None,
                        segments: int | None = None,
                        max_seqlen_q: int | None = None,
-                       packed_totals: bool | None = None
+                       packed_totals: bool | None = None,
+                       deterministic: bool = False,
+                       max_seqlen_kv: int | None = None
                        ) -> BackwardWorkspace:
   """The frontend workspace of one ``jax_cp_cudnn_sdpa_bwd`` call.
 
@@ -122,13 +138,18 @@ def backward_workspace(tokens_q: int, tokens_kv: int, heads_q: int,
       bound; needed only where the frontend ignores the packed totals.
     packed_totals: whether the frontend honours the packed token totals;
       default: both head dims are multiples of 16 (Hopper and newer).
+    deterministic: the deterministic algorithm's buffers: the dP buffer
+      (:func:`deterministic_dp_bytes`) instead of the dQ accumulator;
+      needs ``segments``, ``max_seqlen_q`` and ``max_seqlen_kv`` (the
+      graph's bounds).
 
   Returns:
-    The four buffers (:class:`BackwardWorkspace`).
+    The buffers (:class:`BackwardWorkspace`).
 
   Raises:
-    ValueError: a negative or non-int size, heads that do not divide, or
-      ``packed_totals=False`` without ``segments`` and ``max_seqlen_q``.
+    ValueError: a negative or non-int size, heads that do not divide,
+      ``packed_totals=False`` without ``segments`` and ``max_seqlen_q``, or
+      ``deterministic`` without the three.
   """
   for name, value in (("tokens_q", tokens_q), ("tokens_kv", tokens_kv),
                       ("heads_q", heads_q), ("heads_kv", heads_kv),
@@ -148,11 +169,40 @@ def backward_workspace(tokens_q: int, tokens_kv: int, heads_q: int,
     rows_q = _positive("segments", segments) * _positive("max_seqlen_q",
                                                          max_seqlen_q)
   gqa = heads_q != heads_kv and packed_totals
+  dp = 0
+  if deterministic:
+    if segments is None or max_seqlen_q is None or max_seqlen_kv is None:
+      raise ValueError("deterministic=True sizes the dP buffer by segments "
+                       "* max_seqlen_q * max_seqlen_kv: pass all three")
+    dp = deterministic_dp_bytes(segments, heads_q, max_seqlen_q,
+                                max_seqlen_kv)
   return BackwardWorkspace(
-      dq_accum=rows_q * heads_q * head_dim * _F32,
+      dq_accum=0 if deterministic else rows_q * heads_q * head_dim * _F32,
       dk_full_heads=tokens_kv * heads_q * head_dim * _F32 if gqa else 0,
       dv_full_heads=tokens_kv * heads_q * dv * _F32 if gqa else 0,
-      softmax_sum=rows_q * heads_q * _F32)
+      softmax_sum=rows_q * heads_q * _F32, dp=dp)
+
+
+#: The multiples the frontend rounds ``s_q`` and ``s_kv`` up to when it
+#: bounds the deterministic algorithm's dP buffer on Hopper.
+DP_SEQLEN_Q_MULTIPLE = 64
+DP_SEQLEN_KV_MULTIPLE = 128
+#: Bytes of one dP value (the I/O dtype, bfloat16 or float16).
+DP_VALUE_BYTES = 2
+
+
+def deterministic_dp_bytes(segments: int, heads_q: int, max_seqlen_q: int,
+                           max_seqlen_kv: int) -> int:
+  """The dP buffer of the deterministic backward: ``S * Hq * s_q * s_kv *
+  2`` bytes, ``s_q`` rounded up to :data:`DP_SEQLEN_Q_MULTIPLE` and
+  ``s_kv`` to :data:`DP_SEQLEN_KV_MULTIPLE` (the graph's bounds)."""
+  for name, value in (("segments", segments), ("heads_q", heads_q),
+                      ("max_seqlen_q", max_seqlen_q),
+                      ("max_seqlen_kv", max_seqlen_kv)):
+    _positive(name, value)
+  up = lambda n, m: -(-n // m) * m
+  return (segments * heads_q * up(max_seqlen_q, DP_SEQLEN_Q_MULTIPLE)
+          * up(max_seqlen_kv, DP_SEQLEN_KV_MULTIPLE) * DP_VALUE_BYTES)
 
 
 def backward_workspace_bytes(tokens_q: int, tokens_kv: int, heads_q: int,
@@ -234,6 +284,10 @@ def backward_kv_slices(tokens_q: int, tokens_kv: int, heads_q: int,
   query rows alone exceed the limit, it is the fewest that make dK/dV no
   larger than them. Other arguments as for :func:`backward_workspace`."""
   limit = backward_scratch_limit() if limit is None else limit
+  if kwargs.get("deterministic"):
+    n = _deterministic_kv_slices(tokens_q, tokens_kv, heads_q, heads_kv,
+                                 head_dim, limit, **kwargs)
+    return MAX_KV_SLICES if n is None else n
   ws = lambda n: backward_workspace(tokens_q, -(-tokens_kv // n), heads_q,
                                     heads_kv, head_dim, **kwargs)
   if tokens_kv <= 1 or ws(1).total <= limit:
@@ -246,17 +300,73 @@ def backward_kv_slices(tokens_q: int, tokens_kv: int, heads_q: int,
   return min(MAX_KV_SLICES, tokens_kv)
 
 
+def _slice_kwargs(tokens_kv: int, n: int, kwargs: dict) -> dict:
+  """A K/V slice's arguments: its rows bound its ``max_seqlen_kv``."""
+  rows = -(-tokens_kv // n)
+  kv = kwargs.get("max_seqlen_kv")
+  return dict(kwargs, max_seqlen_kv=rows if kv is None else min(kv, rows))
+
+
+def _deterministic_kv_slices(tokens_q: int, tokens_kv: int, heads_q: int,
+                             heads_kv: int, head_dim: int, limit: float,
+                             **kwargs) -> int | None:
+  """The fewest K/V slices whose deterministic workspace fits ``limit``
+  (each slice's worst call keeps the call's ``max_seqlen_q``, its unmasked
+  part), or None when none up to :data:`MAX_KV_SLICES` does."""
+  for n in range(1, min(MAX_KV_SLICES, max(tokens_kv, 1)) + 1):
+    ws = backward_workspace(tokens_q, -(-tokens_kv // n), heads_q, heads_kv,
+                            head_dim, **_slice_kwargs(tokens_kv, n, kwargs))
+    if ws.total <= limit:
+      return n
+  return None
+
+
 def backward_split(tokens_q: int, tokens_kv: int, heads_q: int,
                    heads_kv: int, head_dim: int, *, limit: float | None = None,
                    kv_slices: bool = True, **kwargs) -> tuple[int, int]:
   """``(groups, slices)``: the head-group sub-calls of a backward
   (:func:`backward_head_groups`) and, when even one KV head's exceeds the
   limit and ``kv_slices`` allows it (no window, no tiled graph), the K/V
-  slices of each (:func:`backward_kv_slices`)."""
+  slices of each (:func:`backward_kv_slices`).
+
+  Raises:
+    ValueError: with ``deterministic=True``, when no split fits the limit:
+      the dP buffer of one KV head's sub-call exceeds it in every allowed
+      number of K/V slices (the message names the sizes).
+  """
+  limit = backward_scratch_limit() if limit is None else limit
   groups = backward_head_groups(tokens_q, tokens_kv, heads_q, heads_kv,
                                 head_dim, limit=limit, **kwargs)
-  if not kv_slices or groups < heads_kv:
+  if not kwargs.get("deterministic"):
+    if not kv_slices or groups < heads_kv:
+      return groups, 1
+    return groups, backward_kv_slices(
+        tokens_q, tokens_kv, heads_q // groups, heads_kv // groups,
+        head_dim, limit=limit, **kwargs)
+  one = backward_workspace(tokens_q, tokens_kv, heads_q // groups,
+                           heads_kv // groups, head_dim, **kwargs)
+  if one.total <= limit:
     return groups, 1
-  return groups, backward_kv_slices(
-      tokens_q, tokens_kv, heads_q // groups, heads_kv // groups, head_dim,
-      limit=limit, **kwargs)
+  slices = None
+  if kv_slices:
+    slices = _deterministic_kv_slices(tokens_q, tokens_kv, heads_q // groups,
+                                      heads_kv // groups, head_dim, limit,
+                                      **kwargs)
+  if slices is None:
+    how = (f"in up to {MAX_KV_SLICES} K/V slices" if kv_slices else
+           "and a call with a sliding window or a tiled graph is not cut "
+           "into K/V slices")
+    raise ValueError(
+        f"the deterministic cuDNN backward of this call cannot fit its "
+        f"scratch bound of {limit / 2**30:.3g} GiB "
+        f"({SCRATCH_LIMIT_ENV}): Tq={tokens_q}, Tkv={tokens_kv}, "
+        f"Hq={heads_q}, Hkv={heads_kv}, D={head_dim}, "
+        f"S={kwargs.get('segments')} segments of up to "
+        f"s_q={kwargs.get('max_seqlen_q')} x "
+        f"s_kv={kwargs.get('max_seqlen_kv')} rows; its dP buffer "
+        f"(S * Hq * s_q * s_kv * 2 bytes) is {one.dp / 2**30:.3g} GiB for "
+        f"one KV head's {heads_q // groups} query heads, and no split fits "
+        f"{how}. Raise {SCRATCH_LIMIT_ENV}, bound the documents "
+        f"(max_seqlen) or spread the row over more cp ranks, or run "
+        f"without the deterministic mode (docs/determinism.md).")
+  return groups, slices

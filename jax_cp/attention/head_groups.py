@@ -92,6 +92,8 @@ def backward_in_head_groups(backward: Callable, groups: int, q, k, v, out,
 def backward_within_scratch_limit(backward: Callable, q, k, v, out, lse, dout,
                                   seg, *, max_seqlen_q: int, mask: str,
                                   window_left: int = -1, dq_into=None,
+                                  deterministic: bool = False,
+                                  max_seqlen_kv: int | None = None,
                                   **kwargs):
   """``backward`` in as many head-group sub-calls as the cuDNN backward's
   scratch for these shapes needs to stay within
@@ -102,13 +104,21 @@ def backward_within_scratch_limit(backward: Callable, q, k, v, out, lse, dout,
   (not with a window or tiled segments). ``backward`` takes its static
   bounds from the segments it is given; ``max_seqlen_q``: the call's
   bound on a segment's query rows; the rest as for
-  :func:`backward_in_head_groups`.
+  :func:`backward_in_head_groups`. ``deterministic``: the sub-calls run
+  the deterministic algorithm (``backward(..., deterministic=True)``),
+  whose dP buffer the split bounds too, with ``max_seqlen_kv`` the call's
+  bound on a segment's K/V rows (``ValueError`` where no split fits,
+  :func:`~jax_cp.attention.cudnn_workspace.backward_split`).
   """
   (tq, hq, d), (tkv, hkv, dv) = q.shape, v.shape
+  mode = {}
+  if deterministic:
+    mode = dict(deterministic=True, max_seqlen_kv=max_seqlen_kv or tkv)
+    kwargs = dict(kwargs, deterministic=True)
   groups, slices = cudnn_workspace.backward_split(
       tq, tkv, hq, hkv, d, head_dim_v=dv, segments=seg.q_lens.shape[0],
       max_seqlen_q=max_seqlen_q,
-      kv_slices=window_left < 0 and not seg.tiled)
+      kv_slices=window_left < 0 and not seg.tiled, **mode)
   if slices > 1:
     backward = functools.partial(kv_slices.backward_in_kv_slices, backward,
                                  slices)

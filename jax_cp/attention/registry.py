@@ -28,7 +28,8 @@ import warnings
 import jax
 import numpy as np
 
-from jax_cp.attention.backend import AttentionBackend
+from jax_cp.attention.backend import AttentionBackend, in_deterministic_mode
+from jax_cp.attention.determinism import resolve_deterministic
 
 #: name -> (module defining ``BACKEND``, extension module it needs or None).
 BUILTIN_BACKENDS: dict[str, tuple[str, str | None]] = {
@@ -160,7 +161,8 @@ def _auto(platform: str, dtype=None, score_bytes=None) -> AttentionBackend:
 
 
 def resolve_backend(name: str, platform: str | None = None, dtype=None,
-                    score_bytes: int | None = None) -> AttentionBackend:
+                    score_bytes: int | None = None,
+                    deterministic: bool | None = False) -> AttentionBackend:
   """Returns the backend for ``name`` on ``platform`` (default: JAX's).
 
   ``"auto"`` picks ``"cudnn"`` when it loads, runs on the platform and takes
@@ -184,7 +186,24 @@ def resolve_backend(name: str, platform: str | None = None, dtype=None,
       choice then ignores the dtype).
     score_bytes: ``Hq * Tq * Tkv * 4``, the float32 scores the ``xla``
       backend would hold for the call (None: not known).
+    deterministic: the deterministic mode (docs/determinism.md): True
+      returns the backend with its deterministic backward
+      (:func:`~jax_cp.attention.backend.in_deterministic_mode`), None
+      does so when XLA was asked for deterministic execution
+      (:func:`~jax_cp.attention.determinism.xla_requests_determinism`),
+      False (the default here) returns it as registered.
+
+  Raises:
+    ValueError: an unknown or unbuilt backend, a bad ``deterministic``, or
+      the mode on for a backend without a deterministic backward.
   """
+  return in_deterministic_mode(_resolve(name, platform, dtype, score_bytes),
+                               resolve_deterministic(deterministic))
+
+
+def _resolve(name: str, platform: str | None, dtype,
+             score_bytes: int | None) -> AttentionBackend:
+  """:func:`resolve_backend` before the deterministic mode."""
   if not isinstance(name, str):
     raise ValueError(f"backend must be a string, got {name!r}")
   if name == "auto":

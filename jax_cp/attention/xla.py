@@ -120,6 +120,8 @@ def is_available(platform: str) -> bool:
   return True
 
 
+# Its backward is dense einsums in a fixed order: deterministic wherever
+# XLA's own dots are (docs/determinism.md).
 BACKEND = Backend(name="xla", forward=forward, backward=backward,
                   is_available=is_available, exact_past_bounds=True,
-                  handles_poison=True)
+                  handles_poison=True, deterministic_backward=backward)

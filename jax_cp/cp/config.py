@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_cp.attention.backend import AttentionBackend
+from jax_cp.attention.determinism import resolve_deterministic
 from jax_cp.attention.registry import resolve_backend
 from jax_cp.attention.validation import (
   check_qkv_dtypes,
@@ -93,6 +94,12 @@ class CPConfig:
     return jax.lax.axis_index(self.cp_axis).astype(jnp.int32)
 
   @property
+  def deterministic(self) -> bool:
+    """The deterministic mode (docs/determinism.md): the backend runs its
+    deterministic backward and the exchange sums in a fixed order."""
+    return bool(getattr(self.backend, "deterministic", False))
+
+  @property
   def split_bottom_right_backward(self) -> bool:
     """Bottom-right blocks run their backward as a rectangle and a
     triangle (the backend's preference; never with a window, whose
@@ -134,9 +141,11 @@ def make_config(layout: CPLayout, q, k, v, cu_seqlens, cu_seqlens_padded,
   bound = validation.check_max_seqlen(layout.max_seqlen, cu_seqlens_padded,
                                       total_tokens, cu_seqlens, strategy,
                                       cp_size)
+  deterministic = resolve_deterministic(layout.deterministic)
   resolved = resolve_backend(
       layout.backend, platform, dtype,
-      score_bytes=4 * int(q_shape[-2]) * int(total_tokens) ** 2)
+      score_bytes=4 * int(q_shape[-2]) * int(total_tokens) ** 2,
+      deterministic=deterministic)
 
   def config(w: int) -> CPConfig:
     """The layout for the bound ``w``."""
@@ -145,7 +154,8 @@ def make_config(layout: CPLayout, q, k, v, cu_seqlens, cu_seqlens_padded,
       left = -1    # no document is longer than the window: plain causal
     exchange = choose_exchange(strategy is _NLB, layout.cp_axis, cp_size,
                                total_tokens, w, window_left=left,
-                               comm_type=layout.comm_type)
+                               comm_type=layout.comm_type,
+                               deterministic=deterministic)
     keep = (exchange.kind == "all_gather" and
             2 * cp_size * k_shape[-2] <= q_shape[-2])
     return CPConfig(strategy=strategy, cp_axis=layout.cp_axis,

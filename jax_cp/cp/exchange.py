@@ -20,6 +20,11 @@
   / Tl)`` (no query reaches further back). The backward sends a float32
   dK|dV accumulator along with each chunk and returns it to the chunk's
   owner with one last permute. Every buffer is one chunk.
+* deterministic (:attr:`KVExchange.deterministic`): the all-gather's
+  gradients go back with an all-to-all and are summed here, rank 0 first
+  (:meth:`KVExchange.scatter`), instead of by the collective library in
+  an order of its own; the halo and the ring sum in program order anyway
+  (docs/determinism.md).
 * ``none``: one rank (cp=1), the local chunk is the row; or NO_LOAD_BALANCE
   with a halo of 0 tokens (window ``(0, 0)``): the local chunk is all any
   query sees.
@@ -53,6 +58,8 @@ class KVExchange:
     halo_tokens: tokens received from predecessors (``kind == "halo"``).
     ring_steps: the ring's steps, the local one included (``kind ==
       "ring"``).
+    deterministic: the deterministic mode: gradients are summed over the
+      ranks in a fixed order (:meth:`_reduce_scatter`).
   """
 
   kind: str
@@ -62,6 +69,7 @@ class KVExchange:
   restore_dual_chunk: bool = False
   halo_tokens: int = 0
   ring_steps: int = 0
+  deterministic: bool = False
 
   @property
   def local_tokens(self) -> int:
@@ -86,9 +94,24 @@ class KVExchange:
     return jax.lax.all_gather(x, self.cp_axis, axis=1, tiled=True)
 
   def _reduce_scatter(self, x):
-    """Tiled sum-scatter over the cp axis on the token axis (1)."""
-    return jax.lax.psum_scatter(x, self.cp_axis, scatter_dimension=1,
-                                tiled=True)
+    """Tiled sum-scatter over the cp axis on the token axis (1). In the
+    deterministic mode an all-to-all brings every rank's share of this
+    rank's chunk here, and they are added rank 0 first, in float32: the
+    same sum, in an order that is the program's, not the collective
+    library's."""
+    if not self.deterministic:
+      return jax.lax.psum_scatter(x, self.cp_axis, scatter_dimension=1,
+                                  tiled=True)
+    cp, tl = self.cp_size, x.shape[1] // self.cp_size
+    parts = x.reshape(x.shape[:1] + (cp, tl) + x.shape[2:])
+    # parts[:, j] afterwards: rank j's gradient of this rank's chunk.
+    parts = jax.lax.all_to_all(parts, self.cp_axis, split_axis=1,
+                               concat_axis=1, tiled=True)
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    total = parts[:, 0].astype(wide)
+    for j in range(1, cp):
+      total = total + parts[:, j].astype(wide)
+    return total.astype(x.dtype)
 
   def _permute(self, x, perm):
     return jax.lax.ppermute(x, self.cp_axis, perm)
@@ -201,7 +224,8 @@ class KVExchange:
 def choose_exchange(strategy_is_nlb: bool, cp_axis, cp_size: int,
                     total_tokens: int, max_seqlen: int | None,
                     window_left: int = -1,
-                    comm_type: str = "all_gather") -> KVExchange:
+                    comm_type: str = "all_gather",
+                    deterministic: bool = False) -> KVExchange:
   """The cheapest correct exchange for the layout, chosen statically.
 
   ``comm_type="ring"`` replaces the all-gather by the ring, and a halo of
@@ -226,7 +250,21 @@ def choose_exchange(strategy_is_nlb: bool, cp_axis, cp_size: int,
   NO_LOAD_BALANCE is balanced by construction and needs only the halo, so
   it is the strategy to use (:func:`jax_cp.planning.recommend_strategy`
   says so).
+
+  ``deterministic`` (the mode) sums the all-gather's gradients in a fixed
+  order (:attr:`KVExchange.deterministic`); the choice is the same.
   """
+  exchange = _choose(strategy_is_nlb, cp_axis, cp_size, total_tokens,
+                     max_seqlen, window_left, comm_type)
+  if deterministic:
+    exchange = dataclasses.replace(exchange, deterministic=True)
+  return exchange
+
+
+def _choose(strategy_is_nlb: bool, cp_axis, cp_size: int, total_tokens: int,
+            max_seqlen: int | None, window_left: int,
+            comm_type: str) -> KVExchange:
+  """:func:`choose_exchange` before the deterministic mode."""
   if cp_size == 1:
     return KVExchange("none", cp_axis, 1, total_tokens)
   tl = total_tokens // cp_size

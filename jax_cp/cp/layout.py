@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_cp.attention.determinism import check_deterministic
 from jax_cp.attention.validation import concrete
 from jax_cp.cp import validation
 from jax_cp.cp.strategy import (
@@ -118,6 +119,14 @@ class CPLayout:
       (docs/long_rows.md, Ring exchange). The ring takes no window under
       DUAL_CHUNK_SWAP, nor one of ``(cp-1) * T/cp`` or more tokens under
       NO_LOAD_BALANCE (``ValueError``).
+    deterministic: the deterministic mode (docs/determinism.md): ``True``
+      runs every kernel and every gradient sum of the attention in a fixed
+      order, so a step gives the same bits run to run (cuDNN's
+      deterministic backward, the all-gather's gradients summed rank by
+      rank), at a cost in time and scratch memory; ``False`` the fastest
+      kernels; ``None`` (default) follows XLA's flag
+      ``--xla_gpu_exclude_nondeterministic_ops`` (or
+      ``--xla_gpu_deterministic_ops``).
   """
 
   cp_axis: str | None = "cp"
@@ -130,6 +139,7 @@ class CPLayout:
   head_axis: str | None = None
   view: str = "global"
   comm_type: str = "all_gather"
+  deterministic: bool | None = None
 
   def __post_init__(self):
     set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -145,6 +155,7 @@ class CPLayout:
                        f"{list(COMM_TYPES)}")
     if self.view not in VIEWS:
       raise ValueError(f"view={self.view!r} is not one of {list(VIEWS)}")
+    check_deterministic(self.deterministic)
     batch = _axes(self.batch_axis, "batch_axis")
     set_("batch_axis", None if not batch else
          batch[0] if len(batch) == 1 else batch)

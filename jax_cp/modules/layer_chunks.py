@@ -333,7 +333,8 @@ def attend_window(layout: CPLayout, query, key, value, window, *,
   spec = chunk_attention.Spec(
       backend=resolve_backend(
           layout.backend, dtype=query.dtype,
-          score_bytes=4 * query.shape[-2] * math.prod(query.shape[:-2]) * w),
+          score_bytes=4 * query.shape[-2] * math.prod(query.shape[:-2]) * w,
+          deterministic=layout.deterministic),
       scale=default_scale(query.shape[-1], softmax_scale),
       window_left=check_window_size(window_size, "causal"),
       halo=w - c, max_q=window.max_seqlen_q, whole_halo=window.whole_halo)
