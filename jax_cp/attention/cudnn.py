@@ -33,7 +33,12 @@ same kernels. The handler fills the rows past each segment's length after
 the forward; the backward gets those rows' ``lse`` as a huge value, so
 their probabilities and their share of every gradient are exactly 0, and
 reads the ``lse`` head-major as cuDNN 9.19 wants for a dense graph
-(docs/internals.md, Tiled calls).
+(docs/internals.md, Tiled calls). Segments whose traced metadata alone can
+tell whether they tile their rows (``Segments.tile_rows``: a batch's
+document slots with one document in a row, offsets passed as jit
+arguments) run a ``lax.cond`` between the tiled and the ragged call, on
+the predicate :func:`~jax_cp.attention.backend.row_tiling` computes on
+the device.
 
 A sliding window (``window_left``) is cuDNN's diagonal band,
 ``set_diagonal_band_left_bound(window_left + 1)`` on both alignments,
@@ -57,7 +62,14 @@ import numpy as np
 
 import jax_cp._jax_cp_cuda as _jax_cp_cuda  # ModuleNotFoundError when absent
 from jax_cp.attention import cudnn_workspace, head_groups
-from jax_cp.attention.backend import MASK_TYPES, Backend, Segments, poisoned
+from jax_cp.attention.backend import (
+  MASK_TYPES,
+  Backend,
+  Segments,
+  poisoned,
+  row_tiling,
+  tiling_applies,
+)
 from jax_cp.attention.merge import (
   NO_WEIGHT_LSE,
   check_merge_rows,
@@ -442,6 +454,25 @@ def check_into(seg: Segments, name: str, x, shape, dtype) -> None:
                      f"written in place are not masked afterwards.")
 
 
+def _tiled_or_ragged(call, seg: Segments, mask: str, q_shape, k_shape,
+                     in_place: bool):
+  """``call(seg, mask)``; for segments that may tile their rows by the
+  traced metadata (:attr:`Segments.tile_rows`,
+  :func:`~jax_cp.attention.backend.tiling_applies`) a ``lax.cond`` on the
+  device between the tiled call (the dense graph) where they do
+  (:func:`~jax_cp.attention.backend.row_tiling`) and ``call`` itself:
+  both give the same results. In-place writes have no tiled call."""
+  if seg.tile_rows:
+    if not in_place and tiling_applies(seg, mask, q_shape[0], k_shape[0]):
+      check_segments(seg)
+      holds, tiled = row_tiling(seg, mask, q_shape[0], k_shape[0])
+      seg = dataclasses.replace(seg, tile_rows=0)
+      return jax.lax.cond(holds, lambda: call(tiled, "causal_top_left"),
+                          lambda: call(seg, mask))
+    seg = dataclasses.replace(seg, tile_rows=0)
+  return call(seg, mask)
+
+
 def forward(q, k, v, seg: Segments, *, mask: str, scale: float,
             window_left: int = -1, into=None):
   """Varlen attention forward (see :mod:`jax_cp.attention.backend`).
@@ -451,8 +482,10 @@ def forward(q, k, v, seg: Segments, *, mask: str, scale: float,
   buffers in place (aliased; no clearing, no extra outputs).
   ``window_left >= 0``: cuDNN's diagonal band (a sliding window).
   """
-  return _forward(q, k, v, seg, mask=mask, scale=scale,
-                  window_left=window_left, into=into, stats=True)
+  return _tiled_or_ragged(
+      lambda s, m: _forward(q, k, v, s, mask=m, scale=scale,
+                            window_left=window_left, into=into, stats=True),
+      seg, mask, q.shape, k.shape, into is not None)
 
 
 def forward_out(q, k, v, seg: Segments, *, mask: str, scale: float,
@@ -460,8 +493,10 @@ def forward_out(q, k, v, seg: Segments, *, mask: str, scale: float,
   """The inference form of :func:`forward`: ``out`` alone. The cuDNN graph
   computes and writes no softmax statistics (``jax_cp_cudnn_sdpa_fwd_out``),
   as for a forward that nothing differentiates."""
-  return _forward(q, k, v, seg, mask=mask, scale=scale,
-                  window_left=window_left, into=None, stats=False)
+  return _tiled_or_ragged(
+      lambda s, m: _forward(q, k, v, s, mask=m, scale=scale,
+                            window_left=window_left, into=None, stats=False),
+      seg, mask, q.shape, k.shape, False)
 
 
 def _forward(q, k, v, seg: Segments, *, mask: str, scale: float,
@@ -524,6 +559,15 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
   (:mod:`jax_cp.attention.kv_slices`); the results are the same (dq up to
   the float32 sum of the slices' shares).
   """
+  return _tiled_or_ragged(
+      lambda s, m: _backward(q, k, v, out, lse, dout, s, mask=m, scale=scale,
+                             window_left=window_left, dq_into=dq_into),
+      seg, mask, q.shape, k.shape, dq_into is not None)
+
+
+def _backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
+              scale: float, window_left: int, dq_into):
+  """:func:`backward` of one graph: tiled where ``seg.tiled``."""
   _check_call(q, k, v, seg, mask)
   check_window(window_left, mask)
   seg = _cut_to_band(seg, mask, window_left)
