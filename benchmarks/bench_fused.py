@@ -34,6 +34,9 @@ longest document) is timed in alternation with each reference (A,
   metadata (:func:`ragged_only_backend`: the graphs they ran before they
   could), each paired with its program (B) instead of the primitive: the
   cost of the choice where it does not apply, and its gain where it does;
+  ``--versus`` pairs every other reference with another program than the
+  primitive (``--refs jax_nn --versus cp_attention_slots``: jax.nn
+  against a training step's batch directly);
 * the peers of :mod:`benchmarks.peers` (``tokamax_mosaic``,
   ``tokamax_triton``, ``kvax``) where installed; one that does not load
   is reported with its error and the run goes on.
@@ -76,9 +79,11 @@ REFERENCES = ("ours", "jax_nn", "jax_packed", "constant_metadata",
               "cp_attention", "cp_attention_constant", "cp_attention_slots",
               "cp_attention_slots_ragged", "fused_offsets",
               "fused_offsets_ragged", *peers.PEERS)
-#: References paired with another program than the primitive (B).
+#: References paired with another program than ``--versus`` (B).
 VERSUS = {"cp_attention_slots_ragged": "cp_attention_slots",
           "fused_offsets_ragged": "fused_offsets"}
+#: The programs ``--versus`` may name as every other reference's B.
+B_PROGRAMS = ("ours", "cp_attention", "cp_attention_slots", "fused_offsets")
 
 
 def ragged_only_backend(name: str) -> str:
@@ -132,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="jax.nn.dot_product_attention's implementation")
   p.add_argument("--max-rel-err", type=float, default=2e-2,
                  help="a reference further from the primitive is not timed")
+  p.add_argument("--versus", choices=B_PROGRAMS, default="ours",
+                 help="the program (B) every reference is paired with, "
+                 "but the _ragged ones (each with its own program)")
   p.add_argument("--slots", type=int, default=512,
                  help="document slots per row of cp_attention_slots' batch")
   p.add_argument("--reps", type=int, default=5)
@@ -285,7 +293,9 @@ def main(argv: Sequence[str] | None = None) -> str:
         if isinstance(f, peers.Peer) and f.fn is not None:
           step[n] = jax.jit(workload.with_pass(f.fn, pass_name))
       flops = workload.attention_flops(cu, args.hq, d, pass_name, args.window)
-      profiled = {"ours": sets} if args.profile else {}
+      b_sets = ([x[:4] + metadata[args.versus] for x in sets]
+                if args.versus in metadata else sets)
+      profiled = {args.versus: b_sets} if args.profile else {}
       for ref in refs:
         rec = dict(head_dim=d, tokens=t, hq=args.hq, hkv=hkv, dist=dist,
                    docs=len(cu) - 1, window=args.window, reference=ref,
@@ -296,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> str:
           rec["shims"] = list(peer.shims)
           for shim in peer.shims:
             print(f"{ref}: shim: {shim}", flush=True)
-        versus = VERSUS.get(ref, "ours")
+        versus = VERSUS.get(ref, args.versus)
         if versus != "ours":
           rec["versus"] = versus
         try:

@@ -513,6 +513,25 @@ def test_bench_fused_on_cpu(tmp_path):
                     f"–{nn[0]['ratio_q3']:.3f})")
 
 
+def test_bench_fused_versus_another_program(tmp_path):
+  """``--versus``: jax.nn paired with cp_attention over a batch of document
+  slots (B), the _ragged reference still with its own program; both
+  recorded and labelled so."""
+  path = bench_fused.main([
+      "--backend", "xla", "--jax-nn-implementation", "xla", "--tokens",
+      "128", "--head-dim", "8", "--hq", "2", "--hkv", "1", "--dtype",
+      "float32", "--dists", "one_doc", "--passes", "fwd", "--slots", "8",
+      "--refs", "jax_nn", "fused_offsets_ragged", "--versus",
+      "cp_attention_slots", "--reps", "1", "--out", str(tmp_path)])
+  recs = _json(path, "fused", "bench_fused")["records"]
+  assert [(r["reference"], r["versus"]) for r in recs] == [
+      ("jax_nn", "cp_attention_slots"),
+      ("fused_offsets_ragged", "fused_offsets")]
+  assert all(r["ratio"] > 0 and r["rel_err"] < 1e-5 for r in recs), recs
+  assert [r[6] for r in _table_rows(tmp_path, "fused")] == [
+      "jax_nn vs cp_attention_slots", "fused_offsets_ragged vs fused_offsets"]
+
+
 @requires_devices(2)
 def test_bench_cp_on_cpu(tmp_path):
   """cp=2 against cp=1, NO_LOAD_BALANCE on reordered 128–1k documents
