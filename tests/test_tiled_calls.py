@@ -102,6 +102,16 @@ def test_cp1_document_slots_may_tile_by_their_metadata():
   cu1, cuP1 = one_doc_rows([64, 40, 3])
   (call,) = call_plan.forward_plan(cp1_config(T), cu1, cuP1, 0)
   assert (call.segments.tiled, call.segments.tile_rows) == (True, 0)
+  # What the device finds: each row one document; then one row of two.
+  (call,) = call_plan.forward_plan(cp1_config(T), cu, cuP, 0)
+  holds, tiled = backend_lib.row_tiling(call.segments, call.mask, 3 * T,
+                                        3 * T)
+  assert bool(holds)
+  np.testing.assert_array_equal(tiled.q_lens, [64, 40, 3])
+  cu[1, 2:], cuP[1, 1:] = 60, [40, T, T, T]
+  (call,) = call_plan.forward_plan(cp1_config(T), cu, cuP, 0)
+  assert not bool(backend_lib.row_tiling(call.segments, call.mask, 3 * T,
+                                         3 * T)[0])
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -121,6 +131,27 @@ def test_no_load_balance_local_call_may_tile_at_cp2(rank):
           if isinstance(c, call_plan.RowsCall)] == [2]
   plan = call_plan.forward_plan(nlb_config(2, 24), cu, cuP, rank)
   assert plan[0].segments.tile_rows == 0
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_no_load_balance_chunk_inside_one_document_tiles(rank):
+  """The device's test on the local call at cp=2: a row of one document
+  tiles on both ranks (the first chunk holds its start, the second its
+  straddling part); a document boundary inside a rank's chunk does not
+  (the second row: documents of 40 and 24 tokens, a boundary in rank
+  1's chunk)."""
+  tl = T // 2
+  cu = np.array([[0, 64, 64], [0, 40, 64]], np.int32)
+  cuP = np.array([[0, 64, 64], [0, 40, 64]], np.int32)
+  for rows, want in ((slice(0, 1), True), (slice(1, 2), rank == 0)):
+    (local, *_) = call_plan.forward_plan(nlb_config(2, T), cu[rows],
+                                         cuP[rows], rank)
+    seg = local.segments
+    assert backend_lib.tiling_applies(seg, local.mask, tl, tl)
+    holds, tiled = backend_lib.row_tiling(seg, local.mask, tl, tl)
+    assert bool(holds) == want, (rank, rows)
+    if want:
+      np.testing.assert_array_equal(tiled.q_lens, [tl])
 
 
 def _reads_as_tiled(ql, kl, qo, ko, n, sq, skv, bottom_right):
