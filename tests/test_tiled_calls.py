@@ -514,3 +514,24 @@ def test_no_load_balance_cp2_local_call_lowers_to_a_cond():
   text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), *args, batch)
   assert branches(text) == [["0", "1"], ["0", "1"]]
   assert tiled_attrs(text).count("0") == 4   # two ragged, two halo calls
+
+
+@needs_ext
+def test_flax_attention_chooses_its_graph_on_the_device():
+  """The Linen MultiHeadAttention at cp=1 (no bound: the row) over rows
+  of document slots, remat saving the context: its forward and backward
+  calls each choose between the tiled and the ragged graph."""
+  import jax_cp
+  from jax_cp import flax as jax_cp_flax
+  layout = jax_cp.CPLayout(cp_axis=None, backend="cudnn")
+  module = jax_cp_flax.MultiHeadAttention(
+      num_heads=4, num_kv_heads=2, layout=layout, dtype=jnp.bfloat16,
+      remat="save_context")
+  x = jnp.ones((2, T, 64), jnp.bfloat16)
+  cu, cuP = slot_rows([64, 30], slots=3)
+  params = jax.eval_shape(module.init, jax.random.key(0), x, cu, cuP)
+
+  def loss(params, x, cu, cuP):
+    return jnp.sum(module.apply(params, x, cu, cuP).astype(jnp.float32))
+  text = lower_for_cuda(jax.grad(loss), params, x, cu, cuP)
+  assert branches(text) == [["0", "1"], ["0", "1"]]
