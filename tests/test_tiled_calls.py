@@ -535,3 +535,29 @@ def test_flax_attention_chooses_its_graph_on_the_device():
     return jnp.sum(module.apply(params, x, cu, cuP).astype(jnp.float32))
   text = lower_for_cuda(jax.grad(loss), params, x, cu, cuP)
   assert branches(text) == [["0", "1"], ["0", "1"]]
+
+
+@needs_ext
+@pytest.mark.parametrize("window", [-1, 7])
+def test_tiled_choice_needs_the_documents_to_fill_the_tiles(window):
+  """The cuDNN backend takes the tiled graph where it gives the call's
+  results and the documents make at least TILED_MIN_WORK_SHARE of its
+  causal pairs (counted with the window): full rows and nearly full ones
+  yes; a short document, an empty row, two documents in a row no."""
+  share = cudnn_backend.TILED_MIN_WORK_SHARE
+
+  def pairs(q):
+    return sum(min(j, window) + 1 if window >= 0 else j + 1
+               for j in range(q))
+
+  for lens, two in (([64, 64], False), ([64, 63], False), ([64, 40], False),
+                    ([64, 0], False), ([64, 64], True)):
+    ql = np.array([[n, 0] for n in lens], np.int32)
+    offs = np.array([[0, n] for n in lens], np.int32)
+    if two:
+      ql[1], offs[1] = [30, 34], [0, 30]
+    seg = row_segments(ql, ql, offs, offs, T, T, T, T, may_tile=True)
+    take, _ = cudnn_backend.tiled_choice(seg, "causal_top_left", 2 * T,
+                                         2 * T, window)
+    fill = sum(pairs(n) for n in lens) / (2 * pairs(T))
+    assert bool(take) == (not two and fill >= share), (lens, two, fill)

@@ -3,8 +3,9 @@ from their traced metadata (``Segments.tile_rows``; docs/internals.md,
 Tiled calls) against plain masked attention in float32 (marker gpu).
 
 Where every row holds one document from its start (among empty document
-slots, or with its offsets as jit arguments) the dense branch runs; two
-documents in a row take the ragged one. Both must match the reference and
+slots, or with its offsets as jit arguments) filling nearly all of it, the
+dense branch runs; shorter documents, empty rows and two documents in a
+row take the ragged one. Both must match the reference and
 the backend that never chooses the dense graph (the graphs of before),
 with the rows past a document exactly 0 in out and every gradient, fwd
 and fwd+bwd, D = 64 and 128, bfloat16.
@@ -23,7 +24,7 @@ cudnn_backend = cudnn_backend_or_skip()
 
 import jax_cp
 from benchmarks.bench_fused import ragged_only_backend
-from jax_cp.attention.backend import row_segments, row_tiling
+from jax_cp.attention.backend import row_segments
 from jax_cp.data import reorder_for_cp, restore_from_cp
 from tests import reference
 from tests._devices import devices
@@ -32,11 +33,14 @@ TOL = 2e-2
 T, HQ, HKV = 384, 8, 2
 
 #: Per case: per row, the valid lengths of its documents (one slot per
-#: entry; zeros are empty slots) and whether every row holds one document
-#: from its start.
+#: entry; zeros are empty slots) and whether the dense branch runs: every
+#: row one document from its start, filling nearly all of the row's work
+#: (cudnn.TILED_MIN_WORK_SHARE); padding rows past the shorter ones.
 CASES = {
-    "one_doc_per_row": ([[T, 0, 0], [250, 0, 0], [1, 0, 0]], True),
-    "empty_row": ([[T, 0, 0], [0, 0, 0], [77, 0, 0]], True),
+    "full_rows": ([[T, 0, 0], [T, 0, 0], [T, 0, 0]], True),
+    "nearly_full_rows": ([[T, 0, 0], [380, 0, 0], [383, 0, 0]], True),
+    "short_document": ([[T, 0, 0], [250, 0, 0], [1, 0, 0]], False),
+    "empty_row": ([[T, 0, 0], [0, 0, 0], [77, 0, 0]], False),
     "two_docs": ([[200, 184, 0], [T, 0, 0], [90, 100, 0]], False),
 }
 
@@ -58,7 +62,8 @@ def _metadata(lens):
 def _holds(lens, offs, mask):
   """Whether the device picks the dense branch for these slots."""
   seg = row_segments(lens, lens, offs, offs, T, T, T, T, may_tile=True)
-  return bool(row_tiling(seg, mask, len(lens) * T, len(lens) * T)[0])
+  return bool(cudnn_backend.tiled_choice(seg, mask, len(lens) * T,
+                                         len(lens) * T)[0])
 
 
 def _inputs(b, d, lens, seed):
