@@ -42,6 +42,8 @@ CASES = {
     "short_document": ([[T, 0, 0], [250, 0, 0], [1, 0, 0]], False),
     "empty_row": ([[T, 0, 0], [0, 0, 0], [77, 0, 0]], False),
     "two_docs": ([[200, 184, 0], [T, 0, 0], [90, 100, 0]], False),
+    # 23 full rows and an empty one: the dense branch with an empty tile.
+    "one_empty_of_24": ([[T, 0, 0]] * 23 + [[0, 0, 0]], True),
 }
 
 
