@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--strategies", nargs="+", choices=workload.STRATEGIES,
                  default=list(workload.STRATEGIES))
   p.add_argument("--dists", nargs="+", choices=workload.DISTS,
-                 default=list(workload.DISTS))
+                 default=list(workload.DEFAULT_DISTS))
   p.add_argument("--doc-order", nargs="+", choices=workload.DOC_ORDERS,
                  default=list(workload.DOC_ORDERS))
   p.add_argument("--passes", nargs="+", choices=workload.PASSES,

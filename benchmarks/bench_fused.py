@@ -27,6 +27,21 @@ longest document) is timed in alternation with each reference (A,
   at cp=1 (NO_LOAD_BALANCE, ``max_seqlen`` the longest document) with the
   metadata as jit arguments (a :class:`jax_cp.CPBatch` checked on the
   host, as a training step passes them) and as constants;
+* ``cp_attention_slots``: :func:`jax_cp.cp_attention` at cp=1 with the row
+  as the bound and a host-checked batch of ``--slots`` document slots
+  (the row's documents, then empty ones), as a training step's batch
+  passes them; the row's calls choose the dense graph on the device where
+  each row holds one document (docs/internals.md, Tiled calls);
+* ``fused_offsets``: the primitive with the offsets as jit arguments
+  whatever the mix (one document too) and the row as the bound;
+* ``cp_attention_slots_ragged``, ``fused_offsets_ragged``: the same two
+  programs on a backend whose calls never choose the dense graph by their
+  metadata (:func:`ragged_only_backend`: the graphs they ran before they
+  could), each paired with its program (B) instead of the primitive: the
+  cost of the choice where it does not apply, and its gain where it does;
+  ``--versus`` pairs every other reference with another program than the
+  primitive (``--refs jax_nn --versus cp_attention_slots``: jax.nn
+  against a training step's batch directly);
 * the peers of :mod:`benchmarks.peers` (``tokamax_mosaic``,
   ``tokamax_triton``, ``kvax``) where installed; one that does not load
   is reported with its error and the run goes on.
@@ -53,6 +68,7 @@ Writes ``fused_<date>_<device>.json`` and rebuilds ``fused.md`` beside it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
@@ -62,10 +78,44 @@ from jax._src.cudnn import fused_attention_stablehlo as fas
 
 import jax_cp
 from benchmarks import peers, profiling, results, timing, workload
+from jax_cp.attention import registry
 
 REFERENCES = ("ours", "jax_nn", "jax_packed", "constant_metadata",
               "cp_attention", "cp_attention_constant", "deterministic",
-              *peers.PEERS)
+              "cp_attention_slots",
+              "cp_attention_slots_ragged", "fused_offsets",
+              "fused_offsets_ragged", *peers.PEERS)
+#: References paired with another program than ``--versus`` (B).
+VERSUS = {"cp_attention_slots_ragged": "cp_attention_slots",
+          "fused_offsets_ragged": "fused_offsets"}
+#: The programs ``--versus`` may name as every other reference's B.
+B_PROGRAMS = ("ours", "cp_attention", "cp_attention_slots", "fused_offsets")
+
+
+def ragged_only_backend(name: str) -> str:
+  """Registers, and returns the name of, backend ``name`` whose calls
+  never choose the tiled graph by their metadata: every call's
+  :attr:`~jax_cp.attention.backend.Segments.tile_rows` cleared, as the
+  segments were before calls could choose (the A side of the ``_ragged``
+  references)."""
+  base = registry.resolve_backend(name)
+  ragged = f"{base.name}_ragged_only"
+
+  def cleared(fn, index: int):
+    if fn is None:
+      return None
+
+    def call(*args, **kwargs):
+      args = list(args)
+      args[index] = dataclasses.replace(args[index], tile_rows=0)
+      return fn(*args, **kwargs)
+    return call
+
+  registry.register_backend(dataclasses.replace(
+      base, name=ragged, forward=cleared(base.forward, 3),
+      backward=cleared(base.backward, 6),
+      forward_out=cleared(base.forward_out, 3)))
+  return ragged
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--hq", type=int, default=32)
   p.add_argument("--hkv", type=int, nargs="+", default=[8])
   p.add_argument("--dists", nargs="+", choices=workload.DISTS,
-                 default=list(workload.DISTS))
+                 default=list(workload.DEFAULT_DISTS))
   p.add_argument("--passes", nargs="+", choices=workload.PASSES,
                  default=list(workload.PASSES))
   p.add_argument("--refs", nargs="+", choices=REFERENCES,
@@ -93,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
                  help="jax.nn.dot_product_attention's implementation")
   p.add_argument("--max-rel-err", type=float, default=2e-2,
                  help="a reference further from the primitive is not timed")
+  p.add_argument("--versus", choices=B_PROGRAMS, default="ours",
+                 help="the program (B) every reference is paired with, "
+                 "but the _ragged ones (each with its own program)")
+  p.add_argument("--slots", type=int, default=512,
+                 help="document slots per row of cp_attention_slots' batch")
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--profile", action="store_true",
@@ -154,12 +209,42 @@ def attention_fns(args, tokens: int, head_dim: int, lens_np: np.ndarray,
 
   cu_d = jnp.asarray(cu_np)
   batch = jax_cp.CPBatch(None, cu_d, cu_d, layout=layout).check_on_host()
+
+  # A training step's batch: document slots, the row as the bound.
+  slots = jax_cp.CPLayout(mesh=layout.mesh, cp_axis="cp",
+                          backend=args.backend, strategy="no_load_balance",
+                          max_seqlen=tokens)
+  slots_ragged = slots.replace(backend=ragged_only_backend(args.backend))
+  cu_slots = jnp.asarray(np.concatenate([cu_np, np.full(
+      max(args.slots - len(offs_np), 0), tokens, np.int32)]))
+  slot_batch = jax_cp.CPBatch(None, cu_slots, cu_slots,
+                              layout=slots).check_on_host()
+
+  def cp_attention_slots(q, k, v, batch):
+    return jax_cp.cp_attention(q, k, v, batch, window_size=window)
+
+  def cp_attention_slots_ragged(q, k, v, batch):
+    return jax_cp.cp_attention(q, k, v, batch, layout=slots_ragged,
+                               window_size=window)
+
+  def fused_offsets(q, k, v, lens, offs, backend=args.backend):
+    return jax_cp.fused_attention(
+        q, k, v, lens, lens, offs, offs, attn_mask_type="causal_top_left",
+        backend=backend, window_size=window)
+
+  ragged = ragged_only_backend(args.backend)
   # The metadata arguments of a program that takes others than (lens, offs).
-  metadata = {"cp_attention": (batch,)}
+  metadata = {"cp_attention": (batch,), "cp_attention_slots": (slot_batch,),
+              "cp_attention_slots_ragged": (slot_batch,)}
   fns = {"ours": ours, "jax_nn": jax_nn, "jax_packed": jax_packed,
          "constant_metadata": constant_metadata, "cp_attention": cp_attention,
          "cp_attention_constant": cp_attention_constant,
-         "deterministic": deterministic}
+         "deterministic": deterministic,
+         "cp_attention_slots": cp_attention_slots,
+         "cp_attention_slots_ragged": cp_attention_slots_ragged,
+         "fused_offsets": fused_offsets,
+         "fused_offsets_ragged": lambda *a: fused_offsets(*a,
+                                                          backend=ragged)}
   for name in peers.PEERS:
     if name in args.refs:
       fns[name] = peers.load(name, tokens=tokens, head_dim=head_dim,
@@ -218,7 +303,9 @@ def main(argv: Sequence[str] | None = None) -> str:
         if isinstance(f, peers.Peer) and f.fn is not None:
           step[n] = jax.jit(workload.with_pass(f.fn, pass_name))
       flops = workload.attention_flops(cu, args.hq, d, pass_name, args.window)
-      profiled = {"ours": sets} if args.profile else {}
+      b_sets = ([x[:4] + metadata[args.versus] for x in sets]
+                if args.versus in metadata else sets)
+      profiled = {args.versus: b_sets} if args.profile else {}
       for ref in refs:
         rec = dict(head_dim=d, tokens=t, hq=args.hq, hkv=hkv, dist=dist,
                    docs=len(cu) - 1, window=args.window, reference=ref,
@@ -229,24 +316,28 @@ def main(argv: Sequence[str] | None = None) -> str:
           rec["shims"] = list(peer.shims)
           for shim in peer.shims:
             print(f"{ref}: shim: {shim}", flush=True)
+        versus = VERSUS.get(ref, args.versus)
+        if versus != "ours":
+          rec["versus"] = versus
         try:
           if peer is not None and peer.fn is None:
             raise RuntimeError(f"not loaded: {peer.error}")
-          ref_sets = [x[:4] + metadata[ref] for x in sets] if (
-              ref in metadata) else sets
-          err = compare(step[ref], ref_sets[0], step["ours"], sets[0])
+          ref_sets, b_sets = ([x[:4] + metadata[name] for x in sets]
+                              if name in metadata else sets
+                              for name in (ref, versus))
+          err = compare(step[ref], ref_sets[0], step[versus], b_sets[0])
           rec["rel_err"] = err
           if not err <= args.max_rel_err:
-            raise RuntimeError(f"results differ from ours: relative error "
-                               f"{err:.3g} > {args.max_rel_err} (its "
+            raise RuntimeError(f"results differ from {versus}'s: relative "
+                               f"error {err:.3g} > {args.max_rel_err} (its "
                                f"masking differs); not timed")
-          rec.update(timing.paired(step[ref], ref_sets, step["ours"], sets,
+          rec.update(timing.paired(step[ref], ref_sets, step[versus], b_sets,
                                    reps=args.reps).fields())
           rec["tflops_a"] = flops / rec["ms_a"] / 1e9
           rec["tflops_b"] = flops / rec["ms_b"] / 1e9
           print(f"D={d} T={t} Hkv={hkv} {dist} {pass_name}: {ref} "
-                f"{rec['ms_a']:.3f} ms, ours {rec['ms_b']:.3f} ms "
-                f"({rec['tflops_b']:.1f} TFLOP/s), {ref} / ours "
+                f"{rec['ms_a']:.3f} ms, {versus} {rec['ms_b']:.3f} ms "
+                f"({rec['tflops_b']:.1f} TFLOP/s), {ref} / {versus} "
                 f"{rec['ratio']:.3f} (IQR {rec['ratio_q1']:.3f}-"
                 f"{rec['ratio_q3']:.3f})", flush=True)
         except Exception as err:  # noqa: BLE001  (recorded; run goes on)

@@ -220,7 +220,9 @@ TABLES: dict[str, tuple[str, str, list[Column]]] = {
         "the primitive with the metadata as constants of the program "
         "(*constant_metadata*; every other program takes them as jit "
         "arguments), or the primitive in the deterministic mode "
-        "(*deterministic*: its ratio is the mode's cost). Ratio: "
+        "(*deterministic*: its ratio is the mode's cost); a reference *A vs "
+        "B* is paired with program B instead "
+        "of the primitive (*ours* then stands for B). Ratio: "
         "A's time over B's (> 1: the primitive is faster), median of the "
         "paired reps (IQR). TFLOP/s: causal pairs counted, the backward's "
         "recompute included.", [
@@ -230,7 +232,8 @@ TABLES: dict[str, tuple[str, str, list[Column]]] = {
             ("documents", _mix),
             ("window", lambda r: r.get("window") or "-"),
             ("pass", lambda r: r["pass"]),
-            ("reference", lambda r: r["reference"]),
+            ("reference", lambda r: r["reference"] + (
+                f" vs {r['versus']}" if r.get("versus") else "")),
             ("ours ms", lambda r: _num(r.get("ms_b"))),
             ("reference ms", lambda r: _num(r.get("ms_a"))),
             ("reference / ours (IQR)", _ratio),

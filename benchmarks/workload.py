@@ -30,9 +30,12 @@ from jax.sharding import PartitionSpec as P
 
 import jax_cp
 
-DISTS = ("one_doc", "short_128_1k", "uniform_1k_8k")
+DISTS = ("one_doc", "short_128_1k", "uniform_1k_8k", "long_16k")
+#: The mixes a command runs unless told (``long_16k``, documents of 16k
+#: tokens, four to a 64k row, on request).
+DEFAULT_DISTS = DISTS[:3]
 DIST_LABEL = {"one_doc": "one document", "short_128_1k": "128–1k docs",
-              "uniform_1k_8k": "1k–8k docs"}
+              "uniform_1k_8k": "1k–8k docs", "long_16k": "16k docs"}
 STRATEGIES = ("dual_chunk_swap", "no_load_balance")
 PASSES = ("fwd", "fwd_bwd")
 DOC_ORDERS = ("packed", "balanced")
@@ -68,7 +71,8 @@ def document_lengths(dist: str, tokens: int, seed: int) -> Iterator[int]:
     raise ValueError(f"unknown mix {dist!r}; expected one of {list(DISTS)}")
   rng = np.random.default_rng([seed, zlib.crc32(dist.encode()), tokens])
   low, high = {"short_128_1k": (128, 1024),
-               "uniform_1k_8k": (1024, 8192)}.get(dist, (tokens, tokens))
+               "uniform_1k_8k": (1024, 8192),
+               "long_16k": (16384, 16384)}.get(dist, (tokens, tokens))
   while True:
     yield tokens if dist == "one_doc" else int(
         rng.integers(low, high, endpoint=True))

@@ -583,20 +583,46 @@ def test_bench_fused_on_cpu(tmp_path):
   if jax.default_backend() == "cpu":
     assert len(packed) == 2 and all("error" in r for r in packed)
   for ref in ("ours", "constant_metadata", "cp_attention",
-              "cp_attention_constant", "deterministic"):
+              "cp_attention_constant", "deterministic", "cp_attention_slots",
+              "cp_attention_slots_ragged", "fused_offsets",
+              "fused_offsets_ragged"):
     mine = [r for r in recs if r["reference"] == ref]
     assert [r["pass"] for r in mine] == ["fwd", "fwd_bwd"]
     assert all(r["ratio"] > 0 and "error" not in r for r in mine), mine
     assert all(r["rel_err"] < 1e-5 for r in mine), mine
+    assert all(r.get("versus") == bench_fused.VERSUS.get(ref)
+               for r in mine), mine
   assert all(r["rel_err"] == 0 for r in recs if r["reference"] == "ours")
   for r in recs:  # A peer runs, or is reported with why it did not.
     if r["reference"] in peers.PEERS:
       assert r.get("error") or r["ratio"] > 0, r
   rows = _table_rows(tmp_path, "fused")
-  assert [r[6] for r in rows] == list(bench_fused.REFERENCES) * 2
+  labels = [ref + (f" vs {bench_fused.VERSUS[ref]}"
+                   if ref in bench_fused.VERSUS else "")
+            for ref in bench_fused.REFERENCES]
+  assert [r[6] for r in rows] == labels * 2
   row = rows[bench_fused.REFERENCES.index("jax_nn")]
   assert row[9] == (f"**{nn[0]['ratio']:.3f}** ({nn[0]['ratio_q1']:.3f}"
                     f"–{nn[0]['ratio_q3']:.3f})")
+
+
+def test_bench_fused_versus_another_program(tmp_path):
+  """``--versus``: jax.nn paired with cp_attention over a batch of document
+  slots (B), the _ragged reference still with its own program; both
+  recorded and labelled so."""
+  path = bench_fused.main([
+      "--backend", "xla", "--jax-nn-implementation", "xla", "--tokens",
+      "128", "--head-dim", "8", "--hq", "2", "--hkv", "1", "--dtype",
+      "float32", "--dists", "one_doc", "--passes", "fwd", "--slots", "8",
+      "--refs", "jax_nn", "fused_offsets_ragged", "--versus",
+      "cp_attention_slots", "--reps", "1", "--out", str(tmp_path)])
+  recs = _json(path, "fused", "bench_fused")["records"]
+  assert [(r["reference"], r["versus"]) for r in recs] == [
+      ("jax_nn", "cp_attention_slots"),
+      ("fused_offsets_ragged", "fused_offsets")]
+  assert all(r["ratio"] > 0 and r["rel_err"] < 1e-5 for r in recs), recs
+  assert [r[6] for r in _table_rows(tmp_path, "fused")] == [
+      "jax_nn vs cp_attention_slots", "fused_offsets_ragged vs fused_offsets"]
 
 
 @requires_devices(2)

@@ -569,8 +569,8 @@ def test_backward_splits_over_head_groups_past_the_scratch_limit(
 
   def loss(q, k, v):
     return jax_cp.fused_attention(
-        q, k, v, jnp.array([10, 30]), jnp.array([10, 30]),
-        jnp.array([0, 10]), jnp.array([0, 10]), backend="cudnn").astype(
+        q, k, v, np.array([10, 30]), np.array([10, 30]),
+        np.array([0, 10]), np.array([0, 10]), backend="cudnn").astype(
             jnp.float32).sum()
 
   text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)

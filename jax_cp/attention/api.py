@@ -47,6 +47,15 @@ def _tiled_mask(q_lens, kv_lens, q_offs, kv_offs, mask: str, tq: int,
   return mask if np.all(ql <= kl) else None
 
 
+def _may_tile(tiled_mask: str | None, mask: str, metadata) -> bool:
+  """Whether a call whose tiling :func:`_tiled_mask` could not establish
+  on the host may still tile its rows by traced metadata
+  (:attr:`Segments.tile_rows`, decided on the device): a causal mask, and
+  some metadata traced (concrete ones were read on the host)."""
+  return (tiled_mask is None and mask != "no_mask"
+          and any(validation.concrete(x) is None for x in metadata))
+
+
 def _packed_offsets(lens):
   """Offsets of segments that lie back to back from their row's start: 0
   (static) for one segment per row, else the exclusive cumulative sum of
@@ -136,7 +145,10 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets=None,
       or None: the segments lie back to back from the row's start. With
       one segment per row (``N == 1``) None states the offset 0 statically,
       so traced lengths of a row holding one document from its start still
-      run cuDNN's dense graph (docs/internals.md, Tiled calls).
+      run cuDNN's dense graph (docs/internals.md, Tiled calls). Traced
+      offsets (or several segments per row) with the rows' lengths as
+      bounds let the cuDNN backend choose that graph on the device, where
+      every row holds one segment from its start.
     attn_mask_type: ``"causal_bottom_right"`` (the last Q row of a segment
       sees its last KV row), ``"causal_top_left"`` (Q row ``j`` sees KV
       rows ``<= j``), or ``"no_mask"``.
@@ -202,11 +214,12 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets=None,
                           tq, tkv, max_q, max_kv)
   if tiled_mask is not None:
     mask = tiled_mask
-  seg = row_segments(q_seqlens, kv_seqlens, q_offsets, kv_offsets, tq, tkv,
-                     max_q, max_kv,
+  metadata = (q_seqlens, kv_seqlens, q_offsets, kv_offsets)
+  seg = row_segments(*metadata, tq, tkv, max_q, max_kv,
                      rows_see_keys=_rows_see_keys(q_seqlens, kv_seqlens, mask,
                                                   window_left),
-                     tiled=tiled_mask is not None, clamp=True)
+                     tiled=tiled_mask is not None, clamp=True,
+                     may_tile=_may_tile(tiled_mask, mask, metadata))
   resolved = resolve_backend(
       backend, dtype=q.dtype,
       score_bytes=4 * q.shape[-2] * math.prod(q.shape[:-2]) *

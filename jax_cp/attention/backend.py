@@ -132,6 +132,15 @@ class Segments:
       the call (out, lse, dq, dk, dv) is NaN. The CP layer sets it for a
       backend with ``handles_poison`` when traced metadata break a
       ``max_seqlen`` bound the host had checked (:mod:`jax_cp.cp.guard`).
+    tile_rows: static; 0, or the number ``n`` of equal rows the buffers
+      hold (``Tq / n`` Q and ``Tkv / n`` K/V rows each, the bounds being
+      those row lengths) where only the traced metadata tell whether the
+      call is tiled: whether each row holds at most one segment with Q
+      rows, from the row's start (:func:`row_tiling`). A backend may test
+      that on the device and run its tiled kernel where it holds (the
+      cudnn backend does, with a ``lax.cond``); the results are the same
+      either way (docs/internals.md, Tiled calls). The padding rows must
+      then hold finite values, as for ``tiled``.
   """
 
   q_lens: jax.Array
@@ -144,13 +153,14 @@ class Segments:
                                           metadata=dict(static=True))
   tiled: bool = dataclasses.field(default=False, metadata=dict(static=True))
   poison: jax.Array | None = None
+  tile_rows: int = dataclasses.field(default=0, metadata=dict(static=True))
 
 
 def row_segments(q_lens, kv_lens, q_offsets, kv_offsets, q_tokens: int,
                  kv_tokens: int, max_q: int, max_kv: int, *,
                  rows_see_keys: bool = False, tiled: bool = False,
-                 clamp: bool = False,
-                 heaviest_first: bool = False) -> Segments:
+                 clamp: bool = False, heaviest_first: bool = False,
+                 may_tile: bool = False) -> Segments:
   """``[B, N]`` (or ``[N]``) segments over ``B`` rows of ``q_tokens`` Q and
   ``kv_tokens`` K/V rows as one :class:`Segments` list over the flattened
   ``[B*T]`` buffers. The bounds are capped by the token counts (and are at
@@ -166,7 +176,10 @@ def row_segments(q_lens, kv_lens, q_offsets, kv_offsets, q_tokens: int,
   ``q * (2 kv - q)``, most first: the order changes no result, and fused
   kernels, which start their thread blocks roughly in segment order, then
   leave short blocks for the end of the grid (docs/decisions.md). Tiled
-  segments keep their order (segment ``i`` is row ``i``).
+  segments keep their order (segment ``i`` is row ``i``). ``may_tile``
+  sets :attr:`Segments.tile_rows` to the row count (the metadata may tile
+  the rows; only the device can tell) where the bounds are the rows'
+  lengths and the call is not ``tiled`` already.
   """
   as32 = lambda x: jnp.asarray(x, jnp.int32)
   q_lens, kv_lens, q_offsets, kv_offsets = map(
@@ -188,8 +201,11 @@ def row_segments(q_lens, kv_lens, q_offsets, kv_offsets, q_tokens: int,
     q, kv = seg[0].astype(jnp.float32), seg[1].astype(jnp.float32)
     order = jnp.argsort(-(q * (2 * kv - q)), stable=True)
     seg = [x[order] for x in seg]
+  tile_rows = 0
+  if may_tile and not tiled and (max_q, max_kv) == (q_tokens, kv_tokens):
+    tile_rows = q_lens.shape[0] if q_lens.ndim == 2 else 1
   return Segments(*seg, max_q, max_kv, rows_see_keys=rows_see_keys,
-                  tiled=tiled)
+                  tiled=tiled, tile_rows=tile_rows)
 
 
 def packed(x):
@@ -212,6 +228,65 @@ def keyed_rows(q_lens, kv_lens, mask: str, window_left: int = -1, xp=jnp):
   if mask == "causal_top_left" and window_left >= 0:
     end = xp.minimum(end, kv + window_left)
   return xp.zeros_like(q), end
+
+
+def tiling_applies(seg: Segments, mask: str, q_tokens: int,
+                   kv_tokens: int) -> bool:
+  """Static: whether a call may run tiled by its metadata
+  (:attr:`Segments.tile_rows`): rows of equal length over both buffers,
+  the bounds those lengths, a causal mask."""
+  n = seg.tile_rows
+  return (n > 0 and not seg.tiled
+          and mask in ("causal_top_left", "causal_bottom_right")
+          and q_tokens % n == 0 and kv_tokens % n == 0
+          and seg.max_seqlen_q == q_tokens // n
+          and seg.max_seqlen_kv == kv_tokens // n)
+
+
+def row_tiling(seg: Segments, mask: str, q_tokens: int, kv_tokens: int
+               ) -> tuple[jax.Array, Segments]:
+  """Whether the segments of a call with :func:`tiling_applies` tile its
+  rows, and the same call as tiled segments, from the traced metadata
+  (a few integer ops on the ``[S]`` vectors, no pass over a tensor).
+
+  With ``n = seg.tile_rows`` rows of ``s_q = q_tokens / n`` Q and ``s_kv
+  = kv_tokens / n`` K/V rows, the segments tile them when every segment
+  with Q rows (``q_len > 0``) starts a row of both buffers (``q_offset =
+  b s_q``, ``kv_offset = b s_kv``), stays in it, has ``q_len <= kv_len``
+  (``==`` with the bottom-right mask) and is its row's only such segment;
+  segments without Q rows attend nothing and may lie anywhere. Then the
+  call is the tiled one (:attr:`Segments.tiled`, top-left causal) whose
+  segment ``b`` has row ``b``'s lengths (0 for a row without one): a Q row
+  sees the same keys in both, and rows the original covers nowhere are
+  past their tile's length.
+
+  Returns:
+    ``(holds, tiled)``: a bool scalar, and the ``n`` tiled segments
+    (the bounds ``s_q``, ``s_kv``; ``poison`` and ``rows_see_keys`` kept).
+  """
+  n = seg.tile_rows
+  sq, skv = q_tokens // n, kv_tokens // n
+  ql, kl, qo, ko = (jnp.asarray(x).astype(jnp.int32)
+                    for x in (seg.q_lens, seg.kv_lens, seg.q_offsets,
+                              seg.kv_offsets))
+  active = ql > 0
+  row = qo // sq
+  fits = kl == ql if mask == "causal_bottom_right" else kl >= ql
+  fine = ((qo >= 0) & (qo < q_tokens) & (qo == row * sq) & (ko == row * skv)
+          & (ql <= sq) & (kl <= skv) & fits)
+  # Each segment with Q rows adds to its row; the others to bucket n.
+  bucket = jnp.where(active & fine, row, n)
+
+  def per_row(x):
+    return jnp.zeros((n + 1,), jnp.int32).at[bucket].add(x)[:n]
+  holds = jnp.all(fine | ~active) & jnp.all(per_row(active.astype(
+      jnp.int32)) <= 1)
+  rows = jnp.arange(n, dtype=jnp.int32)
+  tiled = Segments(per_row(jnp.where(active, ql, 0)),
+                   per_row(jnp.where(active, kl, 0)), rows * sq, rows * skv,
+                   sq, skv, rows_see_keys=seg.rows_see_keys, tiled=True,
+                   poison=seg.poison)
+  return holds, tiled
 
 
 Pair = tuple[jax.Array, jax.Array]

@@ -33,7 +33,13 @@ same kernels. The handler fills the rows past each segment's length after
 the forward; the backward gets those rows' ``lse`` as a huge value, so
 their probabilities and their share of every gradient are exactly 0, and
 reads the ``lse`` head-major as cuDNN 9.19 wants for a dense graph
-(docs/internals.md, Tiled calls).
+(docs/internals.md, Tiled calls). Segments whose traced metadata alone can
+tell whether they tile their rows (``Segments.tile_rows``: a batch's
+document slots with one document in a row, offsets passed as jit
+arguments) run a ``lax.cond`` between the tiled and the ragged call, on
+a predicate computed on the device (:func:`tiled_choice`): the tiled call
+gives the same results (:func:`~jax_cp.attention.backend.row_tiling`)
+and the documents make nearly all of its work.
 
 A sliding window (``window_left``) is cuDNN's diagonal band,
 ``set_diagonal_band_left_bound(window_left + 1)`` on both alignments,
@@ -57,7 +63,14 @@ import numpy as np
 
 import jax_cp._jax_cp_cuda as _jax_cp_cuda  # ModuleNotFoundError when absent
 from jax_cp.attention import cudnn_workspace, head_groups
-from jax_cp.attention.backend import MASK_TYPES, Backend, Segments, poisoned
+from jax_cp.attention.backend import (
+  MASK_TYPES,
+  Backend,
+  Segments,
+  poisoned,
+  row_tiling,
+  tiling_applies,
+)
 from jax_cp.attention.merge import (
   NO_WEIGHT_LSE,
   check_merge_rows,
@@ -442,6 +455,59 @@ def check_into(seg: Segments, name: str, x, shape, dtype) -> None:
                      f"written in place are not masked afterwards.")
 
 
+#: A call that may be tiled by its metadata takes the tiled graph only
+#: where its documents make at least this share of the tiled graph's
+#: causal work: the dense kernel computes every row of its tiles, padding
+#: and empty rows included, the ragged one only the documents' rows, at a
+#: few percent more per pair (the module docstring).
+TILED_MIN_WORK_SHARE = 0.95
+
+
+def _causal_pairs(q, window_left: int):
+  """float32 (query, key) pairs of ``q`` top-left causal rows, each seeing
+  at most ``window_left + 1`` keys (-1: no window)."""
+  q = jnp.asarray(q, jnp.float32)
+  if window_left < 0:
+    return q * (q + 1) / 2
+  band = jnp.float32(window_left + 1)
+  return jnp.where(q <= band, q * (q + 1) / 2,
+                   band * (band + 1) / 2 + (q - band) * band)
+
+
+def tiled_choice(seg: Segments, mask: str, q_tokens: int, kv_tokens: int,
+                 window_left: int = -1):
+  """``(take, tiled)`` of a call that may be tiled by its metadata: the
+  tiled segments (:func:`~jax_cp.attention.backend.row_tiling`) and
+  whether to run them, on the device: where they give the call's results
+  and its documents make at least :data:`TILED_MIN_WORK_SHARE` of their
+  causal work."""
+  holds, tiled = row_tiling(seg, mask, q_tokens, kv_tokens)
+  work = jnp.sum(_causal_pairs(tiled.q_lens, window_left))
+  full = tiled.q_lens.shape[0] * _causal_pairs(tiled.max_seqlen_q,
+                                               window_left)
+  return holds & (work >= TILED_MIN_WORK_SHARE * full), tiled
+
+
+def _tiled_or_ragged(call, seg: Segments, mask: str, q_shape, k_shape,
+                     window_left: int, in_place: bool):
+  """``call(seg, mask)``; for segments that may tile their rows by the
+  traced metadata (:attr:`Segments.tile_rows`,
+  :func:`~jax_cp.attention.backend.tiling_applies`) a ``lax.cond`` on the
+  device between the tiled call (the dense graph) where
+  :func:`tiled_choice` takes it and ``call`` itself: both give the same
+  results. In-place writes have no tiled call."""
+  if seg.tile_rows:
+    if not in_place and tiling_applies(seg, mask, q_shape[0], k_shape[0]):
+      check_segments(seg)
+      take, tiled = tiled_choice(seg, mask, q_shape[0], k_shape[0],
+                                 window_left)
+      seg = dataclasses.replace(seg, tile_rows=0)
+      return jax.lax.cond(take, lambda: call(tiled, "causal_top_left"),
+                          lambda: call(seg, mask))
+    seg = dataclasses.replace(seg, tile_rows=0)
+  return call(seg, mask)
+
+
 def forward(q, k, v, seg: Segments, *, mask: str, scale: float,
             window_left: int = -1, into=None):
   """Varlen attention forward (see :mod:`jax_cp.attention.backend`).
@@ -451,8 +517,10 @@ def forward(q, k, v, seg: Segments, *, mask: str, scale: float,
   buffers in place (aliased; no clearing, no extra outputs).
   ``window_left >= 0``: cuDNN's diagonal band (a sliding window).
   """
-  return _forward(q, k, v, seg, mask=mask, scale=scale,
-                  window_left=window_left, into=into, stats=True)
+  return _tiled_or_ragged(
+      lambda s, m: _forward(q, k, v, s, mask=m, scale=scale,
+                            window_left=window_left, into=into, stats=True),
+      seg, mask, q.shape, k.shape, window_left, into is not None)
 
 
 def forward_out(q, k, v, seg: Segments, *, mask: str, scale: float,
@@ -460,8 +528,10 @@ def forward_out(q, k, v, seg: Segments, *, mask: str, scale: float,
   """The inference form of :func:`forward`: ``out`` alone. The cuDNN graph
   computes and writes no softmax statistics (``jax_cp_cudnn_sdpa_fwd_out``),
   as for a forward that nothing differentiates."""
-  return _forward(q, k, v, seg, mask=mask, scale=scale,
-                  window_left=window_left, into=None, stats=False)
+  return _tiled_or_ragged(
+      lambda s, m: _forward(q, k, v, s, mask=m, scale=scale,
+                            window_left=window_left, into=None, stats=False),
+      seg, mask, q.shape, k.shape, window_left, False)
 
 
 def _forward(q, k, v, seg: Segments, *, mask: str, scale: float,
@@ -533,6 +603,16 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
     ValueError: besides the argument checks, with ``deterministic`` a
       call whose dP buffer fits the scratch bound in no split.
   """
+  return _tiled_or_ragged(
+      lambda s, m: _backward(q, k, v, out, lse, dout, s, mask=m, scale=scale,
+                             window_left=window_left, dq_into=dq_into,
+                             deterministic=deterministic),
+      seg, mask, q.shape, k.shape, window_left, dq_into is not None)
+
+
+def _backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
+              scale: float, window_left: int, dq_into, deterministic: bool):
+  """:func:`backward` of one graph: tiled where ``seg.tiled``."""
   _check_call(q, k, v, seg, mask)
   check_window(window_left, mask)
   seg = _cut_to_band(seg, mask, window_left)

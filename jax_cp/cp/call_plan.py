@@ -100,8 +100,10 @@ class CompactCalls:
 @dataclasses.dataclass(frozen=True)
 class _Block:
   """A call while the plan is built: per-document metadata ``[B, n]``, the
-  mask, the static bounds, the K/V source, and ``q_rows`` (the block's
-  segments lie in the first ``q_rows`` local rows; None: anywhere)."""
+  mask, the static bounds, the K/V source, ``q_rows`` (the block's
+  segments lie in the first ``q_rows`` local rows; None: anywhere), and
+  whether its segments tile the rows (``tiled``) or may, by the traced
+  metadata (``may_tile``: docs/internals.md, Tiled calls)."""
 
   meta: metadata.StepMetadata
   mask: str
@@ -110,6 +112,7 @@ class _Block:
   exchanged: bool
   q_rows: int | None = None
   tiled: bool = False
+  may_tile: bool = False
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -137,7 +140,8 @@ def _rows_call(cfg: CPConfig, block: _Block, into: bool) -> RowsCall:
   seg = row_segments(m.q_lens, m.kv_lens, m.q_offsets, m.kv_offsets,
                      cfg.local_tokens, _kv_tokens(cfg, block.exchanged),
                      block.max_q, block.max_kv, rows_see_keys=True,
-                     tiled=block.tiled, heaviest_first=True)
+                     tiled=block.tiled, heaviest_first=True,
+                     may_tile=block.may_tile and not into)
   return RowsCall(seg, block.mask, _window_left(cfg, block), block.exchanged,
                   into)
 
@@ -319,10 +323,12 @@ def _unwindowed_blocks(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
     # Q and KV lengths agree per document: top-left == bottom-right, and
     # top-left is the faster cuDNN backward. One document slot per row,
     # starting at 0 (cu_seqlens_padded starts at 0) and bounded by the row:
-    # the rows tile the buffer (docs/internals.md, Tiled calls).
-    tiled = cfg.causal and cu.shape[-1] == 2 and w >= cfg.total_tokens
+    # the rows tile the buffer (docs/internals.md, Tiled calls). More slots
+    # may still hold one document per row: the device tells.
+    whole_rows = cfg.causal and w >= cfg.total_tokens
+    tiled = whole_rows and cu.shape[-1] == 2
     return [_Block(m, "causal_top_left" if cfg.causal else "no_mask", w, w,
-                   False, tiled=tiled)]
+                   False, tiled=tiled, may_tile=whole_rows and not tiled)]
   if cfg.strategy is _NLB:
     return _no_load_balance_blocks(cfg, cu, cuP, rank)
   # DUAL_CHUNK_SWAP: each Q chunk holds c = W / 2cp tokens of a document.
@@ -371,7 +377,10 @@ def _step_blocks(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank
     return blocks, None
   local, straddling = blocks
   straddle_local, halo = _split_straddle(cfg, straddling)
-  return [merge_blocks([straddle_local, local])], halo
+  # A chunk inside one document (its local rows that document's alone) is
+  # a tiled call over the local K/V: the device tells (Tiled calls).
+  merged = merge_blocks([straddle_local, local])
+  return [dataclasses.replace(merged, may_tile=cfg.causal)], halo
 
 
 def forward_plan(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank) -> list:

@@ -20,6 +20,7 @@ from tests.gpu._requires import cudnn_backend_or_skip
 cudnn_backend = cudnn_backend_or_skip()
 
 import jax_cp
+from benchmarks.bench_fused import ragged_only_backend
 from tests import reference
 
 TOL = 2e-2
@@ -47,11 +48,14 @@ def _inputs(b, t, hq, hkv, d, seed=0, pad_scale=1.0, lens=None):
 
 def _fused(concrete: bool, window):
   """fused_attention on one document per row; with ``concrete`` the
-  offsets are host arrays (a tiled call), else traced (the ragged call)."""
+  offsets are host arrays (a tiled call), else traced, on the backend
+  that never chooses the tiled graph by the metadata (the ragged call)."""
+  backend = "cudnn" if concrete else ragged_only_backend("cudnn")
+
   def attn(q, k, v, lens, offs):
     return jax_cp.fused_attention(
         q, k, v, lens, lens, offs, offs, attn_mask_type="causal_bottom_right",
-        backend="cudnn", window_size=window)
+        backend=backend, window_size=window)
 
   def loss(q, k, v, w, lens, offs):
     return jnp.sum(attn(q, k, v, lens, offs).astype(jnp.float32) * w)
