@@ -114,8 +114,10 @@ def test_split_backward_calls_are_all_deterministic(monkeypatch):
   assert len(flags) > 2 and set(flags) == {"1 : i64"}
   assert "stablehlo.while" in text
   monkeypatch.delenv(cudnn_workspace.SCRATCH_LIMIT_ENV)
-  assert backward_flags(_fused_grad_text(True)) == ["1 : i64"]
-  assert backward_flags(_fused_grad_text(False)) == ["0 : i64"]
+  # Traced lengths: a ragged and a tiled call (the device chooses), both
+  # carrying the mode.
+  assert set(backward_flags(_fused_grad_text(True))) == {"1 : i64"}
+  assert set(backward_flags(_fused_grad_text(False))) == {"0 : i64"}
 
 
 def test_a_tiled_call_too_large_for_the_bound_runs_ragged(monkeypatch):
@@ -159,8 +161,8 @@ for det in (None, False):
       q, k, v, lens, lens, backend="cudnn", deterministic=det).astype(
           jnp.float32).sum()
   text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)
-  (attrs, _, _), = custom_calls(text, cudnn.BWD_TARGET)
-  print(det, attrs["deterministic"])
+  for attrs, _, _ in custom_calls(text, cudnn.BWD_TARGET):
+    print(det, attrs["deterministic"])
 """
 
 
@@ -173,8 +175,8 @@ def test_xla_flag_turns_the_mode_on():
   out = subprocess.run([sys.executable, "-c", _UNDER_FLAG], env=env,
                        cwd=REPO, capture_output=True, text=True, check=True,
                        timeout=300).stdout
-  assert re.findall(r"^(\w+) (\d) : i64$", out, re.M) == [
-      ("None", "1"), ("False", "0")], out
+  found = re.findall(r"^(\w+) (\d) : i64$", out, re.M)
+  assert found and set(found) == {("None", "1"), ("False", "0")}, out
 
 
 @pytest.mark.parametrize("exchange", ["dcs_all_gather", "nlb_halo"])
