@@ -225,6 +225,65 @@ def test_cp_attention_ignores_padding(cp, strategy, comm_type, max_seqlen,
   check(*runs, want, valid)
 
 
+def ranks_on_one_device(cu, cuP, *, cp, strategy, backend, comm_type,
+                        max_seqlen=None, window=None):
+  """``f(q, k, v, w) -> (out, dq, dk, dv)`` over rows ``[B, T, H, D]`` in
+  physical order, the ``cp`` ranks of the local view run as a
+  ``jax.vmap`` over their chunks on one device (the collectives batch over
+  the named axis): every exchange and call of the plans where one GPU is
+  all there is (tests/gpu/test_padding_nonfinite_cudnn.py)."""
+  layout = CPLayout(cp_size=cp, strategy=strategy, view="local",
+                    backend=backend, comm_type=comm_type,
+                    max_seqlen=max_seqlen)
+  order = CPLayout(cp_size=cp, strategy=strategy)
+  window_size = None if window is None else (window, 0)
+
+  def chunks(x):
+    x = reorder_for_cp(x, cuP, order, seq_dim=1)
+    x = x.reshape((x.shape[0], cp, x.shape[1] // cp) + x.shape[2:])
+    return jnp.moveaxis(x, 1, 0)
+
+  def back(x):
+    x = jnp.moveaxis(x, 0, 1)
+    x = x.reshape((x.shape[0], -1) + x.shape[3:])
+    return restore_from_cp(x, cuP, order, seq_dim=1)
+
+  def rank(q, k, v, w):
+    attn = lambda q, k, v: jax_cp.cp_attention(
+        q, k, v, (cu, cuP), layout=layout, window_size=window_size)
+    out, vjp = jax.vjp(attn, q, k, v)
+    return (out,) + vjp(w.astype(out.dtype))
+
+  step = jax.jit(jax.vmap(rank, axis_name="cp"))
+  return lambda *a: tuple(back(x) for x in step(*(chunks(x) for x in a)))
+
+
+LOCAL_CASES = [
+    # cp, strategy, comm_type, max_seqlen, window
+    (4, DCS, "all_gather", None, None),
+    (2, DCS, "ring", None, None),
+    (4, NLB, "ring", 3 * UNIT, None),          # fewer ring steps
+]
+
+
+@pytest.mark.parametrize(
+    "cp,strategy,comm_type,max_seqlen,window", LOCAL_CASES,
+    ids=[f"cp{c}-{s.value}-{x}-w{m}-win{n}" for c, s, x, m, n in LOCAL_CASES])
+def test_local_view_ignores_padding(cp, strategy, comm_type, max_seqlen,
+                                    window):
+  """The local view, its ranks as a ``vmap`` on one device (the harness of
+  the GPU test; the halo exchange's partial permutes do not batch so)."""
+  rng = np.random.default_rng(cp + len(comm_type))
+  cu, cuP = padded_rows(rng, 2)
+  q, k, v, w = inputs(rng)
+  valid = valid_mask(cu, cuP)
+  f = ranks_on_one_device(cu, cuP, cp=cp, strategy=strategy, backend="xla",
+                          comm_type=comm_type, max_seqlen=max_seqlen,
+                          window=window)
+  runs = run_three(f, q, k, v, w, ~valid, rng)
+  check(*runs, reference_grads(q, k, v, w, cu, cuP), valid)
+
+
 def test_concrete_metadata_without_padding_clear_nothing():
   """Concrete metadata with no padding token: no pass over q, k, v; with
   padding, or traced: cleared (``CPConfig.zero_padding``)."""
