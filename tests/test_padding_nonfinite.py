@@ -21,8 +21,11 @@ import pytest
 import jax_cp
 from jax_cp import CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
+from jax_cp.attention import chunk_attention
+from jax_cp.attention.registry import resolve_backend
 from jax_cp.cp.config import make_config
 from jax_cp.data import reorder_for_cp, restore_from_cp
+from jax_cp.modules import layer_chunks
 from tests import reference as ref
 from tests.test_cp_attention import mesh_for
 from tests.test_fused_attention import np_reference
@@ -95,14 +98,16 @@ def run_three(f, q, k, v, w, padding, rng):
 
 def check(clean, bad_qkv, bad_dout, want, valid):
   """Both poisoned runs equal the clean one on valid tokens, are 0 on the
-  padding ones; the clean run matches the reference ``want``."""
+  padding ones; the clean run matches the reference ``want``. ``valid``:
+  the valid tokens of all four results, or a mask per result."""
   names = ("out", "dq", "dk", "dv")
-  for got, w, name in zip(clean, want, names):
+  masks = valid if isinstance(valid, tuple) else (valid,) * 4
+  for got, w, name, valid in zip(clean, want, names, masks):
     got, w = np.asarray(got), np.asarray(w)
     err = ref.rel_err(got[valid], w[valid])
     assert err < TOL, f"{name}: relative error {err:.2e} to the reference"
   for run, what in ((bad_qkv, "q/k/v"), (bad_dout, "dout")):
-    for got, c, name in zip(run, clean, names):
+    for got, c, name, valid in zip(run, clean, names, masks):
       got, c = np.asarray(got), np.asarray(c)
       leaked = int(np.sum(~np.isfinite(got[valid])))
       assert leaked == 0, (f"{name}: {leaked} non-finite valid values with "
@@ -282,6 +287,51 @@ def test_local_view_ignores_padding(cp, strategy, comm_type, max_seqlen,
                           window=window)
   runs = run_three(f, q, k, v, w, ~valid, rng)
   check(*runs, reference_grads(q, k, v, w, cu, cuP), valid)
+
+
+@pytest.mark.parametrize("q_start, queries, halo, whole_halo, left", [
+    (32, 16, 3 * UNIT - 1, True, -1),     # the bound's halo: a rectangle
+    (40, 16, 5, False, 5)])               # a window's halo: reversed
+def test_layer_chunk_attention_ignores_padding(q_start, queries, halo,
+                                               whole_halo, left):
+  """A layer chunk's attention (``layer_chunk_size``): its queries and its
+  window's keys and values, against the whole rows' reference."""
+  rng = np.random.default_rng(q_start)
+  cu, cuP = padded_rows(rng, 2)
+  q, k, v, _ = inputs(rng)
+  w = rng.standard_normal((2, queries, HQ, D)).astype(np.float32)
+  a, b, lo = q_start, q_start + queries, q_start - halo
+  seg = [jnp.stack(x) for x in zip(*(
+      layer_chunks.chunk_segments(cu[r], cuP[r], a, lo, queries)
+      for r in range(2)))]
+  spec = chunk_attention.Spec(
+      backend=resolve_backend("xla"), scale=D ** -0.5, window_left=left,
+      halo=halo, max_q=min(3 * UNIT, queries), whole_halo=whole_halo)
+
+  @jax.jit
+  def f(qc, kw, vw, w):
+    out, vjp = jax.vjp(
+        lambda *a: chunk_attention.chunk_attention(*a, seg, spec),
+        qc, kw, vw)
+    return (out,) + vjp(w)
+
+  def plain(qc, kw, vw):
+    put = lambda x, lo, y: jnp.asarray(x).at[:, lo:b].set(y)
+    full = ref.batched_attention(put(q, a, qc), put(k, lo, kw),
+                                 put(v, lo, vw), cu, cuP, window=left)
+    return full[:, a:b]
+
+  args = (q[:, a:b], k[:, lo:b], v[:, lo:b])
+  out, vjp = jax.vjp(plain, *(jnp.asarray(x) for x in args))
+  want = (out,) + vjp(jnp.asarray(w))
+  valid = valid_mask(cu, cuP)
+  vq, vkv = valid[:, a:b], valid[:, lo:b]
+  assert (~vq).any() and (~vkv[:, :halo]).any()   # padding in both parts
+  clean = f(*args, w)
+  bad_qkv = f(dirty(rng, args[0], ~vq), dirty(rng, args[1], ~vkv),
+              dirty(rng, args[2], ~vkv), w)
+  bad_dout = f(*args, dirty(rng, w, ~vq))
+  check(clean, bad_qkv, bad_dout, want, (vq, vq, vkv, vkv))
 
 
 def test_concrete_metadata_without_padding_clear_nothing():

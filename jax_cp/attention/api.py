@@ -192,7 +192,10 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets=None,
 
   Returns:
     The output in q's shape and dtype; rows no segment covers are 0.
-    Softmax runs in float32 whatever the input dtype.
+    Softmax runs in float32 whatever the input dtype. Q rows no segment
+    covers and K/V rows no segment reads reach no other row's output or
+    gradient, whatever they hold (NaN and infinities included), nor does
+    the output's cotangent on uncovered rows; their gradients are 0.
   """
   if q_offsets is None:
     q_offsets = _packed_offsets(q_seqlens)
