@@ -15,6 +15,9 @@ Backward: keep only local residuals (plus a small received halo,
 owners (reduce-scatter, or reverse halo permutes merged with the backend's
 ``merge_rows``).
 
+Forward and backward first put 0 on the padding tokens of q, k, v and of
+the output's cotangent (docs/internals.md, Padding tokens).
+
 With traced metadata and a ``max_seqlen`` bound, forward and backward each
 run under :func:`jax_cp.cp.guard.run`: a step whose padded documents break
 the bound takes the unbounded program (:attr:`CPConfig.unbounded`).
