@@ -10,6 +10,8 @@ backend against the reference, the lowering (CUDA custom-call attributes
 and the ``lax.cond`` between the graphs, on CPU) and the stats layout.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -443,7 +445,9 @@ def test_traced_lengths_with_offsets_none_lower_tiled():
 def test_traced_metadata_add_no_pass_over_out_or_dq(mask):
   """Two documents per row, lengths and offsets as jit arguments: rows
   that see no key are the handler's to fill, so nothing around the custom
-  calls selects over a tensor of out's or dq's size."""
+  calls selects over their results. The only selects of out's or dq's
+  size clear the padding rows of q before the forward and of dout before
+  the backward (docs/internals.md, Padding tokens)."""
   import jax_cp
   q, k, v = qkv()
   lens = jnp.asarray([[30, 34], [20, 0]], jnp.int32)
@@ -460,10 +464,17 @@ def test_traced_metadata_add_no_pass_over_out_or_dq(mask):
   want = [["0", "1"]] * 2 if mask != "no_mask" else []
   assert branches(text) == want
   assert sorted(tiled_attrs(text)) == sorted(sum(want, []) or ["0", "0"])
+  results = re.findall(r"(%\w+):\d+ = stablehlo\.custom_call", text)
   size = f"{2 * T}x4x64x"
   selects = [line for line in text.splitlines()
-             if "stablehlo.select" in line and size in line]
-  assert not selects, selects[:2]
+             if ("stablehlo.select" in line or "call @_where" in line)
+             and size in line]
+  assert selects and not any(f"{r}#" in line for line in selects
+                             for r in results), selects
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(
+      q, k, v, lens, kv_lens, offs)
+  assert count_selects(jaxpr.jaxpr, (2 * T, 4, 64)) == 2
+
 
 
 @needs_ext
@@ -561,3 +572,19 @@ def test_tiled_choice_needs_the_documents_to_fill_the_tiles(window):
                                          2 * T, window)
     fill = sum(pairs(n) for n in lens) / (2 * pairs(T))
     assert bool(take) == (not two and fill >= share), (lens, two, fill)
+
+
+def count_selects(jaxpr, shape) -> int:
+  """The ``select_n`` equations with results of ``shape`` in ``jaxpr`` and
+  the jaxprs it calls (each call site counted)."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "select_n" and \
+        eqn.outvars[0].aval.shape == shape:
+      n += 1
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
+        sub = getattr(sub, "jaxpr", sub)
+        if isinstance(sub, jax.extend.core.Jaxpr):
+          n += count_selects(sub, shape)
+  return n

@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cp.attention import validation
+from jax_cp.attention import padding, validation
 from jax_cp.attention.backend import keyed_rows, row_segments
 from jax_cp.attention.registry import resolve_backend
+from jax_cp.typing import Array, ArrayLike, WindowSize
 
 
 def _rows_see_keys(q_lens, kv_lens, mask: str, window_left: int) -> bool:
@@ -72,65 +73,99 @@ def window_kwargs(window_left: int) -> dict:
   return {} if window_left < 0 else dict(window_left=window_left)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _attention(q, k, v, seg, backend, mask, scale, window_left):
+def _padding_rows(seg, q, k, zero_padding: bool):
+  """``(q_valid, kv_valid)`` of a call that clears its padding rows
+  (:mod:`jax_cp.attention.padding`), else ``(None, None)``."""
+  if not zero_padding:
+    return None, None
+  return padding.segment_rows(seg, q.shape[0], k.shape[0])
+
+
+def _clear_inputs(q, k, v, seg, zero_padding: bool):
+  """q, k, v with 0 on the rows no segment reads (when ``zero_padding``)."""
+  q_valid, kv_valid = _padding_rows(seg, q, k, zero_padding)
+  (q,) = padding.zero_rows(q_valid, q)
+  k, v = padding.zero_rows(kv_valid, k, v)
+  return q, k, v
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _attention(q, k, v, seg, backend, mask, scale, window_left,
+               zero_padding):
   """(out, lse); callers stop the gradient of lse (its cotangent is dropped).
-  ``backend`` is the resolved (hashable) backend."""
+  ``backend`` is the resolved (hashable) backend; ``zero_padding``: clear
+  the padding rows of q, k, v (and of dout in the backward) first."""
+  q, k, v = _clear_inputs(q, k, v, seg, zero_padding)
   return backend.forward(q, k, v, seg, mask=mask, scale=scale,
                          **window_kwargs(window_left))
 
 
-def _attention_fwd(q, k, v, seg, backend, mask, scale, window_left):
-  out, lse = _attention(q, k, v, seg, backend, mask, scale, window_left)
+def _attention_fwd(q, k, v, seg, backend, mask, scale, window_left,
+                   zero_padding):
+  q, k, v = _clear_inputs(q, k, v, seg, zero_padding)
+  out, lse = backend.forward(q, k, v, seg, mask=mask, scale=scale,
+                             **window_kwargs(window_left))
   return (out, lse), (q, k, v, seg, out, lse)
 
 
-def _attention_bwd(backend, mask, scale, window_left, res, cotangents):
+def _attention_bwd(backend, mask, scale, window_left, zero_padding, res,
+                   cotangents):
   dout, _ = cotangents       # lse is under stop_gradient: its cotangent is 0
   q, k, v, seg, out, lse = res
-  dq, dk, dv = backend.backward(q, k, v, out, lse, dout.astype(out.dtype),
-                                seg, mask=mask, scale=scale,
-                                **window_kwargs(window_left))
+  # The residual q, k, v are cleared already; dout's padding rows are not.
+  (dout,) = padding.zero_rows(_padding_rows(seg, q, k, zero_padding)[0],
+                              dout.astype(out.dtype))
+  dq, dk, dv = backend.backward(q, k, v, out, lse, dout, seg, mask=mask,
+                                scale=scale, **window_kwargs(window_left))
   return dq, dk, dv, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _attention_out(q, k, v, seg, backend, mask, scale, window_left):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _attention_out(q, k, v, seg, backend, mask, scale, window_left,
+                   zero_padding):
   """out alone. Undifferentiated, this is the inference form
   (``backend.forward_out``: no softmax statistics computed or written);
   differentiated, the forward keeps lse for the backward."""
   if backend.forward_out is None:
-    return _attention(q, k, v, seg, backend, mask, scale, window_left)[0]
+    return _attention(q, k, v, seg, backend, mask, scale, window_left,
+                      zero_padding)[0]
+  q, k, v = _clear_inputs(q, k, v, seg, zero_padding)
   return backend.forward_out(q, k, v, seg, mask=mask, scale=scale,
                              **window_kwargs(window_left))
 
 
-def _attention_out_fwd(q, k, v, seg, backend, mask, scale, window_left):
+def _attention_out_fwd(q, k, v, seg, backend, mask, scale, window_left,
+                       zero_padding):
   (out, _), res = _attention_fwd(q, k, v, seg, backend, mask, scale,
-                                 window_left)
+                                 window_left, zero_padding)
   return out, res
 
 
-def _attention_out_bwd(backend, mask, scale, window_left, res, dout):
-  return _attention_bwd(backend, mask, scale, window_left, res, (dout, None))
+def _attention_out_bwd(backend, mask, scale, window_left, zero_padding, res,
+                       dout):
+  return _attention_bwd(backend, mask, scale, window_left, zero_padding, res,
+                        (dout, None))
 
 
 _attention_out.defvjp(_attention_out_fwd, _attention_out_bwd)
 
 
-def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets=None,
-                    kv_offsets=None, *,
+def fused_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike,
+                    q_seqlens: ArrayLike, kv_seqlens: ArrayLike,
+                    q_offsets: ArrayLike | None = None,
+                    kv_offsets: ArrayLike | None = None, *,
                     attn_mask_type: str = "causal_bottom_right",
                     softmax_scale: float | None = None,
                     backend: str = "auto",
                     max_seqlen_q: int | None = None,
                     max_seqlen_kv: int | None = None,
-                    window_size=None,
+                    window_size: WindowSize = None,
                     return_lse: bool = False,
-                    deterministic: bool | None = None):
+                    deterministic: bool | None = None
+                    ) -> Array | tuple[Array, Array]:
   """Attention over ragged segments of packed (THD) buffers, no CP.
 
   Segment ``i`` attends Q rows ``[q_offsets[i], q_offsets[i]+q_seqlens[i])``
@@ -180,7 +215,10 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets=None,
 
   Returns:
     The output in q's shape and dtype; rows no segment covers are 0.
-    Softmax runs in float32 whatever the input dtype.
+    Softmax runs in float32 whatever the input dtype. Q rows no segment
+    covers and K/V rows no segment reads reach no other row's output or
+    gradient, whatever they hold (NaN and infinities included), nor does
+    the output's cotangent on uncovered rows; their gradients are 0.
   """
   if q_offsets is None:
     q_offsets = _packed_offsets(q_seqlens)
@@ -224,11 +262,15 @@ def fused_attention(q, k, v, q_seqlens, kv_seqlens, q_offsets=None,
       backend, dtype=q.dtype,
       score_bytes=4 * q.shape[-2] * math.prod(q.shape[:-2]) *
       math.prod(k.shape[:-2]), deterministic=deterministic)
+  # Rows no segment reads are cleared unless concrete metadata show none.
+  zero_padding = padding.may_hold_padding(
+      *(validation.concrete(x) for x in (q_seqlens, kv_seqlens, q_offsets,
+                                         kv_offsets)), tq, tkv)
   flat = lambda x: x.reshape((-1,) + x.shape[-2:])
   if not return_lse:
     return _attention_out(flat(q), flat(k), flat(v), seg, resolved, mask,
-                          scale, window_left).reshape(q.shape)
+                          scale, window_left, zero_padding).reshape(q.shape)
   out, lse = _attention(flat(q), flat(k), flat(v), seg, resolved, mask, scale,
-                        window_left)
+                        window_left, zero_padding)
   return (out.reshape(q.shape),
           jax.lax.stop_gradient(lse).reshape(q.shape[:-1]))

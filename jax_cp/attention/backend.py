@@ -127,7 +127,9 @@ class Segments:
       the graph of ``jax.nn.dot_product_attention``) and mask the rows past
       the lengths itself. A batch of rows holding one document each, at
       cp=1, is tiled (docs/internals.md, Tiled calls). Such a kernel reads
-      the padding rows, so they must hold finite values.
+      the padding rows, so they must hold finite values:
+      :func:`jax_cp.fused_attention` and :func:`jax_cp.cp_attention` put
+      zeros there (:mod:`jax_cp.attention.padding`).
     poison: None, or an int32 scalar: where it is nonzero, every result of
       the call (out, lse, dq, dk, dv) is NaN. The CP layer sets it for a
       backend with ``handles_poison`` when traced metadata break a

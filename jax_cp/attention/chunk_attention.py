@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_cp.attention import straddle
+from jax_cp.attention import padding, straddle
 from jax_cp.attention.api import window_kwargs
 from jax_cp.attention.backend import Segments, packed, row_segments
 
@@ -105,12 +105,36 @@ def _forward(q, k, v, segments, spec: Spec):
   return straddle.merge(out, lse, o_h, l_h, calls.halo, b.merge_rows)
 
 
+def _valid_rows(segments, queries: int, window: int):
+  """bool ``[B, queries]`` and ``[B, window]``: the chunk's queries and
+  the window's keys that some document's part covers; the others are
+  padding, or keys no query of the chunk reads."""
+  q_lens, kv_lens, q_offs, kv_offs = (jnp.asarray(a, jnp.int32)
+                                      for a in segments)
+  seg = row_segments(q_lens, kv_lens, q_offs, kv_offs, queries, window,
+                     queries, window)
+  rows = q_lens.shape[0]
+  q_valid, kv_valid = padding.segment_rows(seg, rows * queries,
+                                           rows * window)
+  return q_valid.reshape(rows, queries), kv_valid.reshape(rows, window)
+
+
+def _clear_padding(q, k, v, segments):
+  """q, k, v with 0 on their padding rows (docs/internals.md, Padding
+  tokens)."""
+  q_valid, kv_valid = _valid_rows(segments, q.shape[1], k.shape[1])
+  (q,) = padding.zero_rows(q_valid, q)
+  return (q,) + padding.zero_rows(kv_valid, k, v)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _chunk_attention(q, k, v, segments, spec: Spec):
+  q, k, v = _clear_padding(q, k, v, segments)
   return _forward(q, k, v, segments, spec)[0]
 
 
 def _chunk_attention_fwd(q, k, v, segments, spec: Spec):
+  q, k, v = _clear_padding(q, k, v, segments)   # the residuals are cleared
   out, lse = _forward(q, k, v, segments, spec)
   return out, (q, k, v, segments, out, lse)
 
@@ -118,7 +142,8 @@ def _chunk_attention_fwd(q, k, v, segments, spec: Spec):
 def _chunk_attention_bwd(spec: Spec, res, dout):
   q, k, v, segments, out, lse = res
   b = spec.backend
-  dout = dout.astype(out.dtype)
+  q_valid, _ = _valid_rows(segments, q.shape[1], k.shape[1])
+  (dout,) = padding.zero_rows(q_valid, dout.astype(out.dtype))
   calls = plan_calls(segments, q.shape[1], spec.halo, spec.max_q,
                      spec.whole_halo)
   kc, vc = k[:, spec.halo:], v[:, spec.halo:]

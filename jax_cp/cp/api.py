@@ -61,7 +61,9 @@ def cp_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike,
 
   Returns:
     The output, shaped, typed and laid out like ``q``; 0 on padding.
-    Differentiable in q, k, v.
+    Differentiable in q, k, v. Padding tokens reach no valid output or
+    gradient, whatever q, k, v or the output's cotangent hold there (NaN
+    and infinities included); their gradients are 0.
 
   Raises:
     ValueError: before any kernel runs, for a missing layout, a batch of

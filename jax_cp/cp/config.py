@@ -14,6 +14,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_cp.attention.backend import AttentionBackend
 from jax_cp.attention.determinism import resolve_deterministic
@@ -65,6 +66,10 @@ class CPConfig:
       size of the local Q (``2 * cp * Hkv <= Hq``, e.g. GQA at cp = 2), so
       residual memory grows by at most Q's. The backward then has no
       all-gather to wait for.
+    zero_padding: the rows may hold padding tokens, so q, k, v (and the
+      output's cotangent) are cleared there before any backend call
+      (:mod:`jax_cp.attention.padding`); False when concrete metadata
+      show none (``cu_seqlens == cu_seqlens_padded``).
   """
 
   strategy: CPLoadBalancingStrategy
@@ -80,6 +85,7 @@ class CPConfig:
   bound_check: str | None = None
   unbounded: CPConfig | None = None
   keep_gathered_kv: bool = False
+  zero_padding: bool = True
 
   @property
   def local_tokens(self) -> int:
@@ -147,6 +153,10 @@ def make_config(layout: CPLayout, q, k, v, cu_seqlens, cu_seqlens_padded,
       score_bytes=4 * int(q_shape[-2]) * int(total_tokens) ** 2,
       deterministic=deterministic)
 
+  cu, cuP = concrete(cu_seqlens), concrete(cu_seqlens_padded)
+  # No padding token to clear when concrete metadata show none.
+  zero_padding = cu is None or cuP is None or not np.array_equal(cu, cuP)
+
   def config(w: int) -> CPConfig:
     """The layout for the bound ``w``."""
     left = window_left
@@ -163,7 +173,7 @@ def make_config(layout: CPLayout, q, k, v, cu_seqlens, cu_seqlens_padded,
                     scale=default_scale(q_shape[-1], softmax_scale),
                     backend=resolved, total_tokens=total_tokens,
                     max_seqlen=w, exchange=exchange, window_left=left,
-                    keep_gathered_kv=keep)
+                    keep_gathered_kv=keep, zero_padding=zero_padding)
 
   cfg = config(bound)
   if bound >= total_tokens or concrete(cu_seqlens_padded) is not None:

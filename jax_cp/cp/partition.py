@@ -62,6 +62,46 @@ def _dcs_physical_index(xp, cu_seqlens_padded, cp_size: int, rank, t):
   return (cuP[b] + chunk * chunk_len + i % chunk_len).astype(xp.int32)
 
 
+def valid_local_tokens(cu_seqlens, cu_seqlens_padded, cp_size: int,
+                       strategy: CPLoadBalancingStrategy, rank,
+                       local_tokens: int):
+  """jnp, jittable: which local tokens of ``rank`` are valid tokens of a
+  document (not padding).
+
+  Args:
+    cu_seqlens, cu_seqlens_padded: int32 ``[B, N+1]`` row metadata.
+    cp_size: the cp size.
+    strategy: the layout's strategy.
+    rank: this rank, an int32 scalar (possibly traced).
+    local_tokens: ``T / cp``.
+
+  Returns:
+    bool ``[B, local_tokens]``: the token's position in its document is
+    below the document's length.
+  """
+  if cp_size == 1:
+    strategy = CPLoadBalancingStrategy.NO_LOAD_BALANCE
+
+  def one_row(cu, cuP):
+    t = jnp.arange(local_tokens, dtype=jnp.int32)
+    last = cuP.shape[0] - 2
+    if strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE:
+      p = rank * local_tokens + t
+      b = jnp.clip(jnp.searchsorted(cuP, p, side="right") - 1, 0, last)
+      position = p - cuP[b]
+    else:   # the document's local range, as _dcs_physical_index finds it
+      cs = cuP // cp_size
+      b = jnp.clip(jnp.searchsorted(cs, t, side="right") - 1, 0, last)
+      i = t - cs[b]
+      c = jnp.maximum((cs[b + 1] - cs[b]) // 2, 1)
+      chunk = jnp.where(i < c, rank, 2 * cp_size - 1 - rank)
+      position = chunk * c + i % c
+    return position < cu[b + 1] - cu[b]
+
+  return jax.vmap(one_row)(jnp.asarray(cu_seqlens, jnp.int32),
+                           jnp.asarray(cu_seqlens_padded, jnp.int32))
+
+
 def _cp_size(layout: CPLayout, what: str) -> int:
   """The layout's cp size: as set (or read from its mesh), else the size of
   its axis where it runs (context mesh, enclosing ``shard_map``)."""

@@ -15,6 +15,9 @@ Backward: keep only local residuals (plus a small received halo,
 owners (reduce-scatter, or reverse halo permutes merged with the backend's
 ``merge_rows``).
 
+Forward and backward first put 0 on the padding tokens of q, k, v and of
+the output's cotangent (docs/internals.md, Padding tokens).
+
 With traced metadata and a ``max_seqlen`` bound, forward and backward each
 run under :func:`jax_cp.cp.guard.run`: a step whose padded documents break
 the bound takes the unbounded program (:attr:`CPConfig.unbounded`).
@@ -38,10 +41,12 @@ from jax_cp.attention import straddle
 from jax_cp.attention.api import window_kwargs
 from jax_cp.attention.backend import packed
 from jax_cp.attention.merge import GradSum, add, merge_softmax
+from jax_cp.attention.padding import zero_rows
 from jax_cp.checkpoint_names import CONTEXT
 from jax_cp.cp import call_plan, guard, ring
 from jax_cp.cp.call_plan import CompactCalls, HaloCall, RowsCall
 from jax_cp.cp.config import CPConfig
+from jax_cp.cp.partition import valid_local_tokens
 
 
 class _KV:
@@ -223,15 +228,34 @@ def _guarded_forward(q, k, v, cu_seqlens, cu_seqlens_padded,
                    cu_seqlens, cu_seqlens_padded)
 
 
+def _valid_tokens(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, tokens):
+  """bool ``[B, Tl]``: the local tokens inside a document, with
+  :attr:`CPConfig.zero_padding`; else None (nothing to clear)."""
+  if not cfg.zero_padding:
+    return None
+  return valid_local_tokens(cu_seqlens, cu_seqlens_padded, cfg.cp_size,
+                            cfg.strategy, cfg.rank(), tokens)
+
+
+def _clear_padding(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded):
+  """q, k, v with 0 on their padding tokens, before the exchange and every
+  call (docs/internals.md, Padding tokens)."""
+  valid = _valid_tokens(cfg, cu_seqlens, cu_seqlens_padded, q.shape[1])
+  return zero_rows(valid, q, k, v)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def cp_attention_vjp(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
   """This rank's attention output ``[B, Tl, Hq, D]``, differentiable in
   q, k, v."""
+  q, k, v = _clear_padding(cfg, q, k, v, cu_seqlens, cu_seqlens_padded)
   return _guarded_forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg,
                           need_lse=False)[0]
 
 
 def _vjp_forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig):
+  # The residuals are the cleared q, k, v.
+  q, k, v = _clear_padding(cfg, q, k, v, cu_seqlens, cu_seqlens_padded)
   out, lse, saved = _guarded_forward(q, k, v, cu_seqlens, cu_seqlens_padded,
                                      cfg)
   # Named for jax.checkpoint policies (jax_cp.modules.remat): a policy that
@@ -246,6 +270,9 @@ def _vjp_backward(cfg: CPConfig, residuals, dout):
       residuals = residuals[:-1] + (None,)   # its forward kept no halo
     return _backward(c, residuals, dout)
 
+  # dout's padding rows would reach dK/dV as 0 * dout (NaN for NaN).
+  (dout,) = zero_rows(_valid_tokens(cfg, residuals[3], residuals[4],
+                                    dout.shape[1]), dout)
   dq, dk, dv = guard.run(cfg, residuals[3], residuals[4], branch, residuals,
                          dout)
   return dq, dk, dv, None, None
