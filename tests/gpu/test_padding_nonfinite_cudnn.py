@@ -187,15 +187,14 @@ def test_cp1_cudnn_ignores_padding(rows):
         rng)
 
 
+# The all-gather's unwindowed plans write rows in place (aliased custom
+# calls: `into`, `dq_into`, `merge_rows`), which a `vmap` over ranks on one
+# device cannot run; they run on a mesh of GPUs below.
 EMULATED = [
     # cp, strategy, comm_type, max_seqlen, window
-    (2, DCS, "all_gather", None, None),
-    (4, DCS, "all_gather", None, None),
     (4, DCS, "all_gather", None, 37),       # compact near/far calls
     (2, DCS, "ring", None, None),
     (4, DCS, "ring", None, None),
-    (2, NLB, "all_gather", None, None),
-    (4, NLB, "all_gather", None, None),
     (4, NLB, "ring", None, None),
     (4, NLB, "ring", 512, None),            # fewer ring steps
 ]
@@ -215,20 +214,34 @@ def test_cp_cudnn_ignores_padding_ranks_on_one_gpu(cp, strategy, comm_type,
   check(run(backend="cudnn"), run(backend="xla"), q, k, v, w, cu, cuP, rng)
 
 
-@pytest.mark.parametrize("window", [None, 37])
-def test_cp_cudnn_halo_ignores_padding_on_four_gpus(window):
-  """NO_LOAD_BALANCE's halo exchange (a bound, or a window) over a mesh
-  of 4 GPUs."""
-  gpus = devices(4, "gpu")
-  rng = np.random.default_rng(41 + (window or 0))
+MESH = [
+    # cp, strategy, max_seqlen, window
+    (4, NLB, 256, None),          # the halo exchange, a bound
+    (4, NLB, None, 37),           # the halo exchange, a window
+    (2, NLB, None, None),         # the all-gather, rows merged in place
+    (4, NLB, None, None),
+    (2, DCS, None, None),         # the all-gather, calls into earlier rows
+    (4, DCS, None, None),
+]
+
+
+@pytest.mark.parametrize(
+    "cp,strategy,max_seqlen,window", MESH,
+    ids=[f"cp{c}-{s.value}-w{m}-win{n}" for c, s, m, n in MESH])
+def test_cp_cudnn_ignores_padding_on_gpus(cp, strategy, max_seqlen, window):
+  """The exchanges that write rows in place, over a mesh of ``cp`` GPUs:
+  NO_LOAD_BALANCE's halo (a bound, or a window) and the all-gather of
+  both strategies."""
+  gpus = devices(cp, "gpu")
+  rng = np.random.default_rng(41 + cp + (window or 0) + (max_seqlen or 0))
   cu, cuP = padded_rows(rng, 2)
   q, k, v, w = inputs(rng, 2)
-  mesh = jax.make_mesh((4,), ("cp",), devices=gpus,
+  mesh = jax.make_mesh((cp,), ("cp",), devices=gpus,
                        axis_types=(jax.sharding.AxisType.Auto,))
 
   def run(backend):
-    layout = CPLayout(mesh=mesh, strategy=NLB, backend=backend,
-                      max_seqlen=256 if window is None else None)
+    layout = CPLayout(mesh=mesh, strategy=strategy, backend=backend,
+                      max_seqlen=max_seqlen)
     ws = None if window is None else (window, 0)
     attn = lambda q, k, v: jax_cp.cp_attention(
         q, k, v, (cu, cuP), layout=layout, window_size=ws)
