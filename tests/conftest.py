@@ -70,22 +70,30 @@ def record_error():
   return record
 
 
-_RUN_TO_RUN = {}
+_RUN_TO_RUN = "run_to_run"
 
 
 @pytest.fixture
 def record_run_to_run(request):
   """Records a JSON-able dict of two runs' differences under the test's
-  id; every one is printed at the end."""
+  id, as a user property of its report (so it also comes back from
+  pytest-xdist's workers and lands in JUnit XML); every one is printed at
+  the end."""
   def record(result: dict):
-    _RUN_TO_RUN[request.node.nodeid] = result
+    request.node.user_properties.append((_RUN_TO_RUN, result))
   return record
 
 
 def pytest_terminal_summary(terminalreporter):
-  if _RUN_TO_RUN:
+  found = sorted(
+      (report.nodeid, value)
+      for reports in terminalreporter.stats.values() for report in reports
+      if getattr(report, "when", None) == "call"
+      for name, value in getattr(report, "user_properties", ())
+      if name == _RUN_TO_RUN)
+  if found:
     terminalreporter.section("run-to-run differences (two runs, one program)")
-    for nodeid, result in sorted(_RUN_TO_RUN.items()):
+    for nodeid, result in found:
       terminalreporter.write_line(f"{nodeid}: {result}")
   if not _LARGEST_ERRORS:
     return
