@@ -50,7 +50,8 @@ def _fused(plt, files):
   pts = {}  # (device, pass, layout, reference) -> the newest record
   for d in files:
     for r in d["records"]:
-      if r.get("reference") in PEERS and r.get("ratio_q1") is not None:
+      if (r.get("reference") in PEERS and r.get("ratio_q1") is not None
+          and not r.get("versus")):   # paired with the primitive itself
         pts[d["env"]["device_kind"], r["pass"], (list(DIST_LABEL).index(
             r["dist"]), -r["head_dim"], r["tokens"], r.get("window") or 0),
             r["reference"]] = r
