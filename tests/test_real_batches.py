@@ -63,7 +63,9 @@ def _restore(x, cuP, layout):
 
 @requires_devices(8)
 @pytest.mark.parametrize("strategy", ["no_load_balance", "dual_chunk_swap"])
-@pytest.mark.parametrize("jit", [False, True])
+# Under jit (the in-graph guard of a host-checked batch); eagerly the same
+# program runs op by op, over a minute on two CPU cores.
+@pytest.mark.parametrize("jit", [True])
 def test_trailing_padding_trains_at_the_longest_document(strategy, jit):
   rng = np.random.default_rng(0 if strategy == "no_load_balance" else 1)
   cp, t, longest = 4, 128, 20
