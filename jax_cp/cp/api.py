@@ -16,6 +16,7 @@ strategies, docs/internals.md the plans and the exchange.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -82,16 +83,19 @@ def cp_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike,
       make_config, layout, q, k, v, cu_seqlens, cu_seqlens_padded,
       attn_mask_type=attn_mask_type, softmax_scale=softmax_scale,
       window_size=window_size, trusted=trusted)
+  sizes = layout.resolve_axis_sizes()
+  cp = math.prod(sizes)
   if not layout.runs_in_own_shard_map():
-    cp = layout.resolve_cp_size()
-    cfg = config(cp_size=cp, total_tokens=q.shape[-3] * cp)
+    cfg = config(cp_size=cp, total_tokens=q.shape[-3] * cp,
+                 axis_sizes=sizes)
     return run_local(cfg, q, k, v, cu_seqlens, cu_seqlens_padded)
   mesh = layout.context_mesh()
-  cp = layout.resolve_cp_size()
   validation.check_batch_axis_rank(layout.batch_axis, q.shape)
   # Validated once, on the global shapes; the shard_map body reuses it.
   cfg = config(cp_size=cp, total_tokens=q.shape[-3],
-               platform=_platform(mesh))
+               platform=_platform(mesh), axis_sizes=sizes,
+               head_shards=1 if layout.head_axis is None else
+               int(mesh.shape[layout.head_axis]))
   if layout.head_axis is not None:
     validation.check_head_axis_divides(
         layout.head_axis, mesh.shape[layout.head_axis], q.shape, k.shape)
@@ -142,9 +146,20 @@ def run_local(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded):
   q4, k4, v4, cu, cuP, squeeze = _as_batched(
       q, k, v, jnp.asarray(cu_seqlens, jnp.int32),
       jnp.asarray(cu_seqlens_padded, jnp.int32))
-  k4, v4 = guard.poison(cfg, cu, cuP, k4, v4)
-  out = cp_attention_vjp(q4, k4, v4, cu, cuP, cfg)
+  out = _attend(cfg, q4, k4, v4, cu, cuP)
   return out[0] if squeeze else out
+
+
+def _attend(cfg: CPConfig, q, k, v, cu, cuP):
+  """Batched per-rank attention: an all-to-all exchange scatters the
+  heads and runs its inner program on them (docs/internals.md, All-to-all
+  exchanges); every other exchange runs inside the ``custom_vjp``."""
+  if cfg.inner is not None:
+    (q, k, v), order = cfg.exchange.to_heads(q, k, v, cuP)
+    out = _attend(cfg.inner, q, k, v, cu, cuP)
+    return cfg.exchange.from_heads(out, order)
+  k, v = guard.poison(cfg, cu, cuP, k, v)
+  return cp_attention_vjp(q, k, v, cu, cuP, cfg)
 
 
 def _platform(mesh) -> str | None:

@@ -27,6 +27,7 @@ from jax_cp.attention.validation import (
   default_scale,
 )
 from jax_cp.cp import guard, validation
+from jax_cp.cp.all_to_all import HeadScatter
 from jax_cp.cp.exchange import KVExchange, choose_exchange
 from jax_cp.cp.layout import CPLayout
 from jax_cp.cp.strategy import CPLoadBalancingStrategy
@@ -70,6 +71,10 @@ class CPConfig:
       output's cotangent) are cleared there before any backend call
       (:mod:`jax_cp.attention.padding`); False when concrete metadata
       show none (``cu_seqlens == cu_seqlens_padded``).
+    inner: with an all-to-all ``exchange`` (:class:`~jax_cp.cp.all_to_all.
+      HeadScatter`), the config of the program that runs on the scattered
+      heads: cp = 1 on whole rows, or the ring over the outer axis
+      (hierarchical); None otherwise.
   """
 
   strategy: CPLoadBalancingStrategy
@@ -80,12 +85,13 @@ class CPConfig:
   backend: AttentionBackend
   total_tokens: int
   max_seqlen: int
-  exchange: KVExchange
+  exchange: KVExchange | HeadScatter
   window_left: int = -1
   bound_check: str | None = None
   unbounded: CPConfig | None = None
   keep_gathered_kv: bool = False
   zero_padding: bool = True
+  inner: CPConfig | None = None
 
   @property
   def local_tokens(self) -> int:
@@ -117,7 +123,9 @@ def make_config(layout: CPLayout, q, k, v, cu_seqlens, cu_seqlens_padded,
                 *, cp_size: int, total_tokens: int,
                 attn_mask_type: str, softmax_scale: float | None,
                 window_size, trusted: bool,
-                platform: str | None = None) -> CPConfig:
+                platform: str | None = None,
+                axis_sizes: tuple[int, ...] | None = None,
+                head_shards: int = 1) -> CPConfig:
   """Validates everything that can be checked now and builds the config.
 
   ``q``, ``k``, ``v`` (arrays or ``jax.ShapeDtypeStruct``) have the global
@@ -127,6 +135,10 @@ def make_config(layout: CPLayout, q, k, v, cu_seqlens, cu_seqlens_padded,
   bound below T, the step checks the bound in-graph: ``trusted`` (a batch
   checked on the host) only poisons a broken bound, otherwise a fallback
   runs the unbounded program (:attr:`CPConfig.bound_check`).
+
+  ``axis_sizes`` are the sizes of the layout's cp axes (needed by
+  ``comm_type="all_to_all+ring"``), ``head_shards`` the head axis's size
+  in the global view (the all-to-all scatters each shard's heads).
   """
   strategy = layout.strategy
   q_shape, k_shape, dtype = q.shape, k.shape, q.dtype
@@ -135,8 +147,37 @@ def make_config(layout: CPLayout, q, k, v, cu_seqlens, cu_seqlens_padded,
   validation.check_attention_config(strategy, attn_mask_type, window_size,
                                     dtype)
   window_left = check_window_size(window_size, attn_mask_type)
-  validation.check_comm_type(layout.comm_type, strategy, window_left,
-                             cp_size, total_tokens)
+  comm = layout.comm_type
+  scatter = comm in ("all_to_all", "all_to_all+ring") and cp_size > 1
+  # The program after an all-to-all: cp = 1 on whole rows, or the ring
+  # over the outer axis (docs/internals.md, All-to-all exchanges).
+  if scatter and comm == "all_to_all+ring":
+    if axis_sizes is None or len(axis_sizes) != 2:
+      raise ValueError("comm_type='all_to_all+ring' needs the sizes of "
+                       "cp_axis=(outer, inner)")
+    outer_axis, inner_axis = layout.cp_axes
+    outer, scatter_size, comm = axis_sizes[0], axis_sizes[1], "ring"
+    if outer == 1:
+      outer_axis = None
+  elif scatter:
+    outer_axis, inner_axis = None, layout.cp_axis
+    outer, scatter_size, comm = 1, cp_size, "all_gather"
+  else:
+    outer_axis, inner_axis, outer, scatter_size = layout.cp_axis, None, \
+        cp_size, 1
+    if comm in ("all_to_all", "all_to_all+ring"):
+      comm = "all_gather"     # cp = 1: nothing travels
+  if scatter:
+    validation.check_head_scatter(q_shape[-2] // head_shards,
+                                  k_shape[-2] // head_shards, scatter_size,
+                                  layout.comm_type)
+  validation.check_comm_type(comm, strategy, window_left, outer,
+                             total_tokens)
+  # Heads per head-axis shard; K/V heads are repeated where there are
+  # fewer than the all-to-all's ranks.
+  q_local, kv_local = q_shape[-2] // head_shards, k_shape[-2] // head_shards
+  kv_repeat = 1 if kv_local % scatter_size == 0 else \
+      scatter_size // kv_local
   validation.check_cu_seqlens_rank(q_shape, cu_seqlens=cu_seqlens,
                                    cu_seqlens_padded=cu_seqlens_padded)
   validation.check_divisible_tokens(total_tokens, cp_size)
@@ -162,26 +203,38 @@ def make_config(layout: CPLayout, q, k, v, cu_seqlens, cu_seqlens_padded,
     left = window_left
     if strategy is _DCS and left >= w - 1:
       left = -1    # no document is longer than the window: plain causal
-    exchange = choose_exchange(strategy is _NLB, layout.cp_axis, cp_size,
+    exchange = choose_exchange(strategy is _NLB, outer_axis, outer,
                                total_tokens, w, window_left=left,
-                               comm_type=layout.comm_type,
+                               comm_type=comm,
                                deterministic=deterministic)
     keep = (exchange.kind == "all_gather" and
-            2 * cp_size * k_shape[-2] <= q_shape[-2])
-    return CPConfig(strategy=strategy, cp_axis=layout.cp_axis,
-                    cp_size=cp_size, causal=attn_mask_type == "causal",
+            2 * outer * kv_local * kv_repeat <= q_local)
+    return CPConfig(strategy=strategy, cp_axis=outer_axis,
+                    cp_size=outer, causal=attn_mask_type == "causal",
                     scale=default_scale(q_shape[-1], softmax_scale),
                     backend=resolved, total_tokens=total_tokens,
                     max_seqlen=w, exchange=exchange, window_left=left,
                     keep_gathered_kv=keep, zero_padding=zero_padding)
 
-  cfg = config(bound)
-  if bound >= total_tokens or concrete(cu_seqlens_padded) is not None:
-    return cfg    # no bound, or one checked by value above
-  unbounded = config(total_tokens)
-  if guard.bounded_program_is_exact(cfg, unbounded):
+  def checked(cfg: CPConfig) -> CPConfig:
+    if bound >= total_tokens or concrete(cu_seqlens_padded) is not None:
+      return cfg    # no bound, or one checked by value above
+    unbounded = config(total_tokens)
+    if guard.bounded_program_is_exact(cfg, unbounded):
+      return cfg
+    if trusted:
+      # Checked on the host: no branch, only the poison.
+      return dataclasses.replace(cfg, bound_check="trusted")
+    return dataclasses.replace(cfg, bound_check="fallback",
+                               unbounded=unbounded)
+
+  cfg = checked(config(bound))
+  if not scatter:
     return cfg
-  if trusted:
-    # Checked on the host: no branch, only the poison.
-    return dataclasses.replace(cfg, bound_check="trusted")
-  return dataclasses.replace(cfg, bound_check="fallback", unbounded=unbounded)
+  exchange = HeadScatter(
+      axis=inner_axis, size=scatter_size, outer_axis=outer_axis,
+      outer_size=outer, total_tokens=total_tokens,
+      dual_chunk=strategy is _DCS, kv_repeat=kv_repeat)
+  return dataclasses.replace(cfg, cp_axis=layout.cp_axis, cp_size=cp_size,
+                             exchange=exchange, inner=cfg, bound_check=None,
+                             unbounded=None, keep_gathered_kv=False)

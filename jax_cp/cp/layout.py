@@ -40,7 +40,7 @@ from jax_cp.cp.strategy import (
 MeshLike = jax.sharding.Mesh | jax.sharding.AbstractMesh
 VIEWS = ("global", "local")
 #: Values of :attr:`CPLayout.comm_type`.
-COMM_TYPES = ("all_gather", "ring")
+COMM_TYPES = ("all_gather", "ring", "all_to_all", "all_to_all+ring")
 
 # The fields that decide which tokens a rank holds: two layouts that agree
 # on them partition a row identically.
@@ -56,6 +56,14 @@ def _axes(value, argname: str) -> tuple[str, ...]:
       raise ValueError(f"{argname} must be a mesh axis name or a tuple of "
                        f"names, got {value!r}")
   return axes
+
+
+def _axes_size(mesh, axes: tuple[str, ...]) -> int:
+  """The product of the sizes of mesh axes ``axes``."""
+  size = 1
+  for ax in axes:
+    size *= int(mesh.shape[ax])
+  return size
 
 
 def _optional_bound(value, argname: str) -> int | None:
@@ -80,8 +88,9 @@ class CPLayout:
   bound.
 
   Attributes:
-    cp_axis: the mesh axis the token dim is split over; ``None``: no CP
-      (every row attended whole on one rank).
+    cp_axis: the mesh axis the token dim is split over, or a tuple of two
+      ``(outer, inner)`` (rank ``outer * inner_size + inner``); ``None``:
+      no CP (every row attended whole on one rank).
     cp_size: the size of ``cp_axis``. Taken from ``mesh`` when that is
       given (and then checked against it); needed by host-side data
       functions without a mesh; otherwise read from the context mesh or the
@@ -118,7 +127,13 @@ class CPLayout:
       log-sum-exp, so no buffer of a rank grows with the whole row
       (docs/long_rows.md, Ring exchange). The ring takes no window under
       DUAL_CHUNK_SWAP, nor one of ``(cp-1) * T/cp`` or more tokens under
-      NO_LOAD_BALANCE (``ValueError``).
+      NO_LOAD_BALANCE (``ValueError``). ``"all_to_all"`` (Ulysses) trades
+      tokens for heads: each rank gets the whole row for ``Hq/cp`` query
+      heads and the K/V heads they use, attends it in one call and sends
+      the output back (needs ``Hq % cp == 0`` and ``Hkv`` a multiple or a
+      divisor of cp). ``"all_to_all+ring"`` (hierarchical) takes
+      ``cp_axis=(outer, inner)``: the all-to-all over the inner axis, the
+      ring over the outer (docs/long_rows.md, All-to-all exchanges).
     deterministic: the deterministic mode (docs/determinism.md): ``True``
       runs every kernel and every gradient sum of the attention in a fixed
       order, so a step gives the same bits run to run (cuDNN's
@@ -129,7 +144,7 @@ class CPLayout:
       ``--xla_gpu_deterministic_ops``).
   """
 
-  cp_axis: str | None = "cp"
+  cp_axis: str | tuple[str, ...] | None = "cp"
   cp_size: int | None = None
   strategy: CPLoadBalancingStrategy | str = DEFAULT_STRATEGY
   max_seqlen: int | None = None
@@ -144,9 +159,12 @@ class CPLayout:
   def __post_init__(self):
     set_ = lambda name, value: object.__setattr__(self, name, value)
     set_("strategy", as_strategy(self.strategy, "strategy"))
-    if self.cp_axis is not None and not isinstance(self.cp_axis, str):
-      raise ValueError(f"cp_axis must be a mesh axis name or None, got "
-                       f"{self.cp_axis!r}")
+    if self.cp_axis is not None:
+      cp_axes = _axes(self.cp_axis, "cp_axis")
+      if not cp_axes or len(set(cp_axes)) != len(cp_axes):
+        raise ValueError(f"cp_axis must be a mesh axis name, a tuple of "
+                         f"distinct names or None, got {self.cp_axis!r}")
+      set_("cp_axis", cp_axes[0] if len(cp_axes) == 1 else cp_axes)
     if not isinstance(self.backend, str):
       raise ValueError(f"backend must be a string, got {self.backend!r}")
     set_("max_seqlen", _optional_bound(self.max_seqlen, "max_seqlen"))
@@ -171,13 +189,15 @@ class CPLayout:
         raise ValueError(f"cp_size={size} needs a cp_axis; cp_axis=None "
                          "means no CP (cp_size 1)")
       set_("cp_size", 1)
+    validation.check_comm_axes(self.comm_type, self.cp_axes)
     if self.mesh is not None:
-      validation.check_mesh_axis(self.mesh, self.cp_axis, "cp_axis")
+      for ax in self.cp_axes:
+        validation.check_mesh_axis(self.mesh, ax, "cp_axis")
       for ax in batch:
         validation.check_mesh_axis(self.mesh, ax, "batch_axis")
       validation.check_mesh_axis(self.mesh, self.head_axis, "head_axis")
       if self.cp_axis is not None:
-        on_mesh = int(self.mesh.shape[self.cp_axis])
+        on_mesh = _axes_size(self.mesh, self.cp_axes)
         if size is not None and int(size) != on_mesh:
           raise ValueError(f"cp_size={size} disagrees with the mesh, whose "
                            f"axis {self.cp_axis!r} has size {on_mesh}")
@@ -193,6 +213,13 @@ class CPLayout:
   def is_local(self) -> bool:
     """True when arrays hold this rank's chunk (local view with CP)."""
     return self.view == "local" and self.cp_axis is not None
+
+  @property
+  def cp_axes(self) -> tuple[str, ...]:
+    """``cp_axis`` as a tuple (empty without CP): ``(outer, inner)`` for a
+    cp axis of two mesh axes, the inner one the minor (rank ``outer *
+    inner_size + inner``)."""
+    return _axes(self.cp_axis, "cp_axis")
 
   @property
   def batch_axes(self) -> tuple[str, ...]:
@@ -235,23 +262,32 @@ class CPLayout:
     """The cp size where the layout is used, checking the axis exists there.
 
     Local view: the size of ``cp_axis`` in the enclosing ``shard_map``;
-    global view: its size on ``mesh`` or the context mesh. Either is
-    checked against ``cp_size`` when that is set.
+    global view: its size on ``mesh`` or the context mesh (the product of
+    the sizes of a tuple of axes). Either is checked against ``cp_size``
+    when that is set.
 
     Raises:
       ValueError: ``cp_axis`` is not bound (local view) or not on the mesh
         (global view), or its size disagrees with ``cp_size``.
     """
+    size = 1
+    for n in self.resolve_axis_sizes():
+      size *= n
+    return size
+
+  def resolve_axis_sizes(self) -> tuple[int, ...]:
+    """The size of each axis of :attr:`cp_axes` where the layout is used
+    (``()`` without CP); checked as :meth:`resolve_cp_size` says."""
     if self.cp_axis is None:
       mesh = self.mesh_if_any()
       if mesh is not None:
         for ax in self.batch_axes:
           validation.check_mesh_axis(mesh, ax, "batch_axis")
         validation.check_mesh_axis(mesh, self.head_axis, "head_axis")
-      return 1
+      return ()
     if self.is_local:
       try:
-        size = int(jax.lax.axis_size(self.cp_axis))
+        sizes = tuple(int(jax.lax.axis_size(ax)) for ax in self.cp_axes)
       except NameError:
         raise ValueError(
             f"cp_axis={self.cp_axis!r} is not bound: a layout with "
@@ -259,15 +295,19 @@ class CPLayout:
             "has this axis") from None
     else:
       mesh = self.context_mesh()
-      validation.check_mesh_axis(mesh, self.cp_axis, "cp_axis")
+      for ax in self.cp_axes:
+        validation.check_mesh_axis(mesh, ax, "cp_axis")
       for ax in self.batch_axes:
         validation.check_mesh_axis(mesh, ax, "batch_axis")
       validation.check_mesh_axis(mesh, self.head_axis, "head_axis")
-      size = int(mesh.shape[self.cp_axis])
+      sizes = tuple(int(mesh.shape[ax]) for ax in self.cp_axes)
+    size = 1
+    for n in sizes:
+      size *= n
     if self.cp_size is not None and size != self.cp_size:
       raise ValueError(f"the layout's cp_size={self.cp_size} disagrees with "
                        f"the size {size} of axis {self.cp_axis!r} here")
-    return size
+    return sizes
 
   def shard_tokens(self, x, seq_dim: int | None = None):
     """``x`` constrained to keep its token axis sharded over ``cp_axis``
@@ -309,7 +349,8 @@ class CPLayout:
       return x
     mesh = self.context_mesh()
     types = dict(zip(mesh.axis_names, mesh.axis_types))
-    if types.get(self.cp_axis) != jax.sharding.AxisType.Auto:
+    if any(types.get(ax) != jax.sharding.AxisType.Auto
+           for ax in self.cp_axes):
       return x
     spec = jax.sharding.PartitionSpec(*spec)
     if self.mesh is not None:

@@ -176,6 +176,39 @@ def check_comm_type(comm_type: str, strategy: CPLoadBalancingStrategy,
         "all of it: use comm_type='all_gather')")
 
 
+def check_comm_axes(comm_type: str, cp_axes: tuple[str, ...]) -> None:
+  """``comm_type="all_to_all+ring"`` runs the all-to-all over the inner
+  mesh axis and the ring over the outer one: it needs ``cp_axis=(outer,
+  inner)``, two axes."""
+  if comm_type == "all_to_all+ring" and len(cp_axes) != 2:
+    raise ValueError(
+        f"comm_type='all_to_all+ring' needs cp_axis=(outer, inner), two mesh "
+        f"axes (the all-to-all over the inner, the ring over the outer), got "
+        f"cp_axis={cp_axes[0] if len(cp_axes) == 1 else cp_axes!r}")
+  if comm_type not in ("all_to_all", "all_to_all+ring") and len(cp_axes) > 2:
+    raise ValueError(f"cp_axis={cp_axes!r}: at most two mesh axes")
+
+
+def check_head_scatter(q_heads: int, kv_heads: int, size: int,
+                       comm_type: str) -> None:
+  """The all-to-all exchanges scatter the heads over ``size`` ranks: every
+  rank gets ``Hq / size`` query heads and the K/V heads they use, so
+  ``Hq % size == 0``, and ``Hkv % size == 0`` or (fewer K/V heads than
+  ranks) ``size % Hkv == 0``, each K/V head then sent to the ``size /
+  Hkv`` ranks whose query heads read it. Heads are counted per tensor
+  parallel shard."""
+  if q_heads % size:
+    raise ValueError(
+        f"comm_type={comm_type!r} scatters the query heads over {size} "
+        f"ranks: q has {q_heads} heads (per head_axis shard), not a "
+        f"multiple of {size}")
+  if kv_heads % size and size % kv_heads:
+    raise ValueError(
+        f"comm_type={comm_type!r} over {size} ranks needs the K/V heads "
+        f"({kv_heads} per head_axis shard) to be a multiple or a divisor of "
+        f"{size}")
+
+
 def check_mesh_axis(mesh: Any, axis: str | None, argname: str) -> None:
   if axis is None:
     return

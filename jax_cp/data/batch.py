@@ -56,7 +56,8 @@ def _batch_axes(mesh, batch_axis: AxisNames,
       batch_axis or ())
   for ax in axes:
     validation.check_mesh_axis(mesh, ax, "batch_axis")
-  if cp_axis is not None and cp_axis in axes:
+  cp_axes = (cp_axis,) if isinstance(cp_axis, str) else tuple(cp_axis or ())
+  if set(cp_axes) & set(axes):
     raise ValueError(f"cp_axis={cp_axis!r} cannot also be a batch axis "
                      f"(batch_axis={batch_axis!r})")
   if len(set(axes)) != len(axes):
@@ -348,9 +349,10 @@ def make_global_batch(local_rows: Any, cu_seqlens_padded: ArrayLike,
     raise ValueError("make_global_batch needs the layout's mesh, a "
                      f"jax.sharding.Mesh (got {mesh!r})")
   max_seqlen = layout.max_seqlen
-  validation.check_mesh_axis(mesh, cp_axis, "cp_axis")
+  for ax in layout.cp_axes:
+    validation.check_mesh_axis(mesh, ax, "cp_axis")
   axes = () if on_one_device else _batch_axes(mesh, batch_axis, cp_axis)
-  cp = 1 if cp_axis is None else mesh.shape[cp_axis]
+  cp = math.prod(mesh.shape[ax] for ax in layout.cp_axes)
   items, rebuild = _as_items(local_rows)
   if not items:
     raise ValueError("local_rows holds no arrays")

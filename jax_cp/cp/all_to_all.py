@@ -1,0 +1,169 @@
+"""The all-to-all exchanges: tokens over cp traded for heads over cp
+(docs/internals.md, All-to-all exchanges).
+
+``comm_type="all_to_all"`` (Ulysses): rank ``j`` of the all-to-all axis
+sends every other rank ``i`` the heads ``i`` attends, for its own tokens,
+and receives its own heads for every rank's tokens: q, k, v go from
+``[B, T/cp, H, D]`` to ``[B, T, H/cp, D]``, the row in the order of its
+ranks. The strategy's token placement is put back into sequence order
+(DUAL_CHUNK_SWAP; NO_LOAD_BALANCE's chunks are in order already), the
+whole rows are attended by the cp = 1 program, and the output takes the
+way back. Differentiable by JAX: the all-to-all's transpose is the
+all-to-all back, and the reordering is a gather whose transpose is the
+inverse gather (:func:`_take_rows`).
+
+``comm_type="all_to_all+ring"`` (hierarchical) over ``cp_axis=(outer,
+inner)``: the same all-to-all over the inner axis only. Under both
+strategies the tokens the inner ranks of outer rank ``o`` hold together
+are exactly what rank ``o`` holds in the same strategy's placement for
+``cp_outer`` ranks (DUAL_CHUNK_SWAP: chunks ``[o·ci, (o+1)·ci)`` of
+``2·cp`` are chunk ``o`` of ``2·cp_outer``, and likewise the mirrored
+ones), so after the reordering the inner program is the ring over the
+outer axis at ``cp_outer``, on ``H/ci`` heads.
+
+K/V heads: with ``Hkv % ci == 0`` each rank gets ``Hkv/ci`` of them; with
+fewer K/V heads than ranks (``ci % Hkv == 0``, MQA included) each is
+repeated ``ci/Hkv`` times before the all-to-all, so it reaches the ranks
+whose query heads read it (their gradients are summed on the way back).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jax_cp.cp.partition import _dcs_physical_index
+
+
+def _gathered_index(cuP, cp_size: int, total_tokens: int, p):
+  """DUAL_CHUNK_SWAP over ``cp_size`` ranks, one row: for physical
+  positions ``p``, the index into the rank-ordered concatenation of the
+  ranks' local buffers (rank ``g // Tl``, local token ``g % Tl``)."""
+  local = total_tokens // cp_size
+  b = jnp.clip(jnp.searchsorted(cuP, p, side="right") - 1, 0,
+               cuP.shape[0] - 2)
+  j = p - cuP[b]
+  c = jnp.maximum((cuP[b + 1] - cuP[b]) // (2 * cp_size), 1)
+  chunk = j // c
+  second = chunk >= cp_size
+  owner = jnp.where(second, 2 * cp_size - 1 - chunk, chunk)
+  t = cuP[b] // cp_size + jnp.where(second, c, 0) + j % c
+  return (owner * local + t).astype(jnp.int32)
+
+
+@jax.custom_vjp
+def _take_rows(x, idx, inv):
+  """Rows ``idx [B, n]`` of axis 1 of ``x [B, n, ...]`` (a permutation
+  whose inverse is ``inv``); the transpose gathers with ``inv``, no
+  scatter."""
+  return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)),
+                             axis=1)
+
+
+def _take_rows_fwd(x, idx, inv):
+  return _take_rows(x, idx, inv), (idx, inv)
+
+
+def _take_rows_bwd(res, g):
+  idx, inv = res
+  return _take_rows(g, inv, idx), None, None
+
+
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadScatter:
+  """The all-to-all of q, k, v (heads scattered) and of the output (heads
+  gathered back) over ``axis``; static and hashable.
+
+  Attributes:
+    axis: the mesh axis (or axes) of the all-to-all: all of ``cp_axis``,
+      or its inner axis (hierarchical).
+    size: its size ``ci``.
+    outer_axis: the axis of the program after it (None: cp = 1, the
+      whole row).
+    outer_size: its size ``co`` (``cp = co · ci``).
+    total_tokens: T, tokens per row.
+    dual_chunk: the token placement is DUAL_CHUNK_SWAP's (the received
+      rows are reordered); else NO_LOAD_BALANCE's (in order already).
+    kv_repeat: each K/V head is sent this many times (fewer K/V heads
+      than ranks), else 1.
+  """
+
+  axis: str | tuple[str, ...]
+  size: int
+  outer_axis: str | None
+  outer_size: int
+  total_tokens: int
+  dual_chunk: bool
+  kv_repeat: int = 1
+
+  kind = "all_to_all"
+
+  @property
+  def cp_size(self) -> int:
+    return self.size * self.outer_size
+
+  def _order(self, cu_seqlens_padded):
+    """``(idx, inv)`` int32 ``[B, T/co]``: the received buffer (the inner
+    ranks' chunks one after another) read at ``idx`` is the outer rank's
+    buffer in the strategy's placement at ``co`` (the row in sequence
+    order at ``co = 1``); ``inv`` the inverse. None for NO_LOAD_BALANCE."""
+    if not self.dual_chunk:
+      return None
+    cp, co, t = self.cp_size, self.outer_size, self.total_tokens
+    n, tl = t // co, t // cp
+    o = (jnp.int32(0) if self.outer_axis is None else
+         jax.lax.axis_index(self.outer_axis).astype(jnp.int32))
+    pos = jnp.arange(n, dtype=jnp.int32)
+
+    def one_row(cuP):
+      cuP = cuP.astype(jnp.int32)
+      # Physical positions of the outer rank's tokens, in its order.
+      p_outer = pos if co == 1 else _dcs_physical_index(jnp, cuP, co, o, pos)
+      idx = _gathered_index(cuP, cp, t, p_outer) - o * n
+      # Physical positions of the received rows, in their order.
+      p_recv = _dcs_physical_index(jnp, cuP, cp, o * self.size + pos // tl,
+                                   pos % tl)
+      inv = p_recv if co == 1 else _gathered_index(cuP, co, t, p_recv) - o * n
+      return idx, inv
+
+    return jax.vmap(one_row)(jnp.asarray(cu_seqlens_padded))
+
+  def _a2a(self, x, split_axis: int, concat_axis: int):
+    return jax.lax.all_to_all(x, self.axis, split_axis=split_axis,
+                              concat_axis=concat_axis, tiled=True)
+
+  def to_heads(self, q, k, v, cu_seqlens_padded):
+    """Local ``[B, Tl, H, D]`` q, k, v -> ``[B, T/co, H/ci, D]`` of this
+    rank's heads, and the order to take the output back with."""
+    ci = self.size
+    if self.kv_repeat > 1:
+      k = jnp.repeat(k, self.kv_repeat, axis=2)
+      v = jnp.repeat(v, self.kv_repeat, axis=2)
+    b, tl = q.shape[:2]
+    hq, hk = q.shape[2] // ci, k.shape[2] // ci
+    order = self._order(cu_seqlens_padded)
+    if q.shape[-1] == v.shape[-1] and q.dtype == k.dtype == v.dtype:
+      # One collective: each rank's q, k and v heads side by side.
+      x = jnp.concatenate([x.reshape(b, tl, ci, -1, x.shape[-1])
+                           for x in (q, k, v)], axis=3)
+      x = self._a2a(x.reshape(b, tl, -1, q.shape[-1]), 2, 1)
+      if order is not None:
+        x = _take_rows(x, *order)
+      parts = x[:, :, :hq], x[:, :, hq:hq + hk], x[:, :, hq + hk:]
+    else:
+      parts = tuple(self._a2a(x, 2, 1) for x in (q, k, v))
+      if order is not None:
+        parts = tuple(_take_rows(x, *order) for x in parts)
+    return parts, order
+
+  def from_heads(self, out, order):
+    """``[B, T/co, H/ci, Dv]`` output -> the local ``[B, Tl, H, Dv]``."""
+    if order is not None:
+      idx, inv = order
+      out = _take_rows(out, inv, idx)
+    return self._a2a(out, 1, 2)
