@@ -139,3 +139,34 @@ def rel_err(a, b):
   a = np.asarray(a, np.float64)
   b = np.asarray(b, np.float64)
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def attention_f64(q, k, v, cu, cuP, dout, causal=True, window=-1):
+  """Plain masked attention on one row ``[T, H, D]`` in float64 numpy, and
+  its gradients for the output's cotangent ``dout``, written out by hand
+  (``dS = P * (dP - rowsum(dO * O))``): ``(out, dq, dk, dv)``. Rows that
+  see nothing give 0."""
+  m = doc_mask(cu, cuP, causal, window)
+  q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
+  hq, hk, d = q.shape[1], k.shape[1], q.shape[2]
+  g = hq // hk
+  kr, vr = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+  scale = 1.0 / np.sqrt(d)
+  s = np.einsum("qhd,khd->hqk", q, kr) * scale
+  s = np.where(m[None], s, -np.inf)
+  top = np.max(s, axis=-1, keepdims=True)
+  top = np.where(np.isfinite(top), top, 0.0)
+  p = np.exp(s - top)
+  den = p.sum(-1, keepdims=True)
+  p = p / np.where(den > 0, den, 1.0)
+  out = np.einsum("hqk,khd->qhd", p, vr)
+  dp = np.einsum("qhd,khd->hqk", dout, vr)
+  rowsum = np.einsum("qhd,qhd->hq", dout, out)[..., None]
+  ds = p * (dp - rowsum)
+  dq = np.einsum("hqk,khd->qhd", ds, kr) * scale
+  dkr = np.einsum("hqk,qhd->khd", ds, q) * scale
+  dvr = np.einsum("hqk,qhd->khd", p, dout)
+  t = q.shape[0]
+  dk = dkr.reshape(t, hk, g, d).sum(2)
+  dv = dvr.reshape(t, hk, g, v.shape[2]).sum(2)
+  return out, dq, dk, dv
