@@ -27,6 +27,7 @@ from jax_cp.data import (
 )
 from tests import reference as ref
 from tests._devices import devices
+from tests.test_ring import ranks_on_one_device
 
 T, D = 128, 16
 NLB, DCS = S.NO_LOAD_BALANCE, S.DUAL_CHUNK_SWAP
@@ -247,3 +248,17 @@ def test_bad_combinations_raise():
   with pytest.raises(ValueError, match="window_size"):
     jax_cp.cp_attention(x(8), x(2), x(2), meta, layout=hier,
                         window_size=(8, 0))
+
+
+@pytest.mark.parametrize("strategy", list(S), ids=lambda s: s.value)
+def test_ranks_on_one_device_match_the_reference(strategy):
+  """The harness of the one-GPU all-to-all test
+  (tests/gpu/test_all_to_all_cudnn.py): the ranks as a ``jax.vmap``, on
+  CPU with the xla backend."""
+  cu, cuP, rng = rows(8, strategy, seed=13)
+  q, k, v, w = (x[2] for x in inputs(rng, 8, 2))
+  got = ranks_on_one_device(q, k, v, w, cu[2], cuP[2], cp=8,
+                            strategy=strategy, backend="xla",
+                            comm_type="all_to_all")
+  check_reference(tuple(x[None] for x in (got[0],) + got[1]), q[None],
+                  k[None], v[None], w[None], cu[2:], cuP[2:])

@@ -274,15 +274,19 @@ def test_ring_keeps_a_short_halo_and_skips_nothing_at_cp1():
 
 
 def ranks_on_one_device(q, k, v, w, cu, cuP, *, cp, strategy, backend,
-                        max_seqlen=None, deterministic=None, **kw):
+                        max_seqlen=None, deterministic=None,
+                        comm_type="ring", **kw):
   """Output and gradients of ``sum(out * w)`` for one row ``[T, H, D]``
   with the ``cp`` ranks of the ring run as a ``jax.vmap`` over the chunks
   on one device (``ppermute`` and ``axis_index`` batch over the named
   axis): the whole ring, its hops and its calls, where one GPU is all
   there is (tests/gpu/test_ring_cudnn.py); ``deterministic``: the
-  layout's (tests/gpu/test_deterministic_cudnn.py)."""
+  layout's (tests/gpu/test_deterministic_cudnn.py); ``comm_type``: another
+  exchange whose collectives batch so (the all-to-all,
+  tests/gpu/test_all_to_all_cudnn.py)."""
   layout = CPLayout(cp_size=cp, strategy=strategy, view="local",
-                    comm_type="ring", backend=backend, max_seqlen=max_seqlen,
+                    comm_type=comm_type, backend=backend,
+                    max_seqlen=max_seqlen,
                     deterministic=deterministic)
   order = CPLayout(cp_size=cp, strategy=strategy)
   t = q.shape[0]
