@@ -44,7 +44,7 @@ struct CoveringSegments {
   Coverage coverage;
   int64_t window_left = -1;  // kKeyedQueryRows: the window, -1 for none
   // Device int32 or null: where it is nonzero, every row in the range gets
-  // kPoisonWord instead (a broken max_seqlen promise, SdpaAttributes::poison).
+  // kPoisonWord instead (a broken max_seqlen promise, SdpaAttrs::poison).
   const void* poison = nullptr;
 };
 

@@ -19,15 +19,16 @@
 // aliased to dq: the call writes the Q rows its segments cover and every
 // other row keeps its value (dk, dv are filled as usual).
 //
-// Both take one attribute more than the forward, after the common ones:
-// deterministic = 1 runs the frontend's deterministic algorithm
-// (SdpaGraphKey::deterministic), bitwise the same results run to run.
-#include <unordered_map>
+// Both take one attribute more than the forward (SdpaBackwardAttrs, in
+// sdpa_ffi_common.h): deterministic = 1 runs the frontend's deterministic
+// algorithm (SdpaGraphKey::deterministic), bitwise the same results run to
+// run.
+//
+// One body (SdpaBackwardCall) serves both handlers, on the call path shared
+// with the forward (RunSdpaCall).
 #include <utility>
 
 #include "clear_rows.h"
-#include "ragged_offsets.h"
-#include "cuda_libs.h"
 #include "ffi_errors.h"
 #include "ffi_targets.h"
 #include "sdpa_ffi_common.h"
@@ -39,114 +40,107 @@ namespace ffi = xla::ffi;
 namespace jax_cp {
 namespace {
 
-// `dq_in`: dq's buffer (aliased), or null for a fresh dq, whose uncovered
-// rows are set to zero.
-ffi::Error SdpaBackwardImpl(
-    cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
-    ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
-    ffi::AnyBuffer dout, ffi::AnyBuffer stats, const ffi::AnyBuffer* dq_in,
-    SegmentMeta meta, ffi::Result<ffi::AnyBuffer> dq,
-    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-    int64_t segments, int64_t mask, float scale, int64_t max_seqlen_q,
-    int64_t max_seqlen_kv, int64_t window_left, int64_t tiled,
-    int64_t offset_bits, int64_t poison, int64_t deterministic) {
-  const bool into = dq_in != nullptr;
-  const char* call = into ? kSdpaBackwardIntoTarget : kSdpaBackwardTarget;
-  return GuardFfi(call, [&]() -> ffi::Error {
-    const SdpaCommonOperands ops{q, k, v, meta};
-    auto key_or = MakeSdpaKey(call, SdpaDirection::kBackward, device, ops,
-                              {segments, mask, scale, max_seqlen_q,
-                               max_seqlen_kv, window_left, tiled, offset_bits,
-                               poison});
-    if (!key_or.has_value()) return key_or.error();
-    if (deterministic != 0 && deterministic != 1) {
-      return Invalid(call, "deterministic must be 0 or 1; got " +
-                               std::to_string(deterministic));
-    }
-    SdpaGraphKey& key = *key_or;
-    key.deterministic = deterministic == 1;
-    ffi::Error e = CheckSameAs(call, "out", out, "q", q);
-    if (e.success()) e = CheckSameAs(call, "dout", dout, "q", q);
-    if (e.success()) e = CheckStats(call, "stats", stats, key);
-    if (e.success()) e = CheckSameAs(call, "dq", *dq, "q", q);
-    if (e.success()) e = CheckSameAs(call, "dk", *dk, "k", k);
-    if (e.success()) e = CheckSameAs(call, "dv", *dv, "v", v);
-    if (e.success() && into) e = CheckAliased(call, "dq", *dq, *dq_in);
-    if (e.success() && into && key.tiled) {
-      e = Invalid(call, "a tiled call cannot write dq into an aliased buffer");
-    }
-    if (e.failure()) return e;
+// The backward's own operands and results. `dq_in`: dq's buffer (aliased),
+// or null for a fresh dq, whose uncovered rows are set to zero.
+struct BackwardBuffers {
+  const ffi::AnyBuffer* out;
+  const ffi::AnyBuffer* dout;
+  const ffi::AnyBuffer* stats;
+  const ffi::AnyBuffer* dq_in;
+  ffi::AnyBuffer* dq;
+  ffi::AnyBuffer* dk;
+  ffi::AnyBuffer* dv;
+};
 
-    const SegmentPointers seg = MetaPointers(meta);
-    std::unordered_map<int64_t, void*> ptrs = {
-        {sdpa_uid::kQ, q.untyped_data()},
-        {sdpa_uid::kK, k.untyped_data()},
-        {sdpa_uid::kV, v.untyped_data()},
-        {sdpa_uid::kO, out.untyped_data()},
-        {sdpa_uid::kDO, dout.untyped_data()},
-        {sdpa_uid::kStats, stats.untyped_data()},
-        {sdpa_uid::kDQ, dq->untyped_data()},
-        {sdpa_uid::kDK, dk->untyped_data()},
-        {sdpa_uid::kDV, dv->untyped_data()},
-    };
-    auto libs_or = GetCudaLibraries();
-    if (!libs_or.has_value()) return libs_or.error();
-    const CudaLibraries& libs = **libs_or;
-    e = BindRaggedOperands(call, libs, device, stream, scratch, seg, key,
-                           ptrs);
-    if (e.failure()) return e;
+ffi::Error SdpaBackwardCall(const char* target, const SdpaContext& ctx,
+                            const SdpaCommonOperands& ops,
+                            const BackwardBuffers& b,
+                            const SdpaBackwardAttrs& attrs) {
+  const bool into = b.dq_in != nullptr;
+  auto check = [&](SdpaGraphKey& key) -> ffi::Error {
+    if (attrs.deterministic != 0 && attrs.deterministic != 1) {
+      return Invalid(target, "deterministic must be 0 or 1; got " +
+                                 std::to_string(attrs.deterministic));
+    }
+    key.deterministic = attrs.deterministic == 1;
+    ffi::Error e = CheckSameAs(target, "out", *b.out, "q", ops.q);
+    if (e.success()) e = CheckSameAs(target, "dout", *b.dout, "q", ops.q);
+    if (e.success()) e = CheckStats(target, "stats", *b.stats, key);
+    if (e.success()) e = CheckSameAs(target, "dq", *b.dq, "q", ops.q);
+    if (e.success()) e = CheckSameAs(target, "dk", *b.dk, "k", ops.k);
+    if (e.success()) e = CheckSameAs(target, "dv", *b.dv, "v", ops.v);
+    if (e.success() && into) e = CheckAliased(target, "dq", *b.dq, *b.dq_in);
+    if (e.success() && into && key.tiled) {
+      e = Invalid(target,
+                  "a tiled call cannot write dq into an aliased buffer");
+    }
+    return e;
+  };
+  auto run = [&](SdpaCall& call) -> ffi::Error {
+    const SdpaGraphKey& key = call.key;
+    const CudaLibraries& libs = *call.libs;
+    const int device = call.ctx.device;
+    const cudaStream_t stream = call.ctx.stream;
+    call.ptrs.insert({{sdpa_uid::kO, b.out->untyped_data()},
+                      {sdpa_uid::kDO, b.dout->untyped_data()},
+                      {sdpa_uid::kStats, b.stats->untyped_data()},
+                      {sdpa_uid::kDQ, b.dq->untyped_data()},
+                      {sdpa_uid::kDK, b.dk->untyped_data()},
+                      {sdpa_uid::kDV, b.dv->untyped_data()}});
     const int64_t tq = key.tokens_q, tkv = key.tokens_kv;
+    const int64_t kv_row_bytes =
+        tkv > 0 ? static_cast<int64_t>(b.dk->size_bytes()) / tkv : 0;
+    ffi::Error e = ffi::Error::Success();
     if (tkv > 0) {
-      const int64_t row_bytes = static_cast<int64_t>(dk->size_bytes()) / tkv;
       e = FillUncoveredRows(
-          libs, device, stream, 0, tkv, {dk->untyped_data(), row_bytes, 0u},
-          {dv->untyped_data(), row_bytes, 0u},
-          {seg.q_lens, seg.kv_lens, seg.kv_start, key.segments,
+          libs, device, stream, 0, tkv,
+          {b.dk->untyped_data(), kv_row_bytes, 0u},
+          {b.dv->untyped_data(), kv_row_bytes, 0u},
+          {call.seg.q_lens, call.seg.kv_lens, call.seg.kv_start, key.segments,
            key.mask == SdpaMask::kCausalTopLeft ? Coverage::kSeenKeyRowsTopLeft
                                                 : Coverage::kSeenKeyRows},
           "dk/dv");
       if (e.failure()) return e;
     }
-    e = RunSdpaGraph(call, key, stream, scratch, std::move(ptrs));
-    const void* poison_flag = PoisonFlag(seg, key, poison);
-    if (e.success() && tq > 0 && (!into || poison_flag != nullptr)) {
+    e = RunSdpaGraph(target, key, stream, *call.ctx.scratch,
+                     std::move(call.ptrs));
+    if (e.success() && tq > 0 && (!into || call.poison != nullptr)) {
       // Written in place (into): only the poison fills.
-      CoveringSegments rows = KeyedQueryRows(seg, key, poison_flag);
+      CoveringSegments rows = KeyedQueryRows(call.seg, key, call.poison);
       if (into) rows.coverage = Coverage::kAllRows;
       e = FillUncoveredRows(
           libs, device, stream, 0, tq,
-          {dq->untyped_data(), static_cast<int64_t>(dq->size_bytes()) / tq,
+          {b.dq->untyped_data(), static_cast<int64_t>(b.dq->size_bytes()) / tq,
            0u},
           {}, rows, "dq");
     }
-    if (e.success() && tkv > 0 && poison_flag != nullptr) {
-      const int64_t row_bytes = static_cast<int64_t>(dk->size_bytes()) / tkv;
-      CoveringSegments all{seg.q_lens, seg.kv_lens, seg.kv_start,
-                           key.segments, Coverage::kAllRows};
-      all.poison = poison_flag;
+    if (e.success() && tkv > 0 && call.poison != nullptr) {
+      CoveringSegments all{call.seg.q_lens, call.seg.kv_lens,
+                           call.seg.kv_start, key.segments, Coverage::kAllRows};
+      all.poison = call.poison;
       e = FillUncoveredRows(libs, device, stream, 0, tkv,
-                            {dk->untyped_data(), row_bytes, 0u},
-                            {dv->untyped_data(), row_bytes, 0u}, all,
+                            {b.dk->untyped_data(), kv_row_bytes, 0u},
+                            {b.dv->untyped_data(), kv_row_bytes, 0u}, all,
                             "dk/dv");
     }
     return e;
-  });
+  };
+  return RunSdpaCall(target, SdpaDirection::kBackward, ctx, ops, attrs.common,
+                     check, run);
 }
 
-ffi::Error SdpaBackward(
-    cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t device,
-    ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
-    ffi::AnyBuffer dout, ffi::AnyBuffer stats, SegmentMeta meta,
-    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-    ffi::Result<ffi::AnyBuffer> dv, int64_t segments, int64_t mask,
-    float scale, int64_t max_seqlen_q, int64_t max_seqlen_kv,
-    int64_t window_left, int64_t tiled,
-    int64_t offset_bits, int64_t poison, int64_t deterministic) {
-  return SdpaBackwardImpl(stream, std::move(scratch), device, q, k, v, out,
-                          dout, stats, nullptr, meta, dq, dk, dv, segments,
-                          mask, scale, max_seqlen_q, max_seqlen_kv,
-                          window_left, tiled, offset_bits, poison,
-                          deterministic);
+ffi::Error SdpaBackward(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                        int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                        ffi::AnyBuffer v, ffi::AnyBuffer out,
+                        ffi::AnyBuffer dout, ffi::AnyBuffer stats,
+                        SegmentMeta meta, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::Result<ffi::AnyBuffer> dk,
+                        ffi::Result<ffi::AnyBuffer> dv,
+                        SdpaBackwardAttrs attrs) {
+  return SdpaBackwardCall(kSdpaBackwardTarget, {stream, &scratch, device},
+                          {q, k, v, meta},
+                          {&out, &dout, &stats, nullptr, &*dq, &*dk, &*dv},
+                          attrs);
 }
 
 ffi::Error SdpaBackwardInto(
@@ -155,14 +149,22 @@ ffi::Error SdpaBackwardInto(
     ffi::AnyBuffer dout, ffi::AnyBuffer stats, ffi::AnyBuffer dq_in,
     SegmentMeta meta, ffi::Result<ffi::AnyBuffer> dq,
     ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-    int64_t segments, int64_t mask, float scale, int64_t max_seqlen_q,
-    int64_t max_seqlen_kv, int64_t window_left, int64_t tiled,
-    int64_t offset_bits, int64_t poison, int64_t deterministic) {
-  return SdpaBackwardImpl(stream, std::move(scratch), device, q, k, v, out,
-                          dout, stats, &dq_in, meta, dq, dk, dv, segments,
-                          mask, scale, max_seqlen_q, max_seqlen_kv,
-                          window_left, tiled, offset_bits, poison,
-                          deterministic);
+    SdpaBackwardAttrs attrs) {
+  return SdpaBackwardCall(kSdpaBackwardIntoTarget, {stream, &scratch, device},
+                          {q, k, v, meta},
+                          {&out, &dout, &stats, &dq_in, &*dq, &*dk, &*dv},
+                          attrs);
+}
+
+// The operands q, k, v, out, dout and stats of both handlers.
+auto BindBackwardOperands() {
+  return BindSdpaContext()
+      .Arg<ffi::AnyBuffer>()   // q
+      .Arg<ffi::AnyBuffer>()   // k
+      .Arg<ffi::AnyBuffer>()   // v
+      .Arg<ffi::AnyBuffer>()   // out
+      .Arg<ffi::AnyBuffer>()   // dout
+      .Arg<ffi::AnyBuffer>();  // stats
 }
 
 }  // namespace
@@ -171,31 +173,19 @@ ffi::Error SdpaBackwardInto(
 // No kCmdBufferCompatible trait (see sdpa_fwd.cc).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxCpCudnnSdpaBackward, jax_cp::SdpaBackward,
-    jax_cp::BindSdpaAttributes(jax_cp::BindSdpaContext()
-        .Arg<ffi::AnyBuffer>()  // q
-        .Arg<ffi::AnyBuffer>()  // k
-        .Arg<ffi::AnyBuffer>()  // v
-        .Arg<ffi::AnyBuffer>()  // out
-        .Arg<ffi::AnyBuffer>()  // dout
-        .Arg<ffi::AnyBuffer>()  // stats
+    jax_cp::BindBackwardOperands()
         .Arg<jax_cp::SegmentMeta>()  // meta [4, W]
-        .Ret<ffi::AnyBuffer>()  // dq
-        .Ret<ffi::AnyBuffer>()  // dk
-        .Ret<ffi::AnyBuffer>()  // dv
-    ).Attr<int64_t>("deterministic"));
+        .Ret<ffi::AnyBuffer>()       // dq
+        .Ret<ffi::AnyBuffer>()       // dk
+        .Ret<ffi::AnyBuffer>()       // dv
+        .Attrs<jax_cp::SdpaBackwardAttrs>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxCpCudnnSdpaBackwardInto, jax_cp::SdpaBackwardInto,
-    jax_cp::BindSdpaAttributes(jax_cp::BindSdpaContext()
-        .Arg<ffi::AnyBuffer>()  // q
-        .Arg<ffi::AnyBuffer>()  // k
-        .Arg<ffi::AnyBuffer>()  // v
-        .Arg<ffi::AnyBuffer>()  // out
-        .Arg<ffi::AnyBuffer>()  // dout
-        .Arg<ffi::AnyBuffer>()  // stats
-        .Arg<ffi::AnyBuffer>()  // dq_in (aliased)
+    jax_cp::BindBackwardOperands()
+        .Arg<ffi::AnyBuffer>()       // dq_in (aliased)
         .Arg<jax_cp::SegmentMeta>()  // meta [4, W]
-        .Ret<ffi::AnyBuffer>()  // dq
-        .Ret<ffi::AnyBuffer>()  // dk
-        .Ret<ffi::AnyBuffer>()  // dv
-    ).Attr<int64_t>("deterministic"));
+        .Ret<ffi::AnyBuffer>()       // dq
+        .Ret<ffi::AnyBuffer>()       // dk
+        .Ret<ffi::AnyBuffer>()       // dv
+        .Attrs<jax_cp::SdpaBackwardAttrs>());

@@ -2,8 +2,10 @@
 
 #include <cstring>
 #include <sstream>
+#include <utility>
 
 #include "ffi_errors.h"
+#include "ragged_offsets.h"
 
 namespace ffi = xla::ffi;
 
@@ -32,7 +34,7 @@ constexpr int64_t kInt32Limit = int64_t{1} << 31;
 ffi::ErrorOr<SdpaGraphKey> MakeSdpaKey(const char* call,
                                        SdpaDirection direction, int device,
                                        const SdpaCommonOperands& ops,
-                                       const SdpaAttributes& attrs) {
+                                       const SdpaAttrs& attrs) {
   const auto qd = ops.q.dimensions();
   const auto kd = ops.k.dimensions();
   const auto vd = ops.v.dimensions();
@@ -104,13 +106,16 @@ ffi::ErrorOr<SdpaGraphKey> MakeSdpaKey(const char* call,
                              DimsToString(md));
   }
 
-  if (attrs.mask < static_cast<int64_t>(SdpaMask::kNoMask) ||
-      attrs.mask > static_cast<int64_t>(SdpaMask::kCausalBottomRight)) {
+  // The attribute's decoding casts any int64 to the enum.
+  const int64_t mask_code = static_cast<int64_t>(attrs.mask);
+  if (attrs.mask != SdpaMask::kNoMask &&
+      attrs.mask != SdpaMask::kCausalTopLeft &&
+      attrs.mask != SdpaMask::kCausalBottomRight) {
     return Invalid(call, "mask must be 0 (no_mask), 1 (causal_top_left) or 2 "
                          "(causal_bottom_right); got " +
-                             std::to_string(attrs.mask));
+                             std::to_string(mask_code));
   }
-  key.mask = static_cast<SdpaMask>(attrs.mask);
+  key.mask = attrs.mask;
   std::memcpy(&key.scale_bits, &attrs.scale, sizeof(float));
   if (attrs.max_seqlen_q < 1 || attrs.max_seqlen_kv < 1 ||
       attrs.max_seqlen_q > key.tokens_q ||
@@ -132,7 +137,7 @@ ffi::ErrorOr<SdpaGraphKey> MakeSdpaKey(const char* call,
     return Invalid(call, "window_left must be -1 (no window) or a causal "
                          "mask's left bound in [0, 2^31 - 1); got " +
                              std::to_string(attrs.window_left) + " with mask " +
-                             std::to_string(attrs.mask));
+                             std::to_string(mask_code));
   }
   key.window_left = attrs.window_left;
   if (attrs.tiled != 0 && attrs.tiled != 1) {
@@ -149,7 +154,7 @@ ffi::ErrorOr<SdpaGraphKey> MakeSdpaKey(const char* call,
                     key.segments * key.max_seqlen_kv != key.tokens_kv)) {
     return Invalid(call, "a tiled call needs the top-left causal mask and "
                          "S * max_seqlen == T for q and kv; got mask " +
-                             std::to_string(attrs.mask) + " S=" +
+                             std::to_string(mask_code) + " S=" +
                              std::to_string(key.segments) + " max_seqlen_q=" +
                              std::to_string(key.max_seqlen_q) +
                              " max_seqlen_kv=" +
@@ -158,6 +163,24 @@ ffi::ErrorOr<SdpaGraphKey> MakeSdpaKey(const char* call,
                              std::to_string(key.tokens_kv));
   }
   return key;
+}
+
+ffi::ErrorOr<SdpaCall> StartSdpaCall(const char* target,
+                                     const SdpaContext& ctx,
+                                     const SdpaCommonOperands& ops,
+                                     const SdpaGraphKey& key,
+                                     int64_t poison) {
+  auto libs_or = GetCudaLibraries();
+  if (!libs_or.has_value()) return libs_or.error();
+  SdpaCall call{target, ctx, key, MetaPointers(ops.meta), *libs_or, nullptr,
+                {{sdpa_uid::kQ, ops.q.untyped_data()},
+                 {sdpa_uid::kK, ops.k.untyped_data()},
+                 {sdpa_uid::kV, ops.v.untyped_data()}}};
+  call.poison = PoisonFlag(call.seg, key, poison);
+  ffi::Error e = BindRaggedOperands(target, *call.libs, ctx.device, ctx.stream,
+                                    *ctx.scratch, call.seg, key, call.ptrs);
+  if (e.failure()) return e;
+  return call;
 }
 
 SegmentPointers MetaPointers(const SegmentMeta& meta) {

@@ -1,15 +1,20 @@
-// Operand checks shared by the forward and backward FFI handlers. The Python
-// wrapper already validates everything; these checks turn a mismatch (e.g. a
-// hand-written custom call) into an InvalidArgument error instead of a bad
-// memory access.
+// The call path shared by the forward and backward SDPA handlers
+// (RunSdpaCall): their attributes, decoded as one struct, the operand
+// checks and the operands' binding. The Python wrapper already validates
+// everything; these checks turn a mismatch (e.g. a hand-written custom
+// call) into an InvalidArgument error instead of a bad memory access.
 #ifndef JAX_CP_CSRC_SDPA_FFI_COMMON_H_
 #define JAX_CP_CSRC_SDPA_FFI_COMMON_H_
 
+#include <cuda_runtime_api.h>
+
 #include <cstdint>
 #include <string>
-#include <utility>
+#include <unordered_map>
 
 #include "clear_rows.h"
+#include "cuda_libs.h"
+#include "ffi_errors.h"
 #include "ffi_targets.h"
 #include "sdpa_graph.h"
 #include "xla/ffi/api/ffi.h"
@@ -58,10 +63,13 @@ const void* PoisonFlag(const SegmentPointers& seg, const SdpaGraphKey& key,
 CoveringSegments KeyedQueryRows(const SegmentPointers& seg,
                                 const SdpaGraphKey& key, const void* poison);
 
-// The attributes of both custom calls.
-struct SdpaAttributes {
+// The attributes of every SDPA call, decoded by XLA as one struct (the
+// struct decoding at the end of this file, whose member list follows this
+// order): the handler binds `Attrs<SdpaAttrs>()`, and a call must pass
+// exactly these names, as cudnn.py's _attributes does.
+struct SdpaAttrs {
   int64_t segments;
-  int64_t mask;
+  SdpaMask mask;        // an int64 scalar (the enum decoding below)
   float scale;
   int64_t max_seqlen_q;
   int64_t max_seqlen_kv;
@@ -71,8 +79,22 @@ struct SdpaAttributes {
   int64_t poison;       // 1: the metadata carry a poison flag (PoisonFlag)
 };
 
-// The contexts every SDPA handler binds first (stream, scratch allocator,
-// device ordinal); the handler then binds its buffers.
+// The backward's attributes: the common ones and `deterministic` (0 or 1:
+// SdpaGraphKey::deterministic). XLA decodes a struct only from all of a
+// call's attributes, hence a struct of its own.
+struct SdpaBackwardAttrs {
+  SdpaAttrs common;
+  int64_t deterministic;
+};
+
+// The contexts every SDPA handler binds first (BindSdpaContext): the
+// stream, the handler's scratch allocator and the device ordinal.
+struct SdpaContext {
+  cudaStream_t stream;
+  xla::ffi::ScratchAllocator* scratch;
+  int32_t device;
+};
+
 inline auto BindSdpaContext() {
   namespace ffi = xla::ffi;
   return ffi::Ffi::Bind()
@@ -81,26 +103,36 @@ inline auto BindSdpaContext() {
       .Ctx<ffi::DeviceOrdinal>();
 }
 
-// Appends the attributes every SDPA handler binds last (SdpaAttributes).
-template <typename Binding>
-auto BindSdpaAttributes(Binding&& binding) {
-  return std::forward<Binding>(binding)
-      .template Attr<int64_t>("segments")
-      .template Attr<int64_t>("mask")
-      .template Attr<float>("scale")
-      .template Attr<int64_t>("max_seqlen_q")
-      .template Attr<int64_t>("max_seqlen_kv")
-      .template Attr<int64_t>("window_left")
-      .template Attr<int64_t>("tiled")
-      .template Attr<int64_t>("offset_bits")
-      .template Attr<int64_t>("poison");
-}
+// A call whose common operands and attributes passed the checks, with
+// what running its graph needs (StartSdpaCall).
+struct SdpaCall {
+  const char* target;  // the FFI target: the prefix of every error
+  SdpaContext ctx;
+  SdpaGraphKey key;
+  SegmentPointers seg;
+  const CudaLibraries* libs;
+  // PoisonFlag: the device flag, or null when the call carries none.
+  const void* poison;
+  // The graph's tensors by sdpa_uid: q, k, v and, for a ragged call, the
+  // lengths and element offsets; the direction adds its own, then hands
+  // them to RunSdpaGraph.
+  std::unordered_map<int64_t, void*> ptrs;
+};
+
+// The shared part of a call once its key is final: the metadata's rows,
+// the q/k/v pointers, the CUDA libraries and the ragged offsets
+// (BindRaggedOperands, which launch a kernel on the stream).
+xla::ffi::ErrorOr<SdpaCall> StartSdpaCall(const char* target,
+                                          const SdpaContext& ctx,
+                                          const SdpaCommonOperands& ops,
+                                          const SdpaGraphKey& key,
+                                          int64_t poison);
 
 // Checks q/k/v, lengths, offsets and attributes and returns the graph key.
 xla::ffi::ErrorOr<SdpaGraphKey> MakeSdpaKey(const char* call,
                                            SdpaDirection direction, int device,
                                            const SdpaCommonOperands& ops,
-                                           const SdpaAttributes& attrs);
+                                           const SdpaAttrs& attrs);
 
 // `buf` must have the same dtype and dims as `like` (e.g. out vs q).
 xla::ffi::Error CheckSameAs(const char* call, const char* name,
@@ -118,6 +150,57 @@ xla::ffi::Error CheckStats(const char* call, const char* name,
                            const xla::ffi::AnyBuffer& stats,
                            const SdpaGraphKey& key);
 
+// The one call path of every SDPA handler, forward and backward:
+//   1. MakeSdpaKey: the common operands and attributes, the graph key;
+//   2. `check(SdpaGraphKey&) -> Error`: the direction's own operands and
+//      results, and the key's direction fields (stats, deterministic);
+//   3. StartSdpaCall;
+//   4. `run(SdpaCall&) -> Error`: the direction's tensors, its graph and
+//      its fills.
+// An exception becomes an error naming the target (GuardFfi).
+template <typename Check, typename Run>
+xla::ffi::Error RunSdpaCall(const char* target, SdpaDirection direction,
+                            const SdpaContext& ctx,
+                            const SdpaCommonOperands& ops,
+                            const SdpaAttrs& attrs, Check&& check, Run&& run) {
+  return GuardFfi(target, [&]() -> xla::ffi::Error {
+    auto key_or = MakeSdpaKey(target, direction, ctx.device, ops, attrs);
+    if (!key_or.has_value()) return key_or.error();
+    SdpaGraphKey key = *key_or;
+    xla::ffi::Error e = check(key);
+    if (e.failure()) return e;
+    auto call_or = StartSdpaCall(target, ctx, ops, key, attrs.poison);
+    if (!call_or.has_value()) return call_or.error();
+    return run(*call_or);
+  });
+}
+
 }  // namespace jax_cp
+
+// The mask attribute: an int64 scalar cast to the enum (SdpaMask's
+// underlying type; Python passes np.int64). The cast keeps any value;
+// MakeSdpaKey rejects the ones SdpaMask does not name.
+XLA_FFI_REGISTER_ENUM_ATTR_DECODING(jax_cp::SdpaMask);
+
+// The common attributes' names, in SdpaAttrs's member order (the decoding
+// builds the struct from them positionally).
+#define JAX_CP_SDPA_ATTR_MEMBERS                          \
+  ::xla::ffi::StructMember<int64_t>("segments"),          \
+      ::xla::ffi::StructMember<jax_cp::SdpaMask>("mask"), \
+      ::xla::ffi::StructMember<float>("scale"),           \
+      ::xla::ffi::StructMember<int64_t>("max_seqlen_q"),  \
+      ::xla::ffi::StructMember<int64_t>("max_seqlen_kv"), \
+      ::xla::ffi::StructMember<int64_t>("window_left"),   \
+      ::xla::ffi::StructMember<int64_t>("tiled"),         \
+      ::xla::ffi::StructMember<int64_t>("offset_bits"),   \
+      ::xla::ffi::StructMember<int64_t>("poison")
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_cp::SdpaAttrs,
+                                      JAX_CP_SDPA_ATTR_MEMBERS);
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    jax_cp::SdpaBackwardAttrs, JAX_CP_SDPA_ATTR_MEMBERS,
+    ::xla::ffi::StructMember<int64_t>("deterministic"));
+
+#undef JAX_CP_SDPA_ATTR_MEMBERS
 
 #endif  // JAX_CP_CSRC_SDPA_FFI_COMMON_H_

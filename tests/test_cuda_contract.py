@@ -26,6 +26,7 @@ except ModuleNotFoundError:  # a present but broken extension fails
 
 from jax_cp import _jax_cp_cuda
 from jax_cp.attention.backend import MASK_TYPES, Segments
+from jax_cp.attention.mask import AttentionMask
 
 STUB = (pathlib.Path(__file__).resolve().parents[1] / "jax_cp" /
         "_jax_cp_cuda.pyi")
@@ -64,6 +65,13 @@ def test_codes_match_the_registry_and_the_wrapper():
                                                                  "max": 1}
   assert cudnn.MAX_HEAD_DIM == _jax_cp_cuda.MAX_HEAD_DIM == 256
   assert _jax_cp_cuda.SEGMENT_META_ROWS == 4
+
+
+def test_the_mask_enum_has_the_extension_codes():
+  """jax_cp.attention.mask.AttentionMask: the names of MASK_TYPES, each
+  member's code the C++ SdpaMask value the extension exports."""
+  assert tuple(AttentionMask) == MASK_TYPES
+  assert {m.value: m.code for m in AttentionMask} == _jax_cp_cuda.MASK_CODES
 
 
 def test_every_emitted_custom_call_is_registered():

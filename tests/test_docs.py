@@ -150,3 +150,33 @@ def test_every_public_name_points_at_its_docs_page(name, obj):
   pages = re.findall(r"docs/(\w+)\.md", doc)
   assert pages, name
   assert all((ROOT / "docs" / f"{p}.md").exists() for p in pages), name
+
+
+def _ffi_handler_files() -> dict[str, set[str]]:
+  """``{csrc file: the FFI targets whose handler it defines}``, the handler
+  symbols mapped to their targets' roles by module.cc's table."""
+  csrc = ROOT / "csrc"
+  table = (csrc / "module.cc").read_text()
+  role_of = {symbol: role for role, symbol in re.findall(
+      r'\{"(\w+)",\s*jax_cp::k\w+,\s*(\w+)\}', table)}
+  files = {}
+  for path in sorted(csrc.glob("*.cc")):
+    symbols = re.findall(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*(\w+)",
+                         path.read_text())
+    if symbols:
+      files[path.name] = {role_of[s] for s in symbols}
+  return files
+
+
+def test_each_ffi_handler_file_holds_one_operation_and_internals_names_it():
+  """docs/internals.md (Packages): a csrc/ file named for an operation
+  defines that operation's handlers, its ``_out``/``_into`` variants
+  included, and no other file defines one."""
+  files = _ffi_handler_files()
+  assert sum(len(roles) for roles in files.values()) == 6, files
+  text = re.sub(r"\s+", " ", (ROOT / "docs" / "internals.md").read_text())
+  handlers = text[text.index("`csrc/` holds"):text.index("The SDPA handlers")]
+  assert set(re.findall(r"`(\w+\.cc)`", handlers)) == set(files)
+  for name, roles in files.items():
+    operations = {re.sub(r"_(out|into)$", "", role) for role in roles}
+    assert len(operations) == 1, (name, roles)

@@ -4,18 +4,23 @@ handle failure memory's reset. (What each fault does to a call needs a GPU:
 tests/gpu/test_fault_injection.py.) Skipped when the extension is not built.
 """
 
+import importlib
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
 
 try:
-  from jax_cp.attention import cudnn  # noqa: F401  (imports the extension)
+  from jax_cp.attention import cudnn  # imports the extension
 except ModuleNotFoundError:  # a present but broken extension fails
   pytest.skip("jax_cp's cuDNN extension is not built", allow_module_level=True)
 
 from jax_cp import _jax_cp_cuda
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 POINTS = {
     "handle", "graph_validate", "graph_build_operation_graph",
@@ -68,6 +73,18 @@ def test_handle_failure_memory_functions():
   # Nothing failed on a machine that never created a handle.
   assert _jax_cp_cuda.failed_handles() == {}
   assert _jax_cp_cuda.reset_failed_handles() == 0
+
+
+def test_the_remembered_failure_names_the_retry_function():
+  """A remembered cudnnCreate failure tells the user to call
+  ``retry_cudnn_handle()`` (csrc/cudnn_state.cc): the name resolves, and
+  the function forgets the failures (none on this machine)."""
+  source = (ROOT / "csrc" / "cudnn_state.cc").read_text()
+  dotted = re.search(r"(jax_cp(?:\.\w+)+)\(\)", source).group(1)
+  module, name = dotted.rsplit(".", 1)
+  retry = getattr(importlib.import_module(module), name)
+  assert retry is cudnn.retry_cudnn_handle
+  assert retry() == 0
 
 
 def _run(env_value):

@@ -1,7 +1,8 @@
 """Host-only C++ tests of the cuDNN extension (tests/cc/host_tests.cc), on a
-CPU-only machine: the fault injection spec parser and switch, and the
+CPU-only machine: the fault injection spec parser and switch, the
 per-device memory of failed cudnnCreate calls against stub CUDA/cuDNN entry
-points, built with AddressSanitizer where the compiler has it.
+points, and the decoding of the SDPA handlers' attributes into their
+structs, built with AddressSanitizer where the compiler has it.
 
 CMake configures the project in a temporary folder with
 ``JAX_CP_BUILD_HOST_TESTS=ON`` and builds only the ``jax_cp_host_tests``

@@ -28,11 +28,12 @@ traced metadata cost what constants cost):
 
 Tiled segments (``Segments.tiled``: one document per row of a batch, at
 cp=1) run cuDNN's dense graph, the one ``jax.nn.dot_product_attention``
-builds: no ragged offsets and no padding mask, which cost 3-7 % in the
-same kernels. The handler fills the rows past each segment's length after
-the forward; the backward gets those rows' ``lse`` as a huge value, so
-their probabilities and their share of every gradient are exactly 0, and
-reads the ``lse`` head-major as cuDNN 9.19 wants for a dense graph
+builds, without the ragged offsets and the padding mask that slow the
+same kernels down: it runs at jax.nn's speed (docs/decisions.md). The
+handler fills the rows past each segment's length after the forward; the
+backward gets those rows' ``lse`` as a huge value, so their
+probabilities and their share of every gradient are exactly 0, and reads
+the ``lse`` head-major as cuDNN 9.19 wants for a dense graph
 (docs/internals.md, Tiled calls). Segments whose traced metadata alone can
 tell whether they tile their rows (``Segments.tile_rows``: a batch's
 document slots with one document in a row, offsets passed as jit
@@ -71,6 +72,7 @@ from jax_cp.attention.backend import (
   row_tiling,
   tiling_applies,
 )
+from jax_cp.attention.mask import AttentionMask
 from jax_cp.attention.merge import (
   NO_WEIGHT_LSE,
   check_merge_rows,
@@ -416,7 +418,7 @@ def _attributes(seg: Segments, q_shape, k_shape, mask: str, scale: np.float32,
                 tiled: bool = False):
   s = seg.q_lens.shape[0]
   return dict(segments=np.int64(s),
-              mask=np.int64(MASK_CODES[mask]), scale=scale,
+              mask=np.int64(AttentionMask(mask).code), scale=scale,
               max_seqlen_q=np.int64(max_q), max_seqlen_kv=np.int64(max_kv),
               window_left=np.int64(window_left), tiled=np.int64(tiled),
               offset_bits=np.int64(ragged_offset_bits(q_shape, k_shape, s,

@@ -7,8 +7,8 @@ chunk of ``TransformerLayer.layer_chunk_size``) holds documents that start
 inside it and, per row, at most one document that starts before it: the
 document *straddles* the chunk's start. Its queries in the chunk see its
 keys in the chunk and its keys before it. As one call that document is
-bottom-right causal, whose cuDNN backward is about 2x slower than a
-top-left one (11x with a sliding window's band; docs/decisions.md).
+bottom-right causal, whose cuDNN backward is slower than a top-left
+one, many times so with a sliding window's band (docs/decisions.md).
 Attention over a set of keys is a log-sum-exp merge of attention over its
 parts, so the document's keys are split at the chunk's start:
 

@@ -19,8 +19,11 @@ class CPLoadBalancingStrategy(str, enum.Enum):
       on long documents (with one long document the last rank does
       ``(2cp-1)/cp`` times the mean work); with ``max_seqlen`` or a sliding
       window ``(left, 0)`` a rank receives only the halo of keys before its
-      chunk. Needs causal self-attention and no FP8. docs/concepts.md says
-      which to choose.
+      chunk. Needs causal self-attention. docs/concepts.md says which to
+      choose.
+
+  Neither strategy takes FP8 inputs (CP attention refuses them whatever
+  the strategy).
 
   Members compare equal to their string values and can be built from them,
   ``CPLoadBalancingStrategy("no_load_balance")``; they are hashable and can

@@ -50,8 +50,9 @@ class DotProductAttention(nn.Module):
   No parameters. Queries ``[B, T, Hq, D]`` (or ``[T, Hq, D]``), keys and
   values ``[.., T, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA/MQA); returns the
   attention output shaped like the queries. Records the strategy it used as
-  an int (:data:`jax_cp.flax.STRATEGY_CODES`) under
-  ``intermediates/cp_strategy_code`` when that collection is mutable.
+  an int under ``intermediates/cp_strategy_code`` when that collection is
+  mutable (:func:`jax_cp.modules.settings.strategy_from_code` turns it back
+  into the strategy).
 
   Attributes:
     attn_mask_type: ``"causal"`` (default) or ``"no_mask"``.

@@ -43,10 +43,11 @@ class DotProductAttention(nnx.Module):
   No parameters. Queries ``[B, T, Hq, D]`` (or ``[T, Hq, D]``), keys and
   values ``[.., T, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA/MQA); returns the
   attention output shaped like the queries. Records the strategy it used as
-  an int (:data:`jax_cp.nnx.STRATEGY_CODES`) as ``nnx.Intermediate``
-  ``cp_strategy_code`` when called under ``nnx.capture(...,
-  nnx.Intermediate)`` (the NNX form of a mutable Linen collection; outside
-  it nothing is recorded and the module's state is unchanged).
+  an int as ``nnx.Intermediate`` ``cp_strategy_code`` when called under
+  ``nnx.capture(..., nnx.Intermediate)`` (the NNX form of a mutable Linen
+  collection; outside it nothing is recorded and the module's state is
+  unchanged); :func:`jax_cp.modules.settings.strategy_from_code` turns it
+  back into the strategy.
 
   Args:
     attn_mask_type: ``"causal"`` (default) or ``"no_mask"``.

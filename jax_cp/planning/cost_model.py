@@ -131,10 +131,6 @@ class CPCostEstimate:
     return int(max(self.flops_per_rank))
 
   @property
-  def mean_rank_flops(self) -> float:
-    return self.total_flops / self.cp_size
-
-  @property
   def exchange_bytes(self) -> int:
     """K/V bytes per rank of the forward exchange the model charges: the
     bounded halo when known, else the all-gather."""

@@ -39,9 +39,9 @@ from jax_cp.typing import ArrayLike, WindowSize
 
 # Swaps scored in one round are capped at this many boundary evaluations
 # (``swaps * (cp + 1)``); a row with more swaps scores a seeded sample,
-# drawn by index (host memory O(N), not O(N^2)). Measured on rows of 300
-# to 100k documents (cp 4 and 8), samples of 2^16 to 2^21 points reach the
-# same balance; 2^17 keeps a row of 100k documents under a second.
+# drawn by index (host memory O(N), not O(N^2)). The cap bounds a round's
+# host time on rows of many documents; a row with fewer swaps scores them
+# all.
 _SCORE_POINTS = 1 << 17
 
 

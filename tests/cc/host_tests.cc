@@ -1,20 +1,25 @@
 // Host-only tests of the extension's C++ (no GPU, no CUDA library loaded):
-// the fault injection spec parser and switch (fault_injection.h), and the
+// the fault injection spec parser and switch (fault_injection.h), the
 // per-device memory of failed cudnnCreate calls (cudnn_state.h), driven
-// through a CudaLibraries whose entry points are stubs.
+// through a CudaLibraries whose entry points are stubs, and the decoding of
+// the SDPA handlers' attributes into their structs (sdpa_ffi_common.h).
 //
 // Built by CMake with -DJAX_CP_BUILD_HOST_TESTS=ON (optionally with
 // -DJAX_CP_ASAN=ON) and run by tests/test_host_cc.py. Prints one line per
 // failed check and exits 1 if any failed.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "cuda_libs.h"
 #include "cudnn_state.h"
 #include "fault_injection.h"
+#include "sdpa_ffi_common.h"
 
 namespace {
 
@@ -253,6 +258,139 @@ void TestHandleFailureMemory() {
   CHECK(g_create_calls == 5);
 }
 
+// ---- the SDPA attributes ---------------------------------------------------
+
+// A call frame's attribute dictionary as XLA builds it: scalars, sorted by
+// name.
+class AttrDict {
+ public:
+  void Add(std::string name, int64_t v) {
+    Put(std::move(name), XLA_FFI_DataType_S64, v, 0.f, 0);
+  }
+  void AddF32(std::string name, float v) {
+    Put(std::move(name), XLA_FFI_DataType_F32, 0, v, 0);
+  }
+  void AddI32(std::string name, int32_t v) {
+    Put(std::move(name), XLA_FFI_DataType_S32, 0, 0.f, v);
+  }
+
+  // Decodes the dictionary as the struct T; `error` gets the diagnostics.
+  template <typename T>
+  std::optional<T> Decode(std::string* error) {
+    std::sort(entries_.begin(), entries_.end(),
+              [](const Entry& a, const Entry& b) { return a.name < b.name; });
+    std::vector<XLA_FFI_AttrType> types;
+    std::vector<XLA_FFI_ByteSpan> spans;
+    std::vector<XLA_FFI_ByteSpan*> names;
+    std::vector<void*> values;
+    scalars_.clear();
+    scalars_.reserve(entries_.size());
+    spans.reserve(entries_.size());
+    for (Entry& e : entries_) {
+      types.push_back(XLA_FFI_AttrType_SCALAR);
+      spans.push_back({e.name.data(), e.name.size()});
+      names.push_back(&spans.back());
+      void* value = &e.f32;
+      if (e.dtype == XLA_FFI_DataType_S64) value = &e.i64;
+      if (e.dtype == XLA_FFI_DataType_S32) value = &e.i32;
+      scalars_.push_back({e.dtype, value});
+      values.push_back(&scalars_.back());
+    }
+    XLA_FFI_Attrs attrs{XLA_FFI_Attrs_STRUCT_SIZE, nullptr,
+                        static_cast<int64_t>(entries_.size()), types.data(),
+                        names.data(), values.data()};
+    xla::ffi::DiagnosticEngine diagnostic;
+    std::optional<T> out = xla::ffi::AttrDecoding<T>::Decode(
+        XLA_FFI_AttrType_DICTIONARY, &attrs, diagnostic);
+    *error = diagnostic.Result();
+    return out;
+  }
+
+ private:
+  struct Entry {
+    std::string name;
+    XLA_FFI_DataType dtype;
+    int64_t i64;
+    float f32;
+    int32_t i32;
+  };
+  void Put(std::string name, XLA_FFI_DataType dtype, int64_t i64, float f32,
+           int32_t i32) {
+    entries_.push_back({std::move(name), dtype, i64, f32, i32});
+  }
+  std::vector<Entry> entries_;
+  std::vector<XLA_FFI_Scalar> scalars_;
+};
+
+// The attributes cudnn.py's _attributes passes, with values that tell the
+// members apart.
+AttrDict ForwardAttrs(int64_t mask) {
+  AttrDict d;
+  d.Add("segments", 3);
+  d.Add("mask", mask);
+  d.AddF32("scale", 0.125f);
+  d.Add("max_seqlen_q", 64);
+  d.Add("max_seqlen_kv", 96);
+  d.Add("window_left", 7);
+  d.Add("tiled", 1);
+  d.Add("offset_bits", 32);
+  d.Add("poison", 0);
+  return d;
+}
+
+void TestSdpaAttrs() {
+  std::string error;
+  std::optional<jax_cp::SdpaAttrs> a =
+      ForwardAttrs(2).Decode<jax_cp::SdpaAttrs>(&error);
+  CHECK(a.has_value());
+  if (a.has_value()) {
+    CHECK(a->segments == 3);
+    CHECK(a->mask == jax_cp::SdpaMask::kCausalBottomRight);
+    CHECK(a->scale == 0.125f);
+    CHECK(a->max_seqlen_q == 64);
+    CHECK(a->max_seqlen_kv == 96);
+    CHECK(a->window_left == 7);
+    CHECK(a->tiled == 1);
+    CHECK(a->offset_bits == 32);
+    CHECK(a->poison == 0);
+  }
+
+  AttrDict bwd = ForwardAttrs(1);
+  bwd.Add("deterministic", 1);
+  std::optional<jax_cp::SdpaBackwardAttrs> b =
+      bwd.Decode<jax_cp::SdpaBackwardAttrs>(&error);
+  CHECK(b.has_value());
+  if (b.has_value()) {
+    CHECK(b->common.segments == 3);
+    CHECK(b->common.mask == jax_cp::SdpaMask::kCausalTopLeft);
+    CHECK(b->common.scale == 0.125f);
+    CHECK(b->common.max_seqlen_kv == 96);
+    CHECK(b->common.offset_bits == 32);
+    CHECK(b->common.poison == 0);
+    CHECK(b->deterministic == 1);
+  }
+
+  // The struct takes every attribute of the call and no other.
+  CHECK(!bwd.Decode<jax_cp::SdpaAttrs>(&error).has_value());
+  CHECK(Contains(error, "Wrong number of attributes"));
+  CHECK(!ForwardAttrs(0).Decode<jax_cp::SdpaBackwardAttrs>(&error));
+
+  // The mask is an int64 scalar (SdpaMask's underlying type); an int32 is
+  // refused. Any int64 decodes: MakeSdpaKey checks the value.
+  AttrDict wrong;
+  for (const char* name : {"segments", "max_seqlen_q", "max_seqlen_kv",
+                           "window_left", "tiled", "offset_bits", "poison"}) {
+    wrong.Add(name, 1);
+  }
+  wrong.AddF32("scale", 1.f);
+  wrong.AddI32("mask", 1);
+  CHECK(!wrong.Decode<jax_cp::SdpaAttrs>(&error).has_value());
+  CHECK(Contains(error, "Wrong scalar data type"));
+  std::optional<jax_cp::SdpaAttrs> odd =
+      ForwardAttrs(9).Decode<jax_cp::SdpaAttrs>(&error);
+  CHECK(odd.has_value() && static_cast<int64_t>(odd->mask) == 9);
+}
+
 }  // namespace
 
 int main() {
@@ -264,6 +402,7 @@ int main() {
   TestParse();
   TestSwitch();
   TestHandleFailureMemory();
+  TestSdpaAttrs();
   if (g_failures) {
     std::printf("jax_cp_host_tests: %d check(s) failed\n", g_failures);
     return 1;

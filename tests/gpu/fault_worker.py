@@ -109,8 +109,9 @@ def fault(point: str) -> dict:
   for i in range(REPEATS):
     if point == "handle" and i % 2 == 0:
       # Half the calls retry cudnnCreate (and fail again), half hit the
-      # remembered failure.
-      _jax_cp_cuda.reset_failed_handles()
+      # remembered failure. The public way to ask for the retry, the one
+      # the remembered failure's message names.
+      cudnn.retry_cudnn_handle()
     try:
       jax.block_until_ready(case.fwd(case.q, case.k, case.v))
     except Exception as e:  # pylint: disable=broad-except
