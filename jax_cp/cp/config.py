@@ -70,6 +70,12 @@ class CPConfig:
       output's cotangent) are cleared there before any backend call
       (:mod:`jax_cp.attention.padding`); False when concrete metadata
       show none (``cu_seqlens == cu_seqlens_padded``).
+    poison: None, or, inside a traced step with ``bound_check="trusted"``
+      and a backend with ``handles_poison``, the int32 flag of a broken
+      bound (:func:`jax_cp.cp.guard.poisoned_config`) that every call of
+      the step's plan carries in its segments (:attr:`Segments.poison`,
+      :func:`jax_cp.cp.call_plan.poisoned`). Traced: not part of the
+      static identity (not compared, not hashed).
   """
 
   strategy: CPLoadBalancingStrategy
@@ -86,6 +92,7 @@ class CPConfig:
   unbounded: CPConfig | None = None
   keep_gathered_kv: bool = False
   zero_padding: bool = True
+  poison: jax.Array | None = dataclasses.field(default=None, compare=False)
 
   @property
   def local_tokens(self) -> int:
