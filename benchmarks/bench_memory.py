@@ -11,7 +11,7 @@ example's model and AdamW step (``examples/packed_lm``), each run records
 XLA's compiled memory analysis (temp, arguments, outputs), the device's
 ``peak_bytes_in_use`` (the process's running maximum), the cuDNN
 backward's scratch of the step's main attention call
-(:mod:`jax_cp.attention.cudnn_workspace`: one sub-call's where the
+(:mod:`jax_cp.attention.cudnn.workspace`: one sub-call's where the
 backward runs over head groups; XLA does not plan it), the matmul FLOPs
 the compiled step runs (:mod:`benchmarks.hlo_flops`), ms/step and MFU.
 Every run that trains has its attention call checked exact afterwards
@@ -279,9 +279,9 @@ def main_call_tokens(cfg, cp: int, max_seqlen: int) -> tuple[int, int]:
 def attention_scratch(cfg, cp: int, rows) -> tuple[int, int, int]:
   """The cuDNN backward workspace of one sub-call of the step's main call
   (:func:`main_call_tokens`), and the head groups and K/V slices of each
-  group that the call runs as (:func:`jax_cp.attention.cudnn_workspace.
+  group that the call runs as (:func:`jax_cp.attention.cudnn.workspace.
   backward_split`)."""
-  from jax_cp.attention import cudnn_workspace as ws  # pylint: disable=import-outside-toplevel
+  from jax_cp.attention.cudnn import workspace as ws  # pylint: disable=import-outside-toplevel
   tq, tkv = main_call_tokens(cfg, cp, rows.max_seqlen)
   hd = cfg.d_model // cfg.heads
   kw = dict(segments=rows.cu_seqlens.shape[-1] - 1,
@@ -378,8 +378,8 @@ def exact_calls(rows, cfg) -> dict:
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
 
-  from jax_cp.attention import chunk_attention  # pylint: disable=import-outside-toplevel
   from jax_cp.attention.backend import Segments  # pylint: disable=import-outside-toplevel
+  from jax_cp.attention.decompose import chunk_attention  # pylint: disable=import-outside-toplevel
   from jax_cp.modules import layer_chunks  # pylint: disable=import-outside-toplevel
 
   def live(seg):

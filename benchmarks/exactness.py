@@ -303,7 +303,7 @@ def run_case(case: Case, bits: int | None, rows: int, seed: int) -> dict:
   """:func:`check_call` of a case's ``cudnn`` call with ``bits``-wide
   ragged offsets (None: the backend's choice): ``errors`` per output, or
   ``error`` with the message of a call that failed."""
-  from jax_cp.attention import cudnn  # pylint: disable=import-outside-toplevel
+  from jax_cp.attention.cudnn import backend as cudnn  # pylint: disable=import-outside-toplevel
   q_lens, kv_lens, q_off, kv_off, max_q, max_kv, tq, mask, tiled = \
       segments_for(case, seed)
   seg = Segments(*(jnp.asarray(x, jnp.int32) for x in

@@ -283,7 +283,7 @@ TABLES: dict[str, tuple[str, str, list[Column]]] = {
         "*temp*, *args*: XLA's compiled memory analysis; *peak*: the "
         "device's `peak_bytes_in_use`; *scratch*: the cuDNN backward "
         "workspace of the main attention call "
-        "(`jax_cp.attention.cudnn_workspace`), outside XLA's buffers; "
+        "(`jax_cp.attention.cudnn.workspace`), outside XLA's buffers; "
         "*exact*: the largest relative error of that call's out, lse, dq, "
         "dk, dv against the subset reference (`benchmarks/exactness.py`; "
         "status *inexact* above 5e-3); status *compiled*: planned, not "

@@ -12,7 +12,7 @@ not compile). Its backward is split over head groups and K/V slices where
 the ``cudnn`` backend's would be, so the split's buffers are in the plan
 too. The cuDNN
 backward's workspace is in no XLA plan either way: ``bench_memory`` adds
-it from the formula (:mod:`jax_cp.attention.cudnn_workspace`).
+it from the formula (:mod:`jax_cp.attention.cudnn.workspace`).
 
 Its results are not attention: it is registered only by ``bench_memory``
 for compile-only runs, never for a step that runs.
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_cp.attention import head_groups
-from jax_cp.attention.backend import Backend, Segments
+from jax_cp.attention.backend import Backend, Segments, with_scratch_limit
+from jax_cp.attention.cudnn import split, workspace
 from jax_cp.attention.registry import register_backend
 
 NAME = "standin"
@@ -52,16 +52,17 @@ def forward(q, k, v, seg: Segments, *, mask: str, scale: float,
 
 
 def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
-             scale: float, window_left: int = -1):
+             scale: float, window_left: int = -1,
+             scratch_limit: float = workspace.DEFAULT_BACKWARD_SCRATCH_LIMIT):
   """``(dq, dk, dv)`` shaped as attention's, from every input, in the
   sub-calls over head groups and K/V slices that the ``cudnn`` backend
-  would run for these shapes (:func:`jax_cp.attention.head_groups.
-  backward_within_scratch_limit`), so the plan holds the split's buffers
-  too."""
-  return head_groups.backward_within_scratch_limit(
+  would run for these shapes and its ``scratch_limit``
+  (:func:`jax_cp.attention.cudnn.split.backward_within_scratch_limit`),
+  so the plan holds the split's buffers too."""
+  return split.backward_within_scratch_limit(
       _backward_call, q, k, v, out, lse, dout, seg,
       max_seqlen_q=min(seg.max_seqlen_q, q.shape[0]), mask=mask, scale=scale,
-      window_left=window_left)
+      window_left=window_left, scratch_limit=scratch_limit)
 
 
 def _backward_call(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
@@ -76,10 +77,19 @@ def _backward_call(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
   return t, k * touch + per_kv, v * touch + per_kv
 
 
+def _configure(backend: Backend) -> Backend:
+  """The cudnn backend's scratch bound, from the environment as it reads
+  it where it is resolved."""
+  return with_scratch_limit(backend, workspace.backward_scratch_limit())
+
+
 #: Sized by the static bounds like cuDNN's kernels (``exact_past_bounds``
-#: False), so the CP layer plans the same guards around it.
+#: False), so the CP layer plans the same guards around it; the cudnn
+#: backend's scratch bound, so the ring runs in the same head groups.
 BACKEND = Backend(name=NAME, forward=forward, backward=backward,
-                  is_available=lambda platform: True, exact_past_bounds=False)
+                  is_available=lambda platform: True, exact_past_bounds=False,
+                  scratch_limit=float(workspace.DEFAULT_BACKWARD_SCRATCH_LIMIT),
+                  configure=_configure)
 
 
 def register() -> None:

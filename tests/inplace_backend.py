@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from jax_cp.attention import xla
 from jax_cp.attention.backend import MASK_TYPES, Backend, Segments
-from jax_cp.attention.merge import merge_rows_jnp
+from jax_cp.attention.decompose.merge import merge_rows_jnp
 
 
 def _ranges(offsets, lens, n: int, live):

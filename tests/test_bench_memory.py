@@ -73,7 +73,7 @@ def test_layer_chunk_run_checks_the_chunk_calls(tmp_path):
   assert run["status"] == "ok" and run["layer_chunk_size"] == "100"
   assert set(run["exact_calls"]) == {"chunk", "halo"}, run
   assert max(run["exact"].values()) < 1e-4
-  from jax_cp.attention import cudnn_workspace
+  from jax_cp.attention.cudnn import workspace as cudnn_workspace
   assert run["attention_scratch_bytes"] == \
       cudnn_workspace.backward_workspace_bytes(100, 100, 2, 1, 16)
   assert _rows(tmp_path)[0][7] == "100"

@@ -114,7 +114,7 @@ def test_cudnn_lowering_merges_straddle_parts_in_place():
   ``jax_cp_merge_rows`` calls: no pad or dynamic-update-slice of a
   full-size buffer, which would cost a pass over (or a copy of) it."""
   try:
-    import jax_cp.attention.cudnn  # noqa: F401
+    import jax_cp.attention.cudnn.backend  # noqa: F401
   except ModuleNotFoundError:  # a present but broken extension fails
     pytest.skip("jax_cp's cuDNN extension is not built")
   cp, tl, w = 2, 2048, 1600

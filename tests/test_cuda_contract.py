@@ -20,7 +20,7 @@ import pytest
 try:
   # A missing extension raises ModuleNotFoundError here (``from jax_cp
   # import _jax_cp_cuda`` would raise a plain ImportError).
-  from jax_cp.attention import cudnn
+  from jax_cp.attention.cudnn import backend as cudnn
 except ModuleNotFoundError:  # a present but broken extension fails
   pytest.skip("jax_cp's cuDNN extension is not built", allow_module_level=True)
 

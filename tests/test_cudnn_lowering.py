@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 try:
-  from jax_cp.attention import cudnn as cudnn_backend
+  from jax_cp.attention.cudnn import backend as cudnn_backend
 except ModuleNotFoundError:  # a present but broken extension fails
   pytest.skip("jax_cp's cuDNN extension is not built", allow_module_level=True)
 
@@ -546,17 +546,18 @@ def test_backward_splits_over_head_groups_past_the_scratch_limit(
   query and Hkv / n KV heads inside a loop of n trips; under the limit (the
   default 4 GiB here) to one call over all heads. The gradient of
   fused_attention takes the same path."""
-  from jax_cp.attention import cudnn_workspace
+  from jax_cp.attention.cudnn import workspace as cudnn_workspace
   if limit_gib is None:
     monkeypatch.delenv(cudnn_workspace.SCRATCH_LIMIT_ENV, raising=False)
   else:
     monkeypatch.setenv(cudnn_workspace.SCRATCH_LIMIT_ENV, limit_gib)
   q, k, v = qkv()
   seg = SEG
+  backend = registry.resolve_backend("cudnn")   # reads the limit
 
   def f(q, k, v, out, lse, dout, seg):
-    return cudnn_backend.backward(q, k, v, out, lse, dout, seg,
-                                  mask="causal_bottom_right", scale=0.5)
+    return backend.backward(q, k, v, out, lse, dout, seg,
+                            mask="causal_bottom_right", scale=0.5)
 
   text = lower_for_cuda(f, q, k, v, jnp.zeros_like(q),
                         jnp.zeros((TQ, HQ), jnp.float32), q, seg)
@@ -585,16 +586,18 @@ def test_backward_splits_over_kv_slices_past_one_heads_bound(monkeypatch):
   runs over K/V slices: per slice a bottom-right call over its causal
   parts and an unmasked call over the rest, each reading that slice's K/V
   rows only (no call reads all TKV rows)."""
-  from jax_cp.attention import cudnn_workspace, kv_slices
+  from jax_cp.attention.cudnn import kv_slices
+  from jax_cp.attention.cudnn import workspace as cudnn_workspace
   monkeypatch.setenv(cudnn_workspace.SCRATCH_LIMIT_ENV, "1e-9")
   groups, slices = cudnn_workspace.backward_split(
       TQ, TKV, HQ, HKV, D, segments=3, max_seqlen_q=32)
   assert groups == HKV and slices > 1
   q, k, v = qkv()
+  backend = registry.resolve_backend("cudnn")   # reads the limit
 
   def f(q, k, v, out, lse, dout, seg):
-    return cudnn_backend.backward(q, k, v, out, lse, dout, seg,
-                                  mask="causal_bottom_right", scale=0.5)
+    return backend.backward(q, k, v, out, lse, dout, seg,
+                            mask="causal_bottom_right", scale=0.5)
 
   text = lower_for_cuda(f, q, k, v, jnp.zeros_like(q),
                         jnp.zeros((TQ, HQ), jnp.float32), q, SEG)
@@ -617,7 +620,7 @@ def test_head_groups_in_a_cp_layer_and_a_checked_shard_map(monkeypatch):
   in a loop; and fused_attention's gradient inside a user's shard_map
   with vma checking on lowers too, split over head groups and K/V slices
   (a tiny bound)."""
-  from jax_cp.attention import cudnn_workspace
+  from jax_cp.attention.cudnn import workspace as cudnn_workspace
   monkeypatch.setenv(cudnn_workspace.SCRATCH_LIMIT_ENV, "2e-4")
   counts, masks, _ = _cp_grad_calls("dual_chunk_swap")
   into = cudnn_backend.FFI_TARGETS

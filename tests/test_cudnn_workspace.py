@@ -1,10 +1,10 @@
 """The cuDNN SDPA backward's frontend workspace formula
-(:mod:`jax_cp.attention.cudnn_workspace`) against the shapes: the 12.95 GB
+(:mod:`jax_cp.attention.cudnn.workspace`) against the shapes: the 12.95 GB
 asked for at T = 1M (Hq 16, Hkv 4, D 64), and how each buffer scales."""
 
 import pytest
 
-from jax_cp.attention.cudnn_workspace import (
+from jax_cp.attention.cudnn.workspace import (
   DEFAULT_BACKWARD_SCRATCH_LIMIT,
   SCRATCH_LIMIT_ENV,
   backward_head_groups,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 try:
-  from jax_cp.attention import cudnn as cudnn_backend
+  from jax_cp.attention.cudnn import backend as cudnn_backend
 except ModuleNotFoundError:  # a present but broken extension fails
   pytest.skip("jax_cp's cuDNN extension is not built", allow_module_level=True)
 

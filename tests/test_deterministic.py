@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import jax_cp
-from jax_cp.attention import cudnn_workspace as ws
 from jax_cp.attention import determinism, registry
 from jax_cp.attention.backend import Backend, in_deterministic_mode
+from jax_cp.attention.cudnn import workspace as ws
 from jax_cp.cp.exchange import KVExchange
 from tests import determinism_step
 from tests._devices import devices

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 try:
-  from jax_cp.attention import cudnn as cudnn_backend
+  from jax_cp.attention.cudnn import backend as cudnn_backend
 except ModuleNotFoundError:  # a present but broken extension fails
   pytest.skip("jax_cp's cuDNN extension is not built", allow_module_level=True)
 
 import jax_cp
-from jax_cp.attention import cudnn_workspace
+from jax_cp.attention.cudnn import workspace as cudnn_workspace
 from tests import determinism_step
 from tests._devices import devices
 from tests._lowering import custom_calls, lower_for_cuda
@@ -152,7 +152,7 @@ def test_no_split_fits_raises_naming_the_sizes(monkeypatch):
 _UNDER_FLAG = """
 import jax, jax.numpy as jnp, jax_cp
 from tests._lowering import custom_calls, lower_for_cuda
-from jax_cp.attention import cudnn
+from jax_cp.attention.cudnn import backend as cudnn
 q = jnp.zeros((64, 4, 64), jnp.bfloat16)
 k = jnp.zeros((64, 2, 64), jnp.bfloat16)
 lens = jnp.array([40, 24], jnp.int32)

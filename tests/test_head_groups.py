@@ -11,8 +11,10 @@ import pytest
 
 from jax_cp.attention import xla
 from jax_cp.attention.backend import Segments
-from jax_cp.attention.cudnn_workspace import fewest_groups
-from jax_cp.attention.head_groups import backward_in_head_groups
+from jax_cp.attention.head_groups import (
+  backward_in_head_groups,
+  fewest_groups,
+)
 from tests.inplace_backend import make_backend
 
 

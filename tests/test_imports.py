@@ -6,6 +6,10 @@
   included, and the Linen and NNX packages do not import each other.
 * No module of jax_cp, and none of benchmarks/, imports in a circle.
 * No module reaches for another module's underscore names.
+* The cuDNN backend's modules (``jax_cp.attention.cudnn``) are imported by
+  one another alone: the registry loads the backend by name, and the CP
+  layer reads what it needs of a backend from the backend contract
+  (``scratch_limit``, ``handles_poison``, ...).
 """
 
 from __future__ import annotations
@@ -132,6 +136,21 @@ def test_no_import_circle(known):
   assert _cycle(_graph(known)) is None, _cycle(_graph(known))
 
 
+#: The cuDNN backend's package: no module outside it imports its modules.
+CUDNN = "jax_cp.attention.cudnn"
+
+
+def _outside_imports_of(package: str, graph: dict[str, set]
+                        ) -> list[tuple[str, str]]:
+  inside = lambda m: m == package or m.startswith(package + ".")
+  return sorted((a, b) for a, targets in graph.items() if not inside(a)
+                for b in targets if inside(b))
+
+
+def test_only_the_cudnn_package_imports_its_modules():
+  assert not _outside_imports_of(CUDNN, _graph(LIBRARY))
+
+
 def test_the_checks_catch_what_they_are_for():
   assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
   assert _cycle({"a": {"b"}, "b": set()}) is None
@@ -139,6 +158,10 @@ def test_the_checks_catch_what_they_are_for():
       ("jax_cp.cp.vjp", "jax_cp.modules.remat")]
   assert _upward({"jax_cp.flax.attention": {"jax_cp.nnx.convert"}})
   assert not _upward({"jax_cp.modules.inputs": {"jax_cp.cp.api"}})
+  assert _outside_imports_of(CUDNN, {
+      "jax_cp.cp.ring": {"jax_cp.attention.cudnn.workspace"},
+      "jax_cp.attention.cudnn.split": {"jax_cp.attention.head_groups"}}) == [
+          ("jax_cp.cp.ring", "jax_cp.attention.cudnn.workspace")]
 
 
 @pytest.mark.parametrize("module", sorted(LIBRARY))

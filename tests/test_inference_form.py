@@ -157,7 +157,7 @@ def test_cp_attention_at_cp2(recording_backend, strategy, inference):
 
 def _targets():
   try:
-    from jax_cp.attention import cudnn
+    from jax_cp.attention.cudnn import backend as cudnn
   except ModuleNotFoundError:
     pytest.skip("jax_cp's cuDNN extension is not built")
   return cudnn.FWD_TARGET, cudnn.FWD_OUT_TARGET, cudnn.BWD_TARGET

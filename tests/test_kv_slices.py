@@ -1,4 +1,4 @@
-"""The backward over ranges of the K/V rows (jax_cp.attention.kv_slices):
+"""The backward over ranges of the K/V rows (jax_cp.attention.cudnn.kv_slices):
 the ``xla`` backend's backward split the same way equals one call (every
 mask, Tq != Tkv, rows without keys, empty segments, ``dq_into``); a CP
 step whose backward is split over head groups and K/V slices equals the
@@ -13,14 +13,10 @@ import numpy as np
 import pytest
 
 import jax_cp
-from jax_cp.attention import (
-    cudnn_workspace,
-    head_groups,
-    kv_slices,
-    register_backend,
-    xla,
-)
+from jax_cp.attention import register_backend, xla
 from jax_cp.attention.backend import Segments
+from jax_cp.attention.cudnn import kv_slices, split
+from jax_cp.attention.cudnn import workspace as cudnn_workspace
 from jax_cp.data import reorder_for_cp, restore_from_cp
 from tests import reference as ref
 from tests._devices import devices
@@ -153,7 +149,7 @@ def _split_xla_backward(q, k, v, out, lse, dout, seg, *, mask, scale,
                         window_left=-1, **kwargs):
   """The xla backward with the cudnn backend's split (head groups, then K/V
   slices) for its shapes."""
-  return head_groups.backward_within_scratch_limit(
+  return split.backward_within_scratch_limit(
       xla.backward, q, k, v, out, lse, dout, seg,
       max_seqlen_q=min(seg.max_seqlen_q, q.shape[0]), mask=mask, scale=scale,
       window_left=window_left, **kwargs)

@@ -20,7 +20,8 @@ from jax_cp import CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
 from jax_cp import flax as cp_linen
 from jax_cp import nnx as cp_nnx
-from jax_cp.attention import chunk_attention, registry
+from jax_cp.attention import registry
+from jax_cp.attention.decompose import chunk_attention
 from jax_cp.attention.registry import resolve_backend
 from jax_cp.modules import layer_chunks
 from tests import reference

@@ -319,7 +319,7 @@ def test_cuda_lowering_gathers_only_inside_the_fallback_branch():
   """The same with the cudnn backend, lowered for CUDA (skipped without
   the extension)."""
   try:
-    import jax_cp.attention.cudnn  # noqa: F401
+    import jax_cp.attention.cudnn.backend  # noqa: F401
   except ModuleNotFoundError:
     pytest.skip("jax_cp's cuDNN extension is not built")
   cp, tl, w = 2, 2048, 1600

@@ -1,12 +1,13 @@
-"""CPU tests of ``merge_rows`` (jax_cp.attention.merge) and of its lowering
-for CUDA (an aliased custom call) when the cuDNN extension is built."""
+"""CPU tests of ``merge_rows`` (jax_cp.attention.decompose.merge) and of
+its lowering for CUDA (an aliased custom call) when the cuDNN extension is
+built."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_cp.attention.merge import (
+from jax_cp.attention.decompose.merge import (
   check_merge_rows,
   merge_rows_jnp,
   merge_softmax_rows,
@@ -53,7 +54,7 @@ def test_check_merge_rows(src_shape, offset, op, match):
 
 def test_cudnn_merge_rows_lowers_to_aliased_custom_call():
   try:
-    from jax_cp.attention import cudnn as cudnn_backend
+    from jax_cp.attention.cudnn import backend as cudnn_backend
   except ModuleNotFoundError:  # a present but broken extension fails
     pytest.skip("jax_cp's cuDNN extension is not built")
   f = lambda d, s: cudnn_backend.merge_rows(d * 2, s, 3, "max")

@@ -21,7 +21,7 @@ import pytest
 import jax_cp
 from jax_cp import CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
-from jax_cp.attention import chunk_attention
+from jax_cp.attention.decompose import chunk_attention
 from jax_cp.attention.registry import resolve_backend
 from jax_cp.cp.config import make_config
 from jax_cp.data import reorder_for_cp, restore_from_cp

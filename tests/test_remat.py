@@ -238,7 +238,7 @@ def test_cudnn_context_presets_run_one_forward_call():
   custom calls of a CP layer's gradient (cp=2, DUAL_CHUNK_SWAP, bf16) are
   as many under the context presets as without remat, more under
   ``"full"`` (skipped without the extension)."""
-  cudnn = pytest.importorskip("jax_cp.attention.cudnn",
+  cudnn = pytest.importorskip("jax_cp.attention.cudnn.backend",
                               exc_type=ModuleNotFoundError)
   mesh = jax.make_mesh((2,), ("cp",), devices=devices(2, "cpu"),
                        axis_types=(jax.sharding.AxisType.Auto,))

@@ -6,6 +6,7 @@ runs fewer steps), unmasked, traced metadata under the bound's fallback,
 the local view; the lowered step has no all-gather and no buffer of the
 whole row; the combinations it does not take raise."""
 
+import dataclasses
 import re
 
 import jax
@@ -17,6 +18,8 @@ from jax.sharding import PartitionSpec as P
 import jax_cp
 from jax_cp import CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
+from jax_cp.attention import register_backend, xla
+from jax_cp.attention.backend import scratch_bound
 from jax_cp.cp import ring as ring_mod
 from jax_cp.cp.exchange import choose_exchange
 from jax_cp.data import (
@@ -324,6 +327,10 @@ def test_ranks_on_one_device_match_the_reference(strategy, record_error):
     check_close(a, b, valid, jnp.float32, name, record_error)
 
 
+#: The xla backend with a scratch bound (registered by the test using it).
+BOUNDED_XLA = "xla_scratch_bounded"
+
+
 def limit_gib_for(groups, b, tl, hq, hkv, d):
   """A scratch bound (GiB) under which the ring's float32 running buffers
   (dQ, and dK|dV twice: the accumulator and the one in flight) of
@@ -345,14 +352,16 @@ def test_ring_in_head_groups(cp, groups, strategy, monkeypatch,
   w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
   gather = run(q, k, v, w, cu, cuP, cp=cp, strategy=strategy,
                comm_type="all_gather")
-  monkeypatch.setenv("JAX_CP_CUDNN_BWD_SCRATCH_GIB",
-                     str(limit_gib_for(groups, batch, T // cp, hq, hkv, D)))
+  # The xla backend with a scratch bound (the bound is the backend's).
+  limit = limit_gib_for(groups, batch, T // cp, hq, hkv, D) * 2**30
+  register_backend(dataclasses.replace(xla.BACKEND, name=BOUNDED_XLA,
+                                       scratch_limit=limit))
   tl = T // cp
   local = (jnp.zeros((batch, tl, hq, D)), jnp.zeros((batch, tl, hkv, D)),
            jnp.zeros((batch, tl, hkv, D)))
-  assert ring_mod.head_groups(*local) == groups
+  assert ring_mod.head_groups(*local, limit) == groups
   ring = run(q, k, v, w, cu, cuP, cp=cp, strategy=strategy,
-             comm_type="ring")
+             comm_type="ring", backend=BOUNDED_XLA)
   check_equal_to_all_gather(ring, gather, 1e-5)
   want, want_grads = reference_out_and_grads(q, k, v, cu, cuP, w)
   valid = valid_of(cu, cuP)
@@ -362,7 +371,7 @@ def test_ring_in_head_groups(cp, groups, strategy, monkeypatch,
 
   # Every K|V hop carries one group's heads (2·Hkv/groups of K and V).
   layout = CPLayout(mesh=mesh_for(cp, 1), batch_axis="data",
-                    strategy=strategy, backend="xla", comm_type="ring")
+                    strategy=strategy, backend=BOUNDED_XLA, comm_type="ring")
   meta = (jnp.asarray(cu), jnp.asarray(cuP))
   f = lambda q, k, v: jnp.sum(jax_cp.cp_attention(q, k, v, meta,
                                                   layout=layout) * w)
@@ -373,7 +382,7 @@ def test_ring_in_head_groups(cp, groups, strategy, monkeypatch,
   assert hops and heads == {2 * hkv // groups}, heads
 
 
-def test_ring_head_groups_follow_the_bound(monkeypatch):
+def test_ring_head_groups_follow_the_bound():
   """One group below the bound; the fewest groups that fit above it; one
   KV head per group where none fits."""
   x = lambda h: jnp.zeros((1, 1024, h, 64), jnp.bfloat16)
@@ -382,7 +391,8 @@ def test_ring_head_groups_follow_the_bound(monkeypatch):
   for gib, groups in [(need / 2**30, 1), (need / 2 / 2**30, 2),
                       (need / 3 / 2**30, 4), (need / 8 / 2**30, 8),
                       (need / 100 / 2**30, 8)]:
-    monkeypatch.setenv("JAX_CP_CUDNN_BWD_SCRATCH_GIB", repr(gib * 1.0001))
-    assert ring_mod.head_groups(q, k, k) == groups, gib
-  monkeypatch.setenv("JAX_CP_CUDNN_BWD_SCRATCH_GIB", "inf")
-  assert ring_mod.head_groups(q, k, k) == 1
+    assert ring_mod.head_groups(q, k, k, gib * 1.0001 * 2**30) == groups, gib
+  assert ring_mod.head_groups(q, k, k, float("inf")) == 1
+  # The bound is the backend's: the xla backend has none, cudnn's is the
+  # resolved one (JAX_CP_CUDNN_BWD_SCRATCH_GIB).
+  assert scratch_bound(xla.BACKEND) == float("inf")

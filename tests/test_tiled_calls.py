@@ -275,7 +275,7 @@ def test_tiled_rebuild_gives_the_ragged_call_results_on_xla(mask):
 
 
 try:
-  from jax_cp.attention import cudnn as cudnn_backend
+  from jax_cp.attention.cudnn import backend as cudnn_backend
 except ModuleNotFoundError:
   cudnn_backend = None
 needs_ext = pytest.mark.skipif(cudnn_backend is None,

@@ -8,17 +8,16 @@ backends, and the pieces the CP layer and the layer chunks build on.
   :class:`Segments`, :func:`row_segments`.
 * :mod:`~jax_cp.attention.registry`: the table of backends, and choosing
   one.
-* :mod:`~jax_cp.attention.xla`, :mod:`~jax_cp.attention.cudnn`: the
-  backends.
-* :mod:`~jax_cp.attention.merge`: row merges and log-sum-exp merges of
-  partial results.
-* :mod:`~jax_cp.attention.straddle`: the halo call of a straddling
-  document (NO_LOAD_BALANCE and layer chunks).
-* :mod:`~jax_cp.attention.chunk_attention`: a layer chunk's attention.
-* :mod:`~jax_cp.attention.cudnn_workspace`: the cuDNN backward's scratch
-  memory, as a formula, and the bound on it.
+* :mod:`~jax_cp.attention.xla`: the portable backend.
+* :mod:`~jax_cp.attention.cudnn`: the cuDNN backend and what it is made
+  of (its scratch formula, the backward within its scratch bound, K/V
+  slices); no module outside it imports it.
+* :mod:`~jax_cp.attention.decompose`: one document's attention in parts
+  (the halo call of a straddling document, a layer chunk's attention)
+  and the merges that join partial results.
 * :mod:`~jax_cp.attention.head_groups`: a backward in sub-calls over whole
-  GQA head groups (how the cuDNN backend keeps to that bound).
+  GQA head groups (how a backend or the CP ring keeps to a scratch
+  bound).
 * :mod:`~jax_cp.attention.determinism`: the deterministic mode and how
   XLA's request for it is read.
 """

@@ -43,8 +43,8 @@ platform name (``"cpu"``, ``"cuda"``, ...).
 ``merge_rows(dst, src, row_offset, op) -> dst'``: ``dst [B, Td, ...]`` with
 rows ``[row_offset, row_offset + Ts)`` of axis 1 replaced by
 ``op(those rows, src)`` (``op`` ``"add"`` or ``"max"``, formed in float32),
-everything else unchanged (:mod:`jax_cp.attention.merge` has the portable
-version).
+everything else unchanged (:mod:`jax_cp.attention.decompose.merge` has
+the portable version).
 
 ``dtypes``: the q/k/v dtypes the backend takes, or None for every floating
 dtype (optional; a backend without the attribute takes every one).
@@ -62,6 +62,21 @@ segment gives wrong results.
 flag on the device and costs nothing while it is clear; the xla backend
 selects its results (:func:`poisoned`). For a backend without it the CP
 layer multiplies K and V by NaN or 1 instead (:mod:`jax_cp.cp.guard`).
+
+``scratch_limit``: the bound, in bytes, on the float32 working memory of
+one call: the backend keeps its own calls within it (the cudnn backward
+runs in sub-calls past it: :mod:`jax_cp.attention.cudnn.split`) and the
+CP ring keeps its float32 running buffers within it, running one group of
+GQA heads at a time (:mod:`jax_cp.cp.ring`). None, or a backend without
+the attribute: no bound (:func:`scratch_bound`). The ``xla`` backend has
+none.
+
+``configure``: optional, a function of the backend giving it as this
+process's settings configure it; :func:`jax_cp.attention.registry.
+resolve_backend` calls it on every resolution, so settings are read there
+and never while a call is traced, and they are part of the resolved
+(hashed) backend. The cudnn backend reads its ``scratch_limit`` from
+``JAX_CP_CUDNN_BWD_SCRATCH_GIB`` this way.
 
 ``split_bottom_right_backward``: True when the backend runs the backward
 of a bottom-right causal segment slower than the backward of its unmasked
@@ -88,13 +103,14 @@ dq adds).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 
-from jax_cp.attention.merge import merge_rows_jnp
+from jax_cp.attention.decompose.merge import merge_rows_jnp
 from jax_cp.attention.validation import MASK_TYPES  # noqa: F401
 
 
@@ -370,6 +386,11 @@ class Backend:
       (the mode then raises). :func:`in_deterministic_mode` swaps it in.
     deterministic: this instance's ``backward`` is its
       ``deterministic_backward``.
+    scratch_limit: the bound on one call's float32 working memory, in
+      bytes; None: no bound (see the module docstring).
+    configure: the backend as this process's settings configure it, called
+      where it is resolved; None: as registered (see the module
+      docstring).
   """
 
   name: str
@@ -385,6 +406,41 @@ class Backend:
   handles_poison: bool = False
   deterministic_backward: Callable[..., Triple] | None = None
   deterministic: bool = False
+  scratch_limit: float | None = None
+  configure: Callable[[Backend], Backend] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bounded:
+  """A backward with its ``scratch_limit`` keyword given (compared and
+  hashed by value, so equal bounds give equal backends)."""
+
+  backward: Callable[..., Triple]
+  scratch_limit: float
+
+  def __call__(self, *args, **kwargs):
+    return self.backward(*args, scratch_limit=self.scratch_limit, **kwargs)
+
+
+def with_scratch_limit(backend: Backend, limit: float) -> Backend:
+  """``backend``, whose ``backward`` and ``deterministic_backward`` take
+  a ``scratch_limit`` keyword, with that keyword set to ``limit`` (bytes;
+  ``inf``: no bound) and ``scratch_limit = limit``; ``backend`` itself
+  where that is its bound already. For a backend's ``configure``."""
+  if limit == backend.scratch_limit:
+    return backend
+  unbound = lambda f: f.backward if isinstance(f, _Bounded) else f
+  bound = lambda f: None if f is None else _Bounded(unbound(f), limit)
+  return dataclasses.replace(
+      backend, scratch_limit=limit, backward=bound(backend.backward),
+      deterministic_backward=bound(backend.deterministic_backward))
+
+
+def scratch_bound(backend: AttentionBackend) -> float:
+  """The backend's ``scratch_limit`` in bytes; ``inf`` where it has
+  none."""
+  limit = getattr(backend, "scratch_limit", None)
+  return math.inf if limit is None else float(limit)
 
 
 def in_deterministic_mode(backend: AttentionBackend,
@@ -409,26 +465,6 @@ def in_deterministic_mode(backend: AttentionBackend,
         f"(Backend.deterministic_backward); use backend 'cudnn' or 'xla', "
         f"or deterministic=False (docs/determinism.md).")
   return dataclasses.replace(backend, backward=det, deterministic=True)
-
-
-def with_poison(backend: Backend, poison) -> Backend:
-  """``backend`` whose calls carry ``poison`` (an int32 scalar) in their
-  segments (:attr:`Segments.poison`); the segments are the fourth
-  positional argument of ``forward``/``forward_out`` and the seventh of
-  ``backward``, as the contract writes them."""
-
-  def put(fn, index: int):
-    def call(*args, **kwargs):
-      args = list(args)
-      args[index] = dataclasses.replace(args[index], poison=poison)
-      return fn(*args, **kwargs)
-    return call
-
-  out = backend.forward_out
-  return dataclasses.replace(
-      backend, forward=put(backend.forward, 3),
-      backward=put(backend.backward, 6),
-      forward_out=None if out is None else put(out, 3))
 
 
 def poisoned(seg: Segments, *results):

@@ -8,28 +8,35 @@ lse (and dq) and KV heads ``[g * Hkv / n, (g + 1) * Hkv / n)`` of k and v
 (and dk, dv). Every sub-call writes its own heads of dq, dk and dv; none
 accumulates into another's.
 
-A backend whose backward needs scratch memory in proportion to the heads
-of a call (the cuDNN backward's float32 buffers,
-:mod:`jax_cp.attention.cudnn_workspace`) uses this to bound it:
-:func:`~jax_cp.attention.cudnn_workspace.backward_head_groups` picks the
-smallest ``n`` that fits (:func:`backward_within_scratch_limit` does
-both), :func:`backward_in_head_groups` runs the
-sub-calls one after another in a ``lax.scan``, so only one group's
-slices of the inputs (copies of ``1/n`` of q, k, v, out, dout and lse)
-and one sub-call's scratch are live at a time. The results are written
+Memory in proportion to the heads of a call is bounded this way: a
+backend's backward scratch (the cuDNN backward's float32 buffers,
+:func:`jax_cp.attention.cudnn.split.backward_within_scratch_limit`) and
+the CP ring's float32 running buffers (:mod:`jax_cp.cp.ring`).
+:func:`fewest_groups` picks the smallest ``n`` that fits a bound;
+:func:`backward_in_head_groups` runs the sub-calls one after another in
+a ``lax.scan``, so only one group's slices of the inputs (copies of
+``1/n`` of q, k, v, out, dout and lse) and one sub-call's scratch are
+live at a time. The results are written
 in place over q, k and v (over ``dq_into`` for dq), group by group: no
 zero-filled gradient buffers.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from jax_cp.attention import cudnn_workspace, kv_slices
+
+def fewest_groups(heads_kv: int, fits: Callable[[int], bool]) -> int:
+  """The smallest divisor ``n`` of ``heads_kv`` with ``fits(n)``, or
+  ``heads_kv`` (one KV head per sub-call, the finest split) when none
+  does."""
+  for n in range(1, heads_kv + 1):
+    if heads_kv % n == 0 and fits(n):
+      return n
+  return heads_kv
 
 
 def backward_in_head_groups(backward: Callable, groups: int, q, k, v, out,
@@ -87,41 +94,3 @@ def backward_in_head_groups(backward: Callable, groups: int, q, k, v, out,
   (dq, dk, dv), _ = jax.lax.scan(one_group, init,
                                  jnp.arange(groups, dtype=jnp.int32))
   return dq, dk, dv
-
-
-def backward_within_scratch_limit(backward: Callable, q, k, v, out, lse, dout,
-                                  seg, *, max_seqlen_q: int, mask: str,
-                                  window_left: int = -1, dq_into=None,
-                                  deterministic: bool = False,
-                                  max_seqlen_kv: int | None = None,
-                                  **kwargs):
-  """``backward`` in as many head-group sub-calls as the cuDNN backward's
-  scratch for these shapes needs to stay within
-  :func:`~jax_cp.attention.cudnn_workspace.backward_scratch_limit`
-  (:func:`~jax_cp.attention.cudnn_workspace.backward_split`; one call
-  below it), each over ranges of its K/V rows
-  (:mod:`jax_cp.attention.kv_slices`) where even one KV head's exceeds it
-  (not with a window or tiled segments). ``backward`` takes its static
-  bounds from the segments it is given; ``max_seqlen_q``: the call's
-  bound on a segment's query rows; the rest as for
-  :func:`backward_in_head_groups`. ``deterministic``: the sub-calls run
-  the deterministic algorithm (``backward(..., deterministic=True)``),
-  whose dP buffer the split bounds too, with ``max_seqlen_kv`` the call's
-  bound on a segment's K/V rows (``ValueError`` where no split fits,
-  :func:`~jax_cp.attention.cudnn_workspace.backward_split`).
-  """
-  (tq, hq, d), (tkv, hkv, dv) = q.shape, v.shape
-  mode = {}
-  if deterministic:
-    mode = dict(deterministic=True, max_seqlen_kv=max_seqlen_kv or tkv)
-    kwargs = dict(kwargs, deterministic=True)
-  groups, slices = cudnn_workspace.backward_split(
-      tq, tkv, hq, hkv, d, head_dim_v=dv, segments=seg.q_lens.shape[0],
-      max_seqlen_q=max_seqlen_q,
-      kv_slices=window_left < 0 and not seg.tiled, **mode)
-  if slices > 1:
-    backward = functools.partial(kv_slices.backward_in_kv_slices, backward,
-                                 slices)
-  return backward_in_head_groups(backward, groups, q, k, v, out, lse, dout,
-                                 seg, dq_into=dq_into, mask=mask,
-                                 window_left=window_left, **kwargs)

@@ -6,7 +6,8 @@ NaN or an infinity is NaN, in a dense masked matmul (the xla backend), in
 a tile of a ragged kernel that runs past its segment, or in cuDNN's dense
 graph of tiled calls, which reads every row. So the attention entry
 points (:func:`jax_cp.fused_attention`, :func:`jax_cp.cp_attention`, a
-layer chunk's :func:`~jax_cp.attention.chunk_attention.chunk_attention`)
+layer chunk's :func:`~jax_cp.attention.decompose.chunk_attention.
+chunk_attention`)
 replace q, k and v by 0 on their padding rows before any backend call,
 with one ``where`` per array, and do the same to the output's cotangent
 in the backward (its padding rows multiply into dK/dV the same way);

@@ -34,7 +34,7 @@ from jax_cp.attention.determinism import resolve_deterministic
 #: name -> (module defining ``BACKEND``, extension module it needs or None).
 BUILTIN_BACKENDS: dict[str, tuple[str, str | None]] = {
     "xla": ("jax_cp.attention.xla", None),
-    "cudnn": ("jax_cp.attention.cudnn", "jax_cp._jax_cp_cuda"),
+    "cudnn": ("jax_cp.attention.cudnn.backend", "jax_cp._jax_cp_cuda"),
 }
 
 #: How to build the cuDNN extension (named in errors and warnings).
@@ -193,12 +193,20 @@ def resolve_backend(name: str, platform: str | None = None, dtype=None,
       (:func:`~jax_cp.attention.determinism.xla_requests_determinism`),
       False (the default here) returns it as registered.
 
+  A backend with a ``configure`` function comes back as it configures it
+  (the cudnn backend with its scratch bound from
+  ``JAX_CP_CUDNN_BWD_SCRATCH_GIB``), read here, once per call, and not
+  while attention is traced.
+
   Raises:
     ValueError: an unknown or unbuilt backend, a bad ``deterministic``, or
       the mode on for a backend without a deterministic backward.
   """
-  return in_deterministic_mode(_resolve(name, platform, dtype, score_bytes),
-                               resolve_deterministic(deterministic))
+  backend = _resolve(name, platform, dtype, score_bytes)
+  configure = getattr(backend, "configure", None)
+  if configure is not None:
+    backend = configure(backend)
+  return in_deterministic_mode(backend, resolve_deterministic(deterministic))
 
 
 def _resolve(name: str, platform: str | None, dtype,

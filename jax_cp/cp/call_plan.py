@@ -12,7 +12,7 @@ three kinds, with its segments ready for the backend, so the executor
   backend that supports it) or its outputs are added.
 * :class:`HaloCall`: NO_LOAD_BALANCE's halo call, the straddling
   document's first rows against its keys before the chunk
-  (:mod:`jax_cp.attention.straddle`), merged by log-sum-exp.
+  (:mod:`jax_cp.attention.decompose.straddle`), merged by log-sum-exp.
 * :class:`CompactCalls`: windowed DUAL_CHUNK_SWAP's near and far parts,
   over compact buffers of the rows and keys they need
   (:func:`jax_cp.cp.metadata.window_compaction`), merged by log-sum-exp.
@@ -33,8 +33,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jax_cp.attention import straddle
 from jax_cp.attention.backend import Segments, row_segments
+from jax_cp.attention.decompose import straddle
 from jax_cp.cp import metadata
 from jax_cp.cp.config import CPConfig
 from jax_cp.cp.strategy import CPLoadBalancingStrategy
@@ -67,7 +67,7 @@ class RowsCall:
 
 @dataclasses.dataclass(frozen=True)
 class HaloCall:
-  """NO_LOAD_BALANCE's halo call (:mod:`jax_cp.attention.straddle`).
+  """NO_LOAD_BALANCE's halo call (:mod:`jax_cp.attention.decompose.straddle`).
 
   Attributes:
     call: the halo call.
@@ -197,7 +197,8 @@ def _split_straddle(cfg: CPConfig, block: _Block
   there is one) split where the chunk starts (docs/internals.md, Call
   plans): its local keys as a top-left block on the document's local
   rows, which becomes a segment of the chunk's local call, and its keys
-  before the chunk as the halo call (:mod:`jax_cp.attention.straddle`):
+  before the chunk as the halo call
+  (:mod:`jax_cp.attention.decompose.straddle`):
 
   - a rectangle when every one of the document's rows sees all of them
     (no window, or ``left - Tl >= H - 1``), on the exchanged buffer (the
@@ -461,3 +462,25 @@ def ring_plan(cfg: CPConfig, cu_seqlens, cu_seqlens_padded, rank, step: int
                      meta.kv_offsets, tl, tl, bound, bound,
                      rows_see_keys=True, heaviest_first=True)
   return RowsCall(seg, mask, -1, exchanged=step > 0)
+
+
+def poisoned(plan: list, poison) -> list:
+  """``plan`` (calls of :func:`forward_plan`, :func:`backward_plan` or
+  :func:`ring_plan`) with ``poison`` (:attr:`CPConfig.poison`, an int32
+  scalar) in every call's segments (:attr:`Segments.poison`); unchanged
+  for None."""
+  if poison is None:
+    return plan
+  put = lambda seg: dataclasses.replace(seg, poison=poison)
+  out = []
+  for call in plan:
+    if isinstance(call, RowsCall):
+      call = dataclasses.replace(call, segments=put(call.segments))
+    elif isinstance(call, HaloCall):
+      call = dataclasses.replace(
+          call, call=call.call._replace(segments=put(call.call.segments)))
+    else:
+      call = dataclasses.replace(
+          call, calls=tuple((put(seg), mask) for seg, mask in call.calls))
+    out.append(call)
+  return out

@@ -75,6 +75,12 @@ class CPConfig:
       HeadScatter`), the config of the program that runs on the scattered
       heads: cp = 1 on whole rows, or the ring over the outer axis
       (hierarchical); None otherwise.
+    poison: None, or, inside a traced step with ``bound_check="trusted"``
+      and a backend with ``handles_poison``, the int32 flag of a broken
+      bound (:func:`jax_cp.cp.guard.poisoned_config`) that every call of
+      the step's plan carries in its segments (:attr:`Segments.poison`,
+      :func:`jax_cp.cp.call_plan.poisoned`). Traced: not part of the
+      static identity (not compared, not hashed).
   """
 
   strategy: CPLoadBalancingStrategy
@@ -92,6 +98,7 @@ class CPConfig:
   keep_gathered_kv: bool = False
   zero_padding: bool = True
   inner: CPConfig | None = None
+  poison: jax.Array | None = dataclasses.field(default=None, compare=False)
 
   @property
   def local_tokens(self) -> int:

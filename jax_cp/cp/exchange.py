@@ -40,7 +40,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_cp.attention.merge import add, merge_rows_jnp
+from jax_cp.attention.decompose.merge import add, merge_rows_jnp
 from jax_cp.cp import partition
 
 

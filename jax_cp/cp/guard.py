@@ -35,7 +35,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_cp.attention.backend import Backend, with_poison
 from jax_cp.cp import validation
 from jax_cp.cp.strategy import CPLoadBalancingStrategy
 
@@ -97,19 +96,21 @@ def run(cfg, cu_seqlens, cu_seqlens_padded, branch, *operands):
 
 def _poisons_segments(cfg) -> bool:
   """Whether a trusted bound reaches the backend as ``Segments.poison``."""
-  return (cfg.bound_check == "trusted" and isinstance(cfg.backend, Backend)
-          and cfg.backend.handles_poison)
+  return (cfg.bound_check == "trusted"
+          and bool(getattr(cfg.backend, "handles_poison", False)))
 
 
 def poisoned_config(cfg, cu_seqlens, cu_seqlens_padded):
-  """``cfg`` whose backend gets, in every call's segments, the poison
-  flag of a trusted bound (int32: 1 where some padded document is longer
-  than the bound), for a backend with ``handles_poison``; else ``cfg``.
-  Forward and backward each call it on their own metadata."""
+  """``cfg`` carrying the poison flag of a trusted bound (int32: 1 where
+  some padded document is longer than the bound) as
+  :attr:`~jax_cp.cp.config.CPConfig.poison`, which the step's plan puts
+  in every call's segments (:func:`jax_cp.cp.call_plan.poisoned`), for a
+  backend with ``handles_poison``; else ``cfg``. Forward and backward
+  each call it on their own metadata."""
   if not _poisons_segments(cfg):
     return cfg
   flag = broken(cfg, cu_seqlens, cu_seqlens_padded).astype(jnp.int32)
-  return dataclasses.replace(cfg, backend=with_poison(cfg.backend, flag))
+  return dataclasses.replace(cfg, poison=flag)
 
 
 def poison(cfg, cu_seqlens, cu_seqlens_padded, *arrays):

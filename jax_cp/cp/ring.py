@@ -21,11 +21,12 @@ Every buffer is one chunk (``[B, T/cp, ...]``): nothing grows with the
 row. The float32 running buffers (the forward's output, the backward's dQ
 and the dK|dV accumulator with the one in flight) take ``4·(Hq·D +
 2·Hkv·(D + Dv))`` bytes per token of the chunk, more than q, k, v and the
-output together; where they would pass :func:`~jax_cp.attention.
-cudnn_workspace.backward_scratch_limit` (the bound on one attention call's
-float32 working memory), the ring runs once per group of whole GQA head
-groups (:func:`head_groups`), one group after another in a ``lax.scan``,
-so only one group's running buffers are live at a time. Attention is
+output together; where they would pass the backend's scratch bound
+(:attr:`~jax_cp.attention.backend.Backend.scratch_limit`, the bound on one
+attention call's float32 working memory; none for the ``xla`` backend),
+the ring runs once per group of whole GQA head groups
+(:func:`head_groups`), one group after another in a ``lax.scan``, so
+only one group's running buffers are live at a time. Attention is
 independent per KV head, so the results are the same; the K/V hops carry
 one group's heads each, the same bytes in all.
 """
@@ -35,10 +36,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_cp.attention import cudnn_workspace
-from jax_cp.attention.backend import packed
-from jax_cp.attention.head_groups import backward_in_head_groups
-from jax_cp.attention.merge import merge_softmax
+from jax_cp.attention.backend import packed, scratch_bound
+from jax_cp.attention.decompose.merge import merge_softmax
+from jax_cp.attention.head_groups import backward_in_head_groups, fewest_groups
 from jax_cp.cp import call_plan
 from jax_cp.cp.config import CPConfig
 
@@ -50,21 +50,23 @@ def _step(cfg: CPConfig, kv, heads: int, cu_seqlens, cu_seqlens_padded,
   it overlaps the call; None after the last step)."""
   ex = cfg.exchange
   nxt = ex.ring_next(kv) if step + 1 < ex.ring_steps else None
-  call = call_plan.ring_plan(cfg, cu_seqlens, cu_seqlens_padded, rank, step)
+  (call,) = call_plan.poisoned(
+      [call_plan.ring_plan(cfg, cu_seqlens, cu_seqlens_padded, rank, step)],
+      cfg.poison)
   return call, packed(kv[:, :, :heads]), packed(kv[:, :, heads:]), nxt
 
 
-def head_groups(q, k, v) -> int:
+def head_groups(q, k, v, limit: float) -> int:
   """How many groups of whole GQA head groups the ring runs one after
   another: the fewest (a divisor of the KV heads) whose float32 running
   buffers, ``B·Tl·4·(Hq·D + 2·Hkv·(D + Dv))`` bytes for all heads, stay
-  within :func:`~jax_cp.attention.cudnn_workspace.backward_scratch_limit`
-  (one KV head per group where none does)."""
+  within ``limit`` bytes (the backend's
+  :func:`~jax_cp.attention.backend.scratch_bound`; one KV head per group
+  where none does)."""
   b, tl, hq, d = q.shape
   hkv, dv = v.shape[2], v.shape[3]
   need = b * tl * 4 * (hq * d + 2 * hkv * (d + dv))
-  limit = cudnn_workspace.backward_scratch_limit()
-  return cudnn_workspace.fewest_groups(hkv, lambda n: need / n <= limit)
+  return fewest_groups(hkv, lambda n: need / n <= limit)
 
 
 def _heads(x, g, n: int):
@@ -81,7 +83,8 @@ def forward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded):
   """``(out, lse)`` of this rank's Q rows over the whole row: ``out``
   ``[B, Tl, Hq, Dv]`` in q's dtype, ``lse`` float32 ``[B, Tl, Hq]``; in
   :func:`head_groups` groups of heads."""
-  groups, rank = head_groups(q, k, v), cfg.rank()
+  groups = head_groups(q, k, v, scratch_bound(cfg.backend))
+  rank = cfg.rank()
   if groups == 1:
     out, lse = _forward(cfg, q, k, v, cu_seqlens, cu_seqlens_padded, rank)
     return out.astype(q.dtype), lse
@@ -129,7 +132,8 @@ def backward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded, out,
              lse, dout):
   """``(dq, dk, dv)`` of this rank's chunk, in q's and k's dtypes; in
   :func:`head_groups` groups of heads."""
-  groups, rank = head_groups(q, k, v), cfg.rank()
+  groups = head_groups(q, k, v, scratch_bound(cfg.backend))
+  rank = cfg.rank()
   if groups == 1:
     return _backward(cfg, q, k, v, cu_seqlens, cu_seqlens_padded, out, lse,
                      dout, rank)

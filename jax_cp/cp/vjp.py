@@ -37,10 +37,10 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_cp.attention import straddle
 from jax_cp.attention.api import window_kwargs
 from jax_cp.attention.backend import packed
-from jax_cp.attention.merge import GradSum, add, merge_softmax
+from jax_cp.attention.decompose import straddle
+from jax_cp.attention.decompose.merge import GradSum, add, merge_softmax
 from jax_cp.attention.padding import zero_rows
 from jax_cp.checkpoint_names import CONTEXT
 from jax_cp.cp import call_plan, guard, ring
@@ -134,8 +134,8 @@ def _forward(q, k, v, cu_seqlens, cu_seqlens_padded, cfg: CPConfig,
     return out.astype(q.dtype), lse, None
   backend = cfg.backend
   kv = _KV.exchange(cfg, k, v, cu_seqlens_padded)
-  plan = list(call_plan.forward_plan(cfg, cu_seqlens, cu_seqlens_padded,
-                                     cfg.rank()))
+  plan = call_plan.poisoned(list(call_plan.forward_plan(
+      cfg, cu_seqlens, cu_seqlens_padded, cfg.rank())), cfg.poison)
   if (not need_lse and backend.forward_out is not None and len(plan) == 1
       and isinstance(plan[0], RowsCall)):
     call = plan[0]
@@ -297,8 +297,8 @@ def _backward(cfg: CPConfig, residuals, dout):
     kv = _KV.exchange(cfg, k, v, cu_seqlens_padded)
   dout = dout.astype(out.dtype)
   dq, dk, dv, dkx, dvx = GradSum(), GradSum(), GradSum(), GradSum(), GradSum()
-  for call in call_plan.backward_plan(cfg, cu_seqlens, cu_seqlens_padded,
-                                      cfg.rank()):
+  for call in call_plan.poisoned(call_plan.backward_plan(
+      cfg, cu_seqlens, cu_seqlens_padded, cfg.rank()), cfg.poison):
     if isinstance(call, RowsCall):
       kc, vc = kv.of(call)
       extra = window_kwargs(call.window_left)

@@ -9,9 +9,10 @@ sliding window's ``left`` when that is shorter. The layer then runs as a
 loop over chunks, each on its window of tokens ``[a - halo, b)``: the
 window's norm and key/value projections, the chunk's query projection,
 attention of the chunk's queries to the window's keys
-(:mod:`jax_cp.attention.chunk_attention`), the output projection, the MLP
-and both residual adds. The loop's backward walks the chunks from the last to
-the first, re-runs each chunk's forward next to its backward, and carries
+(:mod:`jax_cp.attention.decompose.chunk_attention`), the output
+projection, the MLP and both residual adds. The loop's backward walks the
+chunks from the last to the first, re-runs each chunk's forward next to
+its backward, and carries
 the cotangent of the halo's tokens (float32) to the chunk before, whose
 tokens it belongs to. So the layer keeps, per token of the row, its input,
 its output and their cotangents, and nothing else: every other buffer is
@@ -29,7 +30,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_cp.attention import chunk_attention
+from jax_cp.attention.decompose import chunk_attention
 from jax_cp.attention.registry import resolve_backend
 from jax_cp.attention.validation import check_window_size, default_scale
 from jax_cp.cp import api as cp_api
@@ -50,7 +51,7 @@ class Window(NamedTuple):
   halo's bound (the keys and values turn NaN); ``whole_halo``: the halo is
   ``max_seqlen - 1`` tokens, so every query of the straddling document
   sees all of its keys there (False: a sliding window's ``left`` bounds
-  the halo; :mod:`jax_cp.attention.chunk_attention`)."""
+  the halo; :mod:`jax_cp.attention.decompose.chunk_attention`)."""
 
   queries: int
   segments: tuple
@@ -324,7 +325,7 @@ def attend_window(layout: CPLayout, query, key, value, window, *,
   """Attention of one layer chunk (:class:`Window`): the chunk's queries
   ``[B, c, Hq, D]`` to its window's keys and values ``[B, W, Hkv, D]``, as
   a top-left chunk call and a halo call
-  (:func:`jax_cp.attention.chunk_attention.chunk_attention`), on each
+  (:func:`jax_cp.attention.decompose.chunk_attention.chunk_attention`), on each
   device's rows (a ``shard_map`` over the batch and head axes in the
   global view with a mesh). Keys and values turn NaN when
   ``window.broken`` holds."""

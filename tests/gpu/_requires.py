@@ -14,7 +14,7 @@ def cudnn_backend_or_skip():
   if jax.default_backend() != "gpu":
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
   try:
-    from jax_cp.attention import cudnn  # pylint: disable=import-outside-toplevel
+    from jax_cp.attention.cudnn import backend as cudnn  # pylint: disable=import-outside-toplevel
   except ModuleNotFoundError:  # a present but broken extension fails
     pytest.skip("jax_cp's cuDNN extension is not built",
                 allow_module_level=True)

@@ -32,8 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_cp import _jax_cp_cuda
-from jax_cp.attention import cudnn, xla
+from jax_cp.attention import xla
 from jax_cp.attention.backend import Segments
+from jax_cp.attention.cudnn import backend as cudnn
 
 KW = dict(mask="causal_top_left", scale=0.125)
 HQ, HKV, D = 4, 2, 64

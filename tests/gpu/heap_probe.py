@@ -79,7 +79,7 @@ def _worker_steps(backend: str, iters: int) -> dict:
   from jax_cp.attention.backend import Segments
 
   if backend == "cudnn":
-    from jax_cp.attention import cudnn as impl
+    from jax_cp.attention.cudnn import backend as impl
   else:
     from jax_cp.attention import xla as impl
   kw = dict(mask="causal_top_left", scale=0.125)

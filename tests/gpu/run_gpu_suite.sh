@@ -118,7 +118,7 @@ fi
 "$PY" - <<'PYEOF' 2>&1 | tee "$LOG_DIR/environment.log"
 import jax
 print("jax", jax.__version__, jax.devices())
-import jax_cp.attention.cudnn as c
+import jax_cp.attention.cudnn.backend as c
 print("extension", c._jax_cp_cuda.__file__)
 print("build_info", c.build_info())
 PYEOF

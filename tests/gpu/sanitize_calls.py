@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_cp.attention import cudnn, xla
+from jax_cp.attention import xla
 from jax_cp.attention.backend import Segments
+from jax_cp.attention.cudnn import backend as cudnn
 
 
 def _step(name: str) -> None:

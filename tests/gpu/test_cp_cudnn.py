@@ -33,7 +33,7 @@ def _rows(rng, cp, strategy, kind):
 def test_cp_attention_cudnn_matches_reference(cp, strategy, kind,
                                               record_error):
   gpus = devices(cp, "gpu")
-  pytest.importorskip("jax_cp.attention.cudnn")
+  pytest.importorskip("jax_cp.attention.cudnn.backend")
   rng = np.random.default_rng(cp * 10 + len(kind))
   cu, cuP = _rows(rng, cp, strategy, kind)
   q = jnp.asarray(rng.standard_normal((1, T, HQ, D)), jnp.bfloat16)

@@ -37,7 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jax_cp  # noqa: E402
 from jax_cp import CPLoadBalancingStrategy as S  # noqa: E402
-from jax_cp.attention import cudnn_workspace  # noqa: E402
+from jax_cp.attention.cudnn import workspace as cudnn_workspace  # noqa: E402
 from tests import determinism_step  # noqa: E402
 from tests import reference as ref  # noqa: E402
 from tests.test_ring import ranks_on_one_device  # noqa: E402

@@ -92,7 +92,7 @@ def test_cp_groups_are_consecutive_nvlink_neighbours():
 @pytest.mark.parametrize("window", [None, 300])
 @pytest.mark.parametrize("strategy", list(S), ids=lambda s: s.value)
 def test_dp_cp_attention_matches_reference(strategy, window):
-  pytest.importorskip("jax_cp.attention.cudnn")
+  pytest.importorskip("jax_cp.attention.cudnn.backend")
   check_dp_cp_attention(_mesh(), strategy, window, "cudnn", TOL)
 
 

@@ -1,7 +1,7 @@
 """GPU test: the cuDNN backward over K/V slices (marker gpu).
 
 A scratch bound so small that every backward runs one sub-call per KV
-head and, each, over K/V slices (jax_cp.attention.kv_slices): per slice a
+head and, each, over K/V slices (jax_cp.attention.cudnn.kv_slices): per slice a
 bottom-right call over the causal parts and an unmasked call over the
 rest. Its gradients against the same backward as one call (no bound) and
 against the xla backend in float32, on layouts with Tq != Tkv, rows
@@ -20,7 +20,7 @@ from tests.gpu._requires import cudnn_backend_or_skip
 
 cudnn_backend_or_skip()
 
-from jax_cp.attention import cudnn_workspace  # noqa: E402
+from jax_cp.attention.cudnn import workspace as cudnn_workspace  # noqa: E402
 from jax_cp.attention.registry import resolve_backend  # noqa: E402
 from tests.gpu.test_cudnn_backend import (  # noqa: E402
     make_layout,
@@ -44,8 +44,9 @@ def test_sliced_backward_matches_one_call(monkeypatch, kind, mask):
 
   def grads(limit):
     monkeypatch.setenv(cudnn_workspace.SCRATCH_LIMIT_ENV, limit)
+    cudnn = resolve_backend("cudnn")   # reads the scratch bound
     return [np.asarray(x, np.float32) for x in jax.jit(
-        lambda *a: CUDNN.backward(*a, seg, mask=mask, scale=0.1))(
+        lambda *a: cudnn.backward(*a, seg, mask=mask, scale=0.1))(
             q, k, v, out, lse, do)]
 
   sliced, whole = grads("1e-9"), grads("inf")

@@ -15,7 +15,7 @@ off: ``JAX_CP_CUDNN_BWD_SCRATCH_GIB=inf``), so that they test its
 addressing at the full size; :func:`test_head_group_split_past_the_limit`
 runs the default, where a backward with more than 4 GiB of cuDNN workspace
 is split over GQA head groups (jax_cp.attention.head_groups) and, past it
-still, over K/V slices (jax_cp.attention.kv_slices).
+still, over K/V slices (jax_cp.attention.cudnn.kv_slices).
 """
 
 import fcntl
@@ -28,7 +28,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-from jax_cp.attention.cudnn_workspace import SCRATCH_LIMIT_ENV
+from jax_cp.attention.cudnn.workspace import SCRATCH_LIMIT_ENV
 from tests.gpu._requires import cudnn_backend_or_skip, gpu_memory_or_skip
 
 cudnn_backend_or_skip()
@@ -160,7 +160,7 @@ def test_head_group_split_past_the_limit():
   Tkv, and a CP-shaped call with 2M tokens of K/V, 2^31 elements (73 GB of
   workspace in one call, which does not fit beside its inputs; 9.1 GB in
   each of 8 head groups, still past the limit, so each runs over 3 K/V
-  slices, jax_cp.attention.kv_slices: a bottom-right and an unmasked call
+  slices, jax_cp.attention.cudnn.kv_slices: a bottom-right and an unmasked call
   per slice)."""
   cases = [
       _case("split mixed 2^30", "mixed", 262144, 32, 8, 128),

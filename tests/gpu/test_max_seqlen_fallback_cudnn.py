@@ -36,7 +36,7 @@ BEYOND = _metadata([128, 1280, 256, 256, 128, 0, 0, 0, 0],
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_fallback_on_cudnn_matches_reference(cp, strategy, record_error):
   gpus = devices(cp, "gpu")
-  pytest.importorskip("jax_cp.attention.cudnn")
+  pytest.importorskip("jax_cp.attention.cudnn.backend")
   assert np.diff(WITHIN[1]).max() <= BOUND < np.diff(BEYOND[1]).max()
   rng = np.random.default_rng(cp)
   mk = lambda h, dt=jnp.bfloat16: jnp.asarray(

@@ -12,7 +12,7 @@ from tests.gpu._requires import cudnn_backend_or_skip
 
 cudnn_backend = cudnn_backend_or_skip()
 
-from jax_cp.attention.merge import merge_rows_jnp
+from jax_cp.attention.decompose.merge import merge_rows_jnp
 
 
 def _reference(dst, src, off, op):

@@ -26,8 +26,8 @@ from tests.gpu._requires import cudnn_backend_or_skip
 cudnn_backend_or_skip()
 
 import jax_cp  # noqa: E402
-from jax_cp.attention import cudnn_workspace  # noqa: E402
 from jax_cp.attention.backend import Segments  # noqa: E402
+from jax_cp.attention.cudnn import workspace as cudnn_workspace  # noqa: E402
 from jax_cp.attention.registry import resolve_backend  # noqa: E402
 from tests import reference as ref  # noqa: E402
 from tests.gpu.test_cudnn_backend import Layout, make_layout, random_inputs  # noqa: E402
@@ -41,6 +41,7 @@ def _calls(layout, mask, seg=None):
   (default: the layout's segments), then, unless ``seg`` is given, two
   forwards the second writing into the first, and two backwards the
   second writing its dq into the first's."""
+  CUDNN = resolve_backend("cudnn")  # noqa: N806  (reads the scratch bound)
   tiled = seg is not None
   seg = layout.segments() if seg is None else seg
   pick = np.arange(layout.q_lens.shape[0]) % 2 == 1

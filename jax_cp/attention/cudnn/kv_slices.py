@@ -1,7 +1,7 @@
 """A backward in sub-calls over ranges of the K/V rows.
 
 The cuDNN backward keeps float32 dK and dV at the query heads (GQA), sized
-by the call's K/V rows (:mod:`jax_cp.attention.cudnn_workspace`). Under an
+by the call's K/V rows (:mod:`jax_cp.attention.cudnn.workspace`). Under an
 all-gather exchange those rows are the whole row, so past some length even
 one KV head's sub-call (:mod:`jax_cp.attention.head_groups`) needs more
 scratch than the bound. This module splits such a backward over ``n``

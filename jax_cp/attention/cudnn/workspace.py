@@ -43,15 +43,16 @@ heads and the softmax sums stay (``backward_workspace(...,
 deterministic=True)``).
 
 Every buffer is proportional to the call's query heads, so the backend
-bounds it by running a backward whose workspace exceeds
-:func:`backward_scratch_limit` (4 GiB unless ``JAX_CP_CUDNN_BWD_SCRATCH_GIB``
-says otherwise) as sub-calls over whole GQA head groups, one after another
-(:mod:`jax_cp.attention.head_groups`); :func:`backward_head_groups` says how
-many. At 1M tokens with Hq = 32, Hkv = 8, D = 64 the workspace is 25.9 GB
+bounds it by running a backward whose workspace exceeds its scratch
+bound (:func:`backward_scratch_limit`: 4 GiB unless
+``JAX_CP_CUDNN_BWD_SCRATCH_GIB`` says otherwise, read where the backend is
+resolved) as sub-calls over whole GQA head groups, one after another
+(:mod:`jax_cp.attention.cudnn.split`); :func:`backward_head_groups` says
+how many. At 1M tokens with Hq = 32, Hkv = 8, D = 64 the workspace is 25.9 GB
 in one call and 3.2 GB in each of 8. Where even one KV head's sub-call
 exceeds the bound (its K/V rows are a whole long row, as under an
 all-gather at large cp), each sub-call runs over ranges of its K/V rows
-(:mod:`jax_cp.attention.kv_slices`), which shrink dK/dV at the query
+(:mod:`jax_cp.attention.cudnn.kv_slices`), which shrink dK/dV at the query
 heads; :func:`backward_split` says how many of both. In the deterministic
 mode the slices also shrink the dP buffer (its ``s_kv``); where no split
 fits, :func:`backward_split` raises ``ValueError`` naming the sizes.
@@ -62,7 +63,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable
+
+from jax_cp.attention.head_groups import fewest_groups
 
 _F32 = 4
 
@@ -222,8 +224,12 @@ SCRATCH_LIMIT_ENV = "JAX_CP_CUDNN_BWD_SCRATCH_GIB"
 def backward_scratch_limit(environ=None) -> float:
   """The bound, in bytes, on the workspace of one backward sub-call:
   ``JAX_CP_CUDNN_BWD_SCRATCH_GIB`` GiB when set (``inf``: no bound), else
-  :data:`DEFAULT_BACKWARD_SCRATCH_LIMIT`. Read when a backward is traced,
-  so it applies to programs traced after it is set.
+  :data:`DEFAULT_BACKWARD_SCRATCH_LIMIT`. The cudnn backend reads it
+  where it is resolved (:func:`jax_cp.attention.registry.
+  resolve_backend`), never while a call is traced: the bound is then the
+  resolved backend's ``scratch_limit``, part of its identity, and applies
+  to the backends resolved after the variable is set. The formulas below
+  read it when called without a ``limit``.
 
   Raises:
     ValueError: the variable is not a positive number or ``inf``.
@@ -240,16 +246,6 @@ def backward_scratch_limit(environ=None) -> float:
     raise ValueError(f"{SCRATCH_LIMIT_ENV}={text!r} must be a positive "
                      f"number of GiB or 'inf'")
   return gib * 2**30
-
-
-def fewest_groups(heads_kv: int, fits: Callable[[int], bool]) -> int:
-  """The smallest divisor ``n`` of ``heads_kv`` with ``fits(n)``, or
-  ``heads_kv`` (one KV head per sub-call, the finest split) when none
-  does."""
-  for n in range(1, heads_kv + 1):
-    if heads_kv % n == 0 and fits(n):
-      return n
-  return heads_kv
 
 
 def backward_head_groups(tokens_q: int, tokens_kv: int, heads_q: int,
@@ -277,7 +273,7 @@ def backward_kv_slices(tokens_q: int, tokens_kv: int, heads_q: int,
                        heads_kv: int, head_dim: int, *,
                        limit: float | None = None, **kwargs) -> int:
   """How many ranges of its K/V rows a backward sub-call of these heads
-  runs as (:mod:`jax_cp.attention.kv_slices`): 1 when its workspace fits
+  runs as (:mod:`jax_cp.attention.cudnn.kv_slices`): 1 when its workspace fits
   ``limit`` bytes (default :func:`backward_scratch_limit`), else the fewest
   whose slice's workspace fits, at most :data:`MAX_KV_SLICES`. Slices
   shrink dK/dV at the query heads only; where the buffers sized by the

@@ -6,7 +6,7 @@ chunk's queries are the window's last tokens. A document that starts inside
 the chunk sees only keys of the chunk, as many as its queries: top-left
 causal. The one document per row that starts before the chunk straddles
 its start, and runs as NO_LOAD_BALANCE runs its straddling document
-(:mod:`jax_cp.attention.straddle`):
+(:mod:`jax_cp.attention.decompose.straddle`):
 
 * the **chunk call**: every document's queries against its keys in the
   chunk, top-left causal (with the window's band, if any), on the chunk's
@@ -30,9 +30,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_cp.attention import padding, straddle
+from jax_cp.attention import padding
 from jax_cp.attention.api import window_kwargs
 from jax_cp.attention.backend import Segments, packed, row_segments
+from jax_cp.attention.decompose import straddle
 
 
 class Spec(NamedTuple):

@@ -31,7 +31,7 @@ them into the chunk call's by log-sum-exp. Backward: given the merged
 read. Rows of the call that are not the straddling document's count
 nothing: in a rectangle no segment covers them; reversed, the forward's
 merge drops them and the backward gives them zero out and dO and an lse
-that makes every probability 0 (:data:`jax_cp.attention.merge.
+that makes every probability 0 (:data:`jax_cp.attention.decompose.merge.
 NO_WEIGHT_LSE`).
 """
 
@@ -48,7 +48,7 @@ from jax_cp.attention.backend import (
   packed,
   row_segments,
 )
-from jax_cp.attention.merge import (
+from jax_cp.attention.decompose.merge import (
   NO_WEIGHT_LSE,
   merge_softmax_rows,
   reversed_prefix,
@@ -148,7 +148,8 @@ def forward(backend: AttentionBackend, call: HaloCall, q, k, v, *,
 def merge(out, lse, part_out, part_lse, call: HaloCall, merge_rows):
   """The chunk call's ``out [B, Tq, ..]`` and ``lse`` with the halo call's
   rows (:func:`forward`) merged in by log-sum-exp on the straddling
-  document's rows (:func:`jax_cp.attention.merge.merge_softmax_rows`)."""
+  document's rows (:func:`jax_cp.attention.decompose.merge.
+  merge_softmax_rows`)."""
   n = part_out.shape[1]
   valid = jnp.arange(n)[None, :] < call.doc_rows[:, None]
   return merge_softmax_rows(out, lse, part_out, part_lse, valid, merge_rows)

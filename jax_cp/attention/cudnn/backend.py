@@ -2,7 +2,7 @@
 
 Importing this module loads the compiled extension ``jax_cp._jax_cp_cuda``
 and registers its FFI targets (SDPA forward and backward and the in-place
-row merge of :mod:`jax_cp.attention.merge`) for the CUDA platform;
+row merge of :mod:`jax_cp.attention.decompose.merge`) for the CUDA platform;
 :data:`BACKEND` is the backend :mod:`jax_cp.attention.registry` lists.
 Without the extension the import fails (the registry checks that it exists
 before importing this module, and explains how to build it).
@@ -63,7 +63,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_cp._jax_cp_cuda as _jax_cp_cuda  # ModuleNotFoundError when absent
-from jax_cp.attention import cudnn_workspace, head_groups
 from jax_cp.attention.backend import (
   MASK_TYPES,
   Backend,
@@ -71,13 +70,15 @@ from jax_cp.attention.backend import (
   poisoned,
   row_tiling,
   tiling_applies,
+  with_scratch_limit,
 )
-from jax_cp.attention.mask import AttentionMask
-from jax_cp.attention.merge import (
+from jax_cp.attention.cudnn import split, workspace
+from jax_cp.attention.decompose.merge import (
   NO_WEIGHT_LSE,
   check_merge_rows,
   merge_rows_jnp,
 )
+from jax_cp.attention.mask import AttentionMask
 
 # The C++/Python contract comes from the extension (csrc/ffi_targets.h).
 #: FFI target names by role, as the extension registers them.
@@ -194,7 +195,7 @@ def _dq_accumulator_rows(q_shape, segments: int, max_q: int) -> int:
   or the segment slots ``S * max_seqlen_q`` where the frontend ignores the
   packed totals (a head dim that is not a multiple of 16)."""
   tq, hq, d = (int(n) for n in q_shape)
-  ws = cudnn_workspace.backward_workspace(tq, tq, hq, hq, d,
+  ws = workspace.backward_workspace(tq, tq, hq, hq, d,
                                           segments=segments,
                                           max_seqlen_q=max_q)
   return ws.dq_accum // (4 * hq * d)
@@ -357,7 +358,7 @@ GRAPH_SEQLEN_MULTIPLE = 128
 def _exact_backward_bounds(q_shape, v_shape, tiled: bool) -> bool:
   """Whether a backward keeps its segments' bounds as the graph's ``s``
   dims: tiled, or its buffers sized by the segment slots."""
-  return tiled or not cudnn_workspace.honours_packed_totals(
+  return tiled or not workspace.honours_packed_totals(
       int(q_shape[-1]), int(v_shape[-1]))
 
 
@@ -580,7 +581,8 @@ def _forward(q, k, v, seg: Segments, *, mask: str, scale: float,
 
 def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
              scale: float, window_left: int = -1, dq_into=None,
-             deterministic: bool = False):
+             deterministic: bool = False,
+             scratch_limit: float = workspace.DEFAULT_BACKWARD_SCRATCH_LIMIT):
   """Gradients ``(dq, dk, dv)`` of ``sum(out * dout)``, in q/k/v's dtype.
 
   With ``dq_into`` the custom call writes the covered rows of that buffer
@@ -589,13 +591,12 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
   ``window_left >= 0``: cuDNN's diagonal band (a sliding window).
 
   A call whose cuDNN workspace (float32 buffers in proportion to its query
-  heads, :mod:`jax_cp.attention.cudnn_workspace`) would exceed
-  :func:`~jax_cp.attention.cudnn_workspace.backward_scratch_limit` runs as
-  sub-calls over whole GQA head groups, one after another
-  (:mod:`jax_cp.attention.head_groups`), and where one KV head's still
-  would, each over ranges of its K/V rows
-  (:mod:`jax_cp.attention.kv_slices`); the results are the same (dq up to
-  the float32 sum of the slices' shares).
+  heads, :mod:`jax_cp.attention.cudnn.workspace`) would exceed
+  ``scratch_limit`` bytes (the resolved backend's ``scratch_limit``:
+  :func:`_configure`) runs as sub-calls over whole GQA head
+  groups, one after another, and where one KV head's still would, each
+  over ranges of its K/V rows (:mod:`jax_cp.attention.cudnn.split`); the
+  results are the same (dq up to the float32 sum of the slices' shares).
 
   ``deterministic``: every custom call runs cuDNN's deterministic
   algorithm (attribute ``deterministic = 1``), whose dP buffer the split
@@ -608,12 +609,14 @@ def backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
   return _tiled_or_ragged(
       lambda s, m: _backward(q, k, v, out, lse, dout, s, mask=m, scale=scale,
                              window_left=window_left, dq_into=dq_into,
-                             deterministic=deterministic),
+                             deterministic=deterministic,
+                             scratch_limit=scratch_limit),
       seg, mask, q.shape, k.shape, window_left, dq_into is not None)
 
 
 def _backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
-              scale: float, window_left: int, dq_into, deterministic: bool):
+              scale: float, window_left: int, dq_into, deterministic: bool,
+              scratch_limit: float):
   """:func:`backward` of one graph: tiled where ``seg.tiled``."""
   _check_call(q, k, v, seg, mask)
   check_window(window_left, mask)
@@ -631,30 +634,30 @@ def _backward(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
   tiled = seg.tiled and dq_into is None
   segments = seg.q_lens.shape[0]
   if deterministic and tiled and window_left < 0 and not _fits_unsliced(
-      q.shape, v.shape, segments, max_q, max_kv):
+      q.shape, v.shape, segments, max_q, max_kv, scratch_limit):
     tiled = False  # The ragged graph can be cut into K/V slices.
   exact = _exact_backward_bounds(q.shape, v.shape, tiled)
   graph_q = graph_seqlen(max_q, q.shape[0], exact)
   check_backward_workspace(q.shape, segments, graph_q, tiled)
   seg = dataclasses.replace(seg, max_seqlen_q=max_q, max_seqlen_kv=max_kv,
                             tiled=tiled)
-  return head_groups.backward_within_scratch_limit(
+  return split.backward_within_scratch_limit(
       _backward_call, q, k, v, out, lse, dout, seg, max_seqlen_q=graph_q,
       mask=mask, scale=scale, window_left=window_left, dq_into=dq_into,
-      deterministic=deterministic,
+      deterministic=deterministic, scratch_limit=scratch_limit,
       max_seqlen_kv=graph_seqlen(max_kv, k.shape[0], exact))
 
 
 def _fits_unsliced(q_shape, v_shape, segments: int, max_q: int,
-                   max_kv: int) -> bool:
+                   max_kv: int, scratch_limit: float) -> bool:
   """Whether a tiled deterministic backward fits the scratch bound in
   head groups alone (a tiled graph is not cut into K/V slices)."""
   try:
-    cudnn_workspace.backward_split(
+    workspace.backward_split(
         int(q_shape[0]), int(v_shape[0]), int(q_shape[1]), int(v_shape[1]),
         int(q_shape[2]), head_dim_v=int(v_shape[2]), segments=segments,
         max_seqlen_q=max_q, max_seqlen_kv=max_kv, kv_slices=False,
-        deterministic=True)
+        deterministic=True, limit=scratch_limit)
   except ValueError:
     return False
   return True
@@ -662,12 +665,14 @@ def _fits_unsliced(q_shape, v_shape, segments: int, max_q: int,
 
 def deterministic_backward(q, k, v, out, lse, dout, seg: Segments, *,
                            mask: str, scale: float, window_left: int = -1,
-                           dq_into=None):
+                           dq_into=None,
+                           scratch_limit: float =
+                           workspace.DEFAULT_BACKWARD_SCRATCH_LIMIT):
   """:func:`backward` in the deterministic mode (``deterministic=True``):
   the backend's ``deterministic_backward``."""
   return backward(q, k, v, out, lse, dout, seg, mask=mask, scale=scale,
                   window_left=window_left, dq_into=dq_into,
-                  deterministic=True)
+                  deterministic=True, scratch_limit=scratch_limit)
 
 
 def _backward_call(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
@@ -710,7 +715,7 @@ def _backward_call(q, k, v, out, lse, dout, seg: Segments, *, mask: str,
 
 
 def merge_rows(dst, src, row_offset: int, op: str = "add"):
-  """In-place ``merge_rows`` (see :mod:`jax_cp.attention.merge`): one
+  """In-place ``merge_rows`` (see :mod:`jax_cp.attention.decompose.merge`): one
   kernel over ``src``'s elements on ``dst``'s (aliased) buffer; XLA copies
   ``dst`` first only if it is still used elsewhere. Other dtypes than
   float32/bfloat16/float16 take the ``jnp`` version."""
@@ -733,9 +738,20 @@ def _is_available(platform: str) -> bool:
 for _name, _capsule in _jax_cp_cuda.registrations().items():
   jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
 
+def _configure(backend: Backend) -> Backend:
+  """The backend's ``configure``: its scratch bound from
+  ``JAX_CP_CUDNN_BWD_SCRATCH_GIB``
+  (:func:`~jax_cp.attention.cudnn.workspace.backward_scratch_limit`),
+  read once per resolution."""
+  return with_scratch_limit(backend, workspace.backward_scratch_limit())
+
+
 BACKEND = Backend(name="cudnn", forward=forward, backward=backward,
                   forward_out=forward_out,
                   is_available=_is_available, merge_rows=merge_rows,
                   supports_in_place=True, split_bottom_right_backward=True,
                   dtypes=SUPPORTED_DTYPES, handles_poison=True,
-                  deterministic_backward=deterministic_backward)
+                  deterministic_backward=deterministic_backward,
+                  scratch_limit=float(
+                      workspace.DEFAULT_BACKWARD_SCRATCH_LIMIT),
+                  configure=_configure)
