@@ -29,10 +29,8 @@ from jax_cp.attention.validation import (
 from jax_cp.cp import guard, validation
 from jax_cp.cp.exchange import KVExchange, choose_exchange
 from jax_cp.cp.layout import CPLayout
+from jax_cp.cp.strategies import strategy_for
 from jax_cp.cp.strategy import CPLoadBalancingStrategy
-
-_DCS = CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
-_NLB = CPLoadBalancingStrategy.NO_LOAD_BALANCE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,8 +140,7 @@ def make_config(layout: CPLayout, q, k, v, cu_seqlens, cu_seqlens_padded,
   validation.check_divisible_tokens(total_tokens, cp_size)
   validation.check_cu_seqlens_padded(cu_seqlens_padded, total_tokens)
   validation.check_cu_seqlens(cu_seqlens, cu_seqlens_padded)
-  if strategy is _DCS and cp_size > 1:
-    validation.check_dual_chunk_divisible(cu_seqlens_padded, cp_size)
+  strategy_for(strategy).check_padded_lengths(cu_seqlens_padded, cp_size)
   bound = validation.check_max_seqlen(layout.max_seqlen, cu_seqlens_padded,
                                       total_tokens, cu_seqlens, strategy,
                                       cp_size)
@@ -159,10 +156,9 @@ def make_config(layout: CPLayout, q, k, v, cu_seqlens, cu_seqlens_padded,
 
   def config(w: int) -> CPConfig:
     """The layout for the bound ``w``."""
-    left = window_left
-    if strategy is _DCS and left >= w - 1:
-      left = -1    # no document is longer than the window: plain causal
-    exchange = choose_exchange(strategy is _NLB, layout.cp_axis, cp_size,
+    left = strategy_for(strategy).window_within_bound(window_left, w)
+    exchange = choose_exchange(strategy_for(strategy).contiguous_chunks,
+                               layout.cp_axis, cp_size,
                                total_tokens, w, window_left=left,
                                comm_type=layout.comm_type,
                                deterministic=deterministic)
