@@ -33,7 +33,7 @@ the row metadata ``[B, N+1]`` (valid and padded document boundaries),
 
 from __future__ import annotations
 
-from jax_cp.cp.calls import RowsCall, whole_row_plan
+from jax_cp.cp.calls import RowsCall, ring_call, whole_row_plan
 from jax_cp.cp.strategies import strategy_for
 from jax_cp.cp.strategies.dual_chunk_swap import CompactCalls
 from jax_cp.cp.strategies.no_load_balance import HaloCall
@@ -60,13 +60,17 @@ def backward_plan(cfg, cu_seqlens, cu_seqlens_padded, rank) -> list:
 
 def ring_plan(cfg, cu_seqlens, cu_seqlens_padded, rank, step: int
               ) -> RowsCall:
-  """The call of ring step ``step`` (the strategy's ``ring_step``): this
-  rank's Q rows against the K/V chunk it holds then (the local chunk at
-  step 0), the same call in the forward and the backward."""
+  """The call of ring step ``step`` (the strategy's ``ring_step`` and
+  ``ring_bound``): this rank's Q rows against the K/V chunk it holds then
+  (the local chunk at step 0), the same call in the forward and the
+  backward."""
   # A window keeps the halo exchange (exchange.choose_exchange).
   assert cfg.exchange.kind == "ring" and cfg.window_left < 0, cfg
-  return strategy_for(cfg.strategy).ring_plan(cfg, cu_seqlens,
-                                              cu_seqlens_padded, rank, step)
+  strategy = strategy_for(cfg.strategy)
+  meta, mask = strategy.ring_step(cu_seqlens, cu_seqlens_padded, cfg.cp_size,
+                                  rank, step, causal=cfg.causal,
+                                  total_tokens=cfg.total_tokens)
+  return ring_call(cfg, meta, mask, strategy.ring_bound(cfg, step), step)
 
 
 __all__ = ("CompactCalls", "HaloCall", "RowsCall", "backward_plan",

@@ -21,7 +21,6 @@ import abc
 
 import jax.numpy as jnp
 
-from jax_cp.cp.calls import RowsCall, ring_call
 from jax_cp.cp.metadata import StepMetadata
 from jax_cp.cp.strategy import CPLoadBalancingStrategy
 
@@ -162,13 +161,5 @@ class Strategy(abc.ABC):
 
   @abc.abstractmethod
   def ring_bound(self, cfg, step: int) -> int:
-    """The static bound on either side of a ring step's segments."""
-
-  def ring_plan(self, cfg, cu_seqlens, cu_seqlens_padded, rank, step: int
-                ) -> RowsCall:
-    """The call of ring step ``step`` (:meth:`ring_step`), the same in
-    the forward and the backward."""
-    meta, mask = self.ring_step(cu_seqlens, cu_seqlens_padded, cfg.cp_size,
-                                rank, step, causal=cfg.causal,
-                                total_tokens=cfg.total_tokens)
-    return ring_call(cfg, meta, mask, self.ring_bound(cfg, step), step)
+    """The static bound on either side of a ring step's segments
+    (:func:`jax_cp.cp.call_plan.ring_plan` runs the step's call)."""
