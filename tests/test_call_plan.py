@@ -11,8 +11,11 @@ import pytest
 from jax_cp.attention.registry import resolve_backend
 from jax_cp.cp import call_plan, metadata, validation
 from jax_cp.cp.call_plan import HaloCall, RowsCall
+from jax_cp.cp.calls import merge_blocks
 from jax_cp.cp.config import CPConfig
 from jax_cp.cp.exchange import choose_exchange
+from jax_cp.cp.strategies import dual_chunk_swap as dcs
+from jax_cp.cp.strategies import no_load_balance
 from jax_cp.cp.strategy import CPLoadBalancingStrategy as S
 from tests.inplace_backend import make_backend
 from tests.split_backend import SPLIT_XLA
@@ -130,7 +133,7 @@ def test_dual_chunk_swap_plan_and_backward_split():
   (fwd,) = call_plan.forward_plan(cfg, CU, CU_P, 0)
   assert isinstance(fwd, RowsCall)
   assert fwd.mask == "causal_bottom_right" and fwd.exchanged
-  steps = [metadata.dual_chunk_swap_step(CU, CU_P, CP, 0, s) for s in (0, 1)]
+  steps = [dcs.dual_chunk_swap_step(CU, CU_P, CP, 0, s) for s in (0, 1)]
   assert segment_tuples(fwd.segments) == meta_tuples(*steps)
   # c = ceil(24 / 8), W
   assert (fwd.segments.max_seqlen_q, fwd.segments.max_seqlen_kv) == (3, 24)
@@ -157,10 +160,10 @@ def test_dual_chunk_swap_plan_and_backward_split():
 
 def test_merge_blocks_refuses_blocks_it_cannot_merge():
   cfg = config(S.NO_LOAD_BALANCE, w=24)
-  local, straddling = call_plan._unwindowed_blocks(cfg, CU, CU_P, 2)
+  local, straddling = no_load_balance.step_blocks(cfg, CU, CU_P, 2)
   with pytest.raises(ValueError, match="cannot merge"):
-    call_plan.merge_blocks([local, straddling])
-  assert call_plan.merge_blocks([local]) is local
+    merge_blocks([local, straddling])
+  assert merge_blocks([local]) is local
 
 
 def test_calls_write_into_earlier_calls_on_in_place_backends():
@@ -226,7 +229,7 @@ def test_no_load_balance_window_backward_has_no_bottom_right_call(
   tokens) reaches 8 rows into it from 16 tokens before the chunk."""
   cfg = config(S.NO_LOAD_BALANCE, w=T, left=left)
   assert cfg.exchange.kind == kind
-  assert call_plan.rows_before_chunk(cfg) == halo
+  assert no_load_balance.rows_before_chunk(cfg) == halo
   fwd = call_plan.forward_plan(cfg, CU, CU_P, 2)
   bwd = call_plan.backward_plan(cfg, CU, CU_P, 2)
   unwindowed_local = call_plan.forward_plan(
@@ -270,7 +273,7 @@ def test_windowed_halo_call_is_unmasked_when_every_row_sees_the_halo():
   rank 2); the document reaches into them from its start at 16 on, so all
   11 are its keys, seen by its 8 rows."""
   cfg = config(S.NO_LOAD_BALANCE, w=12, left=30)
-  assert call_plan.rows_before_chunk(cfg) == 11
+  assert no_load_balance.rows_before_chunk(cfg) == 11
   hc = call_plan.backward_plan(cfg, CU, CU_P, 2)[0]
   assert isinstance(hc, HaloCall) and hc.before_chunk is None
   assert hc.call.mask == "no_mask" and not hc.call.reversed

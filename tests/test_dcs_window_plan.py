@@ -18,6 +18,8 @@ from jax_cp.attention.backend import Segments
 from jax_cp.cp import call_plan, metadata
 from jax_cp.cp.call_plan import CompactCalls, RowsCall
 from jax_cp.cp.config import make_config
+from jax_cp.cp.strategies import dual_chunk_swap as dcs
+from jax_cp.cp.strategies import dual_chunk_window as dcw
 from jax_cp.data import get_partition_indices
 from jax_cp.planning import recommend_strategy
 from tests import test_inplace_planner as planner
@@ -48,7 +50,7 @@ def _split_pairs(q, kv, q_off, kv_off, left, tq, tkv):
   meta = metadata.StepMetadata(one(q), one(q_off), one(kv), one(kv_off))
   want = _pairs(q, kv, q_off, kv_off, "causal_bottom_right", tq, tkv, left)
   d, n, f = (metadata.StepMetadata(*(int(np.asarray(x)[0, 0]) for x in m))
-             for m in metadata.split_windowed_block(meta, left, tq, tkv))
+             for m in dcw.split_windowed_block(meta, left, tq, tkv))
   seg = lambda m: (m.q_lens, m.kv_lens, m.q_offsets, m.kv_offsets)
   diag = _pairs(*seg(d), "causal_top_left", tq, tkv, left)
   near = _pairs(*seg(n), "no_mask", tq, tkv)
@@ -81,7 +83,7 @@ def test_split_covers_the_band_exactly(left):
 def test_split_of_an_empty_block_has_no_work():
   zero = jnp.zeros((1, 2), jnp.int32)
   meta = metadata.StepMetadata(zero, zero, jnp.full((1, 2), 7), zero + 4)
-  for part in metadata.split_windowed_block(meta, 5, 16, 32):
+  for part in dcw.split_windowed_block(meta, 5, 16, 32):
     np.testing.assert_array_equal(part.q_lens, 0)
     np.testing.assert_array_equal(part.kv_lens, 0)
 
@@ -300,16 +302,16 @@ def _compact_pairs(cp, rank, left, cu, cuP):
   near and far through the compact buffers' index maps), and the pairs the
   window holds."""
   tl = T // cp
-  steps = tuple(metadata.dual_chunk_swap_step(cu, cuP, cp, rank, s)
+  steps = tuple(dcs.dual_chunk_swap_step(cu, cuP, cp, rank, s)
                 for s in (0, 1))
   c = T // (2 * cp)
-  sq, skv = metadata.window_compaction_sizes(cu.shape[-1] - 1, cp, left, c,
+  sq, skv = dcw.window_compaction_sizes(cu.shape[-1] - 1, cp, left, c,
                                              tl, T)
-  near, far, rows = metadata.window_compaction(steps, cuP, cp, left, tl, T,
+  near, far, rows = dcw.window_compaction(steps, cuP, cp, left, tl, T,
                                                sq, skv)
   got = np.zeros((tl, T), int)
   for m in steps:
-    d = metadata.split_windowed_block(m, left, tl, T)[0]
+    d = dcw.split_windowed_block(m, left, tl, T)[0]
     for ql, qo, _, ko in zip(*(np.asarray(x)[0] for x in d)):
       for j in range(ql):
         got[qo + j, ko + max(j - left, 0):ko + j + 1] += 1

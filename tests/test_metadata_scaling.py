@@ -1,8 +1,9 @@
 """The windowed DUAL_CHUNK_SWAP metadata
-(jax_cp.cp.metadata.window_compaction) finds each row's document and
-segment by binary search: the same numbers as a broadcast comparison (the
-reference here) on random rows, and no intermediate that grows as tokens
-x documents (the jaxpr's shapes and the compiled temp bytes)."""
+(jax_cp.cp.strategies.dual_chunk_window.window_compaction) finds each
+row's document and segment by binary search: the same numbers as a
+broadcast comparison (the reference here) on random rows, and no
+intermediate that grows as tokens x documents (the jaxpr's shapes and the
+compiled temp bytes)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,8 @@ import numpy as np
 import pytest
 from jax.extend import core as jax_core
 
-from jax_cp.cp import metadata
+from jax_cp.cp.strategies import dual_chunk_swap as dcs
+from jax_cp.cp.strategies import dual_chunk_window as dcw
 
 
 def _count_le_reference(sorted_rows, i):
@@ -44,10 +46,10 @@ def _compaction(cu, cuP, cp, rank, left, static=None):
   t = int(static[0, -1])
   tl, n = t // cp, static.shape[-1] - 1
   c = int(np.max(np.diff(static, axis=-1))) // (2 * cp)
-  sq, skv = metadata.window_compaction_sizes(n, cp, left, c, tl, t)
-  steps = tuple(metadata.dual_chunk_swap_step(cu, cuP, cp, rank, s)
+  sq, skv = dcw.window_compaction_sizes(n, cp, left, c, tl, t)
+  steps = tuple(dcs.dual_chunk_swap_step(cu, cuP, cp, rank, s)
                 for s in (0, 1))
-  return metadata.window_compaction(steps, cuP, cp, left, tl, t, sq, skv)
+  return dcw.window_compaction(steps, cuP, cp, left, tl, t, sq, skv)
 
 
 @pytest.mark.parametrize("cp, left, n, empty", [
@@ -60,7 +62,7 @@ def test_window_compaction_equals_the_broadcast_formula(monkeypatch, cp,
   for rank in range(cp):
     got = jax.tree.leaves(_compaction(cu, cuP, cp, rank, left))
     with monkeypatch.context() as m:
-      m.setattr(metadata, "_count_le", _count_le_reference)
+      m.setattr(dcw, "_count_le", _count_le_reference)
       want = jax.tree.leaves(_compaction(cu, cuP, cp, rank, left))
     assert len(got) == len(want) == 16
     for g, w in zip(got, want):
@@ -92,7 +94,7 @@ def test_no_tokens_by_documents_intermediate():
 
   assert biggest() <= 2 * b * t     # the [2, B, T] index maps at most
   with pytest.MonkeyPatch.context() as m:
-    m.setattr(metadata, "_count_le", _count_le_reference)
+    m.setattr(dcw, "_count_le", _count_le_reference)
     assert biggest() >= b * t * n   # the reference's [B, T, N] comparison
   compiled = jax.jit(fn).lower(cu, cuP, jnp.int32(1)).compile()
   temp = compiled.memory_analysis().temp_size_in_bytes

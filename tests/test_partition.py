@@ -10,7 +10,7 @@ import pytest
 
 from jax_cp import CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
-from jax_cp.cp import metadata
+from jax_cp.cp.strategies import no_load_balance
 from jax_cp.data import (
   get_batch_on_this_cp_rank,
   get_partition_indices,
@@ -47,7 +47,7 @@ def test_published_cases():
   np.testing.assert_array_equal(
       get_partition_indices(np.array([0, 12]),
                             _layout(4, S.NO_LOAD_BALANCE), 2), [6, 7, 8])
-  m = metadata.no_load_balance_step(jnp.array([0, 6, 10]),
+  m = no_load_balance.no_load_balance_step(jnp.array([0, 6, 10]),
                                     jnp.array([0, 8, 12]), 2, 1, 12)
   # The same metadata in cumulative form.
   np.testing.assert_array_equal(np.concatenate([[0], np.cumsum(m.q_lens)]),

@@ -34,23 +34,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_cp.cp.partition import _dcs_physical_index
-
-
-def _gathered_index(cuP, cp_size: int, total_tokens: int, p):
-  """DUAL_CHUNK_SWAP over ``cp_size`` ranks, one row: for physical
-  positions ``p``, the index into the rank-ordered concatenation of the
-  ranks' local buffers (rank ``g // Tl``, local token ``g % Tl``)."""
-  local = total_tokens // cp_size
-  b = jnp.clip(jnp.searchsorted(cuP, p, side="right") - 1, 0,
-               cuP.shape[0] - 2)
-  j = p - cuP[b]
-  c = jnp.maximum((cuP[b + 1] - cuP[b]) // (2 * cp_size), 1)
-  chunk = j // c
-  second = chunk >= cp_size
-  owner = jnp.where(second, 2 * cp_size - 1 - chunk, chunk)
-  t = cuP[b] // cp_size + jnp.where(second, c, 0) + j % c
-  return (owner * local + t).astype(jnp.int32)
+from jax_cp.cp.strategies import strategy_for
+from jax_cp.cp.strategy import CPLoadBalancingStrategy
 
 
 @jax.custom_vjp
@@ -87,8 +72,8 @@ class HeadScatter:
       whole row).
     outer_size: its size ``co`` (``cp = co · ci``).
     total_tokens: T, tokens per row.
-    dual_chunk: the token placement is DUAL_CHUNK_SWAP's (the received
-      rows are reordered); else NO_LOAD_BALANCE's (in order already).
+    strategy: the layout's strategy, whose token placement the received
+      rows are in (reordered unless its chunks are contiguous).
     kv_repeat: each K/V head is sent this many times (fewer K/V heads
       than ranks), else 1.
   """
@@ -98,7 +83,7 @@ class HeadScatter:
   outer_axis: str | None
   outer_size: int
   total_tokens: int
-  dual_chunk: bool
+  strategy: CPLoadBalancingStrategy
   kv_repeat: int = 1
 
   kind = "all_to_all"
@@ -111,8 +96,10 @@ class HeadScatter:
     """``(idx, inv)`` int32 ``[B, T/co]``: the received buffer (the inner
     ranks' chunks one after another) read at ``idx`` is the outer rank's
     buffer in the strategy's placement at ``co`` (the row in sequence
-    order at ``co = 1``); ``inv`` the inverse. None for NO_LOAD_BALANCE."""
-    if not self.dual_chunk:
+    order at ``co = 1``); ``inv`` the inverse. None where the strategy's
+    chunks are contiguous (the received rows are in order)."""
+    st = strategy_for(self.strategy)
+    if st.contiguous_chunks:
       return None
     cp, co, t = self.cp_size, self.outer_size, self.total_tokens
     n, tl = t // co, t // cp
@@ -123,12 +110,14 @@ class HeadScatter:
     def one_row(cuP):
       cuP = cuP.astype(jnp.int32)
       # Physical positions of the outer rank's tokens, in its order.
-      p_outer = pos if co == 1 else _dcs_physical_index(jnp, cuP, co, o, pos)
-      idx = _gathered_index(cuP, cp, t, p_outer) - o * n
+      p_outer = pos if co == 1 else st.physical_index(jnp, cuP, co, o, pos,
+                                                      n)
+      idx = st.gathered_index(cuP, cp, t, p_outer) - o * n
       # Physical positions of the received rows, in their order.
-      p_recv = _dcs_physical_index(jnp, cuP, cp, o * self.size + pos // tl,
-                                   pos % tl)
-      inv = p_recv if co == 1 else _gathered_index(cuP, co, t, p_recv) - o * n
+      p_recv = st.physical_index(jnp, cuP, cp, o * self.size + pos // tl,
+                                 pos % tl, tl)
+      inv = p_recv if co == 1 else st.gathered_index(cuP, co, t,
+                                                     p_recv) - o * n
       return idx, inv
 
     return jax.vmap(one_row)(jnp.asarray(cu_seqlens_padded))

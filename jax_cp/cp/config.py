@@ -30,10 +30,8 @@ from jax_cp.cp import guard, validation
 from jax_cp.cp.all_to_all import HeadScatter
 from jax_cp.cp.exchange import KVExchange, choose_exchange
 from jax_cp.cp.layout import CPLayout
+from jax_cp.cp.strategies import strategy_for
 from jax_cp.cp.strategy import CPLoadBalancingStrategy
-
-_DCS = CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
-_NLB = CPLoadBalancingStrategy.NO_LOAD_BALANCE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,8 +188,7 @@ def make_config(layout: CPLayout, q, k, v, cu_seqlens, cu_seqlens_padded,
   validation.check_divisible_tokens(total_tokens, cp_size)
   validation.check_cu_seqlens_padded(cu_seqlens_padded, total_tokens)
   validation.check_cu_seqlens(cu_seqlens, cu_seqlens_padded)
-  if strategy is _DCS and cp_size > 1:
-    validation.check_dual_chunk_divisible(cu_seqlens_padded, cp_size)
+  strategy_for(strategy).check_padded_lengths(cu_seqlens_padded, cp_size)
   bound = validation.check_max_seqlen(layout.max_seqlen, cu_seqlens_padded,
                                       total_tokens, cu_seqlens, strategy,
                                       cp_size)
@@ -207,10 +204,9 @@ def make_config(layout: CPLayout, q, k, v, cu_seqlens, cu_seqlens_padded,
 
   def config(w: int) -> CPConfig:
     """The layout for the bound ``w``."""
-    left = window_left
-    if strategy is _DCS and left >= w - 1:
-      left = -1    # no document is longer than the window: plain causal
-    exchange = choose_exchange(strategy is _NLB, outer_axis, outer,
+    left = strategy_for(strategy).window_within_bound(window_left, w)
+    exchange = choose_exchange(strategy_for(strategy).contiguous_chunks,
+                               outer_axis, outer,
                                total_tokens, w, window_left=left,
                                comm_type=comm,
                                deterministic=deterministic)
@@ -241,7 +237,7 @@ def make_config(layout: CPLayout, q, k, v, cu_seqlens, cu_seqlens_padded,
   exchange = HeadScatter(
       axis=inner_axis, size=scatter_size, outer_axis=outer_axis,
       outer_size=outer, total_tokens=total_tokens,
-      dual_chunk=strategy is _DCS, kv_repeat=kv_repeat)
+      strategy=strategy, kv_repeat=kv_repeat)
   return dataclasses.replace(cfg, cp_axis=layout.cp_axis, cp_size=cp_size,
                              exchange=exchange, inner=cfg, bound_check=None,
                              unbounded=None, keep_gathered_kv=False)

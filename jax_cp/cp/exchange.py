@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_cp.attention.decompose.merge import add, merge_rows_jnp
-from jax_cp.cp import partition
+from jax_cp.cp.strategies import dual_chunk_swap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +147,7 @@ class KVExchange:
     kv = jnp.concatenate([k, v], axis=2)
     kv = self._all_gather(kv)
     if self.restore_dual_chunk:
-      idx = partition.gathered_to_sequence_index(
+      idx = dual_chunk_swap.gathered_to_sequence_index(
           cu_seqlens_padded, self.cp_size, self.total_tokens)
       kv = jnp.take_along_axis(kv, idx[:, :, None, None], axis=1)
     return kv[:, :, :hk], kv[:, :, hk:]
@@ -196,7 +196,7 @@ class KVExchange:
     if self.kind == "all_gather":
       dkv = jnp.concatenate([dk, dv], axis=2)
       if self.restore_dual_chunk:
-        pos = partition.sequence_to_gathered_index(
+        pos = dual_chunk_swap.sequence_to_gathered_index(
             cu_seqlens_padded, self.cp_size, self.total_tokens)
         dkv = jnp.take_along_axis(dkv, pos[:, :, None, None], axis=1)
       dkv = self._reduce_scatter(dkv)
@@ -221,7 +221,7 @@ class KVExchange:
     return out_k, out_v
 
 
-def choose_exchange(strategy_is_nlb: bool, cp_axis, cp_size: int,
+def choose_exchange(contiguous_chunks: bool, cp_axis, cp_size: int,
                     total_tokens: int, max_seqlen: int | None,
                     window_left: int = -1,
                     comm_type: str = "all_gather",
@@ -254,14 +254,14 @@ def choose_exchange(strategy_is_nlb: bool, cp_axis, cp_size: int,
   ``deterministic`` (the mode) sums the all-gather's gradients in a fixed
   order (:attr:`KVExchange.deterministic`); the choice is the same.
   """
-  exchange = _choose(strategy_is_nlb, cp_axis, cp_size, total_tokens,
+  exchange = _choose(contiguous_chunks, cp_axis, cp_size, total_tokens,
                      max_seqlen, window_left, comm_type)
   if deterministic:
     exchange = dataclasses.replace(exchange, deterministic=True)
   return exchange
 
 
-def _choose(strategy_is_nlb: bool, cp_axis, cp_size: int, total_tokens: int,
+def _choose(contiguous_chunks: bool, cp_axis, cp_size: int, total_tokens: int,
             max_seqlen: int | None, window_left: int,
             comm_type: str) -> KVExchange:
   """:func:`choose_exchange` before the deterministic mode."""
@@ -270,7 +270,7 @@ def _choose(strategy_is_nlb: bool, cp_axis, cp_size: int, total_tokens: int,
   tl = total_tokens // cp_size
   ring = comm_type == "ring"
   steps = cp_size
-  if strategy_is_nlb and max_seqlen is not None:
+  if contiguous_chunks and max_seqlen is not None:
     halo = max(int(max_seqlen) - 1, 0)
     if window_left >= 0:
       halo = min(halo, window_left)
@@ -285,4 +285,4 @@ def _choose(strategy_is_nlb: bool, cp_axis, cp_size: int, total_tokens: int,
     return KVExchange("ring", cp_axis, cp_size, total_tokens,
                       ring_steps=steps)
   return KVExchange("all_gather", cp_axis, cp_size, total_tokens,
-                    restore_dual_chunk=not strategy_is_nlb)
+                    restore_dual_chunk=not contiguous_chunks)

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_cp.cp import validation
-from jax_cp.cp.strategy import CPLoadBalancingStrategy
+from jax_cp.cp.strategies import strategy_for
 
 
 def bounded_program_is_exact(cfg, unbounded) -> bool:
@@ -50,11 +50,8 @@ def bounded_program_is_exact(cfg, unbounded) -> bool:
   depend on the kernels' static bounds."""
   if not cfg.backend.exact_past_bounds or cfg.exchange != unbounded.exchange:
     return False
-  prefix = (cfg.strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE
-            and cfg.cp_size > 1 and cfg.max_seqlen - 1 < cfg.local_tokens)
-  window = (cfg.strategy is CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
-            and cfg.cp_size > 1 and unbounded.window_left >= 0)
-  return not (prefix or window)
+  return not (cfg.cp_size > 1 and strategy_for(
+      cfg.strategy).program_sized_by_bound(cfg, unbounded))
 
 
 def longest_padded(cu_seqlens_padded, cu_seqlens=None, strategy=None,

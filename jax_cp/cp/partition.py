@@ -10,14 +10,9 @@ Every function here has two paths with the same results:
   with the number of documents (``max_docs``) static. Trailing empty
   documents (repeated last ``cu_seqlens_padded`` value) are allowed.
 
-The layouts (docs/concepts.md, Strategies):
-
-* ``DUAL_CHUNK_SWAP``: document ``b`` of padded length ``P_b`` is cut into
-  ``2*cp`` chunks of ``c_b = P_b / (2*cp)`` tokens; rank ``r`` holds chunks
-  ``r`` and ``2*cp-1-r``, stored as ``[chunk r, chunk 2cp-1-r]`` starting at
-  local offset ``cuP[b] / cp``.
-* ``NO_LOAD_BALANCE``: rank ``r`` holds physical tokens
-  ``[r*T/cp, (r+1)*T/cp)``.
+Each strategy places the tokens its own way (docs/concepts.md,
+Strategies; :mod:`jax_cp.cp.strategies`); the functions here check the
+arguments and apply the layout's placement.
 """
 
 from __future__ import annotations
@@ -32,6 +27,7 @@ import numpy as np
 from jax_cp.attention.validation import concrete
 from jax_cp.cp import validation
 from jax_cp.cp.layout import CPLayout, check_layout
+from jax_cp.cp.strategies import strategy_for
 from jax_cp.cp.strategy import CPLoadBalancingStrategy
 from jax_cp.typing import Array, ArrayLike
 
@@ -42,24 +38,6 @@ def _is_jax(*xs: Any) -> bool:
 
 def _xp(*xs: Any):
   return jnp if _is_jax(*xs) else np
-
-
-def _dcs_physical_index(xp, cu_seqlens_padded, cp_size: int, rank, t):
-  """DUAL_CHUNK_SWAP: physical index of local token ``t`` of ``rank``.
-
-  ``cu_seqlens_padded`` is 1-D ``[N+1]``; ``t`` an int32 vector of local
-  indices; ``rank`` a scalar or a vector like ``t`` (elementwise).
-  """
-  cuP = xp.asarray(cu_seqlens_padded).astype(xp.int32)
-  cs = cuP // cp_size                                 # local doc starts
-  # Last document whose local range starts at or before t. Empty documents
-  # share their start with the next one, so "right" skips them.
-  b = xp.searchsorted(cs, t, side="right").astype(xp.int32) - 1
-  b = xp.clip(b, 0, cuP.shape[0] - 2)
-  i = t - cs[b]
-  chunk_len = xp.maximum((cs[b + 1] - cs[b]) // 2, 1)   # c_b
-  chunk = xp.where(i < chunk_len, rank, 2 * cp_size - 1 - rank)
-  return (cuP[b] + chunk * chunk_len + i % chunk_len).astype(xp.int32)
 
 
 def valid_local_tokens(cu_seqlens, cu_seqlens_padded, cp_size: int,
@@ -79,23 +57,12 @@ def valid_local_tokens(cu_seqlens, cu_seqlens_padded, cp_size: int,
     bool ``[B, local_tokens]``: the token's position in its document is
     below the document's length.
   """
-  if cp_size == 1:
-    strategy = CPLoadBalancingStrategy.NO_LOAD_BALANCE
+  placement = strategy_for(strategy)
 
   def one_row(cu, cuP):
     t = jnp.arange(local_tokens, dtype=jnp.int32)
-    last = cuP.shape[0] - 2
-    if strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE:
-      p = rank * local_tokens + t
-      b = jnp.clip(jnp.searchsorted(cuP, p, side="right") - 1, 0, last)
-      position = p - cuP[b]
-    else:   # the document's local range, as _dcs_physical_index finds it
-      cs = cuP // cp_size
-      b = jnp.clip(jnp.searchsorted(cs, t, side="right") - 1, 0, last)
-      i = t - cs[b]
-      c = jnp.maximum((cs[b + 1] - cs[b]) // 2, 1)
-      chunk = jnp.where(i < c, rank, 2 * cp_size - 1 - rank)
-      position = chunk * c + i % c
+    b, position = placement.document_position(cuP, cp_size, rank, t,
+                                               local_tokens)
     return position < cu[b + 1] - cu[b]
 
   return jax.vmap(one_row)(jnp.asarray(cu_seqlens, jnp.int32),
@@ -158,27 +125,20 @@ def get_partition_indices(cu_seqlens_padded: ArrayLike, layout: CPLayout,
     numpy for host inputs, a JAX array when any input is a JAX array.
   """
   layout = check_layout(layout, "get_partition_indices")
-  strategy = layout.strategy
+  placement = strategy_for(layout.strategy)
   cp_size = _cp_size(layout, "get_partition_indices")
   xp = _xp(cu_seqlens_padded, cp_rank)
   if xp is np:
     validation.check_cp_rank(cp_rank, cp_size)
   validation.check_cu_seqlens_padded(cu_seqlens_padded, total_tokens)
   local = _local_tokens(cu_seqlens_padded, cp_size, total_tokens)
-  if cp_size == 1:
-    # One rank holds the row in order, whatever the strategy.
-    strategy = CPLoadBalancingStrategy.NO_LOAD_BALANCE
-  if strategy is CPLoadBalancingStrategy.DUAL_CHUNK_SWAP:
-    validation.check_dual_chunk_divisible(cu_seqlens_padded, cp_size)
+  placement.check_padded_lengths(cu_seqlens_padded, cp_size)
   if xp is jnp:
     cp_rank = jnp.asarray(cp_rank, jnp.int32)
 
   def one_row(cuP):
-    if strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE:
-      return (cp_rank * local + xp.arange(local, dtype=xp.int32)).astype(
-          xp.int32)
-    return _dcs_physical_index(xp, cuP, cp_size, cp_rank,
-                               xp.arange(local, dtype=xp.int32))
+    return placement.physical_index(xp, cuP, cp_size, cp_rank,
+                                    xp.arange(local, dtype=xp.int32), local)
 
   cuP = xp.asarray(cu_seqlens_padded)
   if cuP.ndim == 1:
@@ -384,8 +344,7 @@ def _permute(x, cu_seqlens_padded, layout: CPLayout, seq_dim: int | None,
   seq_dim = token_dim(seq_dim, cu_seqlens_padded)
   _check_token_dim(x, seq_dim, cu_seqlens_padded, "x")
   total = x.shape[seq_dim]
-  if layout.strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE or (
-      cp_size == 1):
+  if strategy_for(layout.strategy).holds_row_in_order(cp_size):
     validation.check_cu_seqlens_padded(cu_seqlens_padded, total)
     validation.check_divisible_tokens(total, cp_size)
     return x
@@ -414,8 +373,8 @@ def longest_padded_document(cu_seqlens_padded: ArrayLike,
       raise ValueError("longest_padded_document needs concrete (host) "
                        "cu_seqlens, not a traced value")
     validation.check_cu_seqlens(cu, cuP)
-  spans = validation.document_spans(
-      cu, cuP, CPLoadBalancingStrategy.DUAL_CHUNK_SWAP, 2)
+  # The strictest rule: every padded slot that holds a token counts.
+  spans = validation.slot_spans(cu, cuP, padded_slots=True)
   return int(np.max(spans, initial=0))
 
 
@@ -488,50 +447,6 @@ def _physical_position_ids(cu_seqlens_padded, total_tokens):
   if xp is jnp:
     return jax.vmap(one_row)(cuP)
   return np.stack([one_row(r) for r in cuP])
-
-
-def gathered_to_sequence_index(cu_seqlens_padded, cp_size: int,
-                               total_tokens: int):
-  """DUAL_CHUNK_SWAP, jnp: for each physical position ``p`` of a row, the
-  index into the rank-ordered all-gathered buffer that holds token ``p``.
-
-  ``restored = gathered[idx]`` puts an all-gathered K/V back into sequence
-  order; ``gathered_grad = restored_grad[perm]`` with ``perm`` the inverse
-  goes the other way (see :func:`sequence_to_gathered_index`). Works on
-  ``[N+1]`` or ``[B, N+1]`` metadata; traced values allowed.
-  """
-  local = total_tokens // cp_size
-
-  def one_row(cuP):
-    cuP = cuP.astype(jnp.int32)
-    p = jnp.arange(total_tokens, dtype=jnp.int32)
-    b = jnp.clip(jnp.searchsorted(cuP, p, side="right") - 1, 0,
-                 cuP.shape[0] - 2)
-    j = p - cuP[b]
-    c = jnp.maximum((cuP[b + 1] - cuP[b]) // (2 * cp_size), 1)
-    chunk = j // c
-    second = chunk >= cp_size
-    owner = jnp.where(second, 2 * cp_size - 1 - chunk, chunk)
-    t = cuP[b] // cp_size + jnp.where(second, c, 0) + j % c
-    return (owner * local + t).astype(jnp.int32)
-
-  cuP = jnp.asarray(cu_seqlens_padded)
-  return one_row(cuP) if cuP.ndim == 1 else jax.vmap(one_row)(cuP)
-
-
-def sequence_to_gathered_index(cu_seqlens_padded, cp_size: int,
-                               total_tokens: int):
-  """DUAL_CHUNK_SWAP, jnp: for each gathered index ``g`` (rank ``g // Tl``,
-  local token ``g % Tl``), its physical position in the row (docs/internals.md,
-  Exchange). ``[T]`` or ``[B, T]`` int32."""
-  local = total_tokens // cp_size
-
-  def one_row(cuP):
-    g = jnp.arange(total_tokens, dtype=jnp.int32)
-    return _dcs_physical_index(jnp, cuP, cp_size, g // local, g % local)
-
-  cuP = jnp.asarray(cu_seqlens_padded)
-  return one_row(cuP) if cuP.ndim == 1 else jax.vmap(one_row)(cuP)
 
 
 __all__: Sequence[str] = (

@@ -17,6 +17,10 @@ import jax
 import numpy as np
 
 from jax_cp.attention.validation import check_window_size, concrete
+from jax_cp.cp.strategies import strategy_for
+from jax_cp.cp.strategies.dual_chunk_swap import (  # the cost model's
+  check_dual_chunk_divisible as check_dual_chunk_divisible,
+)
 from jax_cp.cp.strategy import CPLoadBalancingStrategy
 
 #: The masks of CP attention: causal within each document, or none.
@@ -103,22 +107,6 @@ def check_cu_seqlens(cu_seqlens: Any, cu_seqlens_padded: Any) -> None:
         f"padded length {plens[row, b]} (cu_seqlens vs cu_seqlens_padded)")
 
 
-def check_dual_chunk_divisible(cu_seqlens_padded: Any, cp_size: int) -> None:
-  """DUAL_CHUNK_SWAP needs every padded length divisible by ``2*cp``."""
-  cuP = concrete(cu_seqlens_padded)
-  if cuP is None:
-    return
-  plens = np.diff(cuP.reshape(-1, cuP.shape[-1]), axis=-1)
-  bad = np.argwhere(plens % (2 * cp_size) != 0)
-  if bad.size:
-    row, b = map(int, bad[0])
-    raise ValueError(
-        f"strategy=dual_chunk_swap needs every padded document "
-        f"length divisible by 2*cp_size={2 * cp_size}; document {b} (row "
-        f"{row}) has padded length {plens[row, b]}. Pad documents to a "
-        f"multiple of {2 * cp_size}, or use NO_LOAD_BALANCE (any length).")
-
-
 def check_seq_len_matches(n_tokens: int, cu_seqlens_padded: Any,
                           argname: str) -> None:
   cuP = concrete(cu_seqlens_padded)
@@ -139,11 +127,7 @@ def check_attention_config(strategy: CPLoadBalancingStrategy,
     raise ValueError(f"attn_mask_type={attn_mask_type!r} is not supported by "
                      f"CP attention; expected one of {list(CP_MASK_TYPES)}")
   check_window_size(window_size, attn_mask_type)
-  if strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE:
-    if attn_mask_type != "causal":
-      raise ValueError(
-          f"strategy=no_load_balance needs causal attention, got "
-          f"attn_mask_type={attn_mask_type!r}")
+  strategy_for(strategy).check_mask(attn_mask_type)
   if not jax.numpy.issubdtype(np.dtype(dtype), jax.numpy.floating):
     raise ValueError(f"q must have a floating dtype (bfloat16, float16 or "
                      f"float32), got q.dtype={np.dtype(dtype).name}")
@@ -162,18 +146,8 @@ def check_comm_type(comm_type: str, strategy: CPLoadBalancingStrategy,
   whole row: the all-gather)."""
   if comm_type != "ring" or window_left < 0 or cp_size == 1:
     return
-  if strategy is CPLoadBalancingStrategy.DUAL_CHUNK_SWAP:
-    raise ValueError(
-        "comm_type='ring' takes no window_size under strategy="
-        "dual_chunk_swap; with a sliding window use strategy="
-        "no_load_balance, whose halo exchange moves only the window's keys")
-  reach = (cp_size - 1) * (total_tokens // cp_size)
-  if window_left >= reach:
-    raise ValueError(
-        f"comm_type='ring' with window_size=({window_left}, 0) under "
-        f"strategy=no_load_balance needs a left window below (cp-1) * T/cp "
-        f"= {reach} tokens (a window that reaches the whole row exchanges "
-        "all of it: use comm_type='all_gather')")
+  strategy_for(strategy).check_ring_window(window_left, cp_size,
+                                          total_tokens)
 
 
 def check_comm_axes(comm_type: str, cp_axes: tuple[str, ...]) -> None:
@@ -252,13 +226,14 @@ def check_max_seqlen(max_seqlen: Any, cu_seqlens_padded: Any,
 
 def spans_padded_slots(strategy: CPLoadBalancingStrategy | None,
                        cp_size: int) -> bool:
-  """Whether a document's whole padded slot counts against ``max_seqlen``:
-  DUAL_CHUNK_SWAP at cp > 1 cuts every slot into ``2*cp`` chunks of its
-  padded length, so the kernels' bounds hold padded lengths; elsewhere
-  (NO_LOAD_BALANCE, cp = 1, layer chunks) a query reads back only over
-  its document's valid tokens."""
-  return (strategy is CPLoadBalancingStrategy.DUAL_CHUNK_SWAP
-          and cp_size > 1)
+  """Whether a document's whole padded slot counts against ``max_seqlen``,
+  by the strategy's rule (DUAL_CHUNK_SWAP at cp > 1 cuts every slot into
+  ``2*cp`` chunks of its padded length, so the kernels' bounds hold padded
+  lengths); elsewhere (NO_LOAD_BALANCE, cp = 1, layer chunks: no
+  strategy) a query reads back only over its document's valid tokens."""
+  if not strategy:
+    return False
+  return strategy_for(strategy).spans_padded_slots(cp_size)
 
 
 def document_spans(cu_seqlens: Any, cu_seqlens_padded: Any,
@@ -271,6 +246,14 @@ def document_spans(cu_seqlens: Any, cu_seqlens_padded: Any,
   padding after a row's last document, a row of padding) spans nothing,
   whatever its padded length. Without ``cu_seqlens`` (None) every padded
   slot counts in full."""
+  return slot_spans(cu_seqlens, cu_seqlens_padded,
+                    spans_padded_slots(strategy, cp_size))
+
+
+def slot_spans(cu_seqlens: Any, cu_seqlens_padded: Any,
+               padded_slots: bool):
+  """:func:`document_spans` by the rule ``padded_slots`` (a slot that
+  holds a token counts with its padded length, else its valid one)."""
   xp = np if all(isinstance(x, (np.ndarray, list, tuple)) or x is None
                  for x in (cu_seqlens, cu_seqlens_padded)) else jax.numpy
   cuP = xp.asarray(cu_seqlens_padded)
@@ -279,7 +262,7 @@ def document_spans(cu_seqlens: Any, cu_seqlens_padded: Any,
     return padded
   cu = xp.asarray(cu_seqlens)
   valid = cu[..., 1:] - cu[..., :-1]
-  if spans_padded_slots(strategy, cp_size):
+  if padded_slots:
     return xp.where(valid > 0, padded, 0)
   return valid
 

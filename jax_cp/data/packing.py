@@ -28,7 +28,7 @@ import numpy as np
 
 from jax_cp.cp.layout import CPLayout, check_layout
 from jax_cp.cp.partition import get_position_ids
-from jax_cp.cp.strategy import CPLoadBalancingStrategy
+from jax_cp.cp.strategies import strategy_for
 from jax_cp.planning.document_order import (
   balance_document_order,
   permute_documents,
@@ -98,9 +98,7 @@ def pad_multiple_for(layout: CPLayout) -> int:
   if layout.cp_axis is None:
     return 1
   cp = layout.cp_size or layout.resolve_cp_size()
-  if layout.strategy is CPLoadBalancingStrategy.DUAL_CHUNK_SWAP:
-    return 2 * int(cp)
-  return 1
+  return strategy_for(layout.strategy).pad_multiple(int(cp))
 
 
 def _round_up(n: int, m: int) -> int:

@@ -32,7 +32,7 @@ import numpy as np
 from jax_cp.attention.validation import check_window_size
 from jax_cp.cp import validation
 from jax_cp.cp.layout import CPLayout
-from jax_cp.cp.strategy import CPLoadBalancingStrategy
+from jax_cp.cp.strategies import strategy_for
 from jax_cp.planning.host import as_int_rows, host_metadata, resolve_layout
 from jax_cp.planning.pairs import range_pairs
 from jax_cp.typing import ArrayLike, WindowSize
@@ -228,7 +228,8 @@ def balance_document_order(cu_seqlens: ArrayLike,
   validation.check_divisible_tokens(int(cuP[0, -1]), cp)
   lens, plens = np.diff(cu, axis=-1), np.diff(cuP, axis=-1)
   orders = np.tile(np.arange(lens.shape[1]), (lens.shape[0], 1))
-  if strategy is CPLoadBalancingStrategy.NO_LOAD_BALANCE and cp > 1:
+  # Contiguous chunks are balanced by the order of the documents.
+  if strategy_for(strategy).contiguous_chunks and cp > 1:
     rng = np.random.default_rng(seed)
     for r in range(lens.shape[0]):
       orders[r] = _balance_row(lens[r], plens[r], cp, left, int(max_rounds),
