@@ -17,7 +17,7 @@ import jax_cp
 from jax_cp.attention import determinism, registry
 from jax_cp.attention.backend import Backend, in_deterministic_mode
 from jax_cp.attention.cudnn import workspace as ws
-from jax_cp.cp.exchange import KVExchange
+from jax_cp.cp.exchange import AllGather
 from tests import determinism_step
 from tests._devices import devices
 
@@ -132,7 +132,7 @@ def test_the_all_gathers_gradients_are_summed_rank_by_rank():
   rng = np.random.default_rng(0)
   x = rng.standard_normal((cp, 2, cp * tl, 3, 5)).astype(np.float32)
   x = (x * 10.0 ** rng.integers(-4, 4, size=x.shape)).astype(np.float32)
-  det = KVExchange("all_gather", "cp", cp, cp * tl, deterministic=True)
+  det = AllGather("cp", cp, cp * tl, deterministic=True)
   got, text = _scatter(det, x)
   assert "all_to_all" in text and "reduce_scatter" not in text
   for r in range(cp):
@@ -140,7 +140,7 @@ def test_the_all_gathers_gradients_are_summed_rank_by_rank():
     for j in range(1, cp):
       want = want + x[j, :, r * tl:(r + 1) * tl]
     np.testing.assert_array_equal(got[r], want)
-  plain, text = _scatter(KVExchange("all_gather", "cp", cp, cp * tl), x)
+  plain, text = _scatter(AllGather("cp", cp, cp * tl), x)
   assert "reduce_scatter" in text
   np.testing.assert_allclose(plain, got, rtol=1e-6, atol=1e-6 * np.abs(
       x).max())

@@ -159,9 +159,9 @@ def test_the_checks_catch_what_they_are_for():
   assert _upward({"jax_cp.flax.attention": {"jax_cp.nnx.convert"}})
   assert not _upward({"jax_cp.modules.inputs": {"jax_cp.cp.api"}})
   assert _outside_imports_of(CUDNN, {
-      "jax_cp.cp.ring": {"jax_cp.attention.cudnn.workspace"},
+      "jax_cp.cp.exchange.ring": {"jax_cp.attention.cudnn.workspace"},
       "jax_cp.attention.cudnn.split": {"jax_cp.attention.head_groups"}}) == [
-          ("jax_cp.cp.ring", "jax_cp.attention.cudnn.workspace")]
+          ("jax_cp.cp.exchange.ring", "jax_cp.attention.cudnn.workspace")]
 
 
 @pytest.mark.parametrize("module", sorted(LIBRARY))

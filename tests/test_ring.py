@@ -20,8 +20,8 @@ from jax_cp import CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
 from jax_cp.attention import register_backend, xla
 from jax_cp.attention.backend import scratch_bound
-from jax_cp.cp import ring as ring_mod
 from jax_cp.cp.exchange import choose_exchange
+from jax_cp.cp.exchange import ring as ring_mod
 from jax_cp.data import (
   get_batch_on_this_cp_rank,
   reorder_for_cp,

@@ -67,7 +67,7 @@ layer multiplies K and V by NaN or 1 instead (:mod:`jax_cp.cp.guard`).
 one call: the backend keeps its own calls within it (the cudnn backward
 runs in sub-calls past it: :mod:`jax_cp.attention.cudnn.split`) and the
 CP ring keeps its float32 running buffers within it, running one group of
-GQA heads at a time (:mod:`jax_cp.cp.ring`). None, or a backend without
+GQA heads at a time (:mod:`jax_cp.cp.exchange.ring`). None, or a backend without
 the attribute: no bound (:func:`scratch_bound`). The ``xla`` backend has
 none.
 

@@ -11,7 +11,7 @@ accumulates into another's.
 Memory in proportion to the heads of a call is bounded this way: a
 backend's backward scratch (the cuDNN backward's float32 buffers,
 :func:`jax_cp.attention.cudnn.split.backward_within_scratch_limit`) and
-the CP ring's float32 running buffers (:mod:`jax_cp.cp.ring`).
+the CP ring's float32 running buffers (:mod:`jax_cp.cp.exchange.ring`).
 :func:`fewest_groups` picks the smallest ``n`` that fits a bound;
 :func:`backward_in_head_groups` runs the sub-calls one after another in
 a ``lax.scan``, so only one group's slices of the inputs (copies of

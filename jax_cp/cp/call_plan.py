@@ -19,7 +19,7 @@ three kinds, with its segments ready for the backend, so the executor
   merged by log-sum-exp.
 
 The ring exchange has a plan of its own, one :class:`RowsCall` per step
-(:func:`ring_plan`), which :mod:`jax_cp.cp.ring` runs.
+(:func:`ring_plan`), which :mod:`jax_cp.cp.exchange.ring` runs.
 
 One rank (cp = 1) runs :func:`jax_cp.cp.calls.whole_row_plan`; at cp > 1
 the layout's strategy builds the plan (:mod:`jax_cp.cp.strategies`).
@@ -67,7 +67,7 @@ def ring_plan(cfg, cu_seqlens, cu_seqlens_padded, rank, step: int
   (the local chunk at step 0), the same call in the forward and the
   backward."""
   # A window keeps the halo exchange (exchange.choose_exchange).
-  assert cfg.exchange.kind == "ring" and cfg.window_left < 0, cfg
+  assert cfg.window_left < 0, cfg
   strategy = strategy_for(cfg.strategy)
   meta, mask = strategy.ring_step(cu_seqlens, cu_seqlens_padded, cfg.cp_size,
                                   rank, step, causal=cfg.causal,

@@ -72,11 +72,7 @@ def ceil_div(a: int, b: int) -> int:
 def kv_tokens(cfg, exchanged: bool) -> int:
   """The rows of a call's K/V buffer: the local chunk, the received halo,
   or the all-gathered row."""
-  if not exchanged or cfg.exchange.kind == "none":
-    return cfg.local_tokens
-  if cfg.exchange.kind == "halo":
-    return cfg.exchange.halo_tokens
-  return cfg.total_tokens
+  return cfg.exchange.buffer_rows if exchanged else cfg.local_tokens
 
 
 def _window_left(cfg, block: Block) -> int:

@@ -27,8 +27,13 @@ from jax_cp.attention.validation import (
   default_scale,
 )
 from jax_cp.cp import guard, validation
-from jax_cp.cp.all_to_all import HeadScatter
-from jax_cp.cp.exchange import KVExchange, choose_exchange
+from jax_cp.cp.exchange import (
+  HEAD_SCATTERS,
+  HeadScatter,
+  KVExchange,
+  choose_exchange,
+  head_scatter_split,
+)
 from jax_cp.cp.layout import CPLayout
 from jax_cp.cp.strategies import strategy_for
 from jax_cp.cp.strategy import CPLoadBalancingStrategy
@@ -153,24 +158,18 @@ def make_config(layout: CPLayout, q, k, v, cu_seqlens, cu_seqlens_padded,
                                     dtype)
   window_left = check_window_size(window_size, attn_mask_type)
   comm = layout.comm_type
-  scatter = comm in ("all_to_all", "all_to_all+ring") and cp_size > 1
   # The program after an all-to-all: cp = 1 on whole rows, or the ring
   # over the outer axis (docs/internals.md, All-to-all exchanges).
-  if scatter and comm == "all_to_all+ring":
-    if axis_sizes is None or len(axis_sizes) != 2:
-      raise ValueError("comm_type='all_to_all+ring' needs the sizes of "
-                       "cp_axis=(outer, inner)")
-    outer_axis, inner_axis = layout.cp_axes
-    outer, scatter_size, comm = axis_sizes[0], axis_sizes[1], "ring"
-    if outer == 1:
-      outer_axis = None
-  elif scatter:
-    outer_axis, inner_axis = None, layout.cp_axis
-    outer, scatter_size, comm = 1, cp_size, "all_gather"
+  split = None if cp_size == 1 else head_scatter_split(
+      comm, layout.cp_axis, tuple(axis_sizes or (cp_size,)))
+  scatter = split is not None
+  if scatter:
+    outer_axis, outer, scatter_size = (split.outer_axis, split.outer_size,
+                                       split.size)
+    comm = split.inner_comm_type
   else:
-    outer_axis, inner_axis, outer, scatter_size = layout.cp_axis, None, \
-        cp_size, 1
-    if comm in ("all_to_all", "all_to_all+ring"):
+    outer_axis, outer, scatter_size = layout.cp_axis, cp_size, 1
+    if comm in HEAD_SCATTERS:
       comm = "all_gather"     # cp = 1: nothing travels
   if scatter:
     validation.check_head_scatter(q_shape[-2] // head_shards,
@@ -205,12 +204,11 @@ def make_config(layout: CPLayout, q, k, v, cu_seqlens, cu_seqlens_padded,
   def config(w: int) -> CPConfig:
     """The layout for the bound ``w``."""
     left = strategy_for(strategy).window_within_bound(window_left, w)
-    exchange = choose_exchange(strategy_for(strategy).contiguous_chunks,
-                               outer_axis, outer,
+    exchange = choose_exchange(strategy, outer_axis, outer,
                                total_tokens, w, window_left=left,
                                comm_type=comm,
                                deterministic=deterministic)
-    keep = (exchange.kind == "all_gather" and
+    keep = (exchange.gathers_row and
             2 * outer * kv_local * kv_repeat <= q_local)
     return CPConfig(strategy=strategy, cp_axis=outer_axis,
                     cp_size=outer, causal=attn_mask_type == "causal",
@@ -235,7 +233,7 @@ def make_config(layout: CPLayout, q, k, v, cu_seqlens, cu_seqlens_padded,
   if not scatter:
     return cfg
   exchange = HeadScatter(
-      axis=inner_axis, size=scatter_size, outer_axis=outer_axis,
+      axis=split.axis, size=scatter_size, outer_axis=outer_axis,
       outer_size=outer, total_tokens=total_tokens,
       strategy=strategy, kv_repeat=kv_repeat)
   return dataclasses.replace(cfg, cp_axis=layout.cp_axis, cp_size=cp_size,

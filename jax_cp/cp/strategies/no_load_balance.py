@@ -136,13 +136,7 @@ def rows_before_chunk(cfg) -> int:
   """``H``, the rows before the chunk that a windowed query can see: the
   received halo, or with an all-gather the last ``min(left, max_seqlen -
   1, rows before the last chunk)`` of them."""
-  ex = cfg.exchange
-  if ex.kind == "halo":
-    return ex.halo_tokens
-  if ex.kind == "none":
-    return 0
-  return max(min(cfg.window_left, cfg.max_seqlen - 1,
-                 (cfg.cp_size - 1) * cfg.local_tokens), 0)
+  return cfg.exchange.rows_before_chunk(cfg.window_left, cfg.max_seqlen)
 
 
 def split_straddle(cfg, block: Block) -> tuple[Block, HaloCall | None]:
@@ -167,7 +161,7 @@ def split_straddle(cfg, block: Block) -> tuple[Block, HaloCall | None]:
   zero = jnp.zeros_like(q_doc)
   local = Block(StepMetadata(q_doc, zero, q_doc, zero),
                 "causal_top_left", block.max_q, block.max_q, False)
-  if cfg.exchange.kind == "none":
+  if not cfg.exchange.moves_kv:
     return local, None
   halo = rows_before_chunk(cfg)
   keys = jnp.where(q_doc > 0, m.kv_lens - q_doc, 0)[..., 0]

@@ -30,6 +30,8 @@ whose query heads read it (their gradients are summed on the way back).
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +59,30 @@ def _take_rows_bwd(res, g):
 
 
 _take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+class Split(NamedTuple):
+  """Where a layout's all-to-all runs and what runs after it."""
+
+  axis: str | tuple[str, ...]      # the all-to-all's axis (or axes)
+  size: int                        # its size ci
+  outer_axis: str | None           # the axis of the program after it
+  outer_size: int                  # its size co
+  inner_comm_type: str             # that program's exchange
+
+
+def whole_rows(cp_axis, axis_sizes: tuple[int, ...]) -> Split:
+  """``comm_type="all_to_all"``: over every cp axis; the cp = 1 program
+  on whole rows after it."""
+  return Split(cp_axis, math.prod(axis_sizes), None, 1, "all_gather")
+
+
+def inner_then_ring(cp_axis, axis_sizes: tuple[int, ...]) -> Split:
+  """``comm_type="all_to_all+ring"`` over ``cp_axis=(outer, inner)``: the
+  all-to-all over the inner axis, the ring over the outer one."""
+  outer, inner = cp_axis
+  co, ci = axis_sizes
+  return Split(inner, ci, outer if co > 1 else None, co, "ring")
 
 
 @dataclasses.dataclass(frozen=True)

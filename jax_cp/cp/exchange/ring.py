@@ -1,9 +1,12 @@
-"""The ring exchange's forward and backward on one rank (inside the
+"""The ring exchange (``comm_type="ring"``), its forward and backward on
+one rank: steps of its own, not a plan executor's (inside the
 ``shard_map`` and the ``custom_vjp`` of :mod:`jax_cp.cp.vjp`;
-docs/long_rows.md, Ring exchange).
+docs/long_rows.md, Ring exchange). DUAL_CHUNK_SWAP runs all ``cp``
+steps; NO_LOAD_BALANCE with a bound W only ``1 + ceil((W-1) / Tl)`` (no
+query reaches further back).
 
 Forward: the rank's K|V chunk travels around the ring
-(:meth:`~jax_cp.cp.exchange.KVExchange.ring_next`); at each step the
+(:meth:`Ring.ring_next`); at each step the
 rank attends its Q rows to the chunk it holds (:func:`jax_cp.cp.
 call_plan.ring_plan`) and merges the result into a float32 running
 output by log-sum-exp. The next chunk is requested before the step's
@@ -12,8 +15,8 @@ step's results are live at a time.
 
 Backward: the chunks travel again, each with a float32 dK|dV accumulator
 that every rank adds its step's contribution to; after the last step one
-permute brings each accumulator home (:meth:`~jax_cp.cp.exchange.
-KVExchange.ring_home`). dQ is summed locally in float32 over the steps;
+permute brings each accumulator home (:meth:`Ring.ring_home`). dQ is
+summed locally in float32 over the steps;
 every call gets the forward's whole ``out`` and ``lse``, so its
 contributions are exact parts of the gradient.
 
@@ -33,6 +36,8 @@ one group's heads each, the same bytes in all.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -40,10 +45,10 @@ from jax_cp.attention.backend import packed, scratch_bound
 from jax_cp.attention.decompose.merge import merge_softmax
 from jax_cp.attention.head_groups import backward_in_head_groups, fewest_groups
 from jax_cp.cp import call_plan
-from jax_cp.cp.config import CPConfig
+from jax_cp.cp.exchange.base import KVExchange
 
 
-def _step(cfg: CPConfig, kv, heads: int, cu_seqlens, cu_seqlens_padded,
+def _step(cfg, kv, heads: int, cu_seqlens, cu_seqlens_padded,
           rank, step: int):
   """``(call, k, v, next)``: step ``step``'s call, the held chunk's K and
   V packed for the backend, and the next chunk's hop (requested now, so
@@ -79,7 +84,7 @@ def _put_heads(x, part, g, n: int):
                                              axis=2)
 
 
-def forward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded):
+def forward(cfg, q, k, v, cu_seqlens, cu_seqlens_padded):
   """``(out, lse)`` of this rank's Q rows over the whole row: ``out``
   ``[B, Tl, Hq, Dv]`` in q's dtype, ``lse`` float32 ``[B, Tl, Hq]``; in
   :func:`head_groups` groups of heads."""
@@ -107,7 +112,7 @@ def forward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded):
   return out, lse
 
 
-def _forward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded, rank):
+def _forward(cfg, q, k, v, cu_seqlens, cu_seqlens_padded, rank):
   """The ring forward over all heads of q, k, v on rank ``rank``: ``out``
   float32."""
   ex, heads = cfg.exchange, k.shape[2]
@@ -128,7 +133,7 @@ def _forward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded, rank):
   return out, lse
 
 
-def backward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded, out,
+def backward(cfg, q, k, v, cu_seqlens, cu_seqlens_padded, out,
              lse, dout):
   """``(dq, dk, dv)`` of this rank's chunk, in q's and k's dtypes; in
   :func:`head_groups` groups of heads."""
@@ -155,7 +160,7 @@ def backward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded, out,
   return tuple(rows(g) for g in grads)
 
 
-def _backward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded, out,
+def _backward(cfg, q, k, v, cu_seqlens, cu_seqlens_padded, out,
               lse, dout, rank):
   """The ring backward over all heads of its inputs on rank ``rank``."""
   ex, heads = cfg.exchange, k.shape[2]
@@ -182,3 +187,51 @@ def _backward(cfg: CPConfig, q, k, v, cu_seqlens, cu_seqlens_padded, out,
   dkv = ex.ring_home(dkv)
   return (dq.astype(q.dtype), dkv[:, :, :heads].astype(k.dtype),
           dkv[:, :, heads:].astype(v.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring(KVExchange):
+  """K|V chunks travel around the ring of ranks, one ``ppermute`` hop per
+  step, rank ``r`` holding at step ``s`` the chunk of rank ``(r - s) mod
+  cp``; the backward sends a float32 dK|dV accumulator along with each
+  chunk and returns it to the chunk's owner with one last permute. Every
+  buffer is one chunk.
+
+  Attributes (beyond :class:`KVExchange`'s):
+    ring_steps: the steps, the local one included.
+  """
+
+  ring_steps: int = 0
+
+  kind = "ring"
+
+  @classmethod
+  def of_row(cls, strategy, steps, **common):
+    return cls(ring_steps=steps, **common)
+
+  @property
+  def buffer_rows(self) -> int:
+    return self.local_tokens
+
+  def buffer_start(self, rank):
+    return jnp.asarray(rank, jnp.int32) * self.local_tokens
+
+  def ring_next(self, x):
+    """One step: rank ``i``'s buffer to rank ``i + 1`` (mod cp)."""
+    return self._shift(x, 1)
+
+  def ring_home(self, x):
+    """After the last step, the buffer rank ``r`` holds (the chunk of rank
+    ``r - ring_steps + 1``, and its gradient) back to that rank."""
+    hops = (1 - self.ring_steps) % self.cp_size
+    return x if hops == 0 else self._shift(x, hops)
+
+  def forward(self, cfg, q, k, v, cu_seqlens, cu_seqlens_padded,
+              need_lse: bool = True):
+    out, lse = forward(cfg, q, k, v, cu_seqlens, cu_seqlens_padded)
+    return out.astype(q.dtype), lse, None
+
+  def backward(self, cfg, residuals, dout):
+    q, k, v, cu_seqlens, cu_seqlens_padded, out, lse, _ = residuals
+    return backward(cfg, q, k, v, cu_seqlens, cu_seqlens_padded, out, lse,
+                    dout.astype(out.dtype))
