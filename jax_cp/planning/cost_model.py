@@ -17,8 +17,8 @@ load-balancing strategy:
   a ``max_seqlen`` bound ``W`` or a window the bounded-halo bytes (rank
   ``r`` needs only ``min(H, r*Tl)`` tokens from its predecessors, ``H =
   min(W-1, left)``); DUAL_CHUNK_SWAP all-gathers with or without a window;
-* **calls**: attention kernel calls per rank (2 for DUAL_CHUNK_SWAP, 1 for
-  NO_LOAD_BALANCE, 1 at ``cp == 1``).
+* **calls**: attention kernel calls per rank, counted on the call plan
+  the layout runs (:func:`plan_calls`), not on a model of it.
 
 Under NO_LOAD_BALANCE the work also depends on the order of the documents
 in the row; :func:`jax_cp.planning.balance_document_order` picks an order
@@ -37,9 +37,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax_cp.attention.validation import check_window_size
+from jax_cp.cp import call_plan
+from jax_cp.cp.config import make_config
+from jax_cp.cp.strategies.dual_chunk_swap import CompactCalls
 from jax_cp.cp import validation
 from jax_cp.cp.layout import CPLayout
 from jax_cp.cp.strategy import CPLoadBalancingStrategy
@@ -80,13 +85,9 @@ class CPCostEstimate:
       pairs``.
     imbalance: ``max(flops_per_rank) / mean(flops_per_rank)`` (1.0 when no
       rank has work).
-    calls_per_rank: attention kernel calls per rank in the forward: one
-      for DUAL_CHUNK_SWAP (both steps in one call; with a window its plan
-      runs up to three, which :func:`recommend_strategy` charges on top,
-      knowing the layout's ``max_seqlen``), two for NO_LOAD_BALANCE at
-      ``cp > 1`` (the chunk's local call, and the halo call for the
-      straddling document's keys before the chunk), one with a window of 0
-      (no halo).
+    calls_per_rank: attention kernel calls of the busiest rank's forward,
+      counted on the plan the layout runs (:func:`plan_calls`); the
+      backward is charged as many.
     allgather_bytes: K+V bytes each rank receives in the all-gather, summed
       over rows.
     halo_bytes_per_rank: NO_LOAD_BALANCE with ``max_seqlen`` or a window:
@@ -343,13 +344,13 @@ def estimate_cp_imbalance(cu_seqlens: ArrayLike,
     halo_tokens = [min(halo_len, r * tl) for r in range(cp)]
     halo_per_rank = tuple(int(t * rows * token_bytes) for t in halo_tokens)
     halo = max(halo_per_rank)
+  calls = plan_calls(strategy, cp, cu, cuP, hq, hkv, d, w, left)
   return CPCostEstimate(
       strategy=strategy, cp_size=cp,
       pairs_per_rank=tuple(int(p) for p in pairs),
       flops_per_rank=tuple(int(f) for f in flops),
       imbalance=imbalance,
-      calls_per_rank=(2 if cp > 1 and strategy is _NLB and left != 0
-                      else 1),
+      calls_per_rank=calls,
       allgather_bytes=int(allgather),
       halo_bytes_per_rank=halo_per_rank, halo_bytes=halo,
       longest_padded_doc=longest, total_tokens=total, num_rows=rows,
@@ -379,21 +380,32 @@ def pad_cu_seqlens(cu_seqlens, multiple: int
   return cu.reshape(shape), cu_p.reshape(shape)
 
 
-def _dcs_window_plan_calls(window_left: int, max_seqlen: int
-                          ) -> tuple[int, int] | None:
-  """(forward, backward) attention calls per rank of DUAL_CHUNK_SWAP's
-  windowed plan at cp > 1 (docs/internals.md, Call plans): the top-left
-  diagonals, the near rectangles and the far triangles each way; the
-  diagonals alone for a window of 0, no near rectangles for 1. None
-  without a window, or with one that reaches past every document
-  (``left >= max_seqlen - 1``: the plain causal plan)."""
-  if window_left < 0 or window_left >= max_seqlen - 1:
-    return None
-  if window_left == 0:
-    return 1, 1
-  if window_left == 1:
-    return 2, 2
-  return 3, 3
+def plan_calls(strategy, cp: int, cu, cuP, hq: int, hkv: int, d: int,
+               max_seqlen: int | None, window_left: int) -> int:
+  """The attention calls of a rank's forward, counted on the plan the
+  layout runs (:func:`jax_cp.cp.call_plan.forward_plan` on these host
+  metadata, the ``xla`` backend's plan: one per
+  :class:`~jax_cp.cp.calls.RowsCall` and halo call, one per part of
+  windowed DUAL_CHUNK_SWAP's compact calls); the most of any rank."""
+  total = int(cuP[0, -1])
+  plan_layout = CPLayout(cp_size=cp, strategy=strategy,
+                         max_seqlen=max_seqlen, backend="xla")
+  spec = lambda h: jax.ShapeDtypeStruct((cuP.shape[0], total, h, d),
+                                        jnp.float32)
+  cfg = make_config(
+      plan_layout, spec(hq), spec(hkv), spec(hkv), cu.astype(np.int32),
+      cuP.astype(np.int32), cp_size=cp, total_tokens=total,
+      attn_mask_type="causal", softmax_scale=None,
+      window_size=None if window_left < 0 else (window_left, 0),
+      trusted=True, platform="cpu")
+  most = 0
+  for rank in range(cp):
+    plan = call_plan.forward_plan(cfg, jnp.asarray(cu, jnp.int32),
+                                  jnp.asarray(cuP, jnp.int32),
+                                  jnp.int32(rank))
+    most = max(most, sum(len(c.calls) if isinstance(c, CompactCalls) else 1
+                         for c in plan))
+  return most
 
 
 def recommend_strategy(cu_seqlens: ArrayLike, cu_seqlens_padded: ArrayLike,
@@ -423,8 +435,7 @@ def recommend_strategy(cu_seqlens: ArrayLike, cu_seqlens_padded: ArrayLike,
   With a window both strategies' work counts only the keys in the window,
   so contiguous chunks are close to balanced and NO_LOAD_BALANCE usually
   wins (a halo of at most ``left`` tokens); each is charged the calls of
-  the plan it runs (DUAL_CHUNK_SWAP's windowed plan:
-  :func:`_dcs_window_plan_calls`; NO_LOAD_BALANCE's local and halo calls).
+  the plan it runs, counted on that plan (:func:`plan_calls`).
   Ties go to DUAL_CHUNK_SWAP (the default).
 
   Args:
@@ -486,14 +497,6 @@ def recommend_strategy(cu_seqlens: ArrayLike, cu_seqlens_padded: ArrayLike,
   times = {_DCS.value: dcs.predicted_time_s(**model),
            _NLB.value: nlb.predicted_time_s(
                bounded_exchange=bounded_exchange, **model)}
-  plan = _dcs_window_plan_calls(
-      dcs.window_left, min(max_seqlen or dcs.total_tokens, dcs.total_tokens))
-  if plan is not None and cp_size > 1:
-    # The estimate charges one call per direction; the windowed plan runs
-    # more (NO_LOAD_BALANCE's two each way are its calls_per_rank).
-    calls = plan[0] + (plan[1] if include_backward else 0)
-    times[_DCS.value] += (calls - (2 if include_backward else 1)) \
-        * call_overhead_s
   best = _NLB if times[_NLB.value] < times[_DCS.value] else _DCS
   other = _DCS if best is _NLB else _NLB
   reason = (f"{best.value} is predicted at {times[best.value] * 1e3:.3f} ms "
