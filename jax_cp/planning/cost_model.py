@@ -42,11 +42,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_cp.attention.validation import check_window_size
-from jax_cp.cp import call_plan
+from jax_cp.cp import call_plan, validation
 from jax_cp.cp.config import make_config
-from jax_cp.cp.strategies.dual_chunk_swap import CompactCalls
-from jax_cp.cp import validation
 from jax_cp.cp.layout import CPLayout
+from jax_cp.cp.strategies.dual_chunk_swap import CompactCalls
 from jax_cp.cp.strategy import CPLoadBalancingStrategy
 from jax_cp.planning import document_order
 from jax_cp.planning.flops import RECOMPUTE_BACKWARD_FACTOR, attention_flops
