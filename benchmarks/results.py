@@ -197,7 +197,13 @@ def _memory_cp(r: dict) -> str:
   row's ``max_seqlen``)."""
   if r.get("cp", 1) == 1 or r.get("kind") not in ("run", "search"):
     return "-"
-  return f"{r.get('strategy', '?')} / {plots.exchange(r)}"
+  return f"{r.get('strategy', '?')} / {plots.exchange(r)}{_split(r)}"
+
+
+def _split(r: dict) -> str:
+  """The cp mesh of a hierarchical exchange: `` (outer x inner)``."""
+  ci = r.get("cp_inner")
+  return f" ({r['cp'] // ci}x{ci})" if ci else ""
 
 
 def _exact(r: dict) -> str:
@@ -329,7 +335,7 @@ TABLES: dict[str, tuple[str, str, list[Column]]] = {
         "measured speed-ups are `step.md`'s.", [
             ("model", lambda r: r["model"]),
             ("strategy / exchange", lambda r: f"{r['strategy']} / "
-             f"{r['comm_type']}"),
+             f"{r['comm_type']}{_split(r)}"),
             ("cp", lambda r: r["cp"]), ("T", lambda r: fmt_tokens(
                 r["seq_len"])),
             ("T1", lambda r: fmt_tokens(r["profiled_seq_len"])),
