@@ -26,13 +26,14 @@ rank's step time is modeled as
   ``--bandwidth`` bytes per second per GPU and direction: an all-gather
   moves (N-1)/N of its result, a reduce-scatter N-1 times its result, a
   collective-permute its result, an all-reduce 2 (N-1)/N of it, an
-  all-to-all (ci-1)/ci of it. Those XLA
-  scheduled beside no matmul and no attention count whole; the others only
-  by as much as their total outlasts the step's compute;
+  all-to-all (ci-1)/ci of it. Those XLA scheduled beside no matmul and no
+  attention count whole; the others only by as much as their total
+  outlasts the step's compute;
 * ``F``: a fixed cost of every step at cp > 1 that none of the above
   holds (0 unless ``--calibrate-on N``: the measured step at that cp,
-  from ``--measured``, less the rest of the model there; the other
-  measured cps then check it).
+  from ``--measured``, less the rest of the model there, in a plan of
+  ``--plans`` or ``--calibrate-with``; the other measured cps then check
+  it).
 
 What it leaves out: every attention call is taken to run at the profiled
 calls' FLOP rate (a DUAL_CHUNK_SWAP chunk of a short document runs slower,
@@ -123,12 +124,12 @@ def cp1_profile(path: str, strategy: str) -> tuple[dict, dict]:
   return run["records"][0], run["profiles"][label]
 
 
-def model(args, fixed_ms: float = 0.0, say=print) -> list[dict]:
-  """One record per planned step with a schedule in ``args.plans``: the
-  parts of its modeled time, the per-GPU efficiency and the speed-up
-  (``say`` prints a line each)."""
+def model(args, fixed_ms: float = 0.0, say=print, plans=None) -> list[dict]:
+  """One record per planned step with a schedule in ``plans`` (default
+  ``args.plans``): the parts of its modeled time, the per-GPU efficiency
+  and the speed-up (``say`` prints a line each)."""
   out = []
-  for path in args.plans:
+  for path in args.plans if plans is None else plans:
     with open(path) as f:
       plan = json.load(f)
     p = plan["args"]
@@ -190,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="bytes/s per GPU and direction")
   p.add_argument("--measured", nargs="*", default=[], metavar="CP=SPEEDUP",
                  help="measured step speed-ups at the profiled T")
+  p.add_argument("--calibrate-with", nargs="*", default=[],
+                 help="plans that --calibrate-on may fit F on, their "
+                 "steps not written")
   p.add_argument("--calibrate-on", type=int, default=None, metavar="CP",
                  help="fit the fixed cost F of cp > 1 to the measured "
                  "speed-up at this cp")
@@ -211,7 +215,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     if args.calibrate_on not in args.measured:
       raise SystemExit(f"--calibrate-on {args.calibrate_on} needs a "
                        f"--measured speed-up at that cp")
-    at = [r for r in model(args, say=lambda _: None)
+    at = [r for r in model(args, say=lambda _: None,
+                           plans=args.calibrate_with + args.plans)
           if r["cp"] == args.calibrate_on
           and r["speedup"] is not None]
     if not at:
