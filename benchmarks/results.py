@@ -294,7 +294,8 @@ TABLES: dict[str, tuple[str, str, list[Column]]] = {
         "dk, dv against the subset reference (`benchmarks/exactness.py`; "
         "status *inexact* above 5e-3); status *compiled*: planned, not "
         "run; a device named *(plan)*: compiled for that GPU without one; "
-        "*unhidden*: bytes of the collectives XLA scheduled beside no "
+        "*collectives*: the bytes of the results of the step's "
+        "collectives; *unhidden*: of those XLA scheduled beside no "
         "matmul and no CP attention work (`--schedule`, "
         "`benchmarks/schedule.py`; a loop body's once). "
         "A/B rows: A's step time over B's, paired.", [
@@ -311,6 +312,9 @@ TABLES: dict[str, tuple[str, str, list[Column]]] = {
             ("out GB", lambda r: _gb(r.get("output_bytes"))),
             ("peak GB", lambda r: _gb(r.get("peak_bytes_in_use"))),
             ("scratch GB", lambda r: _gb(r.get("attention_scratch_bytes"))),
+            ("collectives GB", lambda r: _gb(sum(
+                k["bytes"] for k in r["schedule"]["kinds"].values())
+                if r.get("schedule") else None)),
             ("unhidden GB", lambda r: _gb((r.get("schedule") or {}).get(
                 "unhidden_bytes"))),
             ("ms/step", lambda r: (f"{r['ms_a']:.1f} / {r['ms_b']:.1f}"

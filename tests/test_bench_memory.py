@@ -58,10 +58,10 @@ def test_cpu_runs_and_the_generic_ab(tmp_path):
         "row"}
   rows = _rows(tmp_path)
   assert rows[0][8] == "A/B: remat=none / remat=full"
-  assert rows[0][18].startswith(f"**{ab['ratio']:.3f}**")
+  assert rows[0][19].startswith(f"**{ab['ratio']:.3f}**")
   assert [(r[0], r[2], r[3], r[8]) for r in rows[1:]] == [
       ("example*", "256", "1", "ok"), ("example*", "256", "2", "ok")]
-  assert rows[1][17] == f"{max(runs[0]['exact'].values()):.1e}"
+  assert rows[1][18] == f"{max(runs[0]['exact'].values()):.1e}"
 
 
 def test_layer_chunk_run_checks_the_chunk_calls(tmp_path):
