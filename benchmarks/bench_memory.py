@@ -77,8 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
                  choices=workload.STRATEGIES)
   p.add_argument("--seq-lens", type=tokens, nargs="*", default=[])
   p.add_argument("--comm-type", default="all_gather",
-                 choices=("all_gather", "ring"),
+                 choices=("all_gather", "ring", "all_to_all",
+                          "all_to_all+ring"),
                  help="how K/V travel between CP ranks")
+  p.add_argument("--cp-inner", type=int, default=None,
+                 help="all_to_all+ring: ranks of the inner axis (the "
+                 "all-to-all's); cp = outer x inner")
   p.add_argument("--scan-layers", action="store_true",
                  help="the model's layers as a scan (one layer's schedule)")
   p.add_argument("--cp", type=int, nargs="+", default=[1])
@@ -120,6 +124,18 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--out", default=results.RESULTS_DIR)
   p.add_argument("--tag", default=None, help="suffix of the result file")
   return p
+
+
+def cp_inner(args, cp: int) -> int | None:
+  """``--cp-inner`` for all_to_all+ring (it must divide cp; 1 at cp = 1)."""
+  if args.comm_type != "all_to_all+ring":
+    return None
+  if cp == 1:
+    return 1
+  if args.cp_inner is None or cp % args.cp_inner:
+    raise ValueError(f"--comm-type all_to_all+ring needs a --cp-inner that "
+                     f"divides cp={cp}, got {args.cp_inner}")
+  return args.cp_inner
 
 
 def model_sizes(args) -> dict:
@@ -171,18 +187,20 @@ def build_step(args, seq_len: int, cp: int, layer: dict) -> Step:
   cfg = config.Config(
       device=args.device, dtype=args.dtype, seq_len=seq_len, batch=1, dp=1,
       cp=cp, strategy=args.strategy, comm_type=args.comm_type,
-      scan_layers=args.scan_layers, backend=args.backend,
+      cp_inner=cp_inner(args, cp), scan_layers=args.scan_layers,
+      backend=args.backend,
       max_doc_len=args.max_doc_len, doc_order="packed",
       seed=args.seed,
       **model_sizes(args), **layer)
   rows = data.load_rows(cfg, 1, cp)
-  mesh = lm_main.make_mesh(1, cp, args.device)
+  mesh = lm_main.make_mesh(1, cp, args.device, cfg)
   batch = data.place_batch(rows, lm.make_layout(cfg, mesh, rows.max_seqlen))
   if args.target:
+    axes = lm.mesh_shape(cfg, 1, cp)   # the inner axis within a host
     devices = deviceless.compile_only_devices(args.target, cp)
-    mesh = jax.sharding.Mesh(np.array(devices).reshape(1, cp),
-                             (lm.DATA, lm.CP),
-                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(*axes.values()),
+                             tuple(axes), axis_types=(
+                                 jax.sharding.AxisType.Auto,) * len(axes))
     batch = deviceless.abstract(batch, mesh)
   layout = lm.make_layout(cfg, mesh, rows.max_seqlen)
   with jax.set_mesh(mesh):
@@ -260,20 +278,29 @@ def resolved_backend(cfg) -> str:
     return cfg.backend
 
 
-def main_call_tokens(cfg, cp: int, max_seqlen: int) -> tuple[int, int]:
-  """``(queries, keys)`` of the step's main attention call: a layer
-  chunk's; at cp = 1, or with the ring exchange, a rank's chunk against
-  itself; with an all-gather, a rank's chunk against the whole row (a
-  NO_LOAD_BALANCE halo: its local call, a chunk against itself)."""
+def main_call_tokens(cfg, cp: int, max_seqlen: int
+                     ) -> tuple[int, int, int, int]:
+  """``(queries, keys, query heads, K/V heads)`` of the step's main
+  attention call: a layer chunk's; at cp = 1, or with the ring exchange,
+  a rank's chunk against itself; with an all-gather, a rank's chunk
+  against the whole row (a NO_LOAD_BALANCE halo: its local call, a chunk
+  against itself); after an all-to-all over ``ci`` ranks, ``H/ci`` heads
+  (K/V heads repeated up to one a rank) of the whole row, or with
+  all_to_all+ring of the outer ring's chunk against itself."""
   from jax_cp.cp.exchange import choose_exchange  # pylint: disable=import-outside-toplevel
   plan = layer_plan(cfg, max_seqlen)
+  h, kv = cfg.heads, cfg.kv_heads
   if plan is not None:
-    return plan.chunk, plan.chunk
+    return plan.chunk, plan.chunk, h, kv
+  if cfg.comm_type.startswith("all_to_all") and cp > 1:
+    ci = cfg.cp_inner or cp
+    tl = cfg.seq_len // (cp // ci)
+    return tl, tl, h // ci, max(kv // ci, 1)
   tl = cfg.seq_len // cp
   kind = choose_exchange(cfg.strategy == "no_load_balance", "cp", cp,
                          cfg.seq_len, max_seqlen,
                          comm_type=cfg.comm_type).kind
-  return tl, cfg.seq_len if kind == "all_gather" else tl
+  return tl, cfg.seq_len if kind == "all_gather" else tl, h, kv
 
 
 def attention_scratch(cfg, cp: int, rows) -> tuple[int, int, int]:
@@ -282,14 +309,13 @@ def attention_scratch(cfg, cp: int, rows) -> tuple[int, int, int]:
   group that the call runs as (:func:`jax_cp.attention.cudnn.workspace.
   backward_split`)."""
   from jax_cp.attention.cudnn import workspace as ws  # pylint: disable=import-outside-toplevel
-  tq, tkv = main_call_tokens(cfg, cp, rows.max_seqlen)
+  tq, tkv, h, kv = main_call_tokens(cfg, cp, rows.max_seqlen)
   hd = cfg.d_model // cfg.heads
   kw = dict(segments=rows.cu_seqlens.shape[-1] - 1,
             max_seqlen_q=min(rows.max_seqlen, tq))
-  groups, slices = ws.backward_split(tq, tkv, cfg.heads, cfg.kv_heads, hd,
-                                     **kw)
+  groups, slices = ws.backward_split(tq, tkv, h, kv, hd, **kw)
   return ws.backward_workspace_bytes(
-      tq, -(-tkv // slices), cfg.heads // groups, cfg.kv_heads // groups, hd,
+      tq, -(-tkv // slices), h // groups, kv // groups, hd,
       **kw), groups, slices
 
 
@@ -324,6 +350,8 @@ def measure(args, seq_len: int, cp: int, remat: str, *, timed: bool = True
   rec = dict(kind="run", model=model_name(args), seq_len=seq_len, cp=cp,
              strategy=args.strategy, comm_type=args.comm_type,
              scan_layers=args.scan_layers, backend=args.backend, **layer)
+  if args.cp_inner is not None and cp > 1:
+    rec["cp_inner"] = args.cp_inner
   step = None
   try:
     step = build_step(args, seq_len, cp, layer)
@@ -488,8 +516,10 @@ def longest_trainable(args, cp: int, remat: str, listed: list[dict],
       break
     lo, hi = (mid, hi) if ok else (lo, mid)
   layer = settings(args, remat=remat)
+  inner = {} if args.cp_inner is None or cp == 1 else dict(
+      cp_inner=args.cp_inner)
   return dict(kind="search", model=model_name(args), cp=cp, **layer,
-              strategy=args.strategy, comm_type=args.comm_type,
+              strategy=args.strategy, comm_type=args.comm_type, **inner,
               scan_layers=args.scan_layers, longest_seq_len=lo or None,
               first_failing_seq_len=hi,
               search_step=step, search_max=args.search_max,
@@ -558,6 +588,12 @@ def main(argv: Sequence[str] | None = None) -> str:
     raise SystemExit(f"--target {args.target} compiles for a GPU that is "
                      "not here: it needs --compile-only and --backend "
                      "standin or cudnn")
+  for cp in args.cp:
+    if cp > 1:
+      try:
+        cp_inner(args, cp)
+      except ValueError as e:
+        raise SystemExit(str(e)) from None
   if args.backend == "standin" and not args.compile_only:
     raise SystemExit("--backend standin is not attention: it plans memory "
                      "with --compile-only and runs no step")

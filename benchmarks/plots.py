@@ -18,7 +18,7 @@ from benchmarks.workload import DIST_LABEL, fmt_tokens
 #: control (the primitive paired with itself).
 PEERS = ("ours", "jax_nn", "jax_packed", "tokamax_mosaic", "tokamax_triton",
          "kvax")
-EXCHANGES = ("all_gather", "ring", "halo")
+EXCHANGES = ("all_gather", "ring", "halo", "all_to_all", "all_to_all+ring")
 
 
 def pyplot():

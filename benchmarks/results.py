@@ -197,7 +197,13 @@ def _memory_cp(r: dict) -> str:
   row's ``max_seqlen``)."""
   if r.get("cp", 1) == 1 or r.get("kind") not in ("run", "search"):
     return "-"
-  return f"{r.get('strategy', '?')} / {plots.exchange(r)}"
+  return f"{r.get('strategy', '?')} / {plots.exchange(r)}{_split(r)}"
+
+
+def _split(r: dict) -> str:
+  """The cp mesh of a hierarchical exchange: `` (outer x inner)``."""
+  ci = r.get("cp_inner")
+  return f" ({r['cp'] // ci}x{ci})" if ci else ""
 
 
 def _exact(r: dict) -> str:
@@ -288,7 +294,8 @@ TABLES: dict[str, tuple[str, str, list[Column]]] = {
         "dk, dv against the subset reference (`benchmarks/exactness.py`; "
         "status *inexact* above 5e-3); status *compiled*: planned, not "
         "run; a device named *(plan)*: compiled for that GPU without one; "
-        "*unhidden*: bytes of the collectives XLA scheduled beside no "
+        "*collectives*: the bytes of the results of the step's "
+        "collectives; *unhidden*: of those XLA scheduled beside no "
         "matmul and no CP attention work (`--schedule`, "
         "`benchmarks/schedule.py`; a loop body's once). "
         "A/B rows: A's step time over B's, paired.", [
@@ -305,6 +312,9 @@ TABLES: dict[str, tuple[str, str, list[Column]]] = {
             ("out GB", lambda r: _gb(r.get("output_bytes"))),
             ("peak GB", lambda r: _gb(r.get("peak_bytes_in_use"))),
             ("scratch GB", lambda r: _gb(r.get("attention_scratch_bytes"))),
+            ("collectives GB", lambda r: _gb(sum(
+                k["bytes"] for k in r["schedule"]["kinds"].values())
+                if r.get("schedule") else None)),
             ("unhidden GB", lambda r: _gb((r.get("schedule") or {}).get(
                 "unhidden_bytes"))),
             ("ms/step", lambda r: (f"{r['ms_a']:.1f} / {r['ms_b']:.1f}"
@@ -329,7 +339,7 @@ TABLES: dict[str, tuple[str, str, list[Column]]] = {
         "measured speed-ups are `step.md`'s.", [
             ("model", lambda r: r["model"]),
             ("strategy / exchange", lambda r: f"{r['strategy']} / "
-             f"{r['comm_type']}"),
+             f"{r['comm_type']}{_split(r)}"),
             ("cp", lambda r: r["cp"]), ("T", lambda r: fmt_tokens(
                 r["seq_len"])),
             ("T1", lambda r: fmt_tokens(r["profiled_seq_len"])),

@@ -18,16 +18,22 @@ rank's step time is modeled as
   (:func:`jax_cp.planning.estimate_cp_imbalance`, the strategy's exact
   split) on the example's row of T tokens packed for N ranks
   (``examples.packed_lm.data.load_rows``), over those of the profiled row;
+  after an all-to-all over ``ci`` ranks each rank attends ``1/ci`` of the
+  heads: of whole rows (``all_to_all``, ``ci = N``: the row's pairs over
+  N), or of the busiest outer rank's share at ``N/ci`` ranks
+  (``all_to_all+ring``);
 * ``exposed(N)``: the plan's collectives (:mod:`benchmarks.schedule`) at
   ``--bandwidth`` bytes per second per GPU and direction: an all-gather
   moves (N-1)/N of its result, a reduce-scatter N-1 times its result, a
-  collective-permute its result, an all-reduce 2 (N-1)/N of it. Those XLA
-  scheduled beside no matmul and no attention count whole; the others only
-  by as much as their total outlasts the step's compute;
+  collective-permute its result, an all-reduce 2 (N-1)/N of it, an
+  all-to-all (ci-1)/ci of it. Those XLA scheduled beside no matmul and no
+  attention count whole; the others only by as much as their total
+  outlasts the step's compute;
 * ``F``: a fixed cost of every step at cp > 1 that none of the above
   holds (0 unless ``--calibrate-on N``: the measured step at that cp,
-  from ``--measured``, less the rest of the model there; the other
-  measured cps then check it).
+  from ``--measured``, less the rest of the model there, in a plan of
+  ``--plans`` or ``--calibrate-with``; the other measured cps then check
+  it).
 
 What it leaves out: every attention call is taken to run at the profiled
 calls' FLOP rate (a DUAL_CHUNK_SWAP chunk of a short document runs slower,
@@ -65,24 +71,41 @@ MOVED = {"all-gather": lambda n: (n - 1) / n,
 
 @functools.cache
 def pairs(strategy: str, seq_len: int, cp: int, max_doc_len: int,
-          seed: int) -> tuple[int, int]:
+          seed: int, ranks: int | None = None) -> tuple[int, int]:
   """``(busiest rank's, all ranks')`` causal pairs on the example's row
-  of ``seq_len`` tokens packed for ``cp`` ranks."""
+  of ``seq_len`` tokens packed for ``cp`` ranks, split over ``ranks``
+  (default ``cp``)."""
   cfg = config.Config(strategy=strategy, seq_len=seq_len, seed=seed,
                       max_doc_len=max_doc_len, doc_order="packed")
   rows = data.load_rows(cfg, 1, cp)
   est = jax_cp.planning.estimate_cp_imbalance(
       rows.cu_seqlens[0], rows.cu_seqlens_padded[0],
-      jax_cp.CPLayout(cp_size=cp, strategy=strategy))
+      jax_cp.CPLayout(cp_size=ranks or cp, strategy=strategy))
   return int(max(est.pairs_per_rank)), int(sum(est.pairs_per_rank))
 
 
+def busiest_pairs(r: dict, strategy: str, max_doc_len: int, seed: int
+                  ) -> tuple[float, int]:
+  """``(busiest rank's, all ranks')`` causal pairs of a planned step
+  ``r``, a rank's share of the heads counted (``pairs``, module doc)."""
+  cp, seq = int(r["cp"]), int(r["seq_len"])
+  comm = r.get("comm_type", "all_gather")
+  ci = (cp if comm == "all_to_all" else int(r.get("cp_inner") or 1)
+        if comm == "all_to_all+ring" else 1)
+  busiest, total = pairs(strategy, seq, cp, max_doc_len, seed,
+                         ranks=cp // ci)
+  return busiest / ci, total
+
+
 def exposed_ms(schedule: dict, cp: int, bandwidth: float,
-               compute_ms: float) -> tuple[float, float]:
-  """``(all collectives' ms, exposed ms)`` of a plan's schedule."""
+               compute_ms: float, inner: int | None = None
+               ) -> tuple[float, float]:
+  """``(all collectives' ms, exposed ms)`` of a plan's schedule; an
+  all-to-all over ``inner`` ranks (default ``cp``)."""
   whole = hidden = 0.0
   for kind, k in schedule["kinds"].items():
-    per_byte = MOVED[kind](cp) / bandwidth * 1e3
+    n = (inner or cp) if kind == "all-to-all" else cp
+    per_byte = MOVED[kind](n) / bandwidth * 1e3
     whole += per_byte * k["unhidden_bytes"]
     hidden += per_byte * (k["bytes"] - k["unhidden_bytes"])
   return whole + hidden, whole + max(0.0, hidden - compute_ms)
@@ -101,12 +124,12 @@ def cp1_profile(path: str, strategy: str) -> tuple[dict, dict]:
   return run["records"][0], run["profiles"][label]
 
 
-def model(args, fixed_ms: float = 0.0, say=print) -> list[dict]:
-  """One record per planned step with a schedule in ``args.plans``: the
-  parts of its modeled time, the per-GPU efficiency and the speed-up
-  (``say`` prints a line each)."""
+def model(args, fixed_ms: float = 0.0, say=print, plans=None) -> list[dict]:
+  """One record per planned step with a schedule in ``plans`` (default
+  ``args.plans``): the parts of its modeled time, the per-GPU efficiency
+  and the speed-up (``say`` prints a line each)."""
   out = []
-  for path in args.plans:
+  for path in args.plans if plans is None else plans:
     with open(path) as f:
       plan = json.load(f)
     p = plan["args"]
@@ -121,16 +144,18 @@ def model(args, fixed_ms: float = 0.0, say=print) -> list[dict]:
       if r.get("kind") != "run" or not r.get("schedule"):
         continue
       cp, seq = int(r["cp"]), int(r["seq_len"])
-      busiest, total = pairs(p["strategy"], seq, cp, p["max_doc_len"],
-                             p["seed"])
+      busiest, total = busiest_pairs(r, p["strategy"], p["max_doc_len"],
+                                     p["seed"])
       attn, other = attn1 * busiest / pairs1, other1 * seq / cp / t1
       one_gpu = attn1 * total / pairs1 + other1 * seq / t1 + idle1
       comm, exposed = exposed_ms(r["schedule"], cp, args.bandwidth,
-                                 attn + other)
+                                 attn + other, r.get("cp_inner"))
       step = attn + other + idle1 + exposed + (fixed_ms if cp > 1 else 0)
       rec_out = dict(
           model=r["model"], strategy=p["strategy"],
-          comm_type=r.get("comm_type", "all_gather"), cp=cp, seq_len=seq,
+          comm_type=r.get("comm_type", "all_gather"),
+          **({"cp_inner": r["cp_inner"]} if r.get("cp_inner") else {}),
+          cp=cp, seq_len=seq,
           profiled_seq_len=t1, bandwidth=args.bandwidth, attention_ms=attn,
           other_ms=other, idle_ms=idle1, collectives_ms=comm,
           exposed_ms=exposed, fixed_ms=fixed_ms if cp > 1 else 0.0,
@@ -166,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="bytes/s per GPU and direction")
   p.add_argument("--measured", nargs="*", default=[], metavar="CP=SPEEDUP",
                  help="measured step speed-ups at the profiled T")
+  p.add_argument("--calibrate-with", nargs="*", default=[],
+                 help="plans that --calibrate-on may fit F on, their "
+                 "steps not written")
   p.add_argument("--calibrate-on", type=int, default=None, metavar="CP",
                  help="fit the fixed cost F of cp > 1 to the measured "
                  "speed-up at this cp")
@@ -187,7 +215,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     if args.calibrate_on not in args.measured:
       raise SystemExit(f"--calibrate-on {args.calibrate_on} needs a "
                        f"--measured speed-up at that cp")
-    at = [r for r in model(args, say=lambda _: None)
+    at = [r for r in model(args, say=lambda _: None,
+                           plans=args.calibrate_with + args.plans)
           if r["cp"] == args.calibrate_on
           and r["speedup"] is not None]
     if not at:

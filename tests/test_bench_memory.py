@@ -58,10 +58,10 @@ def test_cpu_runs_and_the_generic_ab(tmp_path):
         "row"}
   rows = _rows(tmp_path)
   assert rows[0][8] == "A/B: remat=none / remat=full"
-  assert rows[0][18].startswith(f"**{ab['ratio']:.3f}**")
+  assert rows[0][19].startswith(f"**{ab['ratio']:.3f}**")
   assert [(r[0], r[2], r[3], r[8]) for r in rows[1:]] == [
       ("example*", "256", "1", "ok"), ("example*", "256", "2", "ok")]
-  assert rows[1][17] == f"{max(runs[0]['exact'].values()):.1e}"
+  assert rows[1][18] == f"{max(runs[0]['exact'].values()):.1e}"
 
 
 def test_layer_chunk_run_checks_the_chunk_calls(tmp_path):
@@ -130,6 +130,38 @@ def test_standin_plans_without_the_score_matrix(tmp_path, monkeypatch):
   assert temps["xla"] - temps["standin"] > 4 * 2048 ** 2 * 4, temps
   with pytest.raises(SystemExit, match="standin is not attention"):
     bench_memory.main([*TINY, "--backend", "standin", "--seq-lens", "256"])
+
+
+@requires_devices(4, "cpu")
+def test_all_to_all_plans_on_one_or_two_cp_axes(tmp_path):
+  """--comm-type all_to_all (one cp axis) and all_to_all+ring --cp-inner 2
+  (a 2x2 cp mesh): the compiled step has its all-to-alls, the main call
+  attends H/ci heads, the record and the table name the split; a
+  --cp-inner that does not divide cp is refused."""
+  argv = [*TINY, "--heads", "4", "--kv-heads", "2", "--seq-lens", "256",
+          "--cp", "4", "--max-doc-len", "96", "--compile-only",
+          "--strategy", "dual_chunk_swap", "--schedule"]
+  for comm, inner in (("all_to_all", []), ("all_to_all+ring",
+                                            ["--cp-inner", "2"])):
+    out = tmp_path / comm
+    (r,) = _records(bench_memory.main([*argv, "--comm-type", comm, *inner,
+                                       "--out", str(out)]))
+    assert r["status"] == "compiled" and r["comm_type"] == comm, r
+    assert r["schedule"]["kinds"]["all-to-all"]["count"] > 0
+    assert r.get("cp_inner") == (2 if inner else None)
+    split = " (2x2)" if inner else ""
+    assert _rows(out)[0][4] == f"dual_chunk_swap / {comm}{split}"
+  from examples.packed_lm import config   # the main call after it
+  c = config.Config(heads=4, kv_heads=2, seq_len=256, cp=4,
+                    strategy="dual_chunk_swap", comm_type="all_to_all+ring",
+                    cp_inner=2)
+  assert bench_memory.main_call_tokens(c, 4, 96) == (128, 128, 2, 1)
+  c = config.Config(heads=4, kv_heads=2, seq_len=256, cp=4,
+                    strategy="dual_chunk_swap", comm_type="all_to_all")
+  assert bench_memory.main_call_tokens(c, 4, 96) == (256, 256, 1, 1)
+  with pytest.raises(SystemExit, match="--cp-inner"):
+    bench_memory.main([*argv, "--comm-type", "all_to_all+ring",
+                       "--cp-inner", "3"])
 
 
 def _args(argv):

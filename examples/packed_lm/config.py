@@ -63,7 +63,12 @@ class Config:
   scan_layers: bool = _flag(False, "run the layers as a scan over "
                             "stacked parameters (XLA schedules one layer)")
   comm_type: str = _flag("all_gather", "how K/V travel between CP ranks "
-                         "(CPLayout.comm_type)", ("all_gather", "ring"))
+                         "(CPLayout.comm_type)", ("all_gather", "ring",
+                                                 "all_to_all",
+                                                 "all_to_all+ring"))
+  cp_inner: int | None = _flag(None, "all_to_all+ring: ranks of the inner "
+                               "cp axis, the all-to-all's (cp = outer x "
+                               "inner; default: none, one cp axis)")
   max_seqlen: int | None = _flag(None, "bound on padded document "
                                  "lengths (default: the data's)")
   max_doc_len: int | None = _flag(None, "cut files to this many bytes "
@@ -96,6 +101,10 @@ class Config:
       self.warmup = max(1, min(100, self.steps // 10))
     if self.strategy != "no_load_balance":
       self.doc_order = "packed"   # DUAL_CHUNK_SWAP's work ignores the order
+    if (self.comm_type == "all_to_all+ring") != (self.cp_inner is not None):
+      raise ValueError("comm_type='all_to_all+ring' and cp_inner go "
+                       f"together, got {self.comm_type!r} and "
+                       f"cp_inner={self.cp_inner}")
     if self.remat not in REMAT:
       raise ValueError(f"remat={self.remat!r} is not one of {list(REMAT)}")
     self.mlp_chunk_size = parse_chunk_size(self.mlp_chunk_size)

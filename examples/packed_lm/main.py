@@ -19,9 +19,11 @@ import jax_cp
 from examples.packed_lm import checkpoint, config, data, model, train
 
 
-def make_mesh(dp: int, cp: int, device: str) -> jax.sharding.Mesh:
-  """``(data, cp)`` (Auto axes) over the first ``dp*cp/N`` devices of each
-  of N processes in (process, id) order: each cp group on fewest hosts."""
+def make_mesh(dp: int, cp: int, device: str,
+              cfg: config.Config | None = None) -> jax.sharding.Mesh:
+  """``(data, cp)`` (``(data, cp_outer, cp_inner)`` with ``cfg.cp_inner``;
+  Auto axes) over the first ``dp*cp/N`` devices of each of N processes in
+  (process, id) order: each cp group on fewest hosts."""
   platform, n_proc = jax.devices()[0].platform, jax.process_count()
   if platform != device:
     raise SystemExit(f"--device {device}, but jax runs on {platform}")
@@ -32,8 +34,10 @@ def make_mesh(dp: int, cp: int, device: str) -> jax.sharding.Mesh:
     raise SystemExit(f"dp*cp = {dp * cp} devices, {per} from each of the "
                      f"{n_proc} processes, are not present (CPU: XLA_FLAGS="
                      "--xla_force_host_platform_device_count=N)")
-  return jax.make_mesh((dp, cp), (model.DATA, model.CP), devices=chosen,
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  axes = (model.mesh_shape(cfg, dp, cp) if cfg is not None
+          else {model.DATA: dp, model.CP: cp})
+  return jax.make_mesh(tuple(axes.values()), tuple(axes), devices=chosen,
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
 
 
 def _start(cfg: config.Config) -> config.Config:
@@ -60,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
   cfg = _start(config.parse_args(argv))
   is_main, b = jax.process_index() == 0, cfg.batch
   log = print if is_main and not cfg.quiet else (lambda *a: None)
-  mesh = make_mesh(cfg.dp, cfg.cp, cfg.device)
+  mesh = make_mesh(cfg.dp, cfg.cp, cfg.device, cfg)
   layout = model.make_layout(cfg, mesh)
   multiple = jax_cp.data.pad_multiple_for(layout)
   # A padded document is at most max_doc_len rounded up; so is the padding

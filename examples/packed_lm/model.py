@@ -11,7 +11,24 @@ import jax_cp.nnx
 from examples.packed_lm.config import Config
 
 DATA, CP = "data", "cp"
+#: The two cp axes of ``comm_type="all_to_all+ring"`` (``--cp-inner``).
+CP_OUTER, CP_INNER = "cp_outer", "cp_inner"
 VOCAB_SIZE = 256   # bytes
+
+
+def cp_axis(cfg: Config) -> str | tuple[str, str]:
+  """The layout's ``cp_axis``: ``cp``, or ``(cp_outer, cp_inner)`` with
+  ``cfg.cp_inner``."""
+  return CP if cfg.cp_inner is None else (CP_OUTER, CP_INNER)
+
+
+def mesh_shape(cfg: Config, dp: int, cp: int) -> dict[str, int]:
+  """The mesh's axes and sizes: ``data`` and :func:`cp_axis`'s."""
+  if cfg.cp_inner is None:
+    return {DATA: dp, CP: cp}
+  if cfg.cp_inner < 1 or cp % cfg.cp_inner:
+    raise ValueError(f"cp_inner={cfg.cp_inner} does not divide cp={cp}")
+  return {DATA: dp, CP_OUTER: cp // cfg.cp_inner, CP_INNER: cfg.cp_inner}
 
 
 def make_layout(cfg: Config, mesh=None,
@@ -20,8 +37,8 @@ def make_layout(cfg: Config, mesh=None,
   CP. ``max_seqlen`` is checked on the host when a batch is built
   (``jax_cp.data.make_global_batch``), so the steps trust it."""
   cp = (dict(cp_axis=None) if mesh is None else
-        dict(mesh=mesh, cp_axis=CP, batch_axis=DATA, strategy=cfg.strategy,
-             comm_type=cfg.comm_type))
+        dict(mesh=mesh, cp_axis=cp_axis(cfg), batch_axis=DATA,
+             strategy=cfg.strategy, comm_type=cfg.comm_type))
   return jax_cp.CPLayout(backend=cfg.backend, max_seqlen=max_seqlen, **cp)
 
 

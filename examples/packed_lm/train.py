@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 import jax_cp
 from examples.packed_lm.config import Config
 from examples.packed_lm.lm_loss import token_losses
-from examples.packed_lm.model import CP, DATA, PackedLM
+from examples.packed_lm.model import PackedLM
 
 # bf16 dense peak TFLOP/s per device, by device kind (vendor spec sheets).
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0,
@@ -57,17 +57,18 @@ def _stacked(path) -> bool:
 
 def param_spec(shape, mesh, mode: str = "fsdp", stacked: bool = False) -> P:
   """FSDP: the first dimension the mesh size divides (NCCL gathers
-  contiguous shards) over ``(data, cp)``, never a ``stacked`` parameter's
-  layer axis; else, or replicated: ``P()``."""
+  contiguous shards) over all the mesh's axes (``data`` and the cp ones),
+  never a ``stacked`` parameter's layer axis; else, or replicated:
+  ``P()``."""
   if mode not in ("fsdp", "replicated"):
     raise ValueError(f"param sharding mode={mode!r} is not one of "
                      "['fsdp', 'replicated']")
-  n = mesh.shape[DATA] * mesh.shape[CP]
+  n = mesh.size
   dims = [i for i, d in enumerate(shape) if d % n == 0 and not (
       stacked and i == 0)]
   if mode == "replicated" or n == 1 or not dims:
     return P()
-  return P(*[(DATA, CP) if i == dims[0] else None
+  return P(*[tuple(mesh.axis_names) if i == dims[0] else None
              for i in range(len(shape))])
 
 
