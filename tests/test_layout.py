@@ -285,3 +285,18 @@ def test_shard_tokens_token_axis_of_heads_arrays():
   assert row.sharding.spec[:1] == ("cp",)
   with pytest.raises(ValueError, match="seq_dim=3 is not an axis"):
     layout.shard_tokens(x[0], seq_dim=3)
+
+
+def test_cp_axis_of_two_mesh_axes():
+  """``cp_axis=(outer, inner)``: the cp size is the product of the two
+  axes' sizes; a repeated name, or a name not on the mesh, raises."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4),
+                           ("outer", "inner"))
+  layout = CPLayout(mesh=mesh, cp_axis=("outer", "inner"))
+  assert layout.cp_axes == ("outer", "inner") and layout.cp_size == 8
+  assert layout.resolve_axis_sizes() == (2, 4)
+  assert CPLayout(mesh=mesh, cp_axis=["inner"]).cp_axis == "inner"
+  with pytest.raises(ValueError, match="distinct"):
+    CPLayout(cp_axis=("outer", "outer"))
+  with pytest.raises(ValueError, match="cp_axis"):
+    CPLayout(mesh=mesh, cp_axis=("outer", "tp"))

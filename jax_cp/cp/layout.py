@@ -50,7 +50,12 @@ _TOKEN_FIELDS = ("cp_axis", "strategy", "cp_size")
 def _axes(value, argname: str) -> tuple[str, ...]:
   if value is None:
     return ()
-  axes = (value,) if isinstance(value, str) else tuple(value)
+  if isinstance(value, str):
+    axes = (value,)
+  elif isinstance(value, (tuple, list)):
+    axes = tuple(value)
+  else:
+    axes = (value,)
   for ax in axes:
     if not isinstance(ax, str):
       raise ValueError(f"{argname} must be a mesh axis name or a tuple of "
