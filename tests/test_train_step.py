@@ -200,8 +200,10 @@ def test_scanned_layers_compute_the_unrolled_model():
       nnx.update(getattr(unrolled, name),
                  nnx.state(getattr(scanned, name), nnx.Param))
     loss = lambda m: jax.numpy.mean(m(batch) ** 2)
-    a, ga = nnx.value_and_grad(loss)(scanned)
-    b, gb = nnx.value_and_grad(loss)(unrolled)
+    # Jitted: eagerly every op of the model dispatches on its own.
+    step = nnx.jit(nnx.value_and_grad(loss))
+    a, ga = step(scanned)
+    b, gb = step(unrolled)
   np.testing.assert_allclose(a, b, rtol=1e-5)
   g_stacked = nnx.state(ga.layers, nnx.Param) if hasattr(ga, "layers") \
       else ga["layers"]
