@@ -44,9 +44,12 @@ def nlb_size(cp):
 
 
 def call(q, k, v, cu=CU, cuP=CUP, *, layout=None, **kw):
-  """cp_attention on ``layout`` (default :func:`nlb`)."""
-  return jax_cp.cp_attention(q, k, v, (cu, cuP), layout=layout or nlb(),
-                             **kw)
+  """cp_attention on ``layout`` (default :func:`nlb`), compiled once (the
+  metadata stay what they are: constants when given as values, so their
+  checks by value run as in an eager call; eagerly every op of the
+  ``shard_map`` would dispatch on its own)."""
+  return jax.jit(lambda q, k, v: jax_cp.cp_attention(
+      q, k, v, (cu, cuP), layout=layout or nlb(), **kw))(q, k, v)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -203,7 +206,8 @@ def test_batch_with_another_token_placement_raises(field):
   with pytest.raises(ValueError, match="laid out with another CPLayout "
                      f"\\({field}: "):
     jax_cp.cp_attention(q, k, v, batch, layout=other)
-  out = jax_cp.cp_attention(q, k, v, batch, layout=nlb(max_seqlen=8))
+  out = jax.jit(lambda q, k, v: jax_cp.cp_attention(
+      q, k, v, batch, layout=nlb(max_seqlen=8)))(q, k, v)
   assert out.shape == q.shape
 
 
