@@ -151,7 +151,7 @@ def test_all_to_all_plans_on_one_or_two_cp_axes(tmp_path):
     assert r.get("cp_inner") == (2 if inner else None)
     split = " (2x2)" if inner else ""
     assert _rows(out)[0][4] == f"dual_chunk_swap / {comm}{split}"
-  from examples.packed_lm import config   # the main call after it
+  from examples.packed_lm import config  # the main call after it
   c = config.Config(heads=4, kv_heads=2, seq_len=256, cp=4,
                     strategy="dual_chunk_swap", comm_type="all_to_all+ring",
                     cp_inner=2)
