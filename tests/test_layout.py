@@ -290,7 +290,7 @@ def test_shard_tokens_token_axis_of_heads_arrays():
 def test_cp_axis_of_two_mesh_axes():
   """``cp_axis=(outer, inner)``: the cp size is the product of the two
   axes' sizes; a repeated name, or a name not on the mesh, raises."""
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4),
+  mesh = jax.sharding.Mesh(np.array(devices(8)).reshape(2, 4),
                            ("outer", "inner"))
   layout = CPLayout(mesh=mesh, cp_axis=("outer", "inner"))
   assert layout.cp_axes == ("outer", "inner") and layout.cp_size == 8

@@ -23,6 +23,7 @@ layout raises ``ValueError`` (:meth:`CPLayout.check_matches`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -65,10 +66,7 @@ def _axes(value, argname: str) -> tuple[str, ...]:
 
 def _axes_size(mesh, axes: tuple[str, ...]) -> int:
   """The product of the sizes of mesh axes ``axes``."""
-  size = 1
-  for ax in axes:
-    size *= int(mesh.shape[ax])
-  return size
+  return math.prod(int(mesh.shape[ax]) for ax in axes)
 
 
 def _optional_bound(value, argname: str) -> int | None:
@@ -275,10 +273,7 @@ class CPLayout:
       ValueError: ``cp_axis`` is not bound (local view) or not on the mesh
         (global view), or its size disagrees with ``cp_size``.
     """
-    size = 1
-    for n in self.resolve_axis_sizes():
-      size *= n
-    return size
+    return math.prod(self.resolve_axis_sizes())
 
   def resolve_axis_sizes(self) -> tuple[int, ...]:
     """The size of each axis of :attr:`cp_axes` where the layout is used
@@ -306,9 +301,7 @@ class CPLayout:
         validation.check_mesh_axis(mesh, ax, "batch_axis")
       validation.check_mesh_axis(mesh, self.head_axis, "head_axis")
       sizes = tuple(int(mesh.shape[ax]) for ax in self.cp_axes)
-    size = 1
-    for n in sizes:
-      size *= n
+    size = math.prod(sizes)
     if self.cp_size is not None and size != self.cp_size:
       raise ValueError(f"the layout's cp_size={self.cp_size} disagrees with "
                        f"the size {size} of axis {self.cp_axis!r} here")
