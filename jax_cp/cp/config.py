@@ -74,10 +74,10 @@ class CPConfig:
       output's cotangent) are cleared there before any backend call
       (:mod:`jax_cp.attention.padding`); False when concrete metadata
       show none (``cu_seqlens == cu_seqlens_padded``).
-    inner: with an all-to-all ``exchange`` (:class:`~jax_cp.cp.all_to_all.
-      HeadScatter`), the config of the program that runs on the scattered
-      heads: cp = 1 on whole rows, or the ring over the outer axis
-      (hierarchical); None otherwise.
+    inner: with an all-to-all ``exchange`` (:class:`~jax_cp.cp.exchange.
+      all_to_all.HeadScatter`), the config of the program that runs on the
+      scattered heads: cp = 1 on whole rows, or the ring over the outer
+      axis (hierarchical); None otherwise.
     poison: None, or, inside a traced step with ``bound_check="trusted"``
       and a backend with ``handles_poison``, the int32 flag of a broken
       bound (:func:`jax_cp.cp.guard.poisoned_config`) that every call of
