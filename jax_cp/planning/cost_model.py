@@ -442,7 +442,9 @@ def recommend_strategy(cu_seqlens: ArrayLike, cu_seqlens_padded: ArrayLike,
       the layout NO_LOAD_BALANCE would use.
     cp_size: number of CP ranks.
     num_heads_q, num_heads_kv, head_dim, dtype_bytes, max_seqlen,
-      window_size: as in :func:`estimate_cp_imbalance`.
+      window_size: as in :func:`estimate_cp_imbalance`; DUAL_CHUNK_SWAP is
+      estimated with ``max_seqlen`` raised to its longest re-padded
+      document where re-padding lengthens one past it.
     cu_seqlens_padded_dcs: the padded layout DUAL_CHUNK_SWAP would use for
       the same documents. Default: ``cu_seqlens_padded`` if every padded
       length divides by ``2*cp``, else each document re-padded to a multiple
@@ -488,8 +490,16 @@ def recommend_strategy(cu_seqlens: ArrayLike, cu_seqlens_padded: ArrayLike,
                f"multiple of {2 * cp_size})")
     else:
       cu_seqlens_padded_dcs = cu_seqlens_padded
-  dcs = estimate_cp_imbalance(cu_dcs, cu_seqlens_padded_dcs,
-                              CPLayout(cp_size=cp_size, strategy=_DCS), **kw)
+  dcs_bound = None
+  if max_seqlen is not None:
+    # The bound DUAL_CHUNK_SWAP's layout would carry: re-padding may
+    # lengthen the longest document past the one given.
+    plens_dcs = np.diff(as_int_rows(cu_seqlens_padded_dcs,
+                                    "cu_seqlens_padded_dcs"), axis=-1)
+    dcs_bound = max(int(max_seqlen), int(plens_dcs.max(initial=0)))
+  dcs = estimate_cp_imbalance(
+      cu_dcs, cu_seqlens_padded_dcs,
+      CPLayout(cp_size=cp_size, strategy=_DCS, max_seqlen=dcs_bound), **kw)
   model = dict(peak_flops=peak_flops, bandwidth=bandwidth,
                call_overhead_s=call_overhead_s,
                include_backward=include_backward)
