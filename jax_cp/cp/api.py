@@ -100,25 +100,29 @@ def cp_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike,
     validation.check_head_axis_divides(
         layout.head_axis, mesh.shape[layout.head_axis], q.shape, k.shape)
   x_spec, m_spec = specs(q.ndim, layout)
-  return _global_program(q, k, v, jnp.asarray(cu_seqlens, jnp.int32),
-                         jnp.asarray(cu_seqlens_padded, jnp.int32), cfg=cfg,
-                         mesh=mesh, x_spec=x_spec, m_spec=m_spec)
+  args = (q, k, v, jnp.asarray(cu_seqlens, jnp.int32),
+          jnp.asarray(cu_seqlens_padded, jnp.int32))
+  program = _global_program
+  if not any(isinstance(x, jax.core.Tracer) for x in args):
+    # Called eagerly: one compiled program per config, mesh and shapes,
+    # not the shard_map's operations dispatched one by one.
+    program = _eager_global_program
+  return program(*args, cfg=cfg, mesh=mesh, x_spec=x_spec, m_spec=m_spec)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "x_spec",
-                                             "m_spec"))
 def _global_program(q, k, v, cu_seqlens, cu_seqlens_padded, *,
                     cfg: CPConfig, mesh, x_spec, m_spec):
-  """The global view's ``shard_map`` over the layout's mesh, as one
-  program: called eagerly it is compiled once per config and shapes
-  (not dispatched op by op), and inside a user's step a layer's call is
-  traced once for every layer of the same config."""
+  """The global view's ``shard_map`` over the layout's mesh."""
   args = [place(x, mesh, spec) for x, spec in (
       (q, x_spec), (k, x_spec), (v, x_spec),
       (cu_seqlens, m_spec), (cu_seqlens_padded, m_spec))]
   return jax.shard_map(functools.partial(run_local, cfg), mesh=mesh,
                        in_specs=(x_spec, x_spec, x_spec, m_spec, m_spec),
                        out_specs=x_spec, check_vma=False)(*args)
+
+
+_eager_global_program = jax.jit(
+    _global_program, static_argnames=("cfg", "mesh", "x_spec", "m_spec"))
 
 
 def unpack(metadata: Any, layout: CPLayout | None, what: str
