@@ -18,7 +18,7 @@ from jax_cp import data, planning
 from jax_cp.attention.api import fused_attention
 from jax_cp.cp.api import cp_attention
 from jax_cp.cp.layout import CPBatch, CPLayout
-from jax_cp.cp.strategy import CPLoadBalancingStrategy
+from jax_cp.cp.strategies.load_balancing import CPLoadBalancingStrategy
 from jax_cp.modules.attention_fn import cp_attention_fn
 from jax_cp.modules.chunked_loss import chunked_cross_entropy
 from jax_cp.modules.remat import remat_policy

@@ -232,7 +232,7 @@ def test_unknown_backend_and_user_backend(fresh_registry):
 @pytest.mark.parametrize("module", [
     "jax_cp.attention.backend", "jax_cp.attention.xla",
     "jax_cp.attention.registry", "jax_cp.attention.cudnn.backend",
-    "jax_cp.attention.decompose.straddle", "jax_cp.cp.call_plan",
+    "jax_cp.attention.decompose.straddle", "jax_cp.cp.strategies.call_plan",
     "jax_cp.cp.vjp", "jax_cp.cp.api"])
 def test_each_module_imports_alone(module):
   """A fresh interpreter imports the module first (the cudnn module only

@@ -1,6 +1,6 @@
-"""The call plan on its own (jax_cp.cp.call_plan): which calls a rank runs,
-of which kind (RowsCall, HaloCall), with which segments, and which calls
-write into the outputs of earlier ones. No communication, no backend
+"""The call plan on its own (jax_cp.cp.strategies.call_plan): which calls a
+rank runs, of which kind (RowsCall, HaloCall), with which segments, and
+which calls write into the outputs of earlier ones. No communication, no backend
 call: metadata on host arrays, rank as an int."""
 
 import dataclasses
@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from jax_cp.attention.registry import resolve_backend
-from jax_cp.cp import call_plan, metadata, validation
-from jax_cp.cp.call_plan import HaloCall, RowsCall
-from jax_cp.cp.calls import merge_blocks
+from jax_cp.cp import validation
 from jax_cp.cp.config import CPConfig
 from jax_cp.cp.exchange import choose_exchange
+from jax_cp.cp.strategies import call_plan, metadata, no_load_balance
 from jax_cp.cp.strategies import dual_chunk_swap as dcs
-from jax_cp.cp.strategies import no_load_balance
-from jax_cp.cp.strategy import CPLoadBalancingStrategy as S
+from jax_cp.cp.strategies.call_plan import HaloCall, RowsCall
+from jax_cp.cp.strategies.calls import merge_blocks
+from jax_cp.cp.strategies.load_balancing import CPLoadBalancingStrategy as S
 from tests.inplace_backend import make_backend
 from tests.split_backend import SPLIT_XLA
 

@@ -15,11 +15,11 @@ from jax_cp import CPLayout
 from jax_cp import CPLoadBalancingStrategy as S
 from jax_cp.attention import registry, xla
 from jax_cp.attention.backend import Segments
-from jax_cp.cp import call_plan, metadata
-from jax_cp.cp.call_plan import CompactCalls, RowsCall
 from jax_cp.cp.config import make_config
+from jax_cp.cp.strategies import call_plan, metadata
 from jax_cp.cp.strategies import dual_chunk_swap as dcs
 from jax_cp.cp.strategies import dual_chunk_window as dcw
+from jax_cp.cp.strategies.call_plan import CompactCalls, RowsCall
 from jax_cp.data import get_partition_indices
 from jax_cp.planning import recommend_strategy
 from tests import test_inplace_planner as planner

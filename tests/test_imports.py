@@ -6,6 +6,9 @@
   included, and the Linen and NNX packages do not import each other.
 * No module of jax_cp, and none of benchmarks/, imports in a circle.
 * No module reaches for another module's underscore names.
+* Inside ``jax_cp.cp``, its modules and subpackages (a subpackage one
+  unit) stand on at most :data:`CP_MOST_FLOORS` floors: a unit's floor is
+  one above the highest it imports (docs/internals.md, Packages).
 * The cuDNN backend's modules (``jax_cp.attention.cudnn``) are imported by
   one another alone: the registry loads the backend by name, and the CP
   layer reads what it needs of a backend from the backend contract
@@ -171,3 +174,57 @@ def test_no_module_takes_another_modules_private_names(module):
                    if n.rsplit(".", 1)[1].startswith("_")
                    and not n.rsplit(".", 1)[1].startswith("__"))
   assert not private, private
+
+
+#: The most floors the units of ``jax_cp.cp`` may stand on.
+CP_MOST_FLOORS = 6
+
+
+def _unit(module: str, package: str) -> str | None:
+  """The unit of ``package`` that holds ``module`` (a module or a
+  subpackage directly under it), None outside it; the package's own
+  ``__init__`` is a unit of its own."""
+  if module == package:
+    return package
+  if not module.startswith(package + "."):
+    return None
+  return package + "." + module[len(package) + 1:].split(".")[0]
+
+
+def _floors(graph: dict[str, set], package: str) -> dict[str, int]:
+  """Each unit's floor: 1 for one that imports no other unit of
+  ``package``, else one above the highest floor it imports."""
+  units: dict[str, set] = {}
+  for a, targets in graph.items():
+    ua = _unit(a, package)
+    if ua is None:
+      continue
+    units.setdefault(ua, set())
+    units[ua] |= {u for b in targets
+                  if (u := _unit(b, package)) not in (None, ua)}
+  floors: dict[str, int] = {}
+
+  def floor(u: str, seen: tuple = ()) -> int:
+    if u not in floors:
+      assert u not in seen, seen + (u,)
+      floors[u] = 1 + max((floor(v, seen + (u,)) for v in units.get(u, ())),
+                          default=0)
+    return floors[u]
+
+  for u in units:
+    floor(u)
+  return floors
+
+
+def test_cp_stands_on_few_floors():
+  floors = _floors(_graph(LIBRARY), "jax_cp.cp")
+  top = max(floors.values())
+  assert top <= CP_MOST_FLOORS, sorted(floors.items(), key=lambda x: -x[1])
+
+
+def test_the_floor_count_sees_a_chain():
+  chain = {f"p.m{i}": {f"p.m{i + 1}"} for i in range(7)}
+  chain["p.m7"] = {"p.sub.a"}
+  chain["p.sub.a"] = {"p.sub.b"}     # inside one unit: no floor
+  floors = _floors(chain, "p")
+  assert floors["p.m0"] == 9 and floors["p.sub"] == 1

@@ -155,8 +155,8 @@ STRADDLE_CASES = [(2, 3), (2, 12), (2, 40), (4, 5), (4, 20), (4, 40)]
 def test_no_load_balance_straddle_with_window(cp, left):
   """NO_LOAD_BALANCE's straddle call with a window: in both directions a
   local call plus a halo call (reversed when not every row sees the whole
-  halo), merged by log-sum-exp in the forward (jax_cp/cp/call_plan.py,
-  _split_straddle)."""
+  halo), merged by log-sum-exp in the forward
+  (jax_cp/cp/strategies/call_plan.py, _split_straddle)."""
   check_straddle(cp, left, seed=cp + left)
 
 

@@ -20,10 +20,10 @@ import pytest
 from jax_cp.attention import backend as backend_lib
 from jax_cp.attention.backend import Segments, row_segments
 from jax_cp.attention.registry import resolve_backend
-from jax_cp.cp import call_plan
 from jax_cp.cp.config import CPConfig
 from jax_cp.cp.exchange import choose_exchange
-from jax_cp.cp.strategy import CPLoadBalancingStrategy as S
+from jax_cp.cp.strategies import call_plan
+from jax_cp.cp.strategies.load_balancing import CPLoadBalancingStrategy as S
 from tests import reference
 from tests._devices import devices
 from tests._lowering import lower_for_cuda

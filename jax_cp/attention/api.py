@@ -11,6 +11,7 @@ import numpy as np
 
 from jax_cp.attention import padding, validation
 from jax_cp.attention.backend import keyed_rows, row_segments
+from jax_cp.attention.mask import AttentionMask
 from jax_cp.attention.registry import resolve_backend
 from jax_cp.typing import Array, ArrayLike, WindowSize
 
@@ -32,8 +33,9 @@ def _tiled_mask(q_lens, kv_lens, q_offs, kv_offs, mask: str, tq: int,
   (known: concrete offsets), bounded by the row, top-left causal with
   ``q_len <= kv_len`` (known: the same length array, or concrete ones); a
   bottom-right mask with equal lengths is the same mask."""
+  m = AttentionMask(mask)
   if np.shape(q_lens)[-1] != 1 or max_q != tq or max_kv != tkv or \
-      mask == "no_mask":
+      not m.causal:
     return None
   offsets = [validation.concrete(x) for x in (q_offs, kv_offs)]
   if any(o is None or np.any(o != 0) for o in offsets):
@@ -43,7 +45,7 @@ def _tiled_mask(q_lens, kv_lens, q_offs, kv_offs, mask: str, tq: int,
   ql, kl = validation.concrete(q_lens), validation.concrete(kv_lens)
   if ql is None or kl is None:
     return None
-  if mask == "causal_bottom_right":
+  if m.bottom_right:
     return "causal_top_left" if np.array_equal(ql, kl) else None
   return mask if np.all(ql <= kl) else None
 
@@ -53,7 +55,7 @@ def _may_tile(tiled_mask: str | None, mask: str, metadata) -> bool:
   on the host may still tile its rows by traced metadata
   (:attr:`Segments.tile_rows`, decided on the device): a causal mask, and
   some metadata traced (concrete ones were read on the host)."""
-  return (tiled_mask is None and mask != "no_mask"
+  return (tiled_mask is None and AttentionMask(mask).causal
           and any(validation.concrete(x) is None for x in metadata))
 
 

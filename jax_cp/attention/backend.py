@@ -111,6 +111,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_cp.attention.decompose.merge import merge_rows_jnp
+from jax_cp.attention.mask import AttentionMask
 from jax_cp.attention.validation import MASK_TYPES  # noqa: F401
 
 
@@ -240,10 +241,11 @@ def keyed_rows(q_lens, kv_lens, mask: str, window_left: int = -1, xp=jnp):
   keys ``[j - window_left, j]`` of ``[0, kv_len)``; an unmasked row sees
   every key. ``xp``: ``jnp``, or ``np`` for concrete metadata."""
   q, kv = q_lens, kv_lens
-  if mask == "causal_bottom_right":
+  m = AttentionMask(mask)
+  if m.bottom_right:
     return xp.clip(q - kv, 0, q), q
   end = xp.where(kv > 0, q, 0)
-  if mask == "causal_top_left" and window_left >= 0:
+  if m.causal and window_left >= 0:
     end = xp.minimum(end, kv + window_left)
   return xp.zeros_like(q), end
 
@@ -255,7 +257,7 @@ def tiling_applies(seg: Segments, mask: str, q_tokens: int,
   the bounds those lengths, a causal mask."""
   n = seg.tile_rows
   return (n > 0 and not seg.tiled
-          and mask in ("causal_top_left", "causal_bottom_right")
+          and AttentionMask(mask).causal
           and q_tokens % n == 0 and kv_tokens % n == 0
           and seg.max_seqlen_q == q_tokens // n
           and seg.max_seqlen_kv == kv_tokens // n)
@@ -289,7 +291,7 @@ def row_tiling(seg: Segments, mask: str, q_tokens: int, kv_tokens: int
                               seg.kv_offsets))
   active = ql > 0
   row = qo // sq
-  fits = kl == ql if mask == "causal_bottom_right" else kl >= ql
+  fits = kl == ql if AttentionMask(mask).bottom_right else kl >= ql
   fine = ((qo >= 0) & (qo < q_tokens) & (qo == row * sq) & (ko == row * skv)
           & (ql <= sq) & (kl <= skv) & fits)
   # Each segment with Q rows adds to its row; the others to bucket n.

@@ -1,5 +1,7 @@
-"""The attention masks as an enum, with the integer codes the cuDNN
-extension's custom calls take.
+"""The attention masks as an enum, with what each means (:attr:`causal`,
+:attr:`bottom_right`, :meth:`diagonal_offset`: code asks the mask, never
+compares its name) and the integer codes the cuDNN extension's custom
+calls take.
 
 :class:`AttentionMask` is a ``str`` enum: each member equals its name
 (``AttentionMask.causal_top_left == "causal_top_left"``), so it goes
@@ -24,6 +26,28 @@ class AttentionMask(enum.StrEnum):
   causal_top_left = "causal_top_left"
   #: The last Q row of a segment sees its last KV row.
   causal_bottom_right = "causal_bottom_right"
+
+  @property
+  def causal(self) -> bool:
+    """Whether a Q row sees only the keys up to its diagonal (and a
+    sliding window applies)."""
+    return self is not AttentionMask.no_mask
+
+  @property
+  def bottom_right(self) -> bool:
+    """Whether the diagonal is aligned at the segment's end: the last Q
+    row meets the last KV row."""
+    return self is AttentionMask.causal_bottom_right
+
+  def diagonal_offset(self, q_lens, kv_lens):
+    """The KV row of Q row 0's diagonal, per segment (Q row ``j``'s is
+    ``j`` past it): ``kv_len - q_len`` bottom-right, 0 top-left; None
+    without a mask (every key is seen)."""
+    if not self.causal:
+      return None
+    if self.bottom_right:
+      return kv_lens - q_lens
+    return kv_lens * 0
 
   @property
   def code(self) -> int:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_cp.attention.backend import Backend, Segments, poisoned
+from jax_cp.attention.mask import AttentionMask
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -36,15 +37,9 @@ def segment_mask(seg: Segments, tq: int, tkv: int, mask: str,
   i = u - kv_off[:, None]                       # KV row within the segment
   j = (t - q_off)[:, None]                      # Q row within the segment
   ok = covered[:, None] & (i >= 0) & (i < kv_len[:, None])
-  if mask == "causal_bottom_right":
-    diagonal = j + (kv_len - q_len)[:, None]
-  elif mask == "causal_top_left":
-    diagonal = j
-  elif mask == "no_mask":
-    diagonal = None
-  else:
-    raise ValueError(f"unknown mask {mask!r}")
-  if diagonal is not None:
+  offset = AttentionMask(mask).diagonal_offset(q_len, kv_len)
+  if offset is not None:
+    diagonal = j + offset[:, None]
     ok &= i <= diagonal
     if window_left >= 0:
       ok &= i >= diagonal - window_left

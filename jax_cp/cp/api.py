@@ -9,8 +9,8 @@ the arguments are validated and one
 :class:`~jax_cp.cp.config.CPConfig` built (:func:`~jax_cp.cp.config.
 make_config`) before any tracing of the per-rank work, which lives in
 :mod:`jax_cp.cp.vjp` (the ``custom_vjp``), planned by
-:mod:`jax_cp.cp.call_plan`. docs/concepts.md describes the layout and the
-strategies, docs/internals.md the plans and the exchange.
+:mod:`jax_cp.cp.strategies.call_plan`. docs/concepts.md describes the
+layout and the strategies, docs/internals.md the plans and the exchange.
 """
 
 from __future__ import annotations

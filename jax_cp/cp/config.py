@@ -36,7 +36,7 @@ from jax_cp.cp.exchange import (
 )
 from jax_cp.cp.layout import CPLayout
 from jax_cp.cp.strategies import strategy_for
-from jax_cp.cp.strategy import CPLoadBalancingStrategy
+from jax_cp.cp.strategies.load_balancing import CPLoadBalancingStrategy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +82,7 @@ class CPConfig:
       and a backend with ``handles_poison``, the int32 flag of a broken
       bound (:func:`jax_cp.cp.guard.poisoned_config`) that every call of
       the step's plan carries in its segments (:attr:`Segments.poison`,
-      :func:`jax_cp.cp.call_plan.poisoned`). Traced: not part of the
+      :func:`jax_cp.cp.strategies.call_plan.poisoned`). Traced: not part of the
       static identity (not compared, not hashed).
   """
 

@@ -1,20 +1,22 @@
 """The plan executor: a rank's forward and backward as the calls of its
-plan (:func:`jax_cp.cp.call_plan.forward_plan`, :func:`~jax_cp.cp.
-call_plan.backward_plan`), over the local K/V and the buffer its exchange
-received (docs/internals.md, Call plans). The exchanges whose steps are
-the plan's (:class:`~jax_cp.cp.exchange.base.KVExchange`: none,
-all-gather, halo) run it; the ring runs steps of its own.
+plan (:func:`jax_cp.cp.strategies.call_plan.forward_plan`,
+:func:`~jax_cp.cp.strategies.call_plan.backward_plan`), over the local
+K/V and the buffer its exchange received (docs/internals.md, Call
+plans). The exchanges whose steps are the plan's
+(:class:`~jax_cp.cp.exchange.base.KVExchange`: none, all-gather, halo)
+run it; the ring runs steps of its own.
 
-Forward: exchange K/V (:meth:`KVExchange.receive`), then run the calls in
-order, each by its kind: a :class:`~jax_cp.cp.calls.RowsCall` writes its
-rows into the first call's outputs (in place where the backend can) or
-has them added, a :class:`~jax_cp.cp.strategies.no_load_balance.
-HaloCall` and the :class:`~jax_cp.cp.strategies.dual_chunk_swap.
-CompactCalls` are merged by log-sum-exp. Backward: the local residuals
-(plus a small received halo, :attr:`KVExchange.keeps_halo`, or
-all-gathered K/V no larger than Q, :attr:`CPConfig.keep_gathered_kv`),
-the exchange again where it must, the backward plan, and dK/dV back to
-their owners (:meth:`KVExchange.scatter`).
+Forward: exchange K/V (:meth:`KVExchange.receive`), then run the calls
+in order, each by its kind: a
+:class:`~jax_cp.cp.strategies.calls.RowsCall` writes its rows into the
+first call's outputs (in place where the backend can) or has them added,
+a :class:`~jax_cp.cp.strategies.no_load_balance.HaloCall` and the
+:class:`~jax_cp.cp.strategies.dual_chunk_swap.CompactCalls` are merged
+by log-sum-exp. Backward: the local residuals (plus a small received
+halo, :attr:`KVExchange.keeps_halo`, or all-gathered K/V no larger than
+Q, :attr:`CPConfig.keep_gathered_kv`), the exchange again where it must,
+the backward plan, and dK/dV back to their owners
+(:meth:`KVExchange.scatter`).
 
 Inputs are batched: q ``[B, Tl, Hq, D]``, k/v ``[B, Tl, Hkv, D]``, row
 metadata ``[B, N+1]`` int32.
@@ -29,8 +31,8 @@ from jax_cp.attention.api import window_kwargs
 from jax_cp.attention.backend import packed
 from jax_cp.attention.decompose import straddle
 from jax_cp.attention.decompose.merge import GradSum, add, merge_softmax
-from jax_cp.cp import call_plan
-from jax_cp.cp.call_plan import CompactCalls, HaloCall, RowsCall
+from jax_cp.cp.strategies import call_plan
+from jax_cp.cp.strategies.call_plan import CompactCalls, HaloCall, RowsCall
 
 
 class _KV:
@@ -89,7 +91,7 @@ class _KV:
 def _gather_rows(x, idx, valid, fill=0):
   """Rows ``idx [B, n]`` of axis 1 of ``x [B, T, ...]``, ``fill`` where
   not ``valid [B, n]``: the compact buffers of windowed DUAL_CHUNK_SWAP
-  (:class:`~jax_cp.cp.call_plan.CompactCalls`), and their results put
+  (:class:`~jax_cp.cp.strategies.call_plan.CompactCalls`), and their results put
   back."""
   tail = (1,) * (x.ndim - 2)
   g = jnp.take_along_axis(x, idx.reshape(idx.shape + tail), axis=1)

@@ -101,9 +101,10 @@ def poisoned_config(cfg, cu_seqlens, cu_seqlens_padded):
   """``cfg`` carrying the poison flag of a trusted bound (int32: 1 where
   some padded document is longer than the bound) as
   :attr:`~jax_cp.cp.config.CPConfig.poison`, which the step's plan puts
-  in every call's segments (:func:`jax_cp.cp.call_plan.poisoned`), for a
-  backend with ``handles_poison``; else ``cfg``. Forward and backward
-  each call it on their own metadata."""
+  in every call's segments
+  (:func:`jax_cp.cp.strategies.call_plan.poisoned`), for a backend with
+  ``handles_poison``; else ``cfg``. Forward and backward each call it on
+  their own metadata."""
   if not _poisons_segments(cfg):
     return cfg
   flag = broken(cfg, cu_seqlens, cu_seqlens_padded).astype(jnp.int32)

@@ -32,7 +32,7 @@ import numpy as np
 from jax_cp.attention.determinism import check_deterministic
 from jax_cp.attention.validation import concrete
 from jax_cp.cp import validation
-from jax_cp.cp.strategy import (
+from jax_cp.cp.strategies.load_balancing import (
   DEFAULT_STRATEGY,
   CPLoadBalancingStrategy,
   as_strategy,

@@ -28,7 +28,7 @@ from jax_cp.attention.validation import concrete
 from jax_cp.cp import validation
 from jax_cp.cp.layout import CPLayout, check_layout
 from jax_cp.cp.strategies import strategy_for
-from jax_cp.cp.strategy import CPLoadBalancingStrategy
+from jax_cp.cp.strategies.load_balancing import CPLoadBalancingStrategy
 from jax_cp.typing import Array, ArrayLike
 
 

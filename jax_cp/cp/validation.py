@@ -21,7 +21,7 @@ from jax_cp.cp.strategies import strategy_for
 from jax_cp.cp.strategies.dual_chunk_swap import (  # the cost model's
   check_dual_chunk_divisible as check_dual_chunk_divisible,
 )
-from jax_cp.cp.strategy import CPLoadBalancingStrategy
+from jax_cp.cp.strategies.load_balancing import CPLoadBalancingStrategy
 
 #: The masks of CP attention: causal within each document, or none.
 CP_MASK_TYPES = ("causal", "no_mask")

@@ -34,8 +34,9 @@ from jax_cp.attention.decompose import chunk_attention
 from jax_cp.attention.registry import resolve_backend
 from jax_cp.attention.validation import check_window_size, default_scale
 from jax_cp.cp import api as cp_api
-from jax_cp.cp import guard, metadata, validation
+from jax_cp.cp import guard, validation
 from jax_cp.cp.layout import CPLayout
+from jax_cp.cp.strategies import metadata
 from jax_cp.modules.inputs import metadata as module_metadata
 from jax_cp.modules.remat import add_cotangents
 from jax_cp.modules.token_chunks import zeros_like_tokens

@@ -13,7 +13,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_cp import checkpoint_names as names
-from jax_cp.cp.strategy import CPLoadBalancingStrategy
+from jax_cp.cp.strategies.load_balancing import CPLoadBalancingStrategy
 
 # The MLP activations: plain, and gated (``act(gate(x)) * up(x)``).
 ACTIVATIONS = {"gelu": jax.nn.gelu, "relu": jax.nn.relu,

@@ -42,11 +42,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_cp.attention.validation import check_window_size
-from jax_cp.cp import call_plan, validation
+from jax_cp.cp import validation
 from jax_cp.cp.config import make_config
 from jax_cp.cp.layout import CPLayout
+from jax_cp.cp.strategies import call_plan
 from jax_cp.cp.strategies.dual_chunk_swap import CompactCalls
-from jax_cp.cp.strategy import CPLoadBalancingStrategy
+from jax_cp.cp.strategies.load_balancing import CPLoadBalancingStrategy
 from jax_cp.planning import document_order
 from jax_cp.planning.flops import RECOMPUTE_BACKWARD_FACTOR, attention_flops
 from jax_cp.planning.host import as_int_rows, host_metadata, resolve_layout
@@ -382,9 +383,9 @@ def pad_cu_seqlens(cu_seqlens, multiple: int
 def plan_calls(strategy, cp: int, cu, cuP, hq: int, hkv: int, d: int,
                max_seqlen: int | None, window_left: int) -> int:
   """The attention calls of a rank's forward, counted on the plan the
-  layout runs (:func:`jax_cp.cp.call_plan.forward_plan` on these host
+  layout runs (:func:`jax_cp.cp.strategies.call_plan.forward_plan` on these host
   metadata, the ``xla`` backend's plan: one per
-  :class:`~jax_cp.cp.calls.RowsCall` and halo call, one per part of
+  :class:`~jax_cp.cp.strategies.calls.RowsCall` and halo call, one per part of
   windowed DUAL_CHUNK_SWAP's compact calls); the most of any rank."""
   total = int(cuP[0, -1])
   plan_layout = CPLayout(cp_size=cp, strategy=strategy,

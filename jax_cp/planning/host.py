@@ -18,7 +18,7 @@ import numpy as np
 from jax_cp.attention.validation import concrete
 from jax_cp.cp import validation
 from jax_cp.cp.layout import CPLayout, check_layout
-from jax_cp.cp.strategy import CPLoadBalancingStrategy
+from jax_cp.cp.strategies.load_balancing import CPLoadBalancingStrategy
 
 
 def as_int_rows(x: Any, name: str) -> np.ndarray:

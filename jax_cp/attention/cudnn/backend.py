@@ -261,7 +261,7 @@ def check_window(window_left, mask) -> None:
       window_left >= _INT32_LIMIT - 1:
     raise ValueError(f"window_left must be a static int in [-1, 2**31 - 1), "
                      f"got {window_left!r}.")
-  if window_left >= 0 and mask == "no_mask":
+  if window_left >= 0 and not AttentionMask(mask).causal:
     raise ValueError(f"window_left={window_left} is a causal sliding window; "
                      f"mask='no_mask' has none.")
 
@@ -272,7 +272,7 @@ def _cut_to_band(seg: Segments, mask: str, window_left: int) -> Segments:
   sees them, so they leave every segment's KV range and the handler sets
   their dK/dV rows to 0 rather than leaving them to the kernel, which may
   skip the fully masked tiles. Results are unchanged."""
-  if window_left < 0 or mask != "causal_bottom_right":
+  if window_left < 0 or not AttentionMask(mask).bottom_right:
     return seg
   q_lens = seg.q_lens.astype(jnp.int32)
   kv_lens = seg.kv_lens.astype(jnp.int32)
@@ -307,7 +307,8 @@ def check_tiled(seg: Segments, mask: str, tq: int, tkv: int) -> None:
   if not seg.tiled:
     return
   s = seg.q_lens.shape[0]
-  if mask != "causal_top_left" or s * seg.max_seqlen_q != tq or \
+  if AttentionMask(mask) is not AttentionMask.causal_top_left or \
+      s * seg.max_seqlen_q != tq or \
       s * seg.max_seqlen_kv != tkv:
     raise ValueError(
         f"Segments(tiled=True) needs mask='causal_top_left' and S * "

@@ -42,6 +42,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 
 from jax_cp.attention.backend import Segments
+from jax_cp.attention.mask import AttentionMask
 
 
 def slice_bounds(tokens_kv: int, slices: int) -> list[tuple[int, int]]:
@@ -81,9 +82,9 @@ def slice_parts(seg: Segments, mask: str, a: int, b: int
         max_seqlen_q=max(bound_q[part_mask], 1), max_seqlen_kv=bound_kv,
         rows_see_keys=True, tiled=False), part_mask
 
-  if mask == "no_mask":
+  delta = AttentionMask(mask).diagonal_offset(ql, kl)
+  if delta is None:
     return [part(0, ql, c1 - c0, "no_mask")]
-  delta = kl - ql if mask == "causal_bottom_right" else jnp.zeros_like(kl)
   j0 = jnp.clip(c0 - delta, 0, ql)
   j1 = jnp.clip(c1 - delta, j0, ql)
   return [part(j0, j1, j1 + delta - c0, "causal_bottom_right"),

@@ -27,7 +27,7 @@ from jax_cp.cp.exchange.halo import Halo
 from jax_cp.cp.exchange.local import Local
 from jax_cp.cp.exchange.ring import Ring
 from jax_cp.cp.strategies import strategy_for
-from jax_cp.cp.strategy import CPLoadBalancingStrategy
+from jax_cp.cp.strategies.load_balancing import CPLoadBalancingStrategy
 
 #: ``comm_type`` -> the exchange of the whole row's K/V: its class and
 #: whether a halo of more than one chunk is run by it (the ring) or by the

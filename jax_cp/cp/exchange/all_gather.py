@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jax_cp.cp.exchange.base import KVExchange, added
 from jax_cp.cp.strategies import strategy_for
-from jax_cp.cp.strategy import CPLoadBalancingStrategy
+from jax_cp.cp.strategies.load_balancing import CPLoadBalancingStrategy
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_cp.cp.strategies import strategy_for
-from jax_cp.cp.strategy import CPLoadBalancingStrategy
+from jax_cp.cp.strategies.load_balancing import CPLoadBalancingStrategy
 
 
 @jax.custom_vjp

@@ -6,12 +6,12 @@ steps; NO_LOAD_BALANCE with a bound W only ``1 + ceil((W-1) / Tl)`` (no
 query reaches further back).
 
 Forward: the rank's K|V chunk travels around the ring
-(:meth:`Ring.ring_next`); at each step the
-rank attends its Q rows to the chunk it holds (:func:`jax_cp.cp.
-call_plan.ring_plan`) and merges the result into a float32 running
-output by log-sum-exp. The next chunk is requested before the step's
-call, so the hop can overlap it; a barrier closes each step, so one
-step's results are live at a time.
+(:meth:`Ring.ring_next`); at each step the rank attends its Q rows to
+the chunk it holds (:func:`jax_cp.cp.strategies.call_plan.ring_plan`)
+and merges the result into a float32 running output by log-sum-exp. The
+next chunk is requested before the step's call, so the hop can overlap
+it; a barrier closes each step, so one step's results are live at a
+time.
 
 Backward: the chunks travel again, each with a float32 dK|dV accumulator
 that every rank adds its step's contribution to; after the last step one
@@ -44,8 +44,8 @@ import jax.numpy as jnp
 from jax_cp.attention.backend import packed, scratch_bound
 from jax_cp.attention.decompose.merge import merge_softmax
 from jax_cp.attention.head_groups import backward_in_head_groups, fewest_groups
-from jax_cp.cp import call_plan
 from jax_cp.cp.exchange.base import KVExchange
+from jax_cp.cp.strategies import call_plan
 
 
 def _step(cfg, kv, heads: int, cu_seqlens, cu_seqlens_padded,

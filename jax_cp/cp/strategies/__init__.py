@@ -2,14 +2,17 @@
 plans): each owns its token placement, its rules, its per-step metadata
 and its call plans behind one interface (:class:`base.Strategy`).
 :func:`strategy_for` is the one place a strategy is chosen by its
-:class:`~jax_cp.cp.strategy.CPLoadBalancingStrategy` member."""
+:class:`~jax_cp.cp.strategies.load_balancing.CPLoadBalancingStrategy` member."""
 
 from __future__ import annotations
 
 from jax_cp.cp.strategies.base import Strategy
 from jax_cp.cp.strategies.dual_chunk_swap import DualChunkSwap
+from jax_cp.cp.strategies.load_balancing import (
+  CPLoadBalancingStrategy,
+  as_strategy,
+)
 from jax_cp.cp.strategies.no_load_balance import NoLoadBalance
-from jax_cp.cp.strategy import CPLoadBalancingStrategy, as_strategy
 
 _STRATEGIES: dict[CPLoadBalancingStrategy, Strategy] = {
     s.member: s for s in (DualChunkSwap(), NoLoadBalance())}

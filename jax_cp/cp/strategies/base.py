@@ -3,10 +3,10 @@ plans): where a rank's tokens lie in the row, the rules the row metadata
 must follow, the per-step metadata and the calls a rank runs.
 
 A :class:`Strategy` is a stateless object, one per
-:class:`~jax_cp.cp.strategy.CPLoadBalancingStrategy` member
+:class:`~jax_cp.cp.strategies.load_balancing.CPLoadBalancingStrategy` member
 (:func:`jax_cp.cp.strategies.strategy_for`). Its placement and rules
 hold at any cp size; its plans are those of cp > 1 (one rank runs
-:func:`jax_cp.cp.calls.whole_row_plan`, whatever the strategy).
+:func:`jax_cp.cp.strategies.calls.whole_row_plan`, whatever the strategy).
 
 Names at the method boundaries: ``cu_seqlens``/``cu_seqlens_padded`` are
 the row metadata (``[B, N+1]`` where batched), ``rank`` this rank's index
@@ -21,8 +21,8 @@ import abc
 
 import jax.numpy as jnp
 
-from jax_cp.cp.metadata import StepMetadata
-from jax_cp.cp.strategy import CPLoadBalancingStrategy
+from jax_cp.cp.strategies.load_balancing import CPLoadBalancingStrategy
+from jax_cp.cp.strategies.metadata import StepMetadata
 
 
 def contiguous_index(xp, rank, t, local_tokens: int):
@@ -170,4 +170,4 @@ class Strategy(abc.ABC):
   @abc.abstractmethod
   def ring_bound(self, cfg, step: int) -> int:
     """The static bound on either side of a ring step's segments
-    (:func:`jax_cp.cp.call_plan.ring_plan` runs the step's call)."""
+    (:func:`jax_cp.cp.strategies.call_plan.ring_plan` runs the step's call)."""

@@ -16,9 +16,7 @@ import numpy as np
 
 from jax_cp.attention.backend import Segments, row_segments
 from jax_cp.attention.validation import concrete
-from jax_cp.cp import calls
-from jax_cp.cp.calls import Block
-from jax_cp.cp.metadata import StepMetadata, lengths
+from jax_cp.cp.strategies import calls
 from jax_cp.cp.strategies import dual_chunk_window as window
 from jax_cp.cp.strategies.base import (
   Strategy,
@@ -26,7 +24,9 @@ from jax_cp.cp.strategies.base import (
   contiguous_index,
   drop_unseen,
 )
-from jax_cp.cp.strategy import CPLoadBalancingStrategy
+from jax_cp.cp.strategies.calls import Block
+from jax_cp.cp.strategies.load_balancing import CPLoadBalancingStrategy
+from jax_cp.cp.strategies.metadata import StepMetadata, lengths
 
 # ------------------------------------------------------------ placement
 
@@ -352,7 +352,7 @@ class DualChunkSwap(Strategy):
   def backward_plan(self, cfg, cu_seqlens, cu_seqlens_padded, rank):
     """One call per step (the steps read overlapping KV rows, chunks
     ``0..r`` of every document), bottom-right blocks split where the
-    backend prefers it (:func:`jax_cp.cp.calls.backward_calls`; the
+    backend prefers it (:func:`jax_cp.cp.strategies.calls.backward_calls`; the
     triangles, chunk ``r`` against chunk ``2cp-1-r``, do not overlap);
     with a window the windowed plan."""
     if cfg.window_left >= 0:

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_cp.cp.metadata import StepMetadata
+from jax_cp.cp.strategies.metadata import StepMetadata
 
 
 def _window_parts(meta: StepMetadata, window_left: int):

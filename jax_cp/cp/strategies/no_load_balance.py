@@ -13,16 +13,20 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_cp.attention.decompose import straddle
-from jax_cp.cp import calls
-from jax_cp.cp.calls import Block
-from jax_cp.cp.metadata import StepMetadata, contiguous_chunk, lengths
+from jax_cp.cp.strategies import calls
 from jax_cp.cp.strategies.base import (
   Strategy,
   contiguous_document_position,
   contiguous_index,
   drop_unseen,
 )
-from jax_cp.cp.strategy import CPLoadBalancingStrategy
+from jax_cp.cp.strategies.calls import Block
+from jax_cp.cp.strategies.load_balancing import CPLoadBalancingStrategy
+from jax_cp.cp.strategies.metadata import (
+  StepMetadata,
+  contiguous_chunk,
+  lengths,
+)
 
 # ------------------------------------------------------------- metadata
 
@@ -30,7 +34,7 @@ from jax_cp.cp.strategy import CPLoadBalancingStrategy
 def no_load_balance_step(cu_seqlens, cu_seqlens_padded, cp_size: int, rank,
                          total_tokens: int) -> StepMetadata:
   """The one step of rank ``r`` (causal only): the
-  :func:`~jax_cp.cp.metadata.contiguous_chunk` of tokens
+  :func:`~jax_cp.cp.strategies.metadata.contiguous_chunk` of tokens
   ``[r*Tl, (r+1)*Tl)``."""
   local = total_tokens // cp_size
   return contiguous_chunk(cu_seqlens, cu_seqlens_padded,

@@ -17,7 +17,8 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_cp.attention.backend import Segments, row_segments
-from jax_cp.cp.metadata import (
+from jax_cp.attention.mask import AttentionMask
+from jax_cp.cp.strategies.metadata import (
   StepMetadata,
   contiguous_chunk,
   split_bottom_right,
@@ -78,7 +79,7 @@ def kv_tokens(cfg, exchanged: bool) -> int:
 def _window_left(cfg, block: Block) -> int:
   """The band a block runs with: the config's window on a causal block,
   none on an unmasked one."""
-  return -1 if block.mask == "no_mask" else cfg.window_left
+  return cfg.window_left if AttentionMask(block.mask).causal else -1
 
 
 def rows_call(cfg, block: Block, into: bool) -> RowsCall:
@@ -114,7 +115,7 @@ def cut_to_window(block: Block, window_left: int) -> Block:
   cut keeps the bottom-right alignment (the last Q row still meets the
   last KV row) and leaves ``kv_len >= q_len``; it shrinks the kernel's KV
   range to ``q_len + window_left`` rows."""
-  if window_left < 0 or block.mask != "causal_bottom_right":
+  if window_left < 0 or not AttentionMask(block.mask).bottom_right:
     return block
   m = block.meta
   skip = jnp.where(m.q_lens > 0,
@@ -160,7 +161,7 @@ def backward_calls(cfg, blocks: list[Block]) -> list[RowsCall]:
   dq (their rows are the rectangles'): they must read disjoint KV rows."""
   rows, triangles = [], []
   for block in reversed(blocks):
-    if (block.mask != "causal_bottom_right"
+    if (not AttentionMask(block.mask).bottom_right
         or not cfg.split_bottom_right_backward):
       rows.append(block)
       continue

@@ -21,8 +21,9 @@ three kinds, with its segments ready for the backend, so the executor
 The ring exchange has a plan of its own, one :class:`RowsCall` per step
 (:func:`ring_plan`), which :mod:`jax_cp.cp.exchange.ring` runs.
 
-One rank (cp = 1) runs :func:`jax_cp.cp.calls.whole_row_plan`; at cp > 1
-the layout's strategy builds the plan (:mod:`jax_cp.cp.strategies`).
+One rank (cp = 1) runs
+:func:`jax_cp.cp.strategies.calls.whole_row_plan`; at cp > 1 the layout's
+strategy builds the plan (:mod:`jax_cp.cp.strategies`).
 docs/internals.md, Call plans, describes the plans.
 
 Names at the function boundaries: ``cfg`` is the call's
@@ -35,8 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_cp.cp.calls import RowsCall, ring_call, whole_row_plan
 from jax_cp.cp.strategies import strategy_for
+from jax_cp.cp.strategies.calls import RowsCall, ring_call, whole_row_plan
 from jax_cp.cp.strategies.dual_chunk_swap import CompactCalls
 from jax_cp.cp.strategies.no_load_balance import HaloCall
 
