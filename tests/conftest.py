@@ -40,9 +40,40 @@ def pytest_configure(config):
   config.addinivalue_line(
       "markers", "requires_devices(n, platform=None): skipped where fewer "
       "than n devices of the platform (None: JAX's default) exist")
+  config.addinivalue_line(
+      "markers", "sweep(fast): a sweep of cases; the default tier runs "
+      "`fast` of them, spread over the sweep, the slow tier the rest")
 
 
+def sampled(count: int, fast: int) -> set[int]:
+  """The indices of the ``fast`` cases of a sweep of ``count`` that the
+  default tier runs: evenly spread, first and last included."""
+  if fast >= count:
+    return set(range(count))
+  if fast <= 1:
+    return {0}
+  return {round(i * (count - 1) / (fast - 1)) for i in range(fast)}
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+  # Before `-m` deselects: the cases of a sweep past its sample are slow.
+  sweeps = {}
+  for item in items:
+    mark = item.get_closest_marker("sweep")
+    if mark is not None:
+      key = (item.path, getattr(item, "originalname", item.name))
+      sweeps.setdefault(key, (mark, []))[1].append(item)
+  for mark, cases in sweeps.values():
+    keep = sampled(len(cases), int(mark.kwargs.get("fast", mark.args[0]
+                                                   if mark.args else 1)))
+    for i, item in enumerate(cases):
+      if i not in keep:
+        item.add_marker(pytest.mark.slow)
+  _skip_unavailable(items)
+
+
+def _skip_unavailable(items):
   try:
     has_gpu = jax.default_backend() == "gpu"
   except RuntimeError:

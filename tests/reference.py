@@ -39,8 +39,16 @@ def attention(q, k, v, cu, cuP, causal=True, scale=None, window=-1):
   rows that see nothing give 0. Differentiable with jax.grad. ``window``:
   the left bound of a causal sliding window (-1: none)."""
   m = jnp.asarray(doc_mask(cu, cuP, causal, window))
-  hq, hk, d = q.shape[1], k.shape[1], q.shape[2]
+  d = q.shape[2]
   scale = 1.0 / np.sqrt(d) if scale is None else scale
+  return _masked_attention(q, k, v, m, jnp.float32(scale))
+
+
+@jax.jit
+def _masked_attention(q, k, v, m, scale):
+  """The attention of :func:`attention` given its mask: one compiled
+  program (eager calls and their gradients are not dispatched op by op)."""
+  hq, hk = q.shape[1], k.shape[1]
   q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
   k = jnp.repeat(k, hq // hk, axis=1)
   v = jnp.repeat(v, hq // hk, axis=1)

@@ -70,7 +70,7 @@ def test_linen_attention_fn_matches_reference(x):
   mha = nn.MultiHeadDotProductAttention(
       num_heads=H, qkv_features=E, use_bias=False,
       attention_fn=jax_cp.cp_attention_fn(NO_CP))
-  variables = mha.init(jax.random.key(0), x, mask=batch)
+  variables = jax.jit(lambda x: mha.init(jax.random.key(0), x, mask=batch))(x)
   got = np.asarray(jax.jit(lambda v, x, b: mha.apply(v, x, mask=b))(
       variables, x, batch))
   dense = nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=E,

@@ -33,6 +33,7 @@ def _rows(folder: pathlib.Path) -> list[list[str]]:
           for x in lines[header + 2:] if x.startswith("|")]
 
 
+@pytest.mark.slow    # the memory benchmark end to end, every path
 @requires_devices(2, "cpu")
 def test_cpu_runs_and_the_generic_ab(tmp_path):
   """cp 1 and 2: compiled sizes, the scratch formula, timings, the

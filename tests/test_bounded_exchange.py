@@ -41,6 +41,7 @@ def run(q, k, v, w, cu, cuP, cp, max_seqlen, backend="xla"):
   return out, grads
 
 
+@pytest.mark.sweep(fast=3)
 @pytest.mark.parametrize("cp, w", [
     (2, 20), (2, 100),                 # one hop; bound above Tl -> gather
     (4, 20), (4, 50), (4, 128),        # one hop, two hops, falls back

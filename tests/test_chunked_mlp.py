@@ -49,7 +49,7 @@ def _linen(chunk, remat="full", layout=NO_CP, activation="swiglu"):
   m = cp_linen.TransformerLayer(**LAYER, mlp_activation=activation,
                                 layout=layout, remat=remat,
                                 mlp_chunk_size=chunk)
-  params = m.init(jax.random.key(0), _x(), CU, CU_P)
+  params = jax.jit(lambda x: m.init(jax.random.key(0), x, CU, CU_P))(_x())
   w = _x(1)
   loss = lambda p, x: jnp.sum(m.apply(p, x, CU, CU_P) * w)
   return jax.value_and_grad(loss, argnums=(0, 1)), params
@@ -66,6 +66,7 @@ def _nnx(chunk, remat="full", layout=NO_CP, activation="swiglu"):
   return jax.value_and_grad(loss, argnums=(0, 1)), state
 
 
+@pytest.mark.sweep(fast=3)
 @pytest.mark.parametrize("build", [_linen, _nnx], ids=["linen", "nnx"])
 @pytest.mark.parametrize("remat, activation, chunk", [
     ("full", "swiglu", 24), ("save_context", "gelu", 7),
@@ -86,7 +87,8 @@ def test_chunked_linen_and_nnx_share_parameters():
   linen = cp_linen.TransformerLayer(**LAYER, layout=NO_CP,
                                     mlp_activation="swiglu",
                                     mlp_chunk_size=24)
-  params = linen.init(jax.random.key(0), _x(), CU, CU_P)
+  params = jax.jit(lambda x: linen.init(jax.random.key(0), x, CU, CU_P))(
+      _x())
   assert jax.tree.map(jnp.shape, convert.linen_params(m)) == jax.tree.map(
       jnp.shape, params)
   _close(linen.apply(convert.linen_params(m), _x(), CU, CU_P),
@@ -97,7 +99,7 @@ def test_chunked_linen_and_nnx_share_parameters():
 def test_chunked_mlp_block_equals_the_whole_block(activation):
   x = _x(2, t=50)
   block = cp_linen.MlpBlock(mlp_dim=40, activation=activation, chunk_size=16)
-  params = block.init(jax.random.key(0), x)
+  params = jax.jit(block.init)(jax.random.key(0), x)
   whole = block.clone(chunk_size=None)
   loss = lambda m: jax.value_and_grad(
       lambda p, x: jnp.sum(jnp.sin(m.apply(p, x))), argnums=(0, 1))
@@ -233,7 +235,7 @@ def test_chunks_add_no_matmul_under_remat(remat, extra_dots):
     m = cp_linen.TransformerLayer(
         num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=mlp,
         mlp_activation="gelu", layout=NO_CP, remat=remat, mlp_chunk_size=c)
-    params = m.init(jax.random.key(0), x, cu, cu)
+    params = jax.jit(lambda x, m=m: m.init(jax.random.key(0), x, cu, cu))(x)
 
     def loss(p, x, m=m):
       return jnp.sum(jnp.tanh(m.apply(p, m.apply(p, x, cu, cu), cu, cu)))

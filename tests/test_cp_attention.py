@@ -91,6 +91,7 @@ def run_global(q, k, v, cu, cuP, w, *, cp, data, strategy, backend="xla",
   return out, grads
 
 
+@pytest.mark.sweep(fast=8)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16],
                          ids=["f32", "bf16"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])

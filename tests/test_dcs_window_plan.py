@@ -208,6 +208,7 @@ CASES = [(1, 9), (2, 0), (2, 1), (2, 7), (2, 16), (2, 40), (2, 70),
 SLOW_CASES = [(1, 40), (4, 1), (4, 5), (8, 4), (8, 13)]
 
 
+@pytest.mark.sweep(fast=4)
 @pytest.mark.parametrize("cp,left", CASES)
 def test_matches_reference(cp, left):
   check_cp(cp, DCS, left, seed=cp + left)

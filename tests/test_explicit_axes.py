@@ -149,6 +149,7 @@ def _nnx_layer(layout, chunk):
   return (lambda s, x: nnx.merge(graphdef, s)(x, CU, CU_P)), state
 
 
+@pytest.mark.sweep(fast=3)
 @pytest.mark.parametrize("build", [_linen_layer, _nnx_layer],
                          ids=["linen", "nnx"])
 @AXIS_TYPES
@@ -172,6 +173,7 @@ def test_mlp_chunks_of_a_layer(build, axis_type, strategy):
   _close((value, dp, to_physical(dx)), want, rtol=1e-4)
 
 
+@pytest.mark.sweep(fast=3)
 @pytest.mark.parametrize("framework", ["linen", "nnx"])
 @AXIS_TYPES
 @STRATEGIES
@@ -185,7 +187,7 @@ def test_mlp_block_chunks(framework, axis_type, strategy):
   if framework == "linen":
     block = cp_linen.MlpBlock(mlp_dim=24, activation="geglu", layout=layout,
                               chunk_size=3)
-    params = block.clone(layout=None, chunk_size=None).init(
+    params = jax.jit(block.clone(layout=None, chunk_size=None).init)(
         jax.random.key(0), x)
     apply, whole = block.apply, block.clone(layout=None,
                                             chunk_size=None).apply

@@ -64,6 +64,7 @@ def _rel(a, b):
   return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
+@pytest.mark.sweep(fast=4)
 @pytest.mark.parametrize("mask,tq,window", [
     ("causal_bottom_right", 96, -1),
     ("causal_bottom_right", 40, -1),

@@ -250,6 +250,7 @@ CASES = [
 ]
 
 
+@pytest.mark.sweep(fast=4)
 @pytest.mark.parametrize("strategy, cp, batch, max_seqlen, window, split",
                          [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_cp_attention_in_place(inplace, strategy, cp, batch, max_seqlen,

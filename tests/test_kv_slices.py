@@ -53,6 +53,7 @@ def test_slice_bounds():
       kv_slices.slice_bounds(10, bad)
 
 
+@pytest.mark.sweep(fast=4)
 @pytest.mark.parametrize("slices", [2, 3, 7, TKV])
 @pytest.mark.parametrize("mask", MASKS)
 def test_sliced_backward_equals_one_call(mask, slices):

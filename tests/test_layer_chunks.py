@@ -61,7 +61,7 @@ def _linen(chunk, layout=BOUND, window=None, remat="full", single=False):
   x, w, cu, cuP = _x(), _x(1), CU, CU_P
   if single:
     x, w, cu, cuP = x[0], w[0], cu[0], cuP[0]
-  params = m.init(jax.random.key(0), x, cu, cuP)
+  params = jax.jit(lambda x: m.init(jax.random.key(0), x, cu, cuP))(x)
   loss = lambda p, x: jnp.sum(m.apply(p, x, cu, cuP) * w)
   return jax.value_and_grad(loss, argnums=(0, 1)), params, x
 
@@ -77,6 +77,7 @@ def _nnx(chunk, layout=BOUND, window=None, remat="full"):
   return jax.value_and_grad(loss, argnums=(0, 1)), state, x
 
 
+@pytest.mark.sweep(fast=4)
 @pytest.mark.parametrize("build", [_linen, _nnx], ids=["linen", "nnx"])
 @pytest.mark.parametrize("window, chunk", [
     (None, 29),       # halo 29: 3 chunks of 29 and a last one of 9
@@ -172,9 +173,10 @@ def test_a_single_row_and_a_window_without_max_seqlen():
 def test_linen_and_nnx_share_parameters():
   linen = cp_linen.TransformerLayer(**LAYER, layout=BOUND,
                                     layer_chunk_size=32)
-  params = linen.init(jax.random.key(0), _x(), CU, CU_P)
+  params = jax.jit(lambda x: linen.init(jax.random.key(0), x, CU, CU_P))(
+      _x())
   whole = cp_linen.TransformerLayer(**LAYER, layout=BOUND)
-  want = whole.init(jax.random.key(0), _x(), CU, CU_P)
+  want = jax.jit(lambda x: whole.init(jax.random.key(0), x, CU, CU_P))(_x())
   assert jax.tree.structure(params) == jax.tree.structure(want)
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
     assert a.shape == b.shape
@@ -281,8 +283,8 @@ def test_a_longer_traced_document_turns_nan():
   layout = CPLayout(cp_axis=None, backend="xla", max_seqlen=25)
   m = cp_linen.TransformerLayer(**LAYER, layout=layout, layer_chunk_size=32)
   ok = CPLayout(cp_axis=None, backend="xla", max_seqlen=30)
-  params = cp_linen.TransformerLayer(**LAYER, layout=ok).init(
-      jax.random.key(0), _x(), CU, CU_P)
+  params = jax.jit(lambda x: cp_linen.TransformerLayer(
+      **LAYER, layout=ok).init(jax.random.key(0), x, CU, CU_P))(_x())
   loss = lambda p, x, cu, cuP: jnp.sum(m.apply(p, x, cu, cuP))
   v, g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(
       params, _x(), CU, CU_P)

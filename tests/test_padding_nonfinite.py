@@ -195,6 +195,7 @@ CP_CASES = [
 ]
 
 
+@pytest.mark.sweep(fast=4)
 @pytest.mark.parametrize(
     "cp,strategy,comm_type,max_seqlen,window", CP_CASES,
     ids=[f"cp{c}-{s.value}-{x}-w{m}-win{n}" for c, s, x, m, n in CP_CASES])

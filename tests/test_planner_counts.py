@@ -51,6 +51,7 @@ def traced_calls(strategy, cp, cu, cuP, window, bound):
   return COUNT["calls"]
 
 
+@pytest.mark.sweep(fast=5)
 @pytest.mark.parametrize("strategy", list(S), ids=lambda s: s.value)
 @pytest.mark.parametrize("cp,window,bounded", [
     (1, None, False), (2, None, True), (2, 5, False), (4, None, False),

@@ -83,7 +83,7 @@ def _linen_apply(activation, preset, layout=NO_CP):
   """(apply(params, x), params) of a Linen TransformerLayer."""
   m = cp_linen.TransformerLayer(**LAYER, mlp_activation=activation,
                                 layout=layout, remat=preset)
-  params = m.init(jax.random.key(0), _x(), CU, CU_P)
+  params = jax.jit(lambda x: m.init(jax.random.key(0), x, CU, CU_P))(_x())
   return (lambda p, x: m.apply(p, x, CU, CU_P)), params
 
 

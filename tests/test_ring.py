@@ -84,6 +84,7 @@ def check_equal_to_all_gather(ring, gather, tol):
     assert err < tol, f"{name}: ring vs all-gather relative error {err:.2e}"
 
 
+@pytest.mark.sweep(fast=4)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16],
                          ids=["f32", "bf16"])
 @pytest.mark.parametrize("strategy", list(S), ids=lambda s: s.value)
