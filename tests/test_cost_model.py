@@ -162,15 +162,25 @@ def test_bytes_and_halo():
       num_heads_q=32, num_heads_kv=hkv, head_dim=d)
   token = hkv * d * 2 * 2
   assert est.allgather_bytes == (cp - 1) * t * token // cp
-  assert est.halo_bytes_per_rank == tuple(min(3095, r * tl) * token
+  # A halo of 3095 tokens reaches back over the whole row ((cp - 1) * Tl
+  # = 3072): the layout all-gathers, and is charged so.
+  assert est.halo_bytes_per_rank is None
+  assert est.exchange_bytes == est.allgather_bytes
+  # A bound of 1100: rank r receives min(1099, r * Tl) tokens.
+  cu = [0, 100, 1000, 2000, 3000, t]
+  est = planning.estimate_cp_imbalance(
+      cu, cu, _cp(cp, "no_load_balance", 1100), num_heads_q=32,
+      num_heads_kv=hkv, head_dim=d)
+  assert est.halo_bytes_per_rank == tuple(min(1099, r * tl) * token
                                           for r in range(cp))
-  assert est.halo_bytes == min(3095, (cp - 1) * tl) * token
+  assert est.halo_bytes == 1099 * token
   assert est.exchange_bytes == est.halo_bytes
   # A short bound: every rank needs W-1 tokens (rank 0 none).
+  cu = [0, 100, 200, 1200, 2200, 3200, t]
   est = planning.estimate_cp_imbalance(
-      [0, 100, 200, t], [0, 100, 200, t], _cp(cp, "no_load_balance", t - 200),
+      cu, cu, _cp(cp, "no_load_balance", 1000),
       num_heads_q=hkv, num_heads_kv=hkv, head_dim=d)
-  assert est.halo_bytes_per_rank[0] == 0
+  assert est.halo_bytes_per_rank == (0,) + (999 * token,) * (cp - 1)
   dcs = planning.estimate_cp_imbalance([0, t], [0, t],
                                        _cp(cp, "dual_chunk_swap", t))
   assert dcs.halo_bytes is None and dcs.exchange_bytes == dcs.allgather_bytes

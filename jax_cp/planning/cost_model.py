@@ -13,10 +13,11 @@ load-balancing strategy:
 * **imbalance**: max over ranks / mean over ranks of that work (1 is
   perfect; the step waits for the slowest rank);
 * **traffic**: the K/V bytes each rank receives in the all-gather,
-  ``(cp-1)/cp * T * Hkv * D * 2 * dtype_bytes``, and for NO_LOAD_BALANCE with
-  a ``max_seqlen`` bound ``W`` or a window the bounded-halo bytes (rank
-  ``r`` needs only ``min(H, r*Tl)`` tokens from its predecessors, ``H =
-  min(W-1, left)``); DUAL_CHUNK_SWAP all-gathers with or without a window;
+  ``(cp-1)/cp * T * Hkv * D * 2 * dtype_bytes``, and where the layout runs
+  another exchange (NO_LOAD_BALANCE's halo under a ``max_seqlen`` bound or
+  a window, none for a window of 0) what that exchange object receives
+  (:meth:`~jax_cp.cp.exchange.base.KVExchange.received_tokens` of the
+  config's exchange); DUAL_CHUNK_SWAP all-gathers with or without a window;
 * **calls**: attention kernel calls per rank, counted on the call plan
   the layout runs (:func:`plan_calls`), not on a model of it.
 
@@ -90,9 +91,10 @@ class CPCostEstimate:
       backward is charged as many.
     allgather_bytes: K+V bytes each rank receives in the all-gather, summed
       over rows.
-    halo_bytes_per_rank: NO_LOAD_BALANCE with ``max_seqlen`` or a window:
-      K+V bytes rank ``r`` needs from its predecessors (``min(H, r*Tl)``
-      tokens per row, ``H = min(W-1, left)``); ``None`` otherwise.
+    halo_bytes_per_rank: where the layout's exchange is not the
+      all-gather (NO_LOAD_BALANCE's halo, or none): K+V bytes rank ``r``
+      receives (``min(H, r*Tl)`` tokens per row for a halo of ``H``);
+      ``None`` otherwise.
     halo_bytes: ``max(halo_bytes_per_rank)`` or ``None``.
     longest_padded_doc: longest padded document of the batch.
     total_tokens: ``T``, tokens per row.
@@ -335,16 +337,16 @@ def estimate_cp_imbalance(cu_seqlens: ArrayLike,
   rows = cuP.shape[0]
   token_bytes = hkv * d * 2 * nbytes                    # K and V of a token
   allgather = (cp - 1) * rows * total * token_bytes // cp
+  # The exchange the layout runs: what a rank receives, and the calls of
+  # its plan.
+  cfg = plan_config(strategy, cp, cu, cuP, hq, hkv, d, w, left)
   halo_per_rank = halo = None
-  halo_len = None if w is None else w - 1
-  if left >= 0:
-    halo_len = min(left, total - 1 if halo_len is None else halo_len)
-  if strategy is _NLB and halo_len is not None:
-    tl = total // cp
-    halo_tokens = [min(halo_len, r * tl) for r in range(cp)]
-    halo_per_rank = tuple(int(t * rows * token_bytes) for t in halo_tokens)
+  if not cfg.exchange.gathers_row:
+    halo_per_rank = tuple(
+        int(cfg.exchange.received_tokens(r) * rows * token_bytes)
+        for r in range(cp))
     halo = max(halo_per_rank)
-  calls = plan_calls(strategy, cp, cu, cuP, hq, hkv, d, w, left)
+  calls = _most_calls(cfg, cu, cuP)
   return CPCostEstimate(
       strategy=strategy, cp_size=cp,
       pairs_per_rank=tuple(int(p) for p in pairs),
@@ -380,13 +382,10 @@ def pad_cu_seqlens(cu_seqlens, multiple: int
   return cu.reshape(shape), cu_p.reshape(shape)
 
 
-def plan_calls(strategy, cp: int, cu, cuP, hq: int, hkv: int, d: int,
-               max_seqlen: int | None, window_left: int) -> int:
-  """The attention calls of a rank's forward, counted on the plan the
-  layout runs (:func:`jax_cp.cp.strategies.call_plan.forward_plan` on these host
-  metadata, the ``xla`` backend's plan: one per
-  :class:`~jax_cp.cp.strategies.calls.RowsCall` and halo call, one per part of
-  windowed DUAL_CHUNK_SWAP's compact calls); the most of any rank."""
+def plan_config(strategy, cp: int, cu, cuP, hq: int, hkv: int, d: int,
+                max_seqlen: int | None, window_left: int):
+  """The :class:`~jax_cp.cp.config.CPConfig` the layout runs on these host
+  metadata (the ``xla`` backend's): its exchange and its plans."""
   total = int(cuP[0, -1])
   plan_layout = CPLayout(cp_size=cp, strategy=strategy,
                          max_seqlen=max_seqlen, backend="xla")
@@ -398,8 +397,25 @@ def plan_calls(strategy, cp: int, cu, cuP, hq: int, hkv: int, d: int,
       attn_mask_type="causal", softmax_scale=None,
       window_size=None if window_left < 0 else (window_left, 0),
       trusted=True, platform="cpu")
+  return cfg
+
+
+def plan_calls(strategy, cp: int, cu, cuP, hq: int, hkv: int, d: int,
+               max_seqlen: int | None, window_left: int) -> int:
+  """The attention calls of a rank's forward, counted on the plan the
+  layout runs (:func:`jax_cp.cp.strategies.call_plan.forward_plan` on
+  these host metadata, the ``xla`` backend's plan: one per
+  :class:`~jax_cp.cp.strategies.calls.RowsCall` and halo call, one per
+  part of windowed DUAL_CHUNK_SWAP's compact calls); the most of any
+  rank."""
+  return _most_calls(plan_config(strategy, cp, cu, cuP, hq, hkv, d,
+                                 max_seqlen, window_left), cu, cuP)
+
+
+def _most_calls(cfg, cu, cuP) -> int:
+  """The most attention calls of any rank's forward plan under ``cfg``."""
   most = 0
-  for rank in range(cp):
+  for rank in range(cfg.cp_size):
     plan = call_plan.forward_plan(cfg, jnp.asarray(cu, jnp.int32),
                                   jnp.asarray(cuP, jnp.int32),
                                   jnp.int32(rank))

@@ -69,6 +69,12 @@ class KVExchange:
     """Whether the forward keeps what it received for the backward."""
     return False
 
+  def received_tokens(self, rank: int) -> int:
+    """Tokens of K/V rank ``rank`` receives from the others in a forward
+    (the planner's bytes): the all-gather's ``(cp - 1) * Tl``."""
+    del rank
+    return (self.cp_size - 1) * self.local_tokens
+
   def rows_before_chunk(self, window_left: int, max_seqlen: int) -> int:
     """``H``, the rows before a rank's chunk that a NO_LOAD_BALANCE query
     with the window ``window_left`` can see in the exchanged buffer."""

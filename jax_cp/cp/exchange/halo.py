@@ -32,6 +32,10 @@ class Halo(KVExchange):
   def buffer_rows(self) -> int:
     return self.halo_tokens
 
+  def received_tokens(self, rank):
+    # The hops bring the predecessors' last tokens; rank r has r * Tl.
+    return min(self.halo_tokens, int(rank) * self.local_tokens)
+
   def rows_before_chunk(self, window_left, max_seqlen):
     return self.halo_tokens
 

@@ -213,6 +213,9 @@ class Ring(KVExchange):
   def buffer_rows(self) -> int:
     return self.local_tokens
 
+  def received_tokens(self, rank):
+    return (self.ring_steps - 1) * self.local_tokens
+
   def buffer_start(self, rank):
     return jnp.asarray(rank, jnp.int32) * self.local_tokens
 
