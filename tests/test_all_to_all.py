@@ -122,7 +122,7 @@ CASES = [
 ]
 
 
-@pytest.mark.sweep(fast=6)
+@pytest.mark.sweep(fast=4)
 @pytest.mark.parametrize("strategy", list(S), ids=lambda s: s.value)
 @pytest.mark.parametrize("comm_type,shape,heads", CASES,
                          ids=lambda x: "x".join(map(str, x))

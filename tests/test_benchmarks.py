@@ -599,6 +599,7 @@ def _table_rows(folder: pathlib.Path, benchmark: str) -> list[list[str]]:
           _first_table((folder / f"{benchmark}.md").read_text())]
 
 
+@pytest.mark.slow    # the fused benchmark end to end, every reference
 def test_bench_fused_on_cpu(tmp_path):
   """The primitive against jax.nn (xla implementation) on one windowed
   document, both passes: positive ratios, FLOPs of the windowed pairs,

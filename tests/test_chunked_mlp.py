@@ -66,7 +66,7 @@ def _nnx(chunk, remat="full", layout=NO_CP, activation="swiglu"):
   return jax.value_and_grad(loss, argnums=(0, 1)), state
 
 
-@pytest.mark.sweep(fast=3)
+@pytest.mark.sweep(fast=2)
 @pytest.mark.parametrize("build", [_linen, _nnx], ids=["linen", "nnx"])
 @pytest.mark.parametrize("remat, activation, chunk", [
     ("full", "swiglu", 24), ("save_context", "gelu", 7),
@@ -217,6 +217,7 @@ def test_chunks_shrink_the_backward_working_set():
   assert temp[512] < temp[None] / 4, temp
 
 
+@pytest.mark.sweep(fast=2)
 @pytest.mark.parametrize("remat, extra_dots", [
     ("full", 0), ("save_context", 0), ("none", 1)])
 def test_chunks_add_no_matmul_under_remat(remat, extra_dots):

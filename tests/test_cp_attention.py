@@ -91,7 +91,7 @@ def run_global(q, k, v, cu, cuP, w, *, cp, data, strategy, backend="xla",
   return out, grads
 
 
-@pytest.mark.sweep(fast=8)
+@pytest.mark.sweep(fast=6)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16],
                          ids=["f32", "bf16"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
@@ -115,6 +115,7 @@ def test_cp_attention_matches_reference(cp, strategy, heads, dtype,
     check_close(g, gw, valid, dtype, name, record_error)
 
 
+@pytest.mark.sweep(fast=2)
 @pytest.mark.parametrize("strategy", list(S), ids=lambda s: s.value)
 @pytest.mark.parametrize("cp", [2, 4])
 def test_split_bottom_right_backward_and_max_seqlen(cp, strategy,
@@ -242,6 +243,7 @@ def test_head_axis_tensor_parallel(strategy, record_error):
     check_close(back(g), gw, valid, jnp.float32, name, record_error)
 
 
+@pytest.mark.sweep(fast=2)
 @pytest.mark.parametrize("strategy", list(S), ids=lambda s: s.value)
 @pytest.mark.parametrize("hq, kept", [(8, True), (4, False)])
 def test_backward_reuses_gathered_kv_when_small(strategy, hq, kept,

@@ -194,7 +194,7 @@ SMALL = dict(layers=1, d_model=32, heads=4, kv_heads=2, dtype="float32",
              backend="xla", seq_len=160, max_doc_len=80)
 
 
-@pytest.mark.sweep(fast=3)
+@pytest.mark.sweep(fast=2)
 @pytest.mark.parametrize("exchange", sorted(determinism_step.EXCHANGES))
 def test_example_step_twice_gives_identical_bits(exchange):
   """The example's jitted gradient step with the mode on, run twice on

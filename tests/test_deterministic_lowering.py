@@ -74,6 +74,7 @@ EXCHANGES = [("dual_chunk_swap", "all_gather", None),
              ("no_load_balance", "ring", 64)]
 
 
+@pytest.mark.sweep(fast=2)
 @pytest.mark.parametrize("strategy,comm_type,max_seqlen", EXCHANGES)
 def test_every_backward_call_of_a_cp_layer_is_deterministic(
     strategy, comm_type, max_seqlen):

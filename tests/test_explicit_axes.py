@@ -210,6 +210,7 @@ def test_mlp_block_chunks(framework, axis_type, strategy):
 # ------------------------------------------------------------ layer chunks
 
 
+@pytest.mark.sweep(fast=2)
 @pytest.mark.parametrize("framework", ["linen", "nnx"])
 @AXIS_TYPES
 def test_layer_chunks_over_the_data_axis(framework, axis_type):

@@ -138,6 +138,7 @@ def _trace(model, mesh, *args):
     jax.eval_shape(lambda: model.init(jax.random.key(0), *args))
 
 
+@pytest.mark.sweep(fast=2)
 @pytest.mark.parametrize("strategy", [S.NO_LOAD_BALANCE, "no_load_balance",
                                       "DUAL_CHUNK_SWAP", None])
 def test_outer_layout_reaches_cp_attention(data, strategy):

@@ -164,6 +164,7 @@ def test_fewest_groups():
   assert fewest_groups(1, lambda n: False) == 1
 
 
+@pytest.mark.sweep(fast=2)
 @pytest.mark.parametrize("case", ["dcs-cp2-batch", "dcs-cp4-split",
                                   "dcs-cp4-window", "nlb-cp4-halo-again"])
 def test_cp_attention_with_head_groups(monkeypatch, case):

@@ -228,6 +228,7 @@ _RECORDER = Backend(name="poison_recorder",
 register_backend(_RECORDER)
 
 
+@pytest.mark.sweep(fast=3)
 @pytest.mark.parametrize("strategy,window,comm", [
     (NLB, None, "all_gather"), (NLB, 8, "all_gather"),
     ("dual_chunk_swap", None, "all_gather"),

@@ -274,6 +274,7 @@ def test_cp_attention_in_place(inplace, strategy, cp, batch, max_seqlen,
 STRADDLE_CASES = [(2, 12, 2), (2, 40, 1), (4, 5, 2), (4, 20, 1), (4, 40, 2)]
 
 
+@pytest.mark.sweep(fast=2)
 @pytest.mark.parametrize("cp, window, batch", STRADDLE_CASES)
 def test_no_load_balance_straddle_with_window_in_place(inplace, cp, window,
                                                        batch):

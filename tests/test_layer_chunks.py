@@ -77,7 +77,7 @@ def _nnx(chunk, layout=BOUND, window=None, remat="full"):
   return jax.value_and_grad(loss, argnums=(0, 1)), state, x
 
 
-@pytest.mark.sweep(fast=4)
+@pytest.mark.sweep(fast=3)
 @pytest.mark.parametrize("build", [_linen, _nnx], ids=["linen", "nnx"])
 @pytest.mark.parametrize("window, chunk", [
     (None, 29),       # halo 29: 3 chunks of 29 and a last one of 9
@@ -138,6 +138,7 @@ def _reference_layer(params, x, window=-1):
   return h + dot("btf,fe->bte", hidden, m["down"]["kernel"])
 
 
+@pytest.mark.sweep(fast=1)
 @pytest.mark.parametrize("window, chunk", [(None, 35), ((5, 0), 13)])
 def test_chunked_layer_equals_an_independent_reference(window, chunk):
   """Value and every gradient against :func:`_reference_layer`."""
@@ -150,6 +151,7 @@ def test_chunked_layer_equals_an_independent_reference(window, chunk):
   _close(jax.jit(step)(params, x), want, rtol=1e-4)
 
 
+@pytest.mark.sweep(fast=1)
 @pytest.mark.parametrize("remat", ["none", "save_context"])
 def test_chunks_under_other_remat_presets(remat):
   step, params, x = _linen(30, remat=remat)
@@ -299,6 +301,7 @@ def test_a_longer_traced_document_turns_nan():
 # ------------------------------------------------- the chunk's attention
 
 
+@pytest.mark.sweep(fast=2)
 @pytest.mark.parametrize("q_start, queries, halo, whole_halo, left", [
     (32, 32, 29, True, -1),     # row 1's document [30, 41) straddles
     (35, 30, 29, True, -1),     # its first query reads the halo's first key

@@ -97,6 +97,7 @@ def traced_config(strategy, cp, bound, trusted=False):
   return got[0]
 
 
+@pytest.mark.sweep(fast=2)
 @pytest.mark.parametrize("strategy, cp, bound, guarded", [
     (NLB, 2, 8, True),     # halo of 7 <= Tl/2: kept from the forward
     (NLB, 4, 12, True),    # halo of 11 > Tl/2: exchanged again
@@ -192,6 +193,7 @@ def test_fallback_with_a_sliding_window(left):
                                err_msg=f"d{name}")
 
 
+@pytest.mark.sweep(fast=2)
 @pytest.mark.parametrize("strategy, cp, bound", [
     (DCS, 2, 16), (DCS, 4, 32), (NLB, 1, 16), (NLB, 2, 33), (NLB, 2, 8),
     (NLB, 4, 12)])

@@ -62,6 +62,7 @@ def _mesh(dp, cp, axis_type):
 # ------------------------------------------------------- single process
 
 
+@pytest.mark.sweep(fast=4)
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto],
                          ids=["explicit", "auto"])
 @pytest.mark.parametrize("strategy", list(S), ids=lambda s: s.value)

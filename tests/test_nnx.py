@@ -201,6 +201,7 @@ def _global_view_loss_and_grads(model, layout, mesh, data):
   return float(value), nnx.to_pure_dict(grads)
 
 
+@pytest.mark.sweep(fast=2)
 @pytest.mark.parametrize("comm_type", ["all_gather", "ring"])
 @pytest.mark.parametrize("strategy", list(S))
 def test_global_view_matches_no_cp(data, baseline, strategy, comm_type):

@@ -190,6 +190,7 @@ def _assert_grads_equal(got, want, rtol=1e-5):
     assert err <= rtol * scale, (err, scale)
 
 
+@pytest.mark.sweep(fast=1)
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", list(S))
 def test_context_presets_run_no_exchange_or_forward_twice(strategy):

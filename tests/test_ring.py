@@ -125,6 +125,7 @@ def test_ring_unmasked(cp, record_error):
     check_close(g, gw, valid, jnp.float32, name, record_error)
 
 
+@pytest.mark.sweep(fast=2)
 @pytest.mark.parametrize("cp, w, steps", [
     (4, 50, 3),          # NO_LOAD_BALANCE: 1 + ceil(49 / 32) steps of 4
     (8, 40, 4),          # 1 + ceil(39 / 16) of 8
@@ -340,6 +341,7 @@ def limit_gib_for(groups, b, tl, hq, hkv, d):
   return need / groups / 2**30 * 1.001
 
 
+@pytest.mark.sweep(fast=2)
 @pytest.mark.parametrize("strategy", list(S), ids=lambda s: s.value)
 @pytest.mark.parametrize("cp, groups", [(2, 4), (4, 2), (8, 4)])
 def test_ring_in_head_groups(cp, groups, strategy, monkeypatch,

@@ -103,11 +103,13 @@ CASES = [(1, 5), (2, 1), (4, 16), (8, 20)]
 DCS_CASES = [(1, 0), (2, 16), (4, 3), (8, 0)]
 
 
+@pytest.mark.sweep(fast=2)
 @pytest.mark.parametrize("cp,left", CASES)
 def test_no_load_balance_matches_reference(cp, left):
   check_cp(cp, S.NO_LOAD_BALANCE, left)
 
 
+@pytest.mark.sweep(fast=2)
 @pytest.mark.parametrize("cp,left", DCS_CASES)
 def test_dual_chunk_swap_matches_reference(cp, left):
   check_cp(cp, S.DUAL_CHUNK_SWAP, left)
@@ -151,6 +153,7 @@ def check_straddle(cp, left, seed=0, **kw):
 STRADDLE_CASES = [(2, 3), (2, 12), (2, 40), (4, 5), (4, 20), (4, 40)]
 
 
+@pytest.mark.sweep(fast=2)
 @pytest.mark.parametrize("cp,left", STRADDLE_CASES)
 def test_no_load_balance_straddle_with_window(cp, left):
   """NO_LOAD_BALANCE's straddle call with a window: in both directions a

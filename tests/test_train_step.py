@@ -52,6 +52,7 @@ def _compiled_step(mode: str, dp: int = 2, cp: int = CP_SIZE):
   return state, shardings, hlo
 
 
+@pytest.mark.sweep(fast=1)
 @pytest.mark.parametrize("mode, dp, cp", [
     ("fsdp", 2, 4), ("replicated", 2, 4), ("fsdp", 1, 2)])
 def test_step_collectives_are_kv_exchange_and_parameter_traffic(mode, dp,
