@@ -704,6 +704,7 @@ def test_bench_cp_ring_on_cpu(tmp_path):
   assert row[0] == "dual_chunk_swap / ring"
 
 
+@pytest.mark.slow    # the step benchmark end to end
 @requires_devices(2)
 def test_bench_step_on_cpu(tmp_path):
   """The example's step at cp=1 against cp=2, and the CP model at cp=1

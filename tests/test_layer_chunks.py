@@ -159,6 +159,7 @@ def test_chunks_under_other_remat_presets(remat):
   _close(jax.jit(step)(params, x), jax.jit(whole)(params, x))
 
 
+@pytest.mark.slow    # a second layout of the chunked layer
 def test_a_single_row_and_a_window_without_max_seqlen():
   """``[T, E]`` input with ``[N+1]`` metadata; with a window the layout
   needs no ``max_seqlen`` (documents of any length)."""
@@ -347,6 +348,7 @@ def test_chunk_attention_equals_plain_attention(q_start, queries, halo,
   assert float(jnp.abs(got[1][1][:, :halo]).max()) > 0   # the halo's dK
 
 
+@pytest.mark.slow    # every plan of the chunked layer traced
 def test_layer_chunks_run_no_bottom_right_call(monkeypatch):
   """Every attention call of a chunked layer, forward and backward, is
   top-left causal or unmasked (a bottom-right backward is the slow one

@@ -336,7 +336,7 @@ EXAMPLE_ARGS = ["--seq-len", "256", "--layers", "1", "--d-model", "64",
                 "--no-compare", "--quiet"]
 
 
-@pytest.mark.sweep(fast=1)
+@pytest.mark.slow    # whole training runs in two processes
 @pytest.mark.multiprocess
 @requires_devices(8)      # the single-process run, in this process
 @pytest.mark.parametrize("dp,cp", [(2, 4), (1, 8)],

@@ -161,6 +161,7 @@ TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--kv-heads", "1",
         "--backend", "xla", "--quiet", "--no-compare", "--steps", "5"]
 
 
+@pytest.mark.slow    # three training runs
 @requires_devices(4)
 def test_training_losses_do_not_depend_on_prefetch_or_log_interval():
   a = main.main(TINY + ["--prefetch", "0", "--log-every", "1"])
